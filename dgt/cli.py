@@ -1,0 +1,69 @@
+"""The ``dgt`` command line: train, sidecar, and the tc/testbed/capture/replay tools."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+from .config import JobConfig, TransmissionConfig, add_arguments, from_args
+
+
+def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        job = from_args(JobConfig, ns)
+        tx = from_args(TransmissionConfig, ns)
+    except ValueError as e:
+        parser.error(str(e))
+    from .launch import run_job
+    code, _ = run_job(job, tx)
+    return code
+
+
+def _sidecar(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .sidecar import run_from_args
+    return run_from_args(ns, parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dgt", description="Contribution-aware differential "
+                                "gradient transmission for data-parallel training.")
+    p.add_argument("--version", action="version", version=f"dgt {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    t = sub.add_parser("train", help="run the training job (sidecars + trainers)",
+                       description="Train an MLP on the scikit-learn digits with N workers, "
+                       "one sidecar each, over loopback (or the testbed with --testbed).")
+    add_arguments(t, JobConfig)
+    add_arguments(t, TransmissionConfig)
+    t.set_defaults(func=lambda ns: _train(ns, t))
+
+    from .sidecar import add_node_arguments
+    s = sub.add_parser("sidecar", help="run one node's sidecar",
+                       description="Run one node's sidecar (worker agent + server shard).")
+    add_node_arguments(s)
+    add_arguments(s, TransmissionConfig)
+    s.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    s.set_defaults(func=lambda ns: _sidecar(ns, s))
+
+    for mod in ("dgt.tc_profiles.cli", "dgt.tools.cli"):
+        try:
+            module = __import__(mod, fromlist=["register"])
+        except ImportError:
+            continue
+        module.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return int(ns.func(ns) or 0)
+    except KeyboardInterrupt:
+        print("dgt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

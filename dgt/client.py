@@ -1,0 +1,147 @@
+"""The trainer API: ``dgt.Client``.
+
+Example::
+
+    client = dgt.Client("/tmp/dgt-0.sock")
+    client.register(model)
+    for step, (x, y) in enumerate(loader):
+        loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        client.push_pull(step, loss=loss.item())  # p.grad <- the aggregate, in place
+        optimizer.step()
+    client.close()
+
+Gradients go to the sidecar through shared memory (never through the socket). CUDA
+gradients are gathered on the GPU and copied through a pinned host buffer.
+"""
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import torch
+
+from . import ipc
+from .errors import PeerFailure
+
+
+class Client:
+    """Connects a trainer to its node's sidecar over the Unix socket ``path``.
+
+    ``timeout_s`` bounds every wait for the sidecar; on expiry :class:`PeerFailure` is
+    raised rather than hanging.
+    """
+
+    def __init__(self, path: str, timeout_s: float = 60.0, connect_timeout_s: float = 60.0):
+        import time
+        deadline = time.monotonic() + connect_timeout_s
+        while True:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self.sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                self.sock.close()
+                if time.monotonic() > deadline:
+                    raise PeerFailure(f"no sidecar at {path} after {connect_timeout_s:.0f} s "
+                                      f"({e.strerror}); start 'dgt sidecar' first") from None
+                time.sleep(0.05)
+        self.sock.settimeout(timeout_s)
+        self.timeout_s = timeout_s
+        self.file = self.sock.makefile("rb")
+        self.params: list[torch.Tensor] = []
+        self.grad: np.ndarray | None = None
+        self.aggregate: np.ndarray | None = None
+        self.last_k: float | None = None
+
+    # -- control ----------------------------------------------------------------------
+    def _send(self, msg: dict) -> None:
+        try:
+            self.sock.sendall(ipc.encode_msg(msg))
+        except OSError as e:
+            raise PeerFailure(f"sidecar connection failed: {e}") from None
+
+    def _recv(self, want: str) -> dict:
+        try:
+            line = self.file.readline(ipc.MAX_LINE)
+        except socket.timeout:
+            raise PeerFailure(f"sidecar did not answer within {self.timeout_s:.0f} s") from None
+        except OSError as e:
+            raise PeerFailure(f"sidecar connection failed: {e}") from None
+        if not line:
+            raise PeerFailure("sidecar closed the connection")
+        msg = ipc.decode_msg(line)
+        if msg["op"] == "error":
+            raise PeerFailure(msg.get("message", "unknown error"), msg.get("rank"))
+        if msg["op"] != want:
+            raise PeerFailure(f"sidecar sent {msg['op']!r}, expected {want!r}")
+        return msg
+
+    # -- API --------------------------------------------------------------------------
+    def register(self, model: torch.nn.Module) -> None:
+        """Lay out ``model``'s trainable parameters (float32) as one flat vector, in
+        ``model.parameters()`` order. Raises TypeError for non-float32 parameters."""
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        for p in self.params:
+            if p.dtype != torch.float32:
+                raise TypeError(f"dgt moves float32 gradients; got {p.dtype}")
+        n = sum(p.numel() for p in self.params)
+        self._send({"op": "register", "n_params": n, "dtype": "float32"})
+        msg = self._recv("registered")
+        self._maps = [ipc.ShmBuffer(msg["grad"], msg["padded"]),
+                      ipc.ShmBuffer(msg["aggregate"], msg["padded"])]
+        self.grad, self.aggregate = self._maps[0].array, self._maps[1].array
+        self.n_params = n
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        self.device = dev
+        if dev.type == "cuda":
+            self._dev_flat = torch.empty(n, dtype=torch.float32, device=dev)
+            self._pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
+
+    def push_pull(self, step: int, loss: float | None = None) -> None:
+        """Push this step's gradients and replace each ``p.grad`` with the aggregate
+        (the mean over workers). Blocks until it is applied. Raises PeerFailure."""
+        g = torch.from_numpy(self.grad)[: self.n_params]
+        a = torch.from_numpy(self.aggregate)[: self.n_params]
+        if self.device.type == "cuda":
+            torch.cat([_grad(p).reshape(-1) for p in self.params], out=self._dev_flat)
+            self._pinned.copy_(self._dev_flat)
+            g.copy_(self._pinned)
+        else:
+            off = 0
+            for p in self.params:
+                n = p.numel()
+                g[off:off + n].copy_(_grad(p).reshape(-1))
+                off += n
+        self._send({"op": "push", "t": int(step), "loss": loss})
+        self.last_k = self._recv("pulled").get("k")
+        if self.device.type == "cuda":
+            self._pinned.copy_(a)
+            self._dev_flat.copy_(self._pinned, non_blocking=False)
+            src = self._dev_flat
+        else:
+            src = a
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.view(-1).copy_(src[off:off + n])
+            off += n
+
+    def close(self) -> None:
+        """Say goodbye (the sidecar then ends cleanly) and unmap the buffers."""
+        try:
+            self._send({"op": "bye"})
+        except PeerFailure:
+            pass
+        self.grad = self.aggregate = None
+        for m in getattr(self, "_maps", []):
+            m.close()
+        self.file.close()
+        self.sock.close()
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)

@@ -1,0 +1,166 @@
+"""Typed configuration. Defaults live here and only here.
+
+Each field maps to one CLI flag (``--block-bytes``) and one env var (``DGT_BLOCK_BYTES``).
+Precedence: flag > env var > default. Sources of the defaults: DESIGN.md, "Defaults".
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from .layout import DEFAULT_BLOCK_BYTES
+
+MODES = ("dgt", "tcp", "topk", "random")
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TransmissionConfig:
+    """What the sidecars do with a push (every node of a job must agree)."""
+
+    mode: str = _f("dgt", "dgt | tcp (all reliable, the baseline) | topk (sender drops "
+                   "the unreliable share) | random (random ranking)", choices=MODES)
+    k: float = _f(0.5, "reliable fraction of blocks (0..1)")
+    k_min: float = _f(0.2, "floor of the adaptive reliable fraction")
+    adaptive_k: bool = _f(False, "shrink k with the loss: k = max(k*loss/loss0, k_min)")
+    channels: int = _f(3, "unreliable UDP channels (1..7)")
+    block_bytes: int = _f(DEFAULT_BLOCK_BYTES, "block size in bytes (multiple of 4; "
+                          "1408 fits one block per datagram in a 1500 B MTU)")
+    alpha: float = _f(0.3, "contribution EMA factor (DGT_CONTRI_ALPHA)")
+    epsilon: float = _f(0.0, "Slim-DP exploration: share of reliable slots given to "
+                        "random low-score blocks")
+    error_feedback: bool = _f(True, "keep undelivered blocks in a residual and resend")
+    pace_mbit: float = _f(1000.0, "UDP pacing rate per node in Mbit/s (0 = unpaced)")
+    deadline_ms: float = _f(50.0, "minimum wait after END before a shard finalises a "
+                            "worker")
+    peer_timeout_s: float = _f(20.0, "a peer silent this long is declared dead")
+    drop_udp: float = _f(0.0, "receive-side loss emulation: fraction of UDP datagrams "
+                         "dropped on arrival (0..1; for tests on hosts without netem)")
+    secret: str = _f("", "job secret: when set, every message carries a keyed BLAKE2b "
+                     "MAC and unauthenticated ones are dropped")
+    check_conservation: bool = _f(False, "record the sums needed to check the "
+                                  "conservation invariant (costs memory)")
+
+    def validate(self) -> None:
+        """Raise ValueError with a message that says what to do."""
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}")
+        if not 0.0 <= self.k <= 1.0:
+            raise ValueError(f"--k must be in [0, 1], got {self.k}")
+        if not 0.0 <= self.k_min <= self.k:
+            raise ValueError(f"--k-min must be in [0, --k], got {self.k_min}")
+        if not 1 <= self.channels <= 7:
+            raise ValueError(f"--channels must be 1..7, got {self.channels}")
+        if self.block_bytes <= 0 or self.block_bytes % 4 or self.block_bytes > 65000:
+            raise ValueError(f"--block-bytes must be a multiple of 4 in 4..65000, "
+                             f"got {self.block_bytes}")
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"--alpha must be in [0, 1), got {self.alpha}")
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon}")
+        if not 0.0 <= self.drop_udp < 1.0:
+            raise ValueError(f"--drop-udp must be in [0, 1), got {self.drop_udp}")
+        if self.pace_mbit < 0 or self.deadline_ms < 0 or self.peer_timeout_s <= 0:
+            raise ValueError("--pace-mbit and --deadline-ms must be >= 0, "
+                             "--peer-timeout-s > 0")
+
+
+@dataclass
+class JobConfig:
+    """The training job (``dgt train``)."""
+
+    workers: int = _f(4, "training processes, one sidecar each")
+    epochs: int = _f(10, "passes over the training set")
+    batch_size: int = _f(32, "samples per worker per iteration")
+    lr: float = _f(2e-3, "Adam learning rate")
+    hidden: int = _f(1024, "MLP hidden width (2 hidden layers; 1024 gives ~1.1M params)")
+    seed: int = _f(0, "seed for model init, data split and shuffling")
+    device: str = _f("cpu", "cpu | cuda | cuda:N (trainer device)")
+    report: str = _f("", "write the JSON report here")
+    run_dir: str = _f("", "keep logs and per-process results here (default: a temp dir)")
+    base_port: int = _f(0, "rank r listens on TCP base+10r and UDP base+10r+c "
+                        "(0 = free ports)")
+    testbed: bool = _f(False, "run one sidecar + trainer per testbed host (needs "
+                       "'dgt testbed up'; root)")
+    target_accuracy: float = _f(0.95, "report the iteration and time when test accuracy "
+                                "first reaches this")
+
+    def validate(self) -> None:
+        if not 1 <= self.workers <= 64:
+            raise ValueError(f"--workers must be 1..64, got {self.workers}")
+        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or self.hidden < 1:
+            raise ValueError("--epochs, --batch-size, --hidden must be >= 1 and --lr > 0")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if not 0 <= self.base_port <= 65535 - 10 * self.workers - 8:
+            raise ValueError(f"--base-port must leave room for {self.workers} nodes")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _env(name: str) -> str:
+    return "DGT_" + name.upper()
+
+
+def _parse_bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {s!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """Add one flag per dataclass field of ``cls`` (booleans get --x / --no-x)."""
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        help_ = f"{f.metadata['help']} (default: {f.default}; env {_env(f.name)})"
+        if f.type in ("bool", bool):
+            group.add_argument(_flag(f.name), dest=f.name, default=None,
+                               action=argparse.BooleanOptionalAction, help=help_)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            group.add_argument(_flag(f.name), dest=f.name, type=typ, default=None,
+                               choices=f.metadata.get("choices"), help=help_)
+
+
+def from_args(cls, ns: argparse.Namespace, environ=os.environ):
+    """Build ``cls`` from parsed flags, then env vars, then defaults; validate it.
+
+    Raises ValueError naming the flag or env var at fault.
+    """
+    kw = {}
+    for f in dataclasses.fields(cls):
+        v = getattr(ns, f.name, None)
+        if v is None and _env(f.name) in environ:
+            raw = environ[_env(f.name)]
+            try:
+                v = (_parse_bool(raw) if f.type in ("bool", bool)
+                     else {"int": int, "float": float}.get(f.type, str)(raw))
+            except ValueError as e:
+                raise ValueError(f"{_env(f.name)}={raw!r}: {e}") from None
+        if v is not None:
+            kw[f.name] = v
+    cfg = cls(**kw)
+    cfg.validate()
+    return cfg
+
+
+def to_argv(cfg) -> list[str]:
+    """The flags that reproduce ``cfg`` (used by the launcher to start processes)."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if isinstance(v, bool):
+            out.append(_flag(f.name) if v else "--no-" + f.name.replace("_", "-"))
+        else:
+            out += [_flag(f.name), str(v)]
+    return out

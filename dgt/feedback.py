@@ -1,0 +1,37 @@
+"""Error feedback: what did not arrive is sent again later.
+
+Source: error feedback / memory as in GRACE's ``Memory.compensate``/``update`` (Xu et
+al.) and EF-SGD (Karimireddy et al., ICML 2019). DGT itself keeps no residual; this is
+what makes dropping low-contribution blocks lossless in gradient mass.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Residual:
+    """Per-block residual memory over the flat gradient.
+
+    ``compensate(g)`` returns ``g + residual`` (in place on ``g``); ``update(g, arrived)``
+    sets ``residual_b = g_b`` for blocks that did not arrive and 0 for those that did.
+    ``enabled=False`` makes both no-ops (the paper's behaviour).
+    """
+
+    def __init__(self, padded: int, block_elems: int, enabled: bool = True, device="cpu"):
+        self.enabled = enabled
+        self.block_elems = block_elems
+        self.residual = torch.zeros(padded if enabled else 0, dtype=torch.float32,
+                                    device=device)
+
+    def compensate(self, g: torch.Tensor) -> torch.Tensor:
+        """``g += residual``. ``g``: (padded,) float32. Returns ``g``."""
+        if self.enabled:
+            g.add_(self.residual)
+        return g
+
+    def update(self, g: torch.Tensor, arrived: torch.Tensor) -> None:
+        """``arrived``: (n_blocks,) bool, True where the block reached its shard."""
+        if not self.enabled:
+            return
+        keep = (~arrived).to(g.dtype).repeat_interleave(self.block_elems)
+        torch.mul(g, keep, out=self.residual)

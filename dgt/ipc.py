@@ -1,0 +1,75 @@
+"""Trainer <-> sidecar plumbing on one node: shared-memory buffers and a small control
+channel over a Unix socket.
+
+Gradients and aggregates never go through the socket: they live in two files under
+/dev/shm that both processes map. The socket carries one JSON object per line:
+
+    trainer -> sidecar: {"op": "register", "n_params": int, "dtype": "float32"}
+                        {"op": "push", "t": int, "loss": float}
+                        {"op": "bye"}
+    sidecar -> trainer: {"op": "registered", "grad": path, "aggregate": path,
+                         "padded": int, "block_elems": int}
+                        {"op": "pulled", "t": int, "k": float}
+                        {"op": "error", "message": str, "rank": int | null}
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+
+import numpy as np
+
+MAX_LINE = 1 << 16
+
+
+class ShmBuffer:
+    """A float32 vector of ``n`` values in a /dev/shm file, mapped into this process.
+
+    ``create=True`` makes (or truncates) the file; the creator unlinks it in close().
+    ``array``: (n,) float32 numpy view over the mapping (no copy).
+    """
+
+    def __init__(self, path: str, n: int, create: bool = False):
+        self.path, self.n, self.owner = path, n, create
+        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, n * 4)
+            elif os.fstat(fd).st_size != n * 4:
+                raise ValueError(f"{path}: size {os.fstat(fd).st_size} B, expected {n * 4} B")
+            self.map = mmap.mmap(fd, n * 4)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.map, np.float32, n)
+
+    def close(self) -> None:
+        self.array = None
+        try:
+            self.map.close()
+        except BufferError:  # a view is still alive elsewhere; the OS frees it at exit
+            pass
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+def encode_msg(obj: dict) -> bytes:
+    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+
+
+def decode_msg(line: bytes) -> dict:
+    """Raises ValueError for anything that is not one JSON object with an 'op'."""
+    if len(line) > MAX_LINE:
+        raise ValueError("control message too long")
+    obj = json.loads(line)
+    if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
+        raise ValueError("control message must be a JSON object with an 'op'")
+    return obj

@@ -1,0 +1,185 @@
+"""``dgt train``: start N sidecars and N trainers, watch them, and report.
+
+On loopback (the default) every process runs on this machine without root. With
+``--testbed`` node r runs inside testbed host r's network namespace, so every gradient
+crosses the shaped links (``dgt testbed up`` first).
+
+Failure: when any process exits non-zero, the others get up to ``GRACE_S`` to exit on
+their own (they learn of the failure through ERROR frames), then SIGTERM, then SIGKILL.
+The launcher names the failed rank, and leaves no process behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from .config import JobConfig, TransmissionConfig, to_argv
+from .report import build_report, print_summary
+
+GRACE_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    def __init__(self, job: JobConfig, tx: TransmissionConfig, log=print):
+        self.job, self.tx, self.log = job, tx, log
+        self.procs: list[tuple[str, int, subprocess.Popen]] = []
+        self.own_run_dir = not job.run_dir
+        self.run_dir = job.run_dir or tempfile.mkdtemp(prefix="dgt-run-")
+        os.makedirs(self.run_dir, exist_ok=True)
+
+    def _hosts(self) -> list[tuple[str, list[str]]]:
+        """(listen address, argv prefix) per rank."""
+        n = self.job.workers
+        if not self.job.testbed:
+            return [("127.0.0.1", []) for _ in range(n)]
+        from .tc_profiles import testbed
+        hosts = testbed.existing_hosts()
+        if len(hosts) < n:
+            raise RuntimeError(f"--testbed needs {n} testbed hosts, found {len(hosts)}; run "
+                               f"'dgt testbed up --hosts {n}' first (as root)")
+        return [(testbed.host_addr(i), ["ip", "netns", "exec", testbed.host_netns(i)])
+                for i in range(n)]
+
+    def start(self) -> None:
+        n, j = self.job.workers, self.job
+        hosts = self._hosts()
+        master_addr = hosts[0][0]
+        master_port = free_port() if not j.testbed else 29400 + (os.getpid() % 500)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        if self.tx.secret:
+            env["DGT_SECRET"] = self.tx.secret
+        tx_argv = [a for a in to_argv(self.tx) if a not in ("--secret", self.tx.secret)]
+        py = sys.executable
+        for r in range(n):
+            host, prefix = hosts[r]
+            sock = os.path.join(self.run_dir, f"sidecar-{r}.sock")
+            side = prefix + [py, "-m", "dgt.sidecar", "--rank", str(r), "--world", str(n),
+                             "--master-addr", master_addr, "--master-port", str(master_port),
+                             "--host", host, "--base-port", str(j.base_port),
+                             "--socket", sock, "--run-dir", self.run_dir,
+                             "--seed", str(j.seed)] + tx_argv
+            self._spawn("sidecar", r, side, env)
+            trainer = prefix + [py, "-m", "dgt.job", "--rank", str(r), "--world", str(n),
+                                "--socket", sock, "--epochs", str(j.epochs),
+                                "--result", os.path.join(self.run_dir, f"trainer-{r}.json"),
+                                "--batch-size", str(j.batch_size), "--lr", str(j.lr),
+                                "--hidden", str(j.hidden), "--seed", str(j.seed),
+                                "--device", j.device,
+                                "--target-accuracy", str(j.target_accuracy),
+                                "--timeout-s", str(max(60.0, 3 * self.tx.peer_timeout_s))]
+            self._spawn("trainer", r, trainer, env, to_terminal=(r == 0))
+        with open(os.path.join(self.run_dir, "pids.json"), "w") as f:
+            json.dump([{"kind": k, "rank": r, "pid": p.pid} for k, r, p in self.procs], f)
+
+    def _spawn(self, kind: str, rank: int, argv: list[str], env: dict,
+               to_terminal: bool = False) -> None:
+        logf = open(os.path.join(self.run_dir, f"{kind}-{rank}.log"), "wb")
+        out = None if to_terminal else logf
+        p = subprocess.Popen(argv, stdout=out, stderr=logf, env=env, start_new_session=True)
+        logf.close()
+        self.procs.append((kind, rank, p))
+
+    def wait(self, timeout_s: float | None = None) -> tuple[int, str | None]:
+        """Wait for all; on the first failure give the rest GRACE_S, then kill.
+        Returns (exit code, failure message or None)."""
+        failure: str | None = None
+        fail_at = None
+        t_end = time.monotonic() + timeout_s if timeout_s else None
+        while True:
+            alive = [(k, r, p) for k, r, p in self.procs if p.poll() is None]
+            if failure is None:
+                for k, r, p in self.procs:
+                    if p.returncode not in (None, 0):
+                        failure = self._describe_failure(k, r, p.returncode)
+                        fail_at = time.monotonic()
+                        break
+            if not alive:
+                break
+            now = time.monotonic()
+            if (fail_at is not None and now - fail_at > GRACE_S) or (t_end and now > t_end):
+                if failure is None:
+                    failure = f"timed out after {timeout_s:.0f} s"
+                self.kill()
+                break
+            time.sleep(0.05)
+        return (0 if failure is None else 1), failure
+
+    def _describe_failure(self, kind: str, rank: int, code: int) -> str:
+        if code < 0:
+            return f"{kind} of rank {rank} was killed by signal {-code}"
+        tail = _last_line(os.path.join(self.run_dir, f"{kind}-{rank}.log"))
+        return f"{kind} of rank {rank} exited with status {code}" + (f": {tail}" if tail else "")
+
+    def kill(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for _, _, p in self.procs:
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and any(p.poll() is None for *_, p in self.procs):
+                time.sleep(0.05)
+
+    def cleanup(self) -> None:
+        if self.own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    errs = [ln for ln in lines if "failed" in ln or "Error" in ln or "error" in ln]
+    return (errs or lines or [""])[-1].strip()[:300]
+
+
+def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dict | None]:
+    """Run ``dgt train``. Returns (exit code, report dict or None)."""
+    t0 = time.monotonic()
+    j = Job(job, tx, log)
+    log(f"dgt train: {job.workers} workers, mode {tx.mode}, k {tx.k}, {tx.channels} UDP "
+        f"channels, block {tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}; "
+        f"logs in {j.run_dir}")
+    try:
+        j.start()
+        code, failure = j.wait()
+    except KeyboardInterrupt:
+        j.kill()
+        log("dgt train: interrupted")
+        return 130, None
+    except BaseException:
+        j.kill()
+        raise
+    wall_s = time.monotonic() - t0
+    if failure:
+        log(f"dgt train: failed: {failure}")
+        log(f"dgt train: logs kept in {j.run_dir}")
+        return code, None
+    report = build_report(j.run_dir, job, tx, wall_s)
+    print_summary(report, log)
+    if job.report:
+        with open(job.report, "w") as f:
+            json.dump(report, f, indent=1)
+        log(f"report: {job.report}")
+    j.cleanup()
+    return 0, report

@@ -1,0 +1,103 @@
+"""The ``dgt train`` report: one JSON document and the same numbers as a summary table."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import asdict
+
+import numpy as np
+
+from .transport.counters import merge
+
+
+def _load(pattern: str) -> list[dict]:
+    out = []
+    for path in sorted(glob.glob(pattern)):
+        with open(path) as f:
+            out.append(json.load(f))
+    return sorted(out, key=lambda d: d["rank"])
+
+
+def conservation_error(run_dir: str) -> float | None:
+    """Relative error of the conservation invariant (DESIGN.md):
+    ``||sum(aggregate * N) + sum_w residual_w - sum_w,t g_w,t|| / ||sum_w,t g_w,t||``,
+    from the float64 sums the sidecars saved (``--check-conservation``)."""
+    files = sorted(glob.glob(os.path.join(run_dir, "conservation-*.npz")))
+    if not files:
+        return None
+    raw = applied = residual = None
+    for path in files:
+        z = np.load(path)
+        raw = z["raw_sum"] if raw is None else raw + z["raw_sum"]
+        residual = z["residual"] if residual is None else residual + z["residual"]
+        applied = z["applied_sum"]  # identical on every node
+    denom = float(np.linalg.norm(raw)) or 1.0
+    return float(np.linalg.norm(applied + residual - raw) / denom)
+
+
+def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
+    trainers = _load(os.path.join(run_dir, "trainer-*.json"))
+    sidecars = _load(os.path.join(run_dir, "sidecar-*.json"))
+    comm = np.array(trainers[0]["comm_s"]) * 1e3 if trainers else np.zeros(1)
+    traffic = merge(sidecars)
+    total_blocks = sum(ch["blocks_sent"] for ch in traffic["channels"].values())
+    shares = {name: (ch["blocks_sent"] / total_blocks if total_blocks else 0.0)
+              for name, ch in traffic["channels"].items()}
+    shas = [t["param_sha256"] for t in trainers]
+    return {
+        "mode": tx.mode,
+        "workers": job.workers,
+        "iterations": trainers[0]["iterations"] if trainers else 0,
+        "final_test_accuracy": trainers[0]["final_test_accuracy"] if trainers else None,
+        "wall_seconds": wall_s,
+        "train_seconds": max((t["train_seconds"] for t in trainers), default=None),
+        "comm_ms_median": float(np.median(comm)),
+        "comm_ms_p95": float(np.percentile(comm, 95)),
+        "target_accuracy": job.target_accuracy,
+        "target_reached": trainers[0]["target_reached"] if trainers else None,
+        "replicas_identical": len(set(shas)) == 1,
+        "param_sha256": shas,
+        "channels": traffic["channels"],
+        "channel_block_share": shares,
+        "blocks_unsent": traffic["blocks_unsent"],
+        "blocks_local": traffic["blocks_local"],
+        "rejected": traffic["rejected"],
+        "emulated_drops": sum(s.get("emulated_drops", 0) for s in sidecars),
+        "deadline_finalised": sum(s.get("deadline_finalised", 0) for s in sidecars),
+        "conservation_rel_error": conservation_error(run_dir),
+        "history": trainers[0]["history"] if trainers else [],
+        "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
+                      "udp_ports": s["udp_ports"], "session": s["session"]} for s in sidecars],
+        "config": {"job": asdict(job),
+                   "transmission": {k: v for k, v in asdict(tx).items() if k != "secret"}},
+    }
+
+
+def print_summary(r: dict, log=print) -> None:
+    """The summary table: the same numbers as the JSON report."""
+    log("")
+    log(f"{'mode':<22}{r['mode']}")
+    log(f"{'workers':<22}{r['workers']}")
+    log(f"{'iterations':<22}{r['iterations']}")
+    log(f"{'final test accuracy':<22}{r['final_test_accuracy']:.4f}")
+    reached = r["target_reached"]
+    log(f"{'reached ' + str(r['target_accuracy']):<22}"
+        + (f"iteration {reached['iteration']}, {reached['seconds']:.1f} s" if reached
+           else "no"))
+    log(f"{'wall seconds':<22}{r['wall_seconds']:.1f}")
+    log(f"{'comm ms median/p95':<22}{r['comm_ms_median']:.1f} / {r['comm_ms_p95']:.1f}")
+    log(f"{'replicas identical':<22}{r['replicas_identical']}  ({r['param_sha256'][0][:16]}…)")
+    if r["conservation_rel_error"] is not None:
+        log(f"{'conservation error':<22}{r['conservation_rel_error']:.2e}")
+    log("")
+    log(f"{'channel':<8}{'share':>7}{'blocks sent':>13}{'MB sent':>9}{'delivered':>11}"
+        f"{'late':>7}{'lost':>7}")
+    for name, ch in r["channels"].items():
+        log(f"{name:<8}{r['channel_block_share'][name]:>7.1%}{ch['blocks_sent']:>13}"
+            f"{ch['bytes_sent'] / 1e6:>9.1f}{ch['blocks_delivered']:>11}"
+            f"{ch['blocks_late']:>7}{ch['blocks_lost']:>7}")
+    extra = f"local {r['blocks_local']}, unsent (topk) {r['blocks_unsent']}"
+    if r["rejected"]:
+        extra += ", rejected " + ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items()))
+    log(extra)

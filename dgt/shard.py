@@ -1,0 +1,65 @@
+"""Server shard: sums the workers' blocks for its range and answers PULL.
+
+Colocated, as in BytePS: node r owns blocks ``[layout.shard_lo(r), layout.shard_hi(r))``.
+The transport-level bookkeeping (validation, bitmaps, END, deadlines) is the sans-IO
+:class:`dgt.transport.session.ShardSession`; this class owns the numbers.
+
+Determinism: arriving blocks are written into a per-worker buffer and summed in rank
+order once every worker is finalised, never in arrival order, so the aggregate's bits
+do not depend on timing (DESIGN.md, step 3). Missing blocks are zero (DGT, OptiReduce).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .layout import BlockLayout
+from .transport.session import (BlocksArrived, IterationComplete, ShardSession,
+                                 WorkerFinalised)
+
+
+class ServerShard:
+    """``on_pull(worker, iteration, aggregate, received)`` is called once per worker per
+    iteration with the shard's aggregate ((shard_blocks * block_elems,) float32, the mean
+    over workers) and that worker's received bitmap ((shard_blocks,) bool)."""
+
+    def __init__(self, layout: BlockLayout, rank: int, session: ShardSession,
+                 on_pull: Callable[[int, int, np.ndarray, np.ndarray], None]):
+        self.layout, self.rank, self.session, self.on_pull = layout, rank, session, on_pull
+        self.n_workers = session.n_workers
+        n = layout.shard_blocks(rank)
+        self.recv = np.zeros((self.n_workers, n, layout.block_elems), np.float32)
+        self.bitmaps: list[np.ndarray | None] = [None] * self.n_workers
+        self.finalised_by_deadline = 0
+
+    def handle(self, events: list) -> None:
+        """Apply session events: copy blocks, record bitmaps, aggregate when complete."""
+        for e in events:
+            if isinstance(e, BlocksArrived):
+                self.recv[e.sender, e.rows] = e.data
+            elif isinstance(e, WorkerFinalised):
+                self.bitmaps[e.sender] = e.received
+                self.finalised_by_deadline += e.reason == "deadline"
+            elif isinstance(e, IterationComplete):
+                self._aggregate(e.iteration)
+
+    def local_push(self, iteration: int, blocks: np.ndarray, mask: np.ndarray,
+                   now: float) -> None:
+        """The colocated worker's blocks, copied in-process. ``blocks``: (shard_blocks,
+        block_elems) float32; ``mask``: (shard_blocks,) bool, the blocks it sends."""
+        self.recv[self.rank][mask] = blocks[mask]
+        self.handle(self.session.deliver_local(self.rank, iteration, mask, now))
+
+    def _aggregate(self, iteration: int) -> None:
+        acc = self.recv[0].copy()
+        for w in range(1, self.n_workers):  # rank order: bitwise reproducible
+            acc += self.recv[w]
+        acc /= np.float32(self.n_workers)
+        flat = acc.reshape(-1)
+        bitmaps = self.bitmaps
+        self.recv[:] = 0
+        self.bitmaps = [None] * self.n_workers
+        self.session.advance()
+        for w in range(self.n_workers):
+            self.on_pull(w, iteration, flat, bitmaps[w])

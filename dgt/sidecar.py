@@ -1,0 +1,524 @@
+"""The sidecar: one process per node, hosting the worker agent and the node's shard.
+
+It listens on TCP (reliable channel, END, PULL), on one UDP socket per unreliable channel
+(each with its channel's DSCP), and on a Unix socket for the local trainer. Rendezvous
+goes through ``torch.distributed.TCPStore`` (MASTER_ADDR/MASTER_PORT when set).
+
+Failure handling: a peer whose connection drops without BYE, a trainer that disconnects,
+or a PULL that does not come within ``peer_timeout_s`` fails the job: the sidecar sends
+ERROR (naming the rank) to every peer and to its trainer, then exits with status 3.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import numpy as np
+
+from . import ipc
+from .agent import Links, WorkerAgent
+from .errors import PeerFailure
+from .config import TransmissionConfig, add_arguments, from_args
+from .layout import BlockLayout
+from .scheduler.deadline import DeadlinePolicy
+from .shard import ServerShard
+from .transport import sockopts, wire
+from .transport.aio import DatagramProtocol, FrameProtocol
+from .transport.channels import channel_dscp
+from .transport.counters import Counters
+from .transport.session import ShardSession
+from .transport.wire import MsgType
+
+log = logging.getLogger("dgt.sidecar")
+
+EXIT_PEER_FAILURE = 3
+
+
+@dataclass
+class NodeConfig:
+    """Where this node is and how it finds the others."""
+
+    rank: int
+    world: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    host: str = "127.0.0.1"
+    base_port: int = 0
+    socket_path: str = ""
+    run_dir: str = "."
+    seed: int = 0
+
+
+class Sidecar:
+    def __init__(self, cfg: TransmissionConfig, node: NodeConfig):
+        self.cfg, self.node = cfg, node
+        self.rank, self.world = node.rank, node.world
+        self.key = cfg.secret.encode() if cfg.secret else None
+        self.dscp = channel_dscp(cfg.channels)
+        self.counters = Counters()
+        self.out_conns: dict[int, FrameProtocol] = {}   # to peer shards (we are worker)
+        self.in_conns: dict[int, FrameProtocol] = {}    # from peer workers (we are shard)
+        self.left: set[int] = set()
+        self.udp: dict[int, tuple[asyncio.DatagramTransport, DatagramProtocol]] = {}
+        self.peers: dict[int, dict] = {}
+        self.session_id = 0
+        self.agent: WorkerAgent | None = None
+        self.shard: ServerShard | None = None
+        self.layout: BlockLayout | None = None
+        self.buffers: list[ipc.ShmBuffer] = []
+        self.trainer_writer: asyncio.StreamWriter | None = None
+        self.failed: PeerFailure | None = None
+        self.done = asyncio.Event()
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
+        self.pushes = 0
+
+    # -- startup ----------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: self.fail("stopped by signal", None))
+        await self._bind()
+        await self._rendezvous()
+        await self.done.wait()
+        await asyncio.sleep(0.05)  # let ERROR/BYE frames flush
+        self._write_report()
+        self._close()
+        if self.failed:
+            log.error("rank %d: %s", self.rank, self.failed)
+            return EXIT_PEER_FAILURE
+        return 0
+
+    async def _bind(self) -> None:
+        loop = asyncio.get_running_loop()
+        base = self.node.base_port + 10 * self.rank if self.node.base_port else 0
+        self.tcp_sock = sockopts.tcp_listener(self.node.host, base, self.dscp[0])
+        self.tcp_server = await loop.create_server(self._accepted_protocol,
+                                                   sock=self.tcp_sock)
+        for c in range(1, self.cfg.channels + 1):
+            s = sockopts.udp_socket(self.node.host, base + c if base else 0, self.dscp[c])
+            tr, proto = await loop.create_datagram_endpoint(
+                lambda c=c: DatagramProtocol(lambda d, a, now, c=c: self._on_datagram(c, d, now),
+                                             self.cfg.drop_udp,
+                                             seed=self.node.seed * 131 + self.rank * 7 + c),
+                sock=s)
+            self.udp[c] = (tr, proto)
+        path = self.node.socket_path
+        if os.path.exists(path):
+            os.unlink(path)
+        self.unix_server = await asyncio.start_unix_server(self._serve_trainer, path=path)
+        log.info("rank %d listening: tcp %d, udp %s, unix %s", self.rank, self.tcp_port,
+                 self.udp_ports, path)
+
+    @property
+    def tcp_port(self) -> int:
+        return self.tcp_sock.getsockname()[1]
+
+    @property
+    def udp_ports(self) -> list[int]:
+        return [self.udp[c][0].get_extra_info("sockname")[1] for c in sorted(self.udp)]
+
+    def _store(self):
+        from torch.distributed import TCPStore
+        return TCPStore(self.node.master_addr, self.node.master_port, self.world,
+                        is_master=self.rank == 0,
+                        timeout=timedelta(seconds=self.cfg.peer_timeout_s * 3),
+                        wait_for_workers=False)
+
+    async def _rendezvous(self) -> None:
+        """Publish our endpoints and get everybody's (blocking store calls in a thread)."""
+        loop = asyncio.get_running_loop()
+        me = {"rank": self.rank, "host": self.node.host, "tcp_port": self.tcp_port,
+              "udp_ports": self.udp_ports, "pid": os.getpid()}
+
+        def exchange():
+            store = self._store()
+            if self.rank == 0:
+                store.set("dgt/session", str(random.SystemRandom().getrandbits(64)))
+            store.set(f"dgt/ep/{self.rank}", json.dumps(me))
+            session = int(store.get("dgt/session"))
+            peers = {r: json.loads(store.get(f"dgt/ep/{r}")) for r in range(self.world)}
+            return store, session, peers
+
+        try:
+            self.store, self.session_id, self.peers = await loop.run_in_executor(None, exchange)
+        except Exception as e:  # TCPStore raises RuntimeError/DistStoreError on timeout
+            self.fail(f"rendezvous at {self.node.master_addr}:{self.node.master_port} "
+                      f"failed: {e}".splitlines()[0], None)
+            return
+        with open(os.path.join(self.node.run_dir, f"endpoints-{self.rank}.json"), "w") as f:
+            json.dump(me, f)
+
+    # -- trainer ----------------------------------------------------------------------
+    async def _serve_trainer(self, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        if self.trainer_writer is not None:
+            writer.write(ipc.encode_msg({"op": "error", "rank": None,
+                                         "message": "this sidecar already has a trainer"}))
+            writer.close()
+            return
+        self.trainer_writer = writer
+        clean = False
+        try:
+            while not self.done.is_set():
+                line = await reader.readline()
+                if not line:
+                    break
+                try:
+                    msg = ipc.decode_msg(line)
+                except ValueError as e:
+                    self._to_trainer({"op": "error", "rank": self.rank,
+                                      "message": f"bad control message: {e}"})
+                    break
+                op = msg["op"]
+                if op == "register":
+                    await self._register(msg)
+                elif op == "push":
+                    await self._push(msg)
+                elif op == "bye":
+                    clean = True
+                    break
+                else:
+                    self._to_trainer({"op": "error", "rank": self.rank,
+                                      "message": f"unknown op {op!r}"})
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except PeerFailure as e:
+            self.fail(str(e), e.rank)
+        if clean:
+            self.finish()
+        elif not self.done.is_set():
+            self.fail(f"trainer of rank {self.rank} disconnected", self.rank)
+
+    def _to_trainer(self, msg: dict) -> None:
+        w = self.trainer_writer
+        if w is not None and not w.is_closing():
+            w.write(ipc.encode_msg(msg))
+
+    async def _register(self, msg: dict) -> None:
+        loop = asyncio.get_running_loop()
+        n_params = int(msg["n_params"])
+        rank = self.rank
+
+        def agree():
+            self.store.set(f"dgt/n_params/{rank}", str(n_params))
+            sizes = {r: int(self.store.get(f"dgt/n_params/{r}")) for r in range(self.world)}
+            return sizes
+
+        sizes = await loop.run_in_executor(None, agree)
+        if len(set(sizes.values())) != 1:
+            raise PeerFailure(f"trainers registered different model sizes: {sizes}; every "
+                              f"rank must train the same model", None)
+        lay = BlockLayout.from_bytes(n_params, self.cfg.block_bytes, self.world)
+        self.layout = lay
+        tag = f"dgt-{os.getpid()}-{self.session_id & 0xffffffff:08x}-r{rank}"
+        grad = ipc.ShmBuffer(os.path.join(ipc.shm_dir(), tag + "-grad"), lay.padded, True)
+        agg = ipc.ShmBuffer(os.path.join(ipc.shm_dir(), tag + "-agg"), lay.padded, True)
+        self.buffers = [grad, agg]
+        policy = DeadlinePolicy(min_s=self.cfg.deadline_ms / 1000.0,
+                                rate_mbit=self.cfg.pace_mbit or 1000.0)
+        session = ShardSession(session=self.session_id, shard=rank, lo=lay.shard_lo(rank),
+                               hi=lay.shard_hi(rank), block_elems=lay.block_elems,
+                               n_workers=self.world, deadline_s=policy.after_end_s(),
+                               key=self.key, counters=self.counters)
+        self.shard = ServerShard(lay, rank, session, self._send_pull)
+        links = Links(send_tcp=self._send_tcp, send_udp=self._send_udp,
+                      local_push=self.shard.local_push)
+        self.agent = WorkerAgent(self.cfg, lay, rank, self.session_id, self.key, grad.array,
+                                 agg.array, links, self.counters, seed=self.node.seed)
+        await self._connect_peers()
+
+        def barrier():
+            self.store.set(f"dgt/ready/{rank}", "1")
+            for r in range(self.world):
+                self.store.get(f"dgt/ready/{r}")
+
+        await loop.run_in_executor(None, barrier)
+        self._to_trainer({"op": "registered", "grad": grad.path, "aggregate": agg.path,
+                          "padded": lay.padded, "block_elems": lay.block_elems,
+                          "n_blocks": lay.n_blocks})
+
+    async def _push(self, msg: dict) -> None:
+        if self.agent is None:
+            self._to_trainer({"op": "error", "rank": self.rank, "message": "push before register"})
+            return
+        t = int(msg["t"])
+        loss = msg.get("loss")
+        k = await self.agent.push(t, float(loss) if loss is not None else None,
+                                  self.cfg.peer_timeout_s)
+        self.pushes += 1
+        self._to_trainer({"op": "pulled", "t": t, "k": k})
+
+    # -- peers ------------------------------------------------------------------------
+    async def _connect_peers(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.cfg.peer_timeout_s
+        for r, ep in self.peers.items():
+            if r == self.rank:
+                continue
+            while True:
+                sock = sockopts.tcp_client(self.dscp[0])
+                try:
+                    await loop.sock_connect(sock, (ep["host"], ep["tcp_port"]))
+                    break
+                except OSError as e:
+                    sock.close()
+                    if time.monotonic() > deadline:
+                        raise PeerFailure(f"cannot reach rank {r} at {ep['host']}:"
+                                          f"{ep['tcp_port']}: {e}", r) from None
+                    await asyncio.sleep(0.1)
+            _, proto = await loop.create_connection(
+                lambda r=r: self._protocol(outgoing_to=r), sock=sock)
+            proto.send(wire.encode(MsgType.HELLO, session=self.session_id, sender=self.rank,
+                                   shard=r, key=self.key))
+            self.out_conns[r] = proto
+
+    def _protocol(self, outgoing_to: int | None = None) -> FrameProtocol:
+        p = FrameProtocol(self._on_frame, self._on_lost, self._on_bad, key=self.key,
+                          dscp=self.dscp[0])
+        p.peer_rank = outgoing_to
+        p.outgoing = outgoing_to is not None
+        return p
+
+    def _accepted_protocol(self) -> FrameProtocol:
+        return self._protocol(None)
+
+    def _send_tcp(self, shard: int, frame: bytes) -> None:
+        conn = self.out_conns.get(shard)
+        if conn is None or conn.transport.is_closing():
+            raise PeerFailure(f"connection to rank {shard} is closed", shard)
+        conn.send(frame)
+
+    def _send_udp(self, channel: int, shard: int, datagram) -> None:
+        ep = self.peers[shard]
+        self.udp[channel][0].sendto(datagram, (ep["host"], ep["udp_ports"][channel - 1]))
+
+    def _send_pull(self, worker: int, iteration: int, aggregate: np.ndarray,
+                   received: np.ndarray) -> None:
+        if worker == self.rank:
+            self.agent.on_pull(self.rank, iteration, aggregate, received)
+            return
+        conn = self.in_conns.get(worker)
+        if conn is None:
+            self.fail(f"rank {worker} has no connection to shard {self.rank}", worker)
+            return
+        lay = self.layout
+        conn.send(wire.encode(MsgType.PULL, session=self.session_id, sender=self.rank,
+                              shard=self.rank, iteration=iteration,
+                              block=lay.shard_lo(self.rank), count=lay.shard_blocks(self.rank),
+                              payload=wire.pack_pull(aggregate, received), key=self.key))
+
+    # -- input ------------------------------------------------------------------------
+    def _on_datagram(self, channel: int, data: bytes, now: float) -> None:
+        if self.shard is None:
+            self.counters.rejected["not_ready"] += 1
+            return
+        self.shard.handle(self.shard.session.receive_datagram(data, now))
+        self._arm_timer()
+
+    def _on_frame(self, proto: FrameProtocol, h: wire.Header, payload: memoryview,
+                  now: float) -> None:
+        if h.session != self.session_id:
+            self._on_bad(proto, "stray")
+            proto.transport.abort()
+            return
+        if proto.peer_rank is None:  # accepted connection: must open with HELLO
+            if h.type != MsgType.HELLO or not 0 <= h.sender < self.world \
+                    or h.sender == self.rank or h.sender in self.in_conns:
+                self._on_bad(proto, "bad_hello")
+                proto.transport.abort()
+                return
+            proto.peer_rank = h.sender
+            self.in_conns[h.sender] = proto
+            return
+        if h.sender != proto.peer_rank:
+            self._on_bad(proto, "wrong_sender")
+            return
+        if h.type == MsgType.ERROR:
+            text = bytes(payload).decode("utf-8", "replace")[:500]
+            self.fail(f"rank {h.sender} reports: {text}", h.block if h.block < self.world
+                      else h.sender, propagate=False)
+        elif h.type == MsgType.BYE:
+            self.left.add(h.sender)
+        elif h.type == MsgType.PULL and proto.outgoing:
+            self._on_pull_frame(h, payload)
+        elif h.type in (MsgType.BLOCKS, MsgType.END) and not proto.outgoing:
+            if self.shard is None:
+                self._on_bad(proto, "not_ready")
+                return
+            self.shard.handle(self.shard.session.receive_frame(h, payload, now))
+            self._arm_timer()
+        else:
+            self._on_bad(proto, "unexpected_type")
+
+    def _on_pull_frame(self, h: wire.Header, payload: memoryview) -> None:
+        lay = self.layout
+        s = h.shard
+        if self.agent is None or s != h.sender or h.block != lay.shard_lo(s) \
+                or h.count != lay.shard_blocks(s):
+            self.counters.rejected["bad_pull"] += 1
+            return
+        try:
+            agg, received = wire.unpack_pull(payload, h.count, lay.block_elems)
+        except wire.WireError as e:
+            self.counters.rejected[e.reason] += 1
+            return
+        if not self.agent.on_pull(s, h.iteration, agg.copy(), received):
+            self.counters.rejected["bad_pull"] += 1
+
+    def _on_bad(self, proto: FrameProtocol, reason: str) -> None:
+        self.counters.rejected[reason] += 1
+
+    def _on_lost(self, proto: FrameProtocol, exc) -> None:
+        r = proto.peer_rank
+        if r is None or self.done.is_set():
+            return  # a stranger's connection, or we are shutting down
+        conns = self.out_conns if proto.outgoing else self.in_conns
+        if conns.get(r) is not proto:
+            return
+        if r not in self.left:
+            self.fail(f"lost connection to rank {r} (process died or network down)", r)
+
+    def _arm_timer(self) -> None:
+        """Keep one timer armed for the shard's earliest post-END deadline."""
+        d = self.shard.session.next_deadline()
+        if d is None or (self.timer is not None and self.timer_at <= d):
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer_at = d
+        self.timer = asyncio.get_running_loop().call_later(
+            max(0.0, d - time.monotonic()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.shard is not None:
+            self.shard.handle(self.shard.session.poll(time.monotonic()))
+            self._arm_timer()
+
+    # -- shutdown ---------------------------------------------------------------------
+    def fail(self, message: str, rank: int | None, propagate: bool = True) -> None:
+        """Fail the job: tell peers (ERROR, block = failed rank) and the trainer; stop."""
+        if self.done.is_set():
+            return
+        self.failed = PeerFailure(message, rank)
+        log.error("rank %d: %s", self.rank, message)
+        if propagate:
+            frame = wire.encode(MsgType.ERROR, session=self.session_id, sender=self.rank,
+                                block=rank if rank is not None else 0xFFFFFFFF,
+                                payload=message.encode()[:1000], key=self.key)
+            for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
+                conn.send(frame)
+        self._to_trainer({"op": "error", "rank": rank, "message": message})
+        self.done.set()
+
+    def finish(self) -> None:
+        """Orderly end: BYE to every peer, then stop."""
+        if self.done.is_set():
+            return
+        bye = wire.encode(MsgType.BYE, session=self.session_id, sender=self.rank,
+                          key=self.key)
+        for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
+            conn.send(bye)
+        self.done.set()
+
+    def _write_report(self) -> None:
+        report = {
+            "rank": self.rank, "host": self.node.host, "tcp_port": self.tcp_port,
+            "udp_ports": self.udp_ports, "session": f"{self.session_id:016x}",
+            "pushes": self.pushes, "failed": str(self.failed) if self.failed else None,
+            "config": {k: v for k, v in asdict(self.cfg).items() if k != "secret"},
+            "deadline_finalised": self.shard.finalised_by_deadline if self.shard else 0,
+            "emulated_drops": sum(p.emulated_drops for _, p in self.udp.values()),
+            "k_mean": float(np.mean(self.agent.k_history)) if self.agent and
+            self.agent.k_history else None,
+            **self.counters.to_dict(self.cfg.channels),
+        }
+        path = os.path.join(self.node.run_dir, f"sidecar-{self.rank}.json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        if self.agent is not None and self.agent.raw_sum is not None:
+            np.savez(os.path.join(self.node.run_dir, f"conservation-{self.rank}.npz"),
+                     raw_sum=self.agent.raw_sum.numpy(),
+                     applied_sum=self.agent.applied_sum.numpy(),
+                     residual=self.agent.residual.residual.double().numpy())
+
+    def _close(self) -> None:
+        for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
+            if conn.transport is not None:
+                conn.transport.close()
+        for tr, _ in self.udp.values():
+            tr.close()
+        self.tcp_server.close()
+        self.unix_server.close()
+        if self.trainer_writer is not None:
+            self.trainer_writer.close()
+        for b in self.buffers:
+            b.close()
+        try:
+            os.unlink(self.node.socket_path)
+        except OSError:
+            pass
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("node")
+    g.add_argument("--rank", type=int, required=True, help="this node's rank (0..world-1)")
+    g.add_argument("--world", type=int, required=True, help="number of nodes")
+    g.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="TCPStore host (env MASTER_ADDR)")
+    g.add_argument("--master-port", type=int,
+                   default=int(os.environ.get("MASTER_PORT", "29500")),
+                   help="TCPStore port; rank 0 hosts it (env MASTER_PORT)")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--base-port", type=int, default=0,
+                   help="TCP port base+10*rank, UDP channel c on base+10*rank+c (0 = free)")
+    g.add_argument("--socket", dest="socket_path", default="",
+                   help="Unix socket for the trainer (default: /tmp/dgt-<rank>.sock)")
+    g.add_argument("--run-dir", default=".", help="where to write sidecar-<rank>.json")
+    g.add_argument("--seed", type=int, default=0, help="seed for ranking ties/exploration")
+
+
+def main(argv: list[str] | None = None, prog: str = "dgt sidecar") -> int:
+    p = argparse.ArgumentParser(prog=prog, description="Run one node's sidecar "
+                                "(worker agent + colocated server shard).")
+    add_node_arguments(p)
+    add_arguments(p, TransmissionConfig)
+    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    return run_from_args(p.parse_args(argv), p)
+
+
+def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    logging.basicConfig(level=getattr(logging, str(ns.log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = from_args(TransmissionConfig, ns)
+    except ValueError as e:
+        parser.error(str(e))
+    if not 0 <= ns.rank < ns.world:
+        parser.error(f"--rank must be in 0..{ns.world - 1}")
+    node = NodeConfig(rank=ns.rank, world=ns.world, master_addr=ns.master_addr,
+                      master_port=ns.master_port, host=ns.host, base_port=ns.base_port,
+                      socket_path=ns.socket_path or f"/tmp/dgt-{ns.rank}.sock",
+                      run_dir=ns.run_dir, seed=ns.seed)
+    os.makedirs(node.run_dir, exist_ok=True)
+    try:
+        import uvloop
+        return uvloop.run(Sidecar(cfg, node).run())
+    except OSError as e:
+        print(f"dgt sidecar: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m dgt.sidecar"))

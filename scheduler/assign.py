@@ -1,0 +1,106 @@
+"""Channel assignment: block ranking -> channel per block.
+
+Pure decisions on tensors; no sockets, no dgt nodes. Vectorised in torch so that it runs
+on the scores' own device (CPU or CUDA) in one pass per push.
+
+Source: DGT (Zhou et al., FGCS 2021), section 4 ("differential transmission"): the top k
+share of blocks by contribution goes on the reliable channel, the rest are split into rank
+bands over the C unreliable channels. Slim-DP (Sun et al., AAMAS 2018): an epsilon share
+of the reliable slots is given to randomly chosen low-score blocks (exploration).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: Channel value meaning "not sent" (mode ``topk``: the sender drops the unreliable share).
+DROPPED = -1
+
+
+def reliable_count(n_blocks: int, k: float) -> int:
+    """Number of reliable blocks for fraction ``k`` in [0, 1]: ceil(k * n_blocks).
+
+    Raises ValueError for k outside [0, 1].
+    """
+    if not 0.0 <= k <= 1.0:
+        raise ValueError(f"k must be in [0, 1], got {k}")
+    return min(n_blocks, math.ceil(k * n_blocks))
+
+
+def rank_blocks(scores: torch.Tensor, *, epsilon: float = 0.0,
+                n_reliable: int | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Order blocks by contribution, highest first, with Slim-DP exploration.
+
+    ``scores``: (n_blocks,) float. Returns (n_blocks,) int64 block indices, best first.
+    With ``epsilon > 0`` and ``n_reliable`` given, round(epsilon * n_reliable) of the
+    first ``n_reliable`` positions go to blocks drawn uniformly at random from the
+    blocks ranked below them; the displaced top blocks move just below the reliable
+    share. Ties are broken by block index (stable sort), so ranking is deterministic.
+    """
+    order = torch.sort(scores, descending=True, stable=True).indices
+    if epsilon <= 0.0 or not n_reliable or n_reliable >= order.numel():
+        return order
+    n_explore = min(round(epsilon * n_reliable), order.numel() - n_reliable)
+    if n_explore <= 0:
+        return order
+    rest = order[n_reliable:]
+    pick = torch.randperm(rest.numel(), generator=generator, device="cpu")[:n_explore]
+    pick = pick.to(order.device)
+    chosen = rest[pick]
+    keep = torch.ones(rest.numel(), dtype=torch.bool, device=order.device)
+    keep[pick] = False
+    top = order[: n_reliable - n_explore]
+    displaced = order[n_reliable - n_explore: n_reliable]
+    return torch.cat([top, chosen, displaced, rest[keep]])
+
+
+def assign_channels(order: torch.Tensor, n_reliable: int, udp_channels: int, *,
+                    drop_unreliable: bool = False) -> torch.Tensor:
+    """Map a ranking to channels.
+
+    ``order``: (n_blocks,) int64 block indices, best first. Returns (n_blocks,) int8
+    channel per block (indexed by block): 0 for the first ``n_reliable`` ranks, then the
+    remaining ranks split into ``udp_channels`` contiguous bands of near-equal size,
+    channel 1 for the best band. With ``drop_unreliable`` the unreliable ranks get
+    :data:`DROPPED` (mode ``topk``).
+
+    Raises ValueError for ``udp_channels`` outside 1..7.
+    """
+    if not 1 <= udp_channels <= 7:
+        raise ValueError(f"udp_channels must be 1..7, got {udp_channels}")
+    n = order.numel()
+    by_rank = torch.empty(n, dtype=torch.int8, device=order.device)
+    by_rank[:n_reliable] = 0
+    n_rest = n - n_reliable
+    if drop_unreliable:
+        by_rank[n_reliable:] = DROPPED
+    elif n_rest:
+        band = torch.arange(n_rest, device=order.device) * udp_channels // n_rest
+        by_rank[n_reliable:] = (band + 1).to(torch.int8)
+    channel = torch.empty_like(by_rank)
+    channel[order] = by_rank
+    return channel
+
+
+class AdaptiveK:
+    """Loss-driven reliable fraction: ``k_t = max(k0 * loss_t / loss_0, k_min)``.
+
+    Source: the DGT code's DMLC_K / DMLC_K_MIN. ``k0``, ``k_min`` in [0, 1]; ``loss_0`` is
+    the first loss seen. Returns k0 until a loss is known; never exceeds k0... unless
+    the loss grows, in which case it is capped at 1.
+    """
+
+    def __init__(self, k0: float, k_min: float = 0.2):
+        if not 0.0 <= k_min <= k0 <= 1.0:
+            raise ValueError(f"need 0 <= k_min <= k0 <= 1, got k0={k0} k_min={k_min}")
+        self.k0, self.k_min = k0, k_min
+        self.loss0: float | None = None
+
+    def update(self, loss: float | None) -> float:
+        if loss is None or not math.isfinite(loss) or loss <= 0:
+            return self.k0 if self.loss0 is None else self.k_min
+        if self.loss0 is None:
+            self.loss0 = loss
+        return min(1.0, max(self.k0 * loss / self.loss0, self.k_min))

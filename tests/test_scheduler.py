@@ -1,0 +1,76 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dgt.scheduler.assign import (DROPPED, AdaptiveK, assign_channels, rank_blocks,
+                                  reliable_count)
+from dgt.scheduler.deadline import DeadlinePolicy
+from dgt.scheduler.pacing import TokenBucket
+
+
+def test_top_k_reliable_rest_in_equal_bands():
+    scores = torch.arange(100, dtype=torch.float32)   # block 99 is the best
+    order = rank_blocks(scores)
+    assert order[:3].tolist() == [99, 98, 97]
+    ch = assign_channels(order, reliable_count(100, 0.5), 3)
+    assert (ch[50:] == 0).all()                       # the top half is reliable
+    counts = [(ch == c).sum().item() for c in range(4)]
+    assert counts == [50, 17, 17, 16]
+    assert (ch[33:50] == 1).all() and (ch[:16] == 3).all()  # better ranks, better band
+
+
+def test_topk_mode_drops_the_unreliable_share():
+    ch = assign_channels(rank_blocks(torch.rand(40)), 10, 3, drop_unreliable=True)
+    assert (ch == 0).sum() == 10 and (ch == DROPPED).sum() == 30
+
+
+def test_exploration_promotes_random_low_blocks():
+    scores = torch.arange(1000, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    order = rank_blocks(scores, epsilon=0.1, n_reliable=500, generator=g)
+    assert sorted(order.tolist()) == list(range(1000))  # still a permutation
+    promoted = (order[:500] < 500).sum().item()
+    assert promoted == 50
+
+
+def test_ties_rank_deterministically():
+    assert rank_blocks(torch.zeros(5)).tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("k,n,want", [(0.5, 7, 4), (0, 7, 0), (1, 7, 7), (0.2, 10, 2)])
+def test_reliable_count(k, n, want):
+    assert reliable_count(n, k) == want
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError):
+        reliable_count(10, 1.5)
+    with pytest.raises(ValueError):
+        assign_channels(torch.arange(4), 2, 8)
+    with pytest.raises(ValueError):
+        AdaptiveK(0.1, 0.5)
+
+
+def test_adaptive_k_follows_loss_with_floor():
+    a = AdaptiveK(0.5, 0.2)
+    assert a.update(2.0) == 0.5
+    assert a.update(1.0) == pytest.approx(0.25)
+    assert a.update(0.1) == 0.2
+    assert a.update(float("nan")) == 0.2
+
+
+def test_token_bucket_long_run_rate():
+    b = TokenBucket(rate_mbit=8, burst_bytes=1000, now=0.0)  # 1e6 B/s
+    t = 0.0
+    for _ in range(1000):
+        t += b.delay(1000, t)
+    assert t == pytest.approx(0.999, rel=1e-3)   # 1 MB at 1 MB/s, first burst free
+    assert TokenBucket(0).delay(10 ** 9, 0) == 0
+
+
+def test_deadline_policy():
+    assert DeadlinePolicy(min_s=0.05, queue_bytes=1 << 20, rate_mbit=1000).after_end_s() \
+        == pytest.approx(max(0.05, 2 * 8 * (1 << 20) / 1e9))
+    assert DeadlinePolicy(min_s=0.5).after_end_s() == 0.5

@@ -1,0 +1,142 @@
+"""The sans-IO shard session driven by scripted packet sequences (no sockets)."""
+import numpy as np
+import pytest
+
+from dgt.transport import wire
+from dgt.transport.session import (BlocksArrived, IterationComplete, Rejected,
+                                   ShardSession, WorkerFinalised)
+from dgt.transport.wire import Flag, MsgType
+
+S = 0xABCDEF
+ELEMS = 4
+
+
+def session(n_workers=3, lo=10, hi=20, deadline_s=0.05, key=None):
+    return ShardSession(session=S, shard=1, lo=lo, hi=hi, block_elems=ELEMS,
+                        n_workers=n_workers, deadline_s=deadline_s, key=key)
+
+
+def dgram(sender, block, it=0, ch=1, sess=S, shard=1, val=1.0, key=None):
+    return wire.encode(MsgType.BLOCKS, session=sess, sender=sender, shard=shard, iteration=it,
+                       channel=ch, block=block, count=1,
+                       payload=np.full(ELEMS, val, np.float32).tobytes(), key=key)
+
+
+def tcp_blocks(sender, blocks, it=0):
+    idx = np.array(blocks)
+    data = np.tile(np.arange(len(blocks), dtype=np.float32)[:, None], (1, ELEMS))
+    buf = wire.encode(MsgType.BLOCKS, session=S, sender=sender, shard=1, iteration=it,
+                      channel=0, block=blocks[0], count=len(blocks), flags=Flag.INDEXED,
+                      payload=wire.pack_indexed_blocks(idx, data))
+    return wire.decode(buf)
+
+
+def end(sender, counts, it=0):
+    return wire.decode(wire.encode(MsgType.END, session=S, sender=sender, shard=1,
+                                   iteration=it, count=sum(counts),
+                                   payload=wire.pack_end(counts)))
+
+
+def kinds(events):
+    return [type(e).__name__ for e in events]
+
+
+def test_complete_when_every_counted_block_arrived():
+    s = session(n_workers=1)
+    ev = s.receive_frame(*tcp_blocks(0, [10, 11, 12]), now=0)
+    assert kinds(ev) == ["BlocksArrived"] and ev[0].rows.tolist() == [0, 1, 2]
+    assert s.receive_frame(*end(0, [3, 2]), now=0) == []     # 2 UDP blocks still due
+    assert s.next_deadline() == pytest.approx(0.05)
+    assert kinds(s.receive_datagram(dgram(0, 13), now=0.01)) == ["BlocksArrived"]
+    ev = s.receive_datagram(dgram(0, 19), now=0.02)
+    assert kinds(ev) == ["BlocksArrived", "WorkerFinalised", "IterationComplete"]
+    fin = ev[1]
+    assert fin.reason == "complete"
+    assert fin.received.tolist() == [True] * 4 + [False] * 5 + [True]
+    assert s.counters.channels[0].blocks_delivered == 3
+    assert s.counters.channels[1].blocks_delivered == 2
+
+
+def test_deadline_finalises_with_missing_blocks_and_counts_loss_and_late():
+    s = session(n_workers=1)
+    s.receive_datagram(dgram(0, 10, ch=2), now=0)
+    s.receive_frame(*end(0, [0, 0, 3]), now=1.0)
+    assert s.poll(1.01) == []
+    ev = s.poll(1.05)
+    assert kinds(ev) == ["WorkerFinalised", "IterationComplete"]
+    assert ev[0].reason == "deadline" and ev[0].received.sum() == 1
+    assert s.counters.channels[2].blocks_lost == 2
+    ev = s.receive_datagram(dgram(0, 11, ch=2), now=1.1)   # same iteration, finalised
+    assert ev == [Rejected("late")]
+    s.advance()
+    assert s.receive_datagram(dgram(0, 12, ch=2, it=0), now=1.2) == [Rejected("late")]
+    assert s.counters.channels[2].blocks_late == 2
+
+
+def test_iteration_completes_only_when_every_worker_is_final():
+    s = session(n_workers=2)
+    ev = s.deliver_local(0, 0, np.ones(10, bool), now=0)
+    assert kinds(ev) == ["WorkerFinalised"]
+    ev = s.receive_frame(*end(1, [0]), now=0)
+    assert kinds(ev) == ["WorkerFinalised", "IterationComplete"]
+    assert ev[-1] == IterationComplete(0)
+
+
+@pytest.mark.parametrize("buf,reason", [
+    (dgram(0, 10, sess=S + 1), "stray"),
+    (dgram(0, 10, shard=2), "wrong_shard"),
+    (dgram(7, 10), "bad_sender"),
+    (dgram(0, 9), "bad_block"),
+    (dgram(0, 20), "bad_block"),
+    (dgram(0, 10, it=5), "future"),
+    (dgram(0, 10, ch=0), "bad_udp_message"),
+    (b"\x00" * 3, "short"),
+    (dgram(0, 10)[:-4], "bad_length"),
+])
+def test_bad_datagrams_are_counted_and_dropped(buf, reason):
+    s = session()
+    assert s.receive_datagram(buf, now=0) == [Rejected(reason)]
+    assert s.counters.rejected[reason] == 1
+    assert not s.received.any()
+
+
+def test_duplicate_block_is_dropped():
+    s = session()
+    s.receive_datagram(dgram(0, 10, val=1.0), now=0)
+    assert s.receive_datagram(dgram(0, 10, val=2.0), now=0) == [Rejected("duplicate")]
+    assert s.counters.channels[1].blocks_duplicate == 1
+
+
+def test_bad_end_is_rejected():
+    s = session()
+    h, p = end(0, [1])
+    assert s.receive_frame(h, p[:-1], now=0) == [Rejected("bad_length")]
+    assert s.receive_frame(*end(0, [11]), now=0) == [Rejected("bad_end")]  # > shard size
+    s.receive_frame(*end(0, [1]), now=0)
+    assert s.receive_frame(*end(0, [1]), now=0) == [Rejected("bad_end")]    # twice
+
+
+def test_mac_required_when_keyed():
+    s = session(key=b"k")
+    assert s.receive_datagram(dgram(0, 10), now=0) == [Rejected("no_mac")]
+    assert kinds(s.receive_datagram(dgram(0, 10, key=b"k"), now=0)) == ["BlocksArrived"]
+    assert s.receive_datagram(dgram(0, 11, key=b"x"), now=0) == [Rejected("bad_mac")]
+
+
+def test_replayed_sequence_is_deterministic():
+    """Replaying one scripted packet sequence gives the same events and bitmaps."""
+    script = [("d", dgram(0, 10)), ("d", dgram(1, 15, ch=3)), ("f", end(0, [0, 1])),
+              ("d", dgram(2, 12, ch=2)), ("f", end(1, [0, 0, 0, 2])), ("f", end(2, [0, 0, 1]))]
+
+    def run():
+        s = session()
+        out = []
+        for t, (kind, m) in enumerate(script):
+            ev = s.receive_datagram(m, t) if kind == "d" else s.receive_frame(*m, t)
+            out += [(type(e).__name__, getattr(e, "sender", None)) for e in ev]
+        out += [(type(e).__name__, getattr(e, "sender", None)) for e in s.poll(100)]
+        return out, s.received.copy()
+
+    a, b = run(), run()
+    assert a[0] == b[0] and np.array_equal(a[1], b[1])
+    assert ("IterationComplete", None) in a[0]

@@ -1,0 +1,92 @@
+"""Thin asyncio adapters (run on uvloop) around the sans-IO pieces.
+
+``FrameProtocol``: one TCP connection; bytes -> :class:`~.framing.Deframer` -> callback per
+frame. A malformed frame closes the connection (a TCP stream cannot resynchronise) and is
+counted by the owner's ``on_bad`` callback.
+
+``DatagramProtocol``: one UDP channel socket; each datagram goes to a callback with the
+receive time. Optional receive-side loss emulation (``drop_fraction``) drops datagrams
+with a seeded RNG *before* any processing, standing in for a lossy link where tc netem
+or nftables is not available (documented in docs/architecture.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import time
+from typing import Callable
+
+from . import sockopts
+from .framing import Deframer
+from .wire import WireError
+
+log = logging.getLogger(__name__)
+
+
+class FrameProtocol(asyncio.Protocol):
+    """``on_frame(proto, header, payload, now)``; ``on_bad(proto, reason)``;
+    ``on_lost(proto, exc)`` when the connection closes."""
+
+    def __init__(self, on_frame: Callable, on_lost: Callable, on_bad: Callable,
+                 key: bytes | None = None, dscp: int | None = None):
+        self.on_frame, self.on_lost, self.on_bad = on_frame, on_lost, on_bad
+        self.deframer = Deframer(key)
+        self.dscp = dscp
+        self.transport: asyncio.Transport | None = None
+        self.peer_rank: int | None = None  # learned from HELLO
+        self.said_bye = False
+
+    def connection_made(self, transport):
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and self.dscp is not None:
+            try:  # accepted sockets: mark the server's side too
+                sockopts.set_dscp(sock, self.dscp)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as e:  # pragma: no cover - depends on socket kind
+                log.debug("could not set DSCP on accepted socket: %s", e)
+
+    def data_received(self, data):
+        try:
+            frames = self.deframer.feed(data)
+        except WireError as e:
+            self.on_bad(self, e.reason)
+            self.transport.abort()
+            return
+        now = time.monotonic()
+        for h, payload in frames:
+            self.on_frame(self, h, payload, now)
+            if self.transport.is_closing():
+                return
+
+    def connection_lost(self, exc):
+        self.on_lost(self, exc)
+
+    def send(self, data) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+
+class DatagramProtocol(asyncio.DatagramProtocol):
+    """``on_datagram(data, addr, now)`` per datagram, unless emulated loss drops it."""
+
+    def __init__(self, on_datagram: Callable, drop_fraction: float = 0.0, seed: int = 0):
+        self.on_datagram = on_datagram
+        self.drop_fraction = drop_fraction
+        self.rng = random.Random(seed)
+        self.emulated_drops = 0
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def datagram_received(self, data, addr):
+        if self.drop_fraction and self.rng.random() < self.drop_fraction:
+            self.emulated_drops += 1
+            return
+        self.on_datagram(data, addr, time.monotonic())
+
+    def error_received(self, exc):  # ICMP errors (e.g. port unreachable): not fatal
+        log.debug("UDP error: %s", exc)

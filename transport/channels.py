@@ -1,0 +1,49 @@
+"""Channels and their DSCP marks.
+
+Channel 0 is the reliable channel (TCP). Channels 1..C (C = 1..7) are unreliable UDP
+channels, highest priority first. Each channel's packets carry their own DSCP, which
+Linux tc (``dgt.tc_profiles``) and switch QoS map to priority bands.
+
+DSCP code points: RFC 2474 (field), RFC 3246 (EF = 46), RFC 2597 (AFxy), RFC 8622
+(LE = 1). ``IP_TOS = dscp << 2`` (RFC 2474 section 3; the two low bits are ECN).
+"""
+from __future__ import annotations
+
+RELIABLE = 0
+MAX_UDP_CHANNELS = 7
+
+DSCP_EF = 46    # reliable channel
+DSCP_AF41 = 34
+DSCP_AF31 = 26
+DSCP_AF21 = 18
+DSCP_CS2 = 16
+DSCP_AF11 = 10
+DSCP_CS1 = 8
+DSCP_LE = 1
+
+#: Default DSCP of the UDP channels for each channel count C, highest priority first.
+#: C = 3 is the default: AF41, AF21, CS1 (DESIGN.md, "Defaults").
+UDP_DSCP_DEFAULTS: dict[int, tuple[int, ...]] = {
+    1: (DSCP_AF41,),
+    2: (DSCP_AF41, DSCP_CS1),
+    3: (DSCP_AF41, DSCP_AF21, DSCP_CS1),
+    4: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_CS1),
+    5: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_AF11, DSCP_CS1),
+    6: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_AF11, DSCP_CS1, DSCP_LE),
+    7: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_CS2, DSCP_AF11, DSCP_CS1, DSCP_LE),
+}
+
+
+def channel_dscp(udp_channels: int) -> tuple[int, ...]:
+    """DSCP per channel, index = channel number: (EF, udp1, ..., udpC).
+
+    Raises ValueError when ``udp_channels`` is outside 1..7.
+    """
+    if udp_channels not in UDP_DSCP_DEFAULTS:
+        raise ValueError(f"channels must be 1..{MAX_UDP_CHANNELS}, got {udp_channels}")
+    return (DSCP_EF,) + UDP_DSCP_DEFAULTS[udp_channels]
+
+
+def channel_name(channel: int) -> str:
+    """'tcp' for channel 0, 'udp1'.. for the unreliable channels (report keys)."""
+    return "tcp" if channel == RELIABLE else f"udp{channel}"

@@ -1,0 +1,259 @@
+"""Sans-IO session logic of a shard's receive side: validation, reassembly into bitmaps,
+END accounting, deadlines and counters.
+
+Modelled on aioquic's ``QuicConnection``: it never touches a socket. Feed it datagrams
+and TCP frames with the current time; it returns typed events. Call :meth:`poll` with the
+time when :meth:`next_deadline` passes. Tests drive it with scripted packet sequences.
+
+Rules (DESIGN.md, "One synchronous iteration"):
+- A message with another session id is ``stray`` (replays of other runs land here).
+- A BLOCKS message for an iteration before the current one, or for a worker already
+  finalised, is *late*: counted and dropped. A later iteration is ``future``: dropped.
+- After END(t) from worker w the shard finalises w when every counted block has arrived,
+  or at ``now + deadline_s``; missing blocks are zero and reported in the bitmap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import wire
+from .channels import RELIABLE
+from .counters import Counters
+from .wire import Flag, MsgType, WireError
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksArrived:
+    """Blocks of ``sender`` for the current iteration. ``rows``: (n,) int64 shard-local
+    block rows and ``data`` (n, block_elems) float32 LE view into the message; or, for
+    one UDP block, ``rows`` an int and ``data`` (block_elems,)."""
+
+    sender: int
+    iteration: int
+    channel: int
+    rows: np.ndarray | int
+    data: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFinalised:
+    """``sender``'s contribution to ``iteration`` is final. ``received``: (shard_blocks,)
+    bool. ``reason``: 'complete' or 'deadline'."""
+
+    sender: int
+    iteration: int
+    received: np.ndarray
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class IterationComplete:
+    """Every worker is finalised for ``iteration``; the shard may aggregate and PULL."""
+
+    iteration: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A message was counted and dropped. ``reason`` is the counter key."""
+
+    reason: str
+
+
+class ShardSession:
+    """Receive side of shard ``shard`` (blocks ``[lo, hi)``) for ``n_workers`` workers.
+
+    ``deadline_s``: wait after END (see ``dgt.scheduler.deadline``). ``key``: the job's
+    MAC key, or None. Counters are in ``self.counters`` (per channel, plus
+    ``rejected[reason]``).
+    """
+
+    def __init__(self, *, session: int, shard: int, lo: int, hi: int, block_elems: int,
+                 n_workers: int, deadline_s: float, key: bytes | None = None,
+                 counters: Counters | None = None):
+        self.session, self.shard, self.lo, self.hi = session, shard, lo, hi
+        self.block_elems = block_elems
+        self.block_payload = block_elems * 4
+        self.n_workers = n_workers
+        self.deadline_s = deadline_s
+        self.key = key
+        self.counters = counters or Counters()
+        self.iteration = 0
+        n = hi - lo
+        self.received = np.zeros((n_workers, n), bool)
+        self.per_channel = np.zeros((n_workers, wire.MAX_CHANNELS), np.int64)
+        self.end_counts: list[np.ndarray | None] = [None] * n_workers
+        self.deadline: list[float | None] = [None] * n_workers
+        self.finalised = np.zeros(n_workers, bool)
+
+    # -- input ------------------------------------------------------------------------
+    def receive_datagram(self, buf, now: float) -> list:
+        """One UDP datagram. Never raises for bad input."""
+        try:
+            h, payload = wire.decode(buf, self.key)
+        except WireError as e:
+            return [self._reject(e.reason)]
+        if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
+                or h.flags & Flag.INDEXED:
+            return [self._reject("bad_udp_message")]
+        if len(payload) != self.block_payload:
+            return [self._reject("bad_length")]
+        return self._block(h, payload, len(buf))
+
+    def receive_frame(self, h: wire.Header, payload: memoryview, now: float) -> list:
+        """One TCP frame already split by :class:`~dgt.transport.framing.Deframer`
+        (header checked, MAC verified). Handles BLOCKS and END; other types are the
+        adapter's business and are rejected here."""
+        if h.type == MsgType.BLOCKS:
+            if h.channel != RELIABLE or not h.flags & Flag.INDEXED:
+                return [self._reject("bad_tcp_blocks")]
+            try:
+                idx, data = wire.unpack_indexed_blocks(payload, h.count, self.block_elems)
+            except WireError as e:
+                return [self._reject(e.reason)]
+            rows = idx.astype(np.int64) - self.lo
+            return self._blocks(h, rows, data, wire.frame_size(h), now)
+        if h.type == MsgType.END:
+            try:
+                counts = wire.unpack_end(payload)
+            except WireError as e:
+                return [self._reject(e.reason)]
+            return self._end(h, counts, now)
+        return [self._reject("unexpected_type")]
+
+    def deliver_local(self, sender: int, iteration: int, mask: np.ndarray,
+                      now: float) -> list:
+        """The colocated worker's blocks were copied in-process; ``mask``:
+        (shard_blocks,) bool, the blocks it sent. They are final at once."""
+        if iteration != self.iteration or self.finalised[sender]:
+            return [self._reject("bad_local")]
+        self.received[sender] = mask
+        return self._finalise(sender, "complete")
+
+    # -- time -------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        pending = [d for d, f in zip(self.deadline, self.finalised) if d is not None and not f]
+        return min(pending) if pending else None
+
+    def poll(self, now: float) -> list:
+        """Finalise every worker whose post-END deadline has passed."""
+        events: list = []
+        for w in range(self.n_workers):
+            d = self.deadline[w]
+            if d is not None and not self.finalised[w] and now >= d:
+                events += self._finalise(w, "deadline")
+        return events
+
+    def advance(self) -> None:
+        """Start the next iteration (after the shard has sent its PULLs)."""
+        self.iteration += 1
+        self.received[:] = False
+        self.per_channel[:] = 0
+        self.end_counts = [None] * self.n_workers
+        self.deadline = [None] * self.n_workers
+        self.finalised[:] = False
+
+    # -- internals --------------------------------------------------------------------
+    def _reject(self, reason: str) -> Rejected:
+        self.counters.rejected[reason] += 1
+        return Rejected(reason)
+
+    def _check_addressing(self, h: wire.Header) -> str | None:
+        if h.session != self.session:
+            return "stray"
+        if h.shard != self.shard:
+            return "wrong_shard"
+        if h.sender >= self.n_workers:
+            return "bad_sender"
+        return None
+
+    def _block(self, h: wire.Header, payload: memoryview, nbytes: int) -> list:
+        """Fast path for one UDP block: scalar checks, no per-datagram array work."""
+        bad = self._check_addressing(h)
+        if bad:
+            return [self._reject(bad)]
+        row = h.block - self.lo
+        if not 0 <= row < self.hi - self.lo:
+            return [self._reject("bad_block")]
+        w = h.sender
+        ch = self.counters.channels[h.channel]
+        if h.iteration < self.iteration or (h.iteration == self.iteration
+                                            and self.finalised[w]):
+            ch.blocks_late += 1
+            return [Rejected("late")]
+        if h.iteration > self.iteration:
+            return [self._reject("future")]
+        if self.received[w, row]:
+            ch.blocks_duplicate += 1
+            return [Rejected("duplicate")]
+        self.received[w, row] = True
+        self.per_channel[w, h.channel] += 1
+        ch.blocks_delivered += 1
+        ch.bytes_delivered += nbytes
+        events: list = [BlocksArrived(w, h.iteration, h.channel, row,
+                                      np.frombuffer(payload, "<f4"))]
+        if self.end_counts[w] is not None and self._complete(w):
+            events += self._finalise(w, "complete")
+        return events
+
+    def _blocks(self, h: wire.Header, rows: np.ndarray, data: np.ndarray, nbytes: int,
+                now: float) -> list:
+        bad = self._check_addressing(h)
+        if bad:
+            return [self._reject(bad)]
+        if rows.size == 0 or rows.min() < 0 or rows.max() >= self.hi - self.lo:
+            return [self._reject("bad_block")]
+        ch = self.counters.channels[h.channel]
+        w = h.sender
+        if h.iteration < self.iteration or (h.iteration == self.iteration
+                                            and self.finalised[w]):
+            ch.blocks_late += rows.size
+            return [Rejected("late")]
+        if h.iteration > self.iteration:
+            return [self._reject("future")]
+        seen = self.received[w, rows]
+        if seen.any() or np.unique(rows).size != rows.size:
+            ch.blocks_duplicate += rows.size
+            return [Rejected("duplicate")]
+        self.received[w, rows] = True
+        self.per_channel[w, h.channel] += rows.size
+        ch.blocks_delivered += rows.size
+        ch.bytes_delivered += nbytes
+        events: list = [BlocksArrived(w, h.iteration, h.channel, rows, data)]
+        if self.end_counts[w] is not None and self._complete(w):
+            events += self._finalise(w, "complete")
+        return events
+
+    def _end(self, h: wire.Header, counts: np.ndarray, now: float) -> list:
+        bad = self._check_addressing(h)
+        if bad:
+            return [self._reject(bad)]
+        w = h.sender
+        if h.iteration != self.iteration or self.end_counts[w] is not None \
+                or self.finalised[w]:
+            return [self._reject("bad_end")]
+        if counts.sum() > self.hi - self.lo or int(counts.sum()) != h.count:
+            return [self._reject("bad_end")]
+        self.end_counts[w] = counts
+        if self._complete(w):
+            return self._finalise(w, "complete")
+        self.deadline[w] = now + self.deadline_s
+        return []
+
+    def _complete(self, w: int) -> bool:
+        return bool((self.per_channel[w] >= self.end_counts[w]).all())
+
+    def _finalise(self, w: int, reason: str) -> list:
+        self.finalised[w] = True
+        self.deadline[w] = None
+        counts = self.end_counts[w]
+        if counts is not None:
+            lost = np.maximum(counts - self.per_channel[w], 0)
+            for c in np.nonzero(lost)[0]:
+                self.counters.channels[c].blocks_lost += int(lost[c])
+        events: list = [WorkerFinalised(w, self.iteration, self.received[w].copy(), reason)]
+        if self.finalised.all():
+            events.append(IterationComplete(self.iteration))
+        return events

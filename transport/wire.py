@@ -1,0 +1,291 @@
+"""The dgt wire format: one fixed header for TCP frames and UDP datagrams.
+
+Declared once, as one ``struct`` format with named fields (``HEADER_FIELDS``); the scapy
+layer in ``dgt.tools.dissect`` mirrors it field by field, and ``docs/wire.md`` documents
+it byte by byte.
+
+Layout (network byte order, 34 bytes)::
+
+    off size field        meaning
+    0   2    magic        0x4447 ("DG")
+    2   1    version      1
+    3   1    type         MsgType
+    4   1    channel      0 = reliable (TCP), 1..7 = unreliable UDP channel
+    5   1    flags        Flag bits
+    6   8    session      64 random bits per run; strays and replays are rejected
+    14  2    sender       sender rank
+    16  2    shard        shard index (= owner rank)
+    18  4    iteration    BSP iteration t
+    22  4    block        first block index (global)
+    26  4    count        number of blocks (BLOCKS/PULL), total blocks sent (END)
+    30  4    length       payload length in bytes
+    34  ...  payload
+    ..  16   mac          keyed BLAKE2b-128 over header+payload, iff flags & MAC
+
+Block payloads are IEEE-754 binary32, little-endian (the layout of every CPU and GPU
+that trains models, so a block is a view, never a byte swap).
+
+Decoding never trusts a length: every check failure raises :class:`WireError`, whose
+``reason`` is a short counter key; callers count and drop, they never let it escape.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = 0x4447
+VERSION = 1
+MAC_BYTES = 16
+MAX_CHANNELS = 8  # channel 0 (reliable) + up to 7 UDP channels
+#: Upper bound on one TCP frame's payload; a larger length is a protocol error, not an
+#: allocation. 256 MiB covers a PULL of a 64M-parameter shard.
+MAX_FRAME_PAYLOAD = 256 << 20
+
+HEADER_FIELDS = (
+    ("magic", "H"),
+    ("version", "B"),
+    ("type", "B"),
+    ("channel", "B"),
+    ("flags", "B"),
+    ("session", "Q"),
+    ("sender", "H"),
+    ("shard", "H"),
+    ("iteration", "I"),
+    ("block", "I"),
+    ("count", "I"),
+    ("length", "I"),
+)
+HEADER_FORMAT = "!" + "".join(code for _, code in HEADER_FIELDS)
+HEADER = struct.Struct(HEADER_FORMAT)
+HEADER_BYTES = HEADER.size  # 34
+
+#: The same header as a numpy dtype, for vectorised encode/decode of datagram batches.
+HEADER_DTYPE = np.dtype([(name, ">" + code) for name, code in HEADER_FIELDS])
+assert HEADER_DTYPE.itemsize == HEADER_BYTES
+
+
+class MsgType(enum.IntEnum):
+    """Message types. Source: DESIGN.md, "Wire"."""
+
+    HELLO = 1   # worker -> shard, TCP: opens a connection (payload empty)
+    BLOCKS = 2  # worker -> shard: gradient blocks (TCP: indexed; UDP: one block)
+    END = 3     # worker -> shard, TCP: per-channel block counts for iteration t
+    PULL = 4    # shard -> worker, TCP: aggregate of the shard range + received bitmap
+    ERROR = 5   # any, TCP: a peer failed; payload is UTF-8 text, block = failed rank
+    BYE = 6     # any, TCP: orderly shutdown
+
+
+class Flag(enum.IntFlag):
+    MAC = 0x01      # a 16-byte keyed BLAKE2b tag follows the payload
+    INDEXED = 0x02  # BLOCKS payload = count x u32 block indices, then count blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A decoded header. Field meanings are in the module docstring."""
+
+    type: int
+    channel: int
+    flags: int
+    session: int
+    sender: int
+    shard: int
+    iteration: int
+    block: int
+    count: int
+    length: int
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, self.type, self.channel, self.flags,
+                           self.session, self.sender, self.shard, self.iteration,
+                           self.block, self.count, self.length)
+
+
+class WireError(ValueError):
+    """A message broke a wire rule. ``reason`` is the counter key (e.g. ``bad_magic``)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def mac_tag(key: bytes, data) -> bytes:
+    """Keyed BLAKE2b-128 of ``data`` (RFC 7693). ``key``: up to 64 bytes."""
+    return hashlib.blake2b(data, digest_size=MAC_BYTES, key=key).digest()
+
+
+def encode(msg_type: int, *, session: int, sender: int, shard: int = 0, iteration: int = 0,
+           channel: int = 0, block: int = 0, count: int = 0, payload=b"",
+           flags: int = 0, key: bytes | None = None) -> bytes:
+    """Encode one message (header + payload [+ MAC]) to bytes.
+
+    ``payload`` is any bytes-like object. With ``key`` the MAC flag is set and a tag is
+    appended. Raises :class:`WireError` (``too_long``) for a payload over
+    ``MAX_FRAME_PAYLOAD``.
+    """
+    payload = memoryview(payload).cast("B")
+    n = payload.nbytes
+    if n > MAX_FRAME_PAYLOAD:
+        raise WireError("too_long", f"payload {n} B > {MAX_FRAME_PAYLOAD} B")
+    if key is not None:
+        flags |= Flag.MAC
+    head = HEADER.pack(MAGIC, VERSION, msg_type, channel, flags, session, sender, shard,
+                       iteration, block, count, n)
+    if key is None:
+        return b"".join((head, payload))
+    h = hashlib.blake2b(head, digest_size=MAC_BYTES, key=key)
+    h.update(payload)
+    return b"".join((head, payload, h.digest()))
+
+
+def decode_header(buf) -> Header:
+    """Decode and check the fixed header at the start of ``buf``.
+
+    Raises :class:`WireError` with reason ``short``, ``bad_magic``, ``bad_version``,
+    ``bad_type``, ``bad_channel`` or ``too_long``.
+    """
+    if len(buf) < HEADER_BYTES:
+        raise WireError("short", f"{len(buf)} B < header {HEADER_BYTES} B")
+    (magic, version, mtype, channel, flags, session, sender, shard, iteration, block,
+     count, length) = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise WireError("bad_magic", f"0x{magic:04x}")
+    if version != VERSION:
+        raise WireError("bad_version", str(version))
+    if mtype not in _TYPES:
+        raise WireError("bad_type", str(mtype))
+    if channel >= MAX_CHANNELS:
+        raise WireError("bad_channel", str(channel))
+    if length > MAX_FRAME_PAYLOAD:
+        raise WireError("too_long", str(length))
+    return Header(mtype, channel, flags, session, sender, shard, iteration, block, count,
+                  length)
+
+
+_TYPES = frozenset(int(t) for t in MsgType)
+
+
+def frame_size(h: Header) -> int:
+    """Total bytes of the message whose header is ``h`` (header + payload + MAC)."""
+    return HEADER_BYTES + h.length + (MAC_BYTES if h.flags & Flag.MAC else 0)
+
+
+def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
+    """Decode one whole message; return (header, payload view). Never copies the payload.
+
+    ``buf`` must hold exactly one message. With ``key`` a valid MAC is required.
+    Raises :class:`WireError` (header reasons, plus ``bad_length``, ``no_mac``,
+    ``bad_mac``).
+    """
+    mv = memoryview(buf).cast("B")
+    h = decode_header(mv)
+    if len(mv) != frame_size(h):
+        raise WireError("bad_length", f"have {len(mv)} B, header says {frame_size(h)} B")
+    end = HEADER_BYTES + h.length
+    if key is not None:
+        if not h.flags & Flag.MAC:
+            raise WireError("no_mac")
+        if not hmac.compare_digest(mac_tag(key, mv[:end]), mv[end:]):
+            raise WireError("bad_mac")
+    return h, mv[HEADER_BYTES:end]
+
+
+# ---------------------------------------------------------------------------------------
+# Payload layouts
+# ---------------------------------------------------------------------------------------
+
+def pack_indexed_blocks(indices: np.ndarray, blocks: np.ndarray) -> bytes:
+    """INDEXED BLOCKS payload: ``count`` big-endian u32 indices, then the blocks.
+
+    ``indices``: (count,) integer; ``blocks``: (count, block_elems) float32.
+    """
+    return indices.astype(">u4").tobytes() + np.ascontiguousarray(blocks, "<f4").tobytes()
+
+
+def unpack_indexed_blocks(payload: memoryview, count: int, block_elems: int
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`pack_indexed_blocks`; returns views (indices, (count, elems)).
+
+    Raises :class:`WireError` (``bad_length``) when the payload does not hold exactly
+    ``count`` indices and blocks.
+    """
+    need = count * 4 + count * block_elems * 4
+    if len(payload) != need:
+        raise WireError("bad_length", f"BLOCKS payload {len(payload)} B, need {need} B")
+    idx = np.frombuffer(payload, ">u4", count)
+    data = np.frombuffer(payload, "<f4", count * block_elems, offset=count * 4)
+    return idx, data.reshape(count, block_elems)
+
+
+def pack_end(counts) -> bytes:
+    """END payload: MAX_CHANNELS big-endian u32 block counts, channel 0 first."""
+    c = np.zeros(MAX_CHANNELS, ">u4")
+    c[: len(counts)] = counts
+    return c.tobytes()
+
+
+def unpack_end(payload: memoryview) -> np.ndarray:
+    """Inverse of :func:`pack_end`; raises :class:`WireError` (``bad_length``)."""
+    if len(payload) != MAX_CHANNELS * 4:
+        raise WireError("bad_length", f"END payload {len(payload)} B")
+    return np.frombuffer(payload, ">u4").astype(np.int64)
+
+
+def pack_pull(aggregate: np.ndarray, received: np.ndarray) -> bytes:
+    """PULL payload: the shard's aggregate (float32 LE), then the received bitmap
+    (``np.packbits``, big bit order, one bit per block of the shard)."""
+    return (np.ascontiguousarray(aggregate, "<f4").tobytes()
+            + np.packbits(received.astype(bool)).tobytes())
+
+
+def unpack_pull(payload: memoryview, n_blocks: int, block_elems: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`pack_pull`: (aggregate (n_blocks*elems,) f32, received (n_blocks,) bool)."""
+    n_vals = n_blocks * block_elems
+    need = n_vals * 4 + (n_blocks + 7) // 8
+    if len(payload) != need:
+        raise WireError("bad_length", f"PULL payload {len(payload)} B, need {need} B")
+    agg = np.frombuffer(payload, "<f4", n_vals)
+    bits = np.unpackbits(np.frombuffer(payload, np.uint8, offset=n_vals * 4))[:n_blocks]
+    return agg, bits.astype(bool)
+
+
+def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: int,
+                           channel: int, indices: np.ndarray, blocks: np.ndarray,
+                           key: bytes | None = None) -> np.ndarray:
+    """Encode one UDP datagram per block, vectorised.
+
+    ``indices``: (n,) int; ``blocks``: (n, block_elems) float32. Returns a (n, size) uint8
+    array; row i is the datagram for block ``indices[i]``. All rows have one size, which
+    is what UDP GSO needs.
+    """
+    n, elems = blocks.shape
+    plen = elems * 4
+    size = HEADER_BYTES + plen + (MAC_BYTES if key else 0)
+    out = np.empty((n, size), np.uint8)
+    hdr = np.empty(n, HEADER_DTYPE)
+    hdr["magic"] = MAGIC
+    hdr["version"] = VERSION
+    hdr["type"] = MsgType.BLOCKS
+    hdr["channel"] = channel
+    hdr["flags"] = Flag.MAC if key else 0
+    hdr["session"] = session
+    hdr["sender"] = sender
+    hdr["shard"] = shard
+    hdr["iteration"] = iteration
+    hdr["block"] = indices
+    hdr["count"] = 1
+    hdr["length"] = plen
+    out[:, :HEADER_BYTES] = hdr.view(np.uint8).reshape(n, HEADER_BYTES)
+    out[:, HEADER_BYTES:HEADER_BYTES + plen] = (
+        np.ascontiguousarray(blocks, "<f4").view(np.uint8).reshape(n, plen))
+    if key:
+        for i in range(n):  # a keyed hash has no vector form; MAC is opt-in
+            out[i, HEADER_BYTES + plen:] = np.frombuffer(
+                mac_tag(key, out[i, :HEADER_BYTES + plen].data), np.uint8)
+    return out

@@ -49,11 +49,15 @@ class Job:
         if not self.job.testbed:
             return [("127.0.0.1", []) for _ in range(n)]
         from .tc_profiles import testbed
-        hosts = testbed.existing_hosts()
-        if len(hosts) < n:
-            raise RuntimeError(f"--testbed needs {n} testbed hosts, found {len(hosts)}; run "
-                               f"'dgt testbed up --hosts {n}' first (as root)")
-        return [(testbed.host_addr(i), ["ip", "netns", "exec", testbed.host_netns(i)])
+        if os.geteuid() != 0:
+            raise RuntimeError("--testbed needs root (network namespaces); run as root, "
+                               "or drop --testbed to train over loopback")
+        tb = testbed.current()
+        if tb is None or tb.hosts < n:
+            have = 0 if tb is None else tb.hosts
+            raise RuntimeError(f"--testbed needs {n} testbed hosts, found {have}; run "
+                               f"'dgt testbed up --hosts {n}' first")
+        return [(tb.host_addr(i), ["ip", "netns", "exec", tb.host_netns(i)])
                 for i in range(n)]
 
     def start(self) -> None:
@@ -163,6 +167,10 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dic
     try:
         j.start()
         code, failure = j.wait()
+    except RuntimeError as e:
+        j.kill()
+        log(f"dgt train: {e}")
+        return 2, None
     except KeyboardInterrupt:
         j.kill()
         log("dgt train: interrupted")

@@ -451,7 +451,9 @@ class Sidecar:
             np.savez(os.path.join(self.node.run_dir, f"conservation-{self.rank}.npz"),
                      raw_sum=self.agent.raw_sum.numpy(),
                      applied_sum=self.agent.applied_sum.numpy(),
-                     residual=self.agent.residual.residual.double().numpy())
+                     residual=(self.agent.residual.residual.double().numpy()
+                               if self.cfg.error_feedback else
+                               np.zeros(self.layout.padded)))
 
     def _close(self) -> None:
         for conn in list(self.out_conns.values()) + list(self.in_conns.values()):

@@ -1,0 +1,220 @@
+"""``dgt tc`` and ``dgt testbed``: argparse subcommands for the main ``dgt`` CLI.
+
+``register(subparsers)`` adds both; each leaf parser sets ``func=handler(args) -> int``.
+Errors print one line to stderr and return 2; never a traceback.
+
+Example::
+
+    ap = argparse.ArgumentParser(prog="dgt")
+    sub = ap.add_subparsers(dest="command", required=True)
+    dgt.tc_profiles.cli.register(sub)
+    args = ap.parse_args()
+    sys.exit(args.func(args))
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from . import applier, testbed
+from .schema import ProfileError, list_profiles, load_profile
+
+NOT_ROOT_TC = "dgt tc needs root (CAP_NET_ADMIN); run as root, or use --dry-run"
+
+
+def _fail(msg: str) -> int:
+    print(msg, file=sys.stderr)
+    return 2
+
+
+def _guard(fn):
+    def handler(args) -> int:
+        try:
+            return fn(args)
+        except (ProfileError, applier.TcError, testbed.TestbedError, ValueError,
+                IndexError, OSError) as e:
+            return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        except KeyboardInterrupt:
+            return _fail("interrupted")
+    handler.__name__ = fn.__name__
+    return handler
+
+
+# ------------------------------------------------------------------------ tc
+
+
+@_guard
+def tc_apply(args) -> int:
+    if args.dry_run:
+        print("\n".join(applier.dry_run(args.profile, args.dev, args.netns, args.rate)))
+        return 0
+    if os.geteuid() != 0:
+        return _fail(NOT_ROOT_TC)
+    p = applier.apply(args.profile, args.dev, args.netns, args.rate)
+    print(f"applied profile '{p.name}' on {args.dev}"
+          + (f" (netns {args.netns})" if args.netns else ""))
+    return 0
+
+
+@_guard
+def tc_show(args) -> int:
+    state = applier.show(args.dev, args.netns)
+    print(json.dumps(state, indent=2) if args.json else applier.render_table(state))
+    return 0
+
+
+@_guard
+def tc_clear(args) -> int:
+    if os.geteuid() != 0:
+        return _fail(NOT_ROOT_TC)
+    done = applier.clear(args.dev, args.netns, force=args.force)
+    print(f"cleared {args.dev}" if done else f"nothing of ours on {args.dev}")
+    return 0
+
+
+@_guard
+def tc_list(args) -> int:
+    for name in list_profiles():
+        p = load_profile(name)
+        rate = f" {p.rate_bit / 1e6:g} Mbit/s" if p.rate_bit else ""
+        print(f"{name:<12} {p.root_kind}{rate}, {len(p.bands)} bands, "
+              f"qdiscs {','.join(p.qdisc_kinds())}: {p.description}")
+    return 0
+
+
+# ------------------------------------------------------------------- testbed
+
+
+def _root() -> int | None:
+    return None if os.geteuid() == 0 else _fail(testbed.NOT_ROOT)
+
+
+@_guard
+def tb_up(args) -> int:
+    if (rc := _root()) is not None:
+        return rc
+    dscp = [int(x) for x in args.loss_dscp.split(",")] if args.loss_dscp else None
+    tb = testbed.up(args.hosts, rate=args.rate, profile=args.profile,
+                    queue_bytes=args.queue_bytes, loss_pct=args.loss, loss_dscp=dscp,
+                    prefix=args.prefix)
+    print(f"testbed up: {tb.hosts} hosts, {tb.rate}, profile {tb.profile}"
+          + (f", loss {tb.loss_pct:g} %" if tb.loss_pct else ""))
+    for i in range(tb.hosts):
+        print(f"  host {i}: netns {tb.host_netns(i)}  addr {tb.host_addr(i)}")
+    return 0
+
+
+@_guard
+def tb_down(args) -> int:
+    if (rc := _root()) is not None:
+        return rc
+    gone = testbed.down(args.prefix)
+    print(f"removed {len(gone)} namespaces" + (f": {' '.join(gone)}" if gone else ""))
+    return 0
+
+
+@_guard
+def tb_status(args) -> int:
+    if (rc := _root()) is not None:
+        return rc
+    st = testbed.status(args.prefix)
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        print("\n\n".join(applier.render_table(s) for s in st.values()))
+    return 0
+
+
+@_guard
+def tb_exec(args) -> int:
+    if (rc := _root()) is not None:
+        return rc
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        return _fail("give a command: dgt testbed exec HOST -- CMD ...")
+    tb = testbed.current(args.prefix)
+    if tb is None:
+        return _fail(f"no testbed with prefix '{args.prefix}' is up; run `dgt testbed up`")
+    host = int(args.host) if args.host.isdigit() else args.host
+    return subprocess.run(["ip", "netns", "exec", tb._ns(host), *cmd]).returncode
+
+
+@_guard
+def tb_load(args) -> int:
+    if (rc := _root()) is not None:
+        return rc
+    tb = testbed.current(args.prefix)
+    if tb is None:
+        return _fail(f"no testbed with prefix '{args.prefix}' is up; run `dgt testbed up`")
+    pairs = None
+    if args.pairs:
+        pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairs.split(",")]
+    for r in tb.load(args.seconds, pairs):
+        print(f"h{r['src']} -> h{r['dst']}: {r['mbit_s']:.1f} Mbit/s")
+    return 0
+
+
+@_guard
+def tb_priority(args) -> int:
+    from . import priority_check
+    return priority_check.run(args)
+
+
+def register(subparsers) -> None:
+    """Add ``tc`` and ``testbed`` to the main CLI's subparsers (argparse)."""
+    tc = subparsers.add_parser("tc", help="apply, show and clear tc profiles (DSCP bands)")
+    tcs = tc.add_subparsers(dest="tc_command", required=True)
+    p = tcs.add_parser("apply", help="install a profile as the root qdisc of a device")
+    p.add_argument("profile", help="profile name (see `dgt tc list`) or a YAML path")
+    p.add_argument("--dev", required=True)
+    p.add_argument("--netns", default=None)
+    p.add_argument("--rate", default=None, help="link rate override, e.g. 950mbit")
+    p.add_argument("--dry-run", action="store_true", help="print the tc commands only")
+    p.set_defaults(func=tc_apply)
+    p = tcs.add_parser("show", help="qdiscs, classes, filters and counters of a device")
+    p.add_argument("--dev", required=True)
+    p.add_argument("--netns", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=tc_show)
+    p = tcs.add_parser("clear", help="remove our root qdisc from a device")
+    p.add_argument("--dev", required=True)
+    p.add_argument("--netns", default=None)
+    p.add_argument("--force", action="store_true", help="delete any root qdisc")
+    p.set_defaults(func=tc_clear)
+    p = tcs.add_parser("list", help="shipped profiles")
+    p.set_defaults(func=tc_list)
+
+    tb = subparsers.add_parser("testbed", help="netns star testbed with shaped ports")
+    tbs = tb.add_subparsers(dest="testbed_command", required=True)
+
+    def sub(name, help_, func):
+        sp = tbs.add_parser(name, help=help_)
+        sp.add_argument("--prefix", default=testbed.DEFAULT_PREFIX, help=argparse.SUPPRESS)
+        sp.set_defaults(func=func)
+        return sp
+    p = sub("up", "build N hosts around a router; every port shaped", tb_up)
+    p.add_argument("--hosts", type=int, required=True)
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--profile", default="htb-prio")
+    p.add_argument("--queue-bytes", type=int, default=None)
+    p.add_argument("--loss", type=float, default=0.0, help="random loss in %% (nftables)")
+    p.add_argument("--loss-dscp", default=None, help="only these DSCPs, e.g. 34,18,8")
+    sub("down", "remove the testbed (found by name, also after a crash)", tb_down)
+    p = sub("status", "per-port class counters", tb_status)
+    p.add_argument("--json", action="store_true")
+    p = sub("exec", "run a command in a host: exec HOST -- CMD ...", tb_exec)
+    p.add_argument("host", help="host index or netns name")
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    p = sub("load", "bulk best-effort TCP between hosts", tb_load)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--pairs", default=None, help="src:dst,... (default i -> i+1)")
+    p = sub("priority", "measure EF/CS1 delivery under bulk load (own 3-host testbed)",
+            tb_priority)
+    from .priority_check import add_arguments
+    add_arguments(p)
+
+
+__all__ = ["register"]

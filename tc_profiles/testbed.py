@@ -1,0 +1,517 @@
+"""A star testbed of network namespaces: N hosts around one router, every port shaped.
+
+Layout (prefix ``dgt``)::
+
+    dgt-h0 [eth0 10.77.0.2/24] ---- [p0 10.77.0.1/24]
+    dgt-h1 [eth0 10.77.1.2/24] ---- [p1 10.77.1.1/24]  dgt-sw (router, ip_forward=1)
+    ...                              ...
+
+Each host has a default route via its router port. Every port (the host's ``eth0`` and
+the router's ``p<i>``) is a NIC shaped at ``rate`` with the tc profile applied on
+egress, so the queue for traffic *to* host i forms on router port ``p<i>`` and the queue
+for traffic *from* host i on its ``eth0``. Random loss, where the kernel has no netem,
+is an nftables ``numgen random`` drop in the router's forward hook, optionally only for
+some DSCPs. The addresses (10.77.0.0/16) exist only inside these namespaces.
+
+Links, addresses, routes and tc go through pyroute2 netlink; nftables through
+``nft -f -``; commands in a host through ``ip netns exec``.
+
+Example::
+
+    from dgt.tc_profiles import testbed
+    tb = testbed.up(hosts=3, rate="1gbit", profile="htb-prio")
+    try:
+        tb.exec_in(0, ["ping", "-c1", tb.host_addr(1)])
+    finally:
+        testbed.down()
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyroute2 import netns as _netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from . import applier
+from ._nl import is_root, open_ipr
+from .schema import Profile, ProfileError, load_profile, parse_rate
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "dgt"
+SUBNET = "10.77"
+STATE_DIR = Path("/run/dgt")
+HOST_DEV = "eth0"
+MAX_HOSTS = 250
+NFT_TABLE = "dgt_testbed"
+NOT_ROOT = "dgt testbed needs root (CAP_NET_ADMIN); run as root or use loopback mode"
+
+
+class TestbedError(RuntimeError):
+    """The testbed could not be built, found or used; the message says what to do."""
+
+
+def router_netns(prefix: str = DEFAULT_PREFIX) -> str:
+    return f"{prefix}-sw"
+
+
+def host_netns(i: int, prefix: str = DEFAULT_PREFIX) -> str:
+    """Netns name of host ``i`` (``dgt-h<i>``)."""
+    return f"{prefix}-h{int(i)}"
+
+
+def host_addr(i: int) -> str:
+    """IPv4 address of host ``i`` (``10.77.<i>.2``); the same in every testbed."""
+    return f"{SUBNET}.{int(i)}.2"
+
+
+def router_addr(i: int) -> str:
+    return f"{SUBNET}.{int(i)}.1"
+
+
+def router_port(i: int) -> str:
+    return f"p{int(i)}"
+
+
+def _state_file(prefix: str) -> Path:
+    return STATE_DIR / f"testbed-{prefix}.json"
+
+
+def _our_netns(prefix: str) -> list[str]:
+    pat = re.compile(rf"^{re.escape(prefix)}-(sw|h\d+)$")
+    return sorted(n for n in _netns.listnetns() if pat.match(n))
+
+
+@dataclass
+class Testbed:
+    """A running testbed. Build one with :func:`up`; find one with :func:`current`."""
+    hosts: int
+    rate: str = "1gbit"
+    profile: str = "htb-prio"
+    prefix: str = DEFAULT_PREFIX
+    queue_bytes: int | None = None
+    loss_pct: float = 0.0
+    loss_dscp: tuple[int, ...] | None = None
+
+    # ---------------------------------------------------------------- names
+    def host_netns(self, i: int) -> str:
+        """Netns of host ``i`` (0..hosts-1). Raises IndexError."""
+        self._check(i)
+        return host_netns(i, self.prefix)
+
+    def host_addr(self, i: int) -> str:
+        """IPv4 address of host ``i``. Raises IndexError."""
+        self._check(i)
+        return host_addr(i)
+
+    @property
+    def router(self) -> str:
+        return router_netns(self.prefix)
+
+    def ports(self) -> list[tuple[str, str]]:
+        """Every shaped port as (netns, dev): hosts' eth0, then the router's p<i>."""
+        return ([(self.host_netns(i), HOST_DEV) for i in range(self.hosts)]
+                + [(self.router, router_port(i)) for i in range(self.hosts)])
+
+    def _check(self, i: int) -> None:
+        if not 0 <= int(i) < self.hosts:
+            raise IndexError(f"host {i} is not in 0..{self.hosts - 1}")
+
+    def _ns(self, host: int | str) -> str:
+        if isinstance(host, str) and not host.isdigit():
+            if host not in ([self.router] + [self.host_netns(i) for i in range(self.hosts)]):
+                raise TestbedError(f"'{host}' is not a namespace of this testbed")
+            return host
+        return self.host_netns(int(host))
+
+    # ------------------------------------------------------------- running
+    def exec_in(self, host: int | str, argv: list[str], timeout_s: float | None = None,
+                check: bool = False, **kw) -> subprocess.CompletedProcess:
+        """Run ``argv`` in host ``host`` (index or netns name), wait, capture text output."""
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        return subprocess.run(["ip", "netns", "exec", self._ns(host), *argv],
+                              timeout=timeout_s, check=check, **kw)
+
+    def popen_in(self, host: int | str, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` in host ``host`` without waiting (the caller reaps it)."""
+        return subprocess.Popen(["ip", "netns", "exec", self._ns(host), *argv], **kw)
+
+    def run_in(self, host: int | str, fn, *args, timeout_s: float = 60, **kwargs):
+        """Call ``fn(*args, **kwargs)`` in a forked child inside host's netns; return its
+        result (must pickle). Raises TestbedError with the child's error, or on timeout.
+        """
+        return run_in_netns(self._ns(host), fn, *args, timeout_s=timeout_s, **kwargs)
+
+    def status(self) -> dict[str, dict]:
+        """{"<netns>:<dev>": applier.show(...)} for every port: live class counters."""
+        return {f"{ns}:{dev}": applier.show(dev, ns) for ns, dev in self.ports()}
+
+    def load(self, seconds: float = 5, pairs: list[tuple[int, int]] | None = None,
+             port_base: int = 5301) -> list[dict]:
+        """Best-effort bulk TCP (DSCP 0) from src to dst for each pair, for ``seconds``.
+
+        Default pairs: i -> (i+1) mod N. Uses iperf3 when installed, else a Python
+        socket blaster. Returns [{src, dst, mbit_s}] (receiver goodput in Mbit/s).
+        """
+        if pairs is None:
+            pairs = [(i, (i + 1) % self.hosts) for i in range(self.hosts)] \
+                if self.hosts > 1 else []
+        for s, d in pairs:
+            self._check(s), self._check(d)
+        return bulk_tcp(self, pairs, seconds, port_base)
+
+    def down(self) -> None:
+        down(self.prefix)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.down()
+
+
+# ----------------------------------------------------------------- netns exec
+
+
+def _child(ns, fn, args, kwargs, conn):
+    try:
+        _netns.setns(ns, flags=0)
+        conn.send((True, fn(*args, **kwargs)))
+    except BaseException as e:       # report anything, including SystemExit
+        conn.send((False, f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+def run_in_netns(ns: str, fn, *args, timeout_s: float = 60, **kwargs):
+    """Call ``fn(*args, **kwargs)`` in a forked child that entered netns ``ns``.
+
+    Returns the (picklable) result. Raises TestbedError with the child's error, or when
+    it runs past ``timeout_s`` (the child is killed).
+    """
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_child, args=(ns, fn, args, kwargs, child), daemon=True)
+    p.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise TestbedError(f"{getattr(fn, '__name__', fn)} in netns {ns} ran past "
+                               f"{timeout_s} s")
+        ok, value = parent.recv()
+    except EOFError:
+        raise TestbedError(f"{getattr(fn, '__name__', fn)} in netns {ns} died") from None
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+        parent.close()
+    if not ok:
+        raise TestbedError(f"in netns {ns}: {value}")
+    return value
+
+
+# ----------------------------------------------------------------------- up/down
+
+
+def _profile_with_queue(profile: Profile, queue_bytes: int | None) -> Profile:
+    if queue_bytes is None:
+        return profile
+    if queue_bytes < 1500:
+        raise TestbedError(f"queue_bytes {queue_bytes} is below one 1500 B packet")
+    bands = tuple(dataclasses.replace(b, limit_bytes=int(queue_bytes), limit_packets=None)
+                  for b in profile.bands)
+    return dataclasses.replace(profile, bands=bands)
+
+
+def nft_loss_ruleset(loss_pct: float, loss_dscp=None) -> str:
+    """nftables ruleset dropping ``loss_pct`` % of forwarded IPv4 packets at random.
+
+    ``loss_dscp``: only packets with these DSCPs (any protocol); None = every packet.
+    Resolution 0.0001 % (``numgen random mod 1000000``).
+    """
+    ppm = int(round(loss_pct * 10_000))
+    match = ""
+    if loss_dscp:
+        match = "ip dscp { " + ", ".join(str(int(d)) for d in loss_dscp) + " } "
+    rand = f"numgen random mod 1000000 < {ppm} " if ppm < 1_000_000 else ""
+    return (f"table ip {NFT_TABLE} {{\n"
+            f"  chain forward {{\n"
+            f"    type filter hook forward priority 0; policy accept;\n"
+            f"    {match}{rand}counter drop\n"
+            f"  }}\n"
+            f"}}\n")
+
+
+def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
+       queue_bytes: int | None = None, loss_pct: float = 0.0, loss_dscp=None,
+       prefix: str = DEFAULT_PREFIX) -> Testbed:
+    """Build the star testbed and return it. An old testbed with the same prefix goes first.
+
+    ``rate``: every port's shaped rate (tc notation). ``profile``: tc profile on every
+    port. ``queue_bytes``: overrides every band's queue limit (bfifo, bytes).
+    ``loss_pct``: random drop in the router (nftables numgen), only for ``loss_dscp``
+    when given. Raises TestbedError (not root, bad arguments, kernel lacks a qdisc the
+    profile needs: nothing is created then); on a failure half-way, everything built
+    is removed before the error is raised.
+    """
+    if not is_root():
+        raise TestbedError(NOT_ROOT)
+    if not 1 <= int(hosts) <= MAX_HOSTS:
+        raise TestbedError(f"hosts must be 1..{MAX_HOSTS}, got {hosts}")
+    if not 0 <= float(loss_pct) <= 100:
+        raise TestbedError(f"loss_pct must be 0..100, got {loss_pct}")
+    try:
+        parse_rate(rate)
+        prof = _profile_with_queue(load_profile(profile), queue_bytes)
+        applier.check_kernel(prof)
+    except (ValueError, applier.TcError) as e:
+        raise TestbedError(str(e)) from None
+    if loss_dscp is not None:
+        loss_dscp = tuple(int(d) for d in loss_dscp)
+        if any(not 0 <= d <= 63 for d in loss_dscp):
+            raise TestbedError(f"loss_dscp values must be 0..63, got {loss_dscp}")
+    tb = Testbed(int(hosts), str(rate), prof.name, prefix, queue_bytes, float(loss_pct),
+                 loss_dscp)
+    down(prefix)
+    try:
+        _build(tb, prof)
+    except BaseException:
+        down(prefix)
+        raise
+    return tb
+
+
+def _build(tb: Testbed, prof: Profile) -> None:
+    t0 = time.monotonic()
+    names = [tb.router] + [tb.host_netns(i) for i in range(tb.hosts)]
+    for n in names:
+        _netns.create(n)
+    with open_ipr(tb.router) as sw:
+        sw.link("set", index=sw.link_lookup(ifname="lo")[0], state="up")
+        for i in range(tb.hosts):
+            port, hns = router_port(i), tb.host_netns(i)
+            sw.link("add", ifname=port, kind="veth", peer={"ifname": f"t{i}"})
+            peer = sw.link_lookup(ifname=f"t{i}")[0]
+            sw.link("set", index=peer, net_ns_fd=hns)
+            pidx = sw.link_lookup(ifname=port)[0]
+            sw.addr("add", index=pidx, address=router_addr(i), prefixlen=24)
+            sw.link("set", index=pidx, state="up")
+            with open_ipr(hns) as h:
+                h.link("set", index=h.link_lookup(ifname="lo")[0], state="up")
+                idx = h.link_lookup(ifname=f"t{i}")[0]
+                h.link("set", index=idx, ifname=HOST_DEV)
+                h.addr("add", index=idx, address=host_addr(i), prefixlen=24)
+                h.link("set", index=idx, state="up")
+                h.route("add", dst="0.0.0.0/0", gateway=router_addr(i))
+    _sysctl(tb.router, "net/ipv4/ip_forward", "1")
+    for ns, dev in tb.ports():
+        applier.apply(prof, dev, ns, rate=tb.rate)
+    if tb.loss_pct > 0:
+        r = subprocess.run(["ip", "netns", "exec", tb.router, "nft", "-f", "-"],
+                           input=nft_loss_ruleset(tb.loss_pct, tb.loss_dscp), text=True,
+                           capture_output=True)
+        if r.returncode != 0:
+            err = [ln for ln in r.stderr.splitlines() if "Error" in ln] or [r.stderr.strip()]
+            raise TestbedError(f"nft refused the loss rule: {err[0]}")
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    _state_file(tb.prefix).write_text(json.dumps(dataclasses.asdict(tb)))
+    log.info("testbed %s up: %d hosts, %s, profile %s, %.1f s", tb.prefix, tb.hosts,
+             tb.rate, tb.profile, time.monotonic() - t0)
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _sysctl(ns: str, key: str, value: str) -> None:
+    run_in_netns(ns, _write, f"/proc/sys/{key}", value, timeout_s=10)
+
+
+def current(prefix: str = DEFAULT_PREFIX) -> Testbed | None:
+    """The testbed with this prefix that exists now, or None (found by its namespaces)."""
+    nss = _our_netns(prefix)
+    if router_netns(prefix) not in nss:
+        return None
+    hosts = sum(1 for n in nss if n != router_netns(prefix))
+    try:
+        d = json.loads(_state_file(prefix).read_text())
+        if d.get("hosts") == hosts:
+            d["loss_dscp"] = tuple(d["loss_dscp"]) if d.get("loss_dscp") else None
+            return Testbed(**d)
+    except (OSError, ValueError, TypeError):
+        pass
+    return Testbed(hosts=hosts, prefix=prefix, profile="?", rate="?")
+
+
+def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Remove every namespace of the testbed with this prefix, and what lives in them.
+
+    Works after a crash: the namespaces are found by name (``<prefix>-sw``,
+    ``<prefix>-h<i>``). Processes still running inside them are stopped first, so the
+    namespaces (and their veths) really go. Returns the namespaces removed.
+    """
+    if not is_root():
+        raise TestbedError(NOT_ROOT)
+    nss = _our_netns(prefix)
+    for ns in nss:
+        _kill_netns_pids(ns)
+    for ns in nss:
+        try:
+            _netns.remove(ns)
+        except OSError as e:
+            log.warning("cannot remove netns %s: %s", ns, e)
+    try:
+        _state_file(prefix).unlink()
+    except FileNotFoundError:
+        pass
+    return nss
+
+
+def _kill_netns_pids(ns: str) -> None:
+    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    pids = [int(p) for p in r.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = []
+        for p in pids:
+            try:
+                os.kill(p, sig)
+                alive.append(p)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and any(_alive(p) for p in alive):
+            time.sleep(0.05)
+        pids = [p for p in alive if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:   # a zombie child of ours counts as gone
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
+
+
+def status(prefix: str = DEFAULT_PREFIX) -> dict[str, dict]:
+    """Per-port tc state (class counters) of the running testbed. Raises TestbedError."""
+    tb = current(prefix)
+    if tb is None:
+        raise TestbedError(f"no testbed with prefix '{prefix}' is up; run `dgt testbed up`")
+    return tb.status()
+
+
+def exec_in(host: int | str, argv: list[str], prefix: str = DEFAULT_PREFIX,
+            **kw) -> subprocess.CompletedProcess:
+    """Run ``argv`` in host ``host`` of the running testbed (see Testbed.exec_in)."""
+    tb = current(prefix)
+    if tb is None:
+        raise TestbedError(f"no testbed with prefix '{prefix}' is up; run `dgt testbed up`")
+    return tb.exec_in(host, argv, **kw)
+
+
+# -------------------------------------------------------------------- bulk load
+
+
+def _have_iperf3() -> bool:
+    from shutil import which
+    return which("iperf3") is not None
+
+
+def bulk_tcp(tb: Testbed, pairs, seconds: float, port_base: int = 5301) -> list[dict]:
+    """Bulk TCP for each (src, dst) pair for ``seconds``; receiver goodput in Mbit/s."""
+    if not pairs:
+        return []
+    if not _have_iperf3():
+        return [dict(src=s, dst=d, mbit_s=tb.run_in(
+            d, _py_bulk_pair, tb.host_netns(s), host_addr(d), port_base + k, seconds,
+            timeout_s=seconds + 30)) for k, (s, d) in enumerate(pairs)]
+    servers, clients = [], []
+    try:
+        for k, (s, d) in enumerate(pairs):
+            servers.append(tb.popen_in(d, ["iperf3", "-s", "-1", "-p", str(port_base + k),
+                                           "-B", host_addr(d)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        _wait_listen(tb, pairs, port_base)
+        for k, (s, d) in enumerate(pairs):
+            clients.append(tb.popen_in(s, ["iperf3", "-c", host_addr(d), "-p",
+                                           str(port_base + k), "-t", f"{seconds:g}", "-J"],
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                       text=True))
+        out = []
+        for (s, d), c in zip(pairs, clients):
+            try:
+                text, _ = c.communicate(timeout=seconds + 15)
+                j = json.loads(text)
+                bps = j["end"]["sum_received"]["bits_per_second"]
+            except (subprocess.TimeoutExpired, ValueError, KeyError):
+                bps = 0.0
+            out.append(dict(src=s, dst=d, mbit_s=round(bps / 1e6, 1)))
+        return out
+    finally:
+        for p in servers + clients:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _wait_listen(tb: Testbed, pairs, port_base: int, timeout_s: float = 5) -> None:
+    deadline = time.monotonic() + timeout_s
+    for k, (s, d) in enumerate(pairs):
+        while time.monotonic() < deadline:
+            r = tb.exec_in(d, ["ss", "-Htln", f"sport = :{port_base + k}"])
+            if r.stdout.strip():
+                break
+            time.sleep(0.05)
+
+
+def _py_bulk_pair(src_ns: str, addr: str, port: int, seconds: float) -> float:
+    """Fallback without iperf3: a receiver here, a sender forked into ``src_ns``."""
+    import socket
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind((addr, port))
+    ls.listen(1)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _netns.setns(src_ns, flags=0)
+            c = socket.create_connection((addr, port))
+            buf = b"\0" * (1 << 20)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                c.sendall(buf)
+            c.close()
+        finally:
+            os._exit(0)
+    conn, _ = ls.accept()
+    n, t0 = 0, time.monotonic()
+    while True:
+        b = conn.recv(1 << 20)
+        if not b:
+            break
+        n += len(b)
+    dt = time.monotonic() - t0
+    os.waitpid(pid, 0)
+    return round(n * 8 / dt / 1e6, 1) if dt > 0 else 0.0
+
+
+__all__ = ["Testbed", "TestbedError", "current", "down", "exec_in", "host_addr",
+           "host_netns", "nft_loss_ruleset", "run_in_netns", "status", "up"]

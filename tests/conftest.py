@@ -1,0 +1,33 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_train(tmp_path, *args, timeout=240, check=True):
+    """Run 'dgt train' as a user would; return (CompletedProcess, report dict or None)."""
+    report = tmp_path / "report.json"
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dgt.cli", "train", "--report", str(report),
+           "--run-dir", str(run_dir), *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads(report.read_text()) if report.exists() else None
+    return p, rep
+
+
+def logs_of(run_dir) -> str:
+    out = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.endswith(".log"):
+            with open(os.path.join(run_dir, name), errors="replace") as f:
+                out.append(f"== {name}\n" + f.read())
+    return "\n".join(out)
+
+
+@pytest.fixture
+def train(tmp_path):
+    return lambda *a, **kw: run_train(tmp_path, *a, **kw)

@@ -1,0 +1,113 @@
+"""Applying profiles to a real veth pair in a throwaway netns (root only)."""
+import itertools
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+from pyroute2 import netns as pr_netns
+
+from dgt.tc_profiles import applier
+from dgt.tc_profiles._nl import open_ipr
+from dgt.tc_profiles.kernel import missing_qdiscs
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, tc)")
+
+
+@pytest.fixture
+def veth():
+    """(netns, dev): a veth pair 'va'/'vb' in a fresh netns, removed even on failure."""
+    ns = f"dgttest-{uuid.uuid4().hex[:8]}"
+    pr_netns.create(ns)
+    try:
+        with open_ipr(ns) as ipr:
+            ipr.link("add", ifname="va", kind="veth", peer={"ifname": "vb"})
+            for n in ("va", "vb"):
+                ipr.link("set", index=ipr.link_lookup(ifname=n)[0], state="up")
+        yield ns, "va"
+    finally:
+        pr_netns.remove(ns)
+
+
+@root_only
+def test_kernel_probe_matches_design():
+    # DESIGN.md, "This machine's kernel": htb/bfifo/pfifo present, prio/netem missing.
+    assert missing_qdiscs(["htb", "bfifo", "pfifo"]) == []
+
+
+@root_only
+@pytest.mark.parametrize("profile", ["htb-prio", "nic-1g"])
+def test_apply_is_idempotent_and_clear_restores(veth, profile):
+    ns, dev = veth
+    start = applier.strip_counters(applier.show(dev, ns))
+    applier.apply(profile, dev, ns)
+    first = applier.show(dev, ns)
+    applier.apply(profile, dev, ns)
+    second = applier.show(dev, ns)
+    assert applier.strip_counters(first) == applier.strip_counters(second)
+    root = first["qdiscs"][0]
+    assert root["kind"] == "htb" and root["handle"] == "d6:" and root["default"] == "d6:16"
+    by_id = {c["classid"]: c for c in first["classes"]}
+    assert by_id["d6:10"]["dscp"] == [46] and by_id["d6:10"]["prio"] == 0
+    assert by_id["d6:16"]["dscp"] == [0] and by_id["d6:16"]["prio"] == 6
+    assert by_id["d6:17"]["dscp"] == [8] and by_id["d6:17"]["prio"] == 7
+    link = 950_000_000 if profile == "nic-1g" else 1_000_000_000
+    assert by_id["d6:1"]["rate_bit"] == link
+    assert all(c["ceil_bit"] == link for c in first["classes"])
+    n_dscp = sum(len(b.dscp) for b in applier.load_profile(profile).bands)
+    assert len([f for f in first["filters"] if f["protocol"] == "ip"]) == n_dscp == 17
+    assert "d6:10" in applier.render_table(first)
+    assert applier.clear(dev, ns) is True
+    assert applier.strip_counters(applier.show(dev, ns)) == start
+    assert applier.clear(dev, ns) is False
+
+
+@root_only
+def test_rate_override(veth):
+    ns, dev = veth
+    applier.apply("htb-prio", dev, ns, rate="100mbit")
+    st = applier.show(dev, ns)
+    assert {c["ceil_bit"] for c in st["classes"]} == {100_000_000}
+    applier.clear(dev, ns)
+
+
+@root_only
+@pytest.mark.parametrize("profile, qdisc", [("prio-dscp", "prio"), ("htb-netem", "netem")])
+def test_missing_qdisc_refused_before_any_change(veth, profile, qdisc):
+    if not missing_qdiscs([qdisc]):
+        pytest.skip(f"this kernel has {qdisc}; the refusal cannot be shown here")
+    ns, dev = veth
+    applier.apply("htb-prio", dev, ns)
+    before = applier.strip_counters(applier.show(dev, ns))
+    with pytest.raises(applier.MissingQdiscError) as e:
+        applier.apply(profile, dev, ns)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"qdisc '{qdisc}' is not in this kernel; use profile 'htb-prio'")
+    assert applier.strip_counters(applier.show(dev, ns)) == before
+    # the CLI says the same in one line, exit code 2, no traceback
+    r = subprocess.run([sys.executable, "-c", CLI, "tc", "apply", profile, "--dev", dev,
+                        "--netns", ns], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith(f"qdisc '{qdisc}' is not in this kernel")
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@root_only
+def test_missing_device_and_netns(veth):
+    ns, _ = veth
+    with pytest.raises(applier.TcError, match="device 'nope' not found in netns"):
+        applier.apply("htb-prio", "nope", ns)
+    with pytest.raises(applier.TcError, match="does not exist"):
+        applier.show("va", "dgt-no-such-netns")
+    assert "dgt-no-such-netns" not in pr_netns.listnetns()
+
+
+CLI = ("import argparse, sys\n"
+       "from dgt.tc_profiles import cli\n"
+       "ap = argparse.ArgumentParser(prog='dgt')\n"
+       "sub = ap.add_subparsers(dest='command', required=True)\n"
+       "cli.register(sub)\n"
+       "a = ap.parse_args()\n"
+       "sys.exit(a.func(a))\n")

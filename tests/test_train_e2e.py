@@ -1,0 +1,84 @@
+"""Multi-process end-to-end runs of 'dgt train' over loopback: real sidecars, real sockets."""
+import pytest
+
+from conftest import logs_of
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_job_reaches_target_accuracy(train, tmp_path):
+    p, r = train()
+    assert r["final_test_accuracy"] >= 0.95, p.stdout
+    assert r["replicas_identical"]
+    assert r["mode"] == "dgt" and r["workers"] == 4
+    for key in ("iterations", "wall_seconds", "comm_ms_median", "comm_ms_p95", "channels",
+                "param_sha256"):
+        assert key in r
+    assert "replicas identical" in p.stdout  # the summary table printed
+    assert "Traceback" not in logs_of(tmp_path / "run")
+
+
+def test_differential_transmission_is_visible(train):
+    _, r = train("--epochs", 1, "--k", 0.5, "--channels", 3)
+    share = r["channel_block_share"]
+    assert share["tcp"] == pytest.approx(0.5, abs=0.01)
+    for c in ("udp1", "udp2", "udp3"):
+        assert share[c] == pytest.approx(0.5 / 3, abs=0.01)
+    assert r["replicas_identical"]
+
+
+@pytest.mark.parametrize("mode", ["tcp", "topk", "random"])
+def test_every_mode_keeps_replicas_identical(train, mode):
+    _, r = train("--epochs", 1, "--mode", mode)
+    assert r["replicas_identical"]
+    ch = r["channels"]
+    if mode == "tcp":
+        assert ch["tcp"]["blocks_sent"] > 0
+        assert all(ch[c]["blocks_sent"] == 0 for c in ("udp1", "udp2", "udp3"))
+    if mode == "topk":
+        assert r["blocks_unsent"] > 0
+        assert all(ch[c]["blocks_sent"] == 0 for c in ("udp1", "udp2", "udp3"))
+    if mode == "random":
+        assert ch["udp3"]["blocks_sent"] > 0
+
+
+def test_tcp_mode_reaches_target(train):
+    _, r = train("--mode", "tcp")
+    assert r["final_test_accuracy"] >= 0.95
+    assert r["replicas_identical"]
+
+
+def test_same_seed_without_loss_gives_same_parameters(tmp_path):
+    from conftest import run_train
+    shas = []
+    for i in range(2):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        _, r = run_train(d, "--epochs", 1, "--seed", 7, "--deadline-ms", 3000)
+        lost = sum(ch["blocks_lost"] for ch in r["channels"].values())
+        assert lost == 0, "precondition: a run without loss"
+        shas.append(r["param_sha256"][0])
+    assert shas[0] == shas[1]
+
+
+def test_loss_is_survived_and_conserved(train):
+    p, r = train("--epochs", 2, "--drop-udp", 0.2, "--check-conservation")
+    assert r["iterations"] == 22
+    assert r["replicas_identical"]
+    assert r["emulated_drops"] > 0
+    assert sum(ch["blocks_lost"] for ch in r["channels"].values()) > 0
+    assert r["conservation_rel_error"] < 1e-4
+
+
+def test_conservation_fails_without_error_feedback(train):
+    """The invariant check can fail: with error feedback off, lost mass is gone."""
+    _, r = train("--epochs", 1, "--drop-udp", 0.2, "--check-conservation",
+                 "--no-error-feedback")
+    assert r["conservation_rel_error"] > 1e-3
+
+
+def test_bad_flag_is_one_line_error(train):
+    p, _ = train("--k", 2, check=False)
+    assert p.returncode == 2
+    assert "--k must be in [0, 1]" in p.stderr
+    assert "Traceback" not in p.stderr

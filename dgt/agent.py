@@ -33,7 +33,7 @@ class Links:
     """How the agent reaches the network (filled in by the sidecar)."""
 
     send_tcp: Callable[[int, bytes], None]            # (shard, frame)
-    send_udp: Callable[[int, int, memoryview], None]  # (channel, shard, datagram)
+    send_udp: Callable[[int, int, np.ndarray], int]  # (channel, shard, rows) -> sent
     local_push: Callable[[int, np.ndarray, np.ndarray, float], None]
 
 
@@ -151,14 +151,20 @@ class WorkerAgent:
         return k
 
     async def _send_paced(self, channel: int, shard: int, dgrams: np.ndarray) -> None:
-        size = dgrams.shape[1]
-        send = self.links.send_udp
-        bucket = self.bucket
-        for row in dgrams:
-            d = bucket.delay(size, time.monotonic())
+        """Send (n, size) datagrams in GSO batches of <= 64 KB, each paced as a burst."""
+        n, size = dgrams.shape
+        per = max(1, 65000 // size)
+        bucket, send = self.bucket, self.links.send_udp
+        i = 0
+        while i < n:
+            k = min(per, n - i)
+            d = bucket.delay(k * size, time.monotonic())
             if d > 0.0005:
                 await asyncio.sleep(d)
-            send(channel, shard, row.data)
+            sent = send(channel, shard, dgrams[i:i + k])
+            if sent < k:  # socket send buffer full: let the kernel drain it
+                await asyncio.sleep(0.0005)
+            i += sent
 
     # -- pull -------------------------------------------------------------------------
     def on_pull(self, shard: int, iteration: int, aggregate: np.ndarray,

@@ -76,6 +76,7 @@ class JobConfig:
 
     workers: int = _f(4, "training processes, one sidecar each")
     epochs: int = _f(10, "passes over the training set")
+    iterations: int = _f(0, "stop after this many iterations (0 = run every epoch)")
     batch_size: int = _f(32, "samples per worker per iteration")
     lr: float = _f(2e-3, "Adam learning rate")
     hidden: int = _f(1024, "MLP hidden width (2 hidden layers; 1024 gives ~1.1M params)")
@@ -93,6 +94,8 @@ class JobConfig:
     def validate(self) -> None:
         if not 1 <= self.workers <= 64:
             raise ValueError(f"--workers must be 1..64, got {self.workers}")
+        if self.iterations < 0:
+            raise ValueError(f"--iterations must be >= 0, got {self.iterations}")
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or self.hidden < 1:
             raise ValueError("--epochs, --batch-size, --hidden must be >= 1 and --lr > 0")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

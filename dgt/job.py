@@ -59,8 +59,16 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((model(x).argmax(1) == y).float().mean())
 
 
-def train(ns: argparse.Namespace) -> dict:
-    """Run the loop; return this rank's result dict. Raises PeerFailure."""
+def train(ns: argparse.Namespace, comm=None) -> dict:
+    """Run the loop; return this rank's result dict. Raises PeerFailure.
+
+    ``comm``: what averages the gradients; anything with ``register(model)``,
+    ``push_pull(step, loss)`` (replaces every ``p.grad`` with the mean over workers),
+    ``close()`` and ``last_k``. Default: a :class:`dgt.Client` on ``ns.socket``. The
+    gloo baseline (``dgt.tools.gloo_train``) passes its all-reduce here, so both run
+    this very loop. ``ns.iterations`` > 0 stops after that many iterations (the last
+    epoch may be partial; it is evaluated all the same).
+    """
     device = torch.device(ns.device)
     torch.set_num_threads(1)
     xtr, ytr, xte, yte = load_digits_split(ns.seed)
@@ -68,7 +76,8 @@ def train(ns: argparse.Namespace) -> dict:
     model = make_model(ns.hidden, ns.seed).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=ns.lr)
     loss_fn = nn.CrossEntropyLoss()
-    client = Client(ns.socket, timeout_s=ns.timeout_s)
+    client = comm if comm is not None else Client(ns.socket, timeout_s=ns.timeout_s)
+    max_iterations = int(getattr(ns, "iterations", 0) or 0)
     t_start = time.monotonic()
     client.register(model)
     per_iter = ns.world * ns.batch_size
@@ -82,16 +91,18 @@ def train(ns: argparse.Namespace) -> dict:
         perm = torch.randperm(len(xtr), generator=g).to(device)
         losses = []
         for i in range(iters_per_epoch):
+            if max_iterations and step >= max_iterations:
+                break
             lo = i * per_iter + ns.rank * ns.batch_size
             idx = perm[lo:lo + ns.batch_size]
             loss = loss_fn(model(xtr[idx]), ytr[idx])
             opt.zero_grad(set_to_none=False)
             loss.backward()
             t0 = time.perf_counter()
-            client.push_pull(step, loss=float(loss))
+            client.push_pull(step, loss=loss.item())
             comm_s.append(time.perf_counter() - t0)
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             step += 1
         acc = accuracy(model, xte, yte)
         elapsed = time.monotonic() - t_start
@@ -103,12 +114,18 @@ def train(ns: argparse.Namespace) -> dict:
             print(f"epoch {epoch + 1:3d}/{ns.epochs}  iter {step:5d}  loss "
                   f"{np.mean(losses):.4f}  test acc {acc:.4f}  comm median "
                   f"{1e3 * float(np.median(comm_s[-iters_per_epoch:])):.1f} ms  "
-                  f"k {client.last_k:.2f}  {elapsed:.1f} s", flush=True)
+                  f"k {_fmt_k(client.last_k)}  {elapsed:.1f} s", flush=True)
+        if max_iterations and step >= max_iterations:
+            break
     client.close()
     return {"rank": ns.rank, "iterations": step, "final_test_accuracy": history[-1]["test_accuracy"],
             "history": history, "param_sha256": param_sha256(model), "comm_s": comm_s,
             "train_seconds": time.monotonic() - t_start, "target_reached": reached,
             "device": str(device)}
+
+
+def _fmt_k(k) -> str:
+    return "-" if k is None else f"{k:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", required=True, help="the node sidecar's Unix socket")
     p.add_argument("--result", required=True, help="write this rank's result JSON here")
     p.add_argument("--epochs", type=int, default=JobConfig.epochs)
+    p.add_argument("--iterations", type=int, default=JobConfig.iterations)
     p.add_argument("--batch-size", type=int, default=JobConfig.batch_size)
     p.add_argument("--lr", type=float, default=JobConfig.lr)
     p.add_argument("--hidden", type=int, default=JobConfig.hidden)

@@ -10,6 +10,7 @@ The launcher names the failed rank, and leaves no process behind.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -19,9 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 
-import numpy as np
 
 from .config import JobConfig, TransmissionConfig, to_argv
 from .report import build_report, print_summary
@@ -81,6 +80,7 @@ class Job:
             self._spawn("sidecar", r, side, env)
             trainer = prefix + [py, "-m", "dgt.job", "--rank", str(r), "--world", str(n),
                                 "--socket", sock, "--epochs", str(j.epochs),
+                                "--iterations", str(j.iterations),
                                 "--result", os.path.join(self.run_dir, f"trainer-{r}.json"),
                                 "--batch-size", str(j.batch_size), "--lr", str(j.lr),
                                 "--hidden", str(j.hidden), "--seed", str(j.seed),
@@ -112,6 +112,7 @@ class Job:
                     if p.returncode not in (None, 0):
                         failure = self._describe_failure(k, r, p.returncode)
                         fail_at = time.monotonic()
+                        self._stop_sidecars(failure, r)
                         break
             if not alive:
                 break
@@ -122,7 +123,22 @@ class Job:
                 self.kill()
                 break
             time.sleep(0.05)
+        self.remove_shared_memory()
         return (0 if failure is None else 1), failure
+
+    def _stop_sidecars(self, message: str, rank: int) -> None:
+        """Tell the surviving sidecars why they stop (they relay it to their trainers,
+        which exit naming the failed rank): write failure.json, then SIGTERM."""
+        tmp = os.path.join(self.run_dir, "failure.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"message": message, "rank": rank}, f)
+        os.replace(tmp, os.path.join(self.run_dir, "failure.json"))
+        for kind, _, p in self.procs:
+            if kind == "sidecar" and p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
 
     def _describe_failure(self, kind: str, rank: int, code: int) -> str:
         if code < 0:
@@ -141,6 +157,18 @@ class Job:
             deadline = time.monotonic() + 3
             while time.monotonic() < deadline and any(p.poll() is None for *_, p in self.procs):
                 time.sleep(0.05)
+        self.remove_shared_memory()
+
+    def remove_shared_memory(self) -> None:
+        """A sidecar killed by SIGKILL cannot unlink its /dev/shm buffers; we can."""
+        from .ipc import shm_dir
+        for kind, _, p in self.procs:
+            if kind == "sidecar" and p.poll() is not None:
+                for path in glob.glob(os.path.join(shm_dir(), f"dgt-{p.pid}-*")):
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
 
     def cleanup(self) -> None:
         if self.own_run_dir:

@@ -17,11 +17,9 @@ import logging
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import numpy as np
 
@@ -30,6 +28,7 @@ from .agent import Links, WorkerAgent
 from .errors import PeerFailure
 from .config import TransmissionConfig, add_arguments, from_args
 from .layout import BlockLayout
+from .rendezvous import Rendezvous
 from .scheduler.deadline import DeadlinePolicy
 from .shard import ServerShard
 from .transport import sockopts, wire
@@ -37,6 +36,7 @@ from .transport.aio import DatagramProtocol, FrameProtocol
 from .transport.channels import channel_dscp
 from .transport.counters import Counters
 from .transport.session import ShardSession
+from .transport.udp_batch import BatchSender, enable_gro
 from .transport.wire import MsgType
 
 log = logging.getLogger("dgt.sidecar")
@@ -70,8 +70,11 @@ class Sidecar:
         self.in_conns: dict[int, FrameProtocol] = {}    # from peer workers (we are shard)
         self.left: set[int] = set()
         self.udp: dict[int, tuple[asyncio.DatagramTransport, DatagramProtocol]] = {}
+        self.udp_senders: dict[int, BatchSender] = {}
+        self.gro = False
         self.peers: dict[int, dict] = {}
         self.session_id = 0
+        self.rdv: Rendezvous | None = None
         self.agent: WorkerAgent | None = None
         self.shard: ServerShard | None = None
         self.layout: BlockLayout | None = None
@@ -79,6 +82,7 @@ class Sidecar:
         self.trainer_writer: asyncio.StreamWriter | None = None
         self.failed: PeerFailure | None = None
         self.done = asyncio.Event()
+        self.rendezvoused = asyncio.Event()
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
         self.pushes = 0
@@ -87,7 +91,7 @@ class Sidecar:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: self.fail("stopped by signal", None))
+            loop.add_signal_handler(sig, self._on_signal)
         await self._bind()
         await self._rendezvous()
         await self.done.wait()
@@ -99,6 +103,15 @@ class Sidecar:
             return EXIT_PEER_FAILURE
         return 0
 
+    def _on_signal(self) -> None:
+        """SIGTERM/SIGINT: stop; if the launcher left the reason (failure.json), pass it on."""
+        try:
+            with open(os.path.join(self.node.run_dir, "failure.json")) as f:
+                info = json.load(f)
+            self.fail(f"job stopped: {info['message']}", info.get("rank"), propagate=False)
+        except (OSError, ValueError, KeyError):
+            self.fail("stopped by signal", None)
+
     async def _bind(self) -> None:
         loop = asyncio.get_running_loop()
         base = self.node.base_port + 10 * self.rank if self.node.base_port else 0
@@ -107,6 +120,10 @@ class Sidecar:
                                                    sock=self.tcp_sock)
         for c in range(1, self.cfg.channels + 1):
             s = sockopts.udp_socket(self.node.host, base + c if base else 0, self.dscp[c])
+            # GRO hands us coalesced runs of datagrams; receive-side loss emulation
+            # must drop single datagrams, so it runs without GRO
+            self.gro = enable_gro(s) if not self.cfg.drop_udp else False
+            self.udp_senders[c] = BatchSender(s)
             tr, proto = await loop.create_datagram_endpoint(
                 lambda c=c: DatagramProtocol(lambda d, a, now, c=c: self._on_datagram(c, d, now),
                                              self.cfg.drop_udp,
@@ -128,13 +145,6 @@ class Sidecar:
     def udp_ports(self) -> list[int]:
         return [self.udp[c][0].get_extra_info("sockname")[1] for c in sorted(self.udp)]
 
-    def _store(self):
-        from torch.distributed import TCPStore
-        return TCPStore(self.node.master_addr, self.node.master_port, self.world,
-                        is_master=self.rank == 0,
-                        timeout=timedelta(seconds=self.cfg.peer_timeout_s * 3),
-                        wait_for_workers=False)
-
     async def _rendezvous(self) -> None:
         """Publish our endpoints and get everybody's (blocking store calls in a thread)."""
         loop = asyncio.get_running_loop()
@@ -142,22 +152,24 @@ class Sidecar:
               "udp_ports": self.udp_ports, "pid": os.getpid()}
 
         def exchange():
-            store = self._store()
+            rdv = Rendezvous(self.node.master_addr, self.node.master_port, self.world,
+                             self.rank, self.cfg.peer_timeout_s * 3)
             if self.rank == 0:
-                store.set("dgt/session", str(random.SystemRandom().getrandbits(64)))
-            store.set(f"dgt/ep/{self.rank}", json.dumps(me))
-            session = int(store.get("dgt/session"))
-            peers = {r: json.loads(store.get(f"dgt/ep/{r}")) for r in range(self.world)}
-            return store, session, peers
+                rdv.set("dgt/session/0", str(random.SystemRandom().getrandbits(64)))
+            rdv.set(f"dgt/ep/{self.rank}", json.dumps(me))
+            rdv.wait(["dgt/session/0"])
+            session = int(rdv.store.get("dgt/session/0"))
+            peers = {r: json.loads(v) for r, v in rdv.gather("dgt/ep").items()}
+            return rdv, session, peers
 
         try:
-            self.store, self.session_id, self.peers = await loop.run_in_executor(None, exchange)
-        except Exception as e:  # TCPStore raises RuntimeError/DistStoreError on timeout
-            self.fail(f"rendezvous at {self.node.master_addr}:{self.node.master_port} "
-                      f"failed: {e}".splitlines()[0], None)
+            self.rdv, self.session_id, self.peers = await loop.run_in_executor(None, exchange)
+        except PeerFailure as e:
+            self.fail(str(e), e.rank)
             return
         with open(os.path.join(self.node.run_dir, f"endpoints-{self.rank}.json"), "w") as f:
             json.dump(me, f)
+        self.rendezvoused.set()
 
     # -- trainer ----------------------------------------------------------------------
     async def _serve_trainer(self, reader: asyncio.StreamReader,
@@ -193,6 +205,8 @@ class Sidecar:
                                       "message": f"unknown op {op!r}"})
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:  # shutting down
+            return
         except PeerFailure as e:
             self.fail(str(e), e.rank)
         if clean:
@@ -208,12 +222,12 @@ class Sidecar:
     async def _register(self, msg: dict) -> None:
         loop = asyncio.get_running_loop()
         n_params = int(msg["n_params"])
+        await self.rendezvoused.wait()
         rank = self.rank
 
         def agree():
-            self.store.set(f"dgt/n_params/{rank}", str(n_params))
-            sizes = {r: int(self.store.get(f"dgt/n_params/{r}")) for r in range(self.world)}
-            return sizes
+            self.rdv.set(f"dgt/n_params/{rank}", str(n_params))
+            return {r: int(v) for r, v in self.rdv.gather("dgt/n_params").items()}
 
         sizes = await loop.run_in_executor(None, agree)
         if len(set(sizes.values())) != 1:
@@ -239,9 +253,8 @@ class Sidecar:
         await self._connect_peers()
 
         def barrier():
-            self.store.set(f"dgt/ready/{rank}", "1")
-            for r in range(self.world):
-                self.store.get(f"dgt/ready/{r}")
+            self.rdv.set(f"dgt/ready/{rank}", "1")
+            self.rdv.gather("dgt/ready")
 
         await loop.run_in_executor(None, barrier)
         self._to_trainer({"op": "registered", "grad": grad.path, "aggregate": agg.path,
@@ -299,9 +312,9 @@ class Sidecar:
             raise PeerFailure(f"connection to rank {shard} is closed", shard)
         conn.send(frame)
 
-    def _send_udp(self, channel: int, shard: int, datagram) -> None:
+    def _send_udp(self, channel: int, shard: int, rows: np.ndarray) -> int:
         ep = self.peers[shard]
-        self.udp[channel][0].sendto(datagram, (ep["host"], ep["udp_ports"][channel - 1]))
+        return self.udp_senders[channel].send(rows, (ep["host"], ep["udp_ports"][channel - 1]))
 
     def _send_pull(self, worker: int, iteration: int, aggregate: np.ndarray,
                    received: np.ndarray) -> None:
@@ -420,6 +433,9 @@ class Sidecar:
             for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
                 conn.send(frame)
         self._to_trainer({"op": "error", "rank": rank, "message": message})
+        if self.rdv is not None:  # ranks still in a rendezvous wait learn it there
+            asyncio.get_running_loop().run_in_executor(
+                None, self.rdv.publish_failure, message, rank)
         self.done.set()
 
     def finish(self) -> None:
@@ -440,6 +456,9 @@ class Sidecar:
             "config": {k: v for k, v in asdict(self.cfg).items() if k != "secret"},
             "deadline_finalised": self.shard.finalised_by_deadline if self.shard else 0,
             "emulated_drops": sum(p.emulated_drops for _, p in self.udp.values()),
+            "udp_gso": all(b.gso for b in self.udp_senders.values()),
+            "udp_gro": self.gro,
+            "udp_send_syscalls": sum(b.syscalls for b in self.udp_senders.values()),
             "k_mean": float(np.mean(self.agent.k_history)) if self.agent and
             self.agent.k_history else None,
             **self.counters.to_dict(self.cfg.channels),

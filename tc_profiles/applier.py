@@ -16,7 +16,6 @@ import errno
 import logging
 import socket
 import struct
-from dataclasses import dataclass
 
 from pyroute2.netlink import NLM_F_DUMP, NLM_F_REQUEST
 from pyroute2.netlink.exceptions import NetlinkError

@@ -11,7 +11,7 @@ DSCP: RFC 2474 (field), RFC 3246 (EF), RFC 2597 (AF), RFC 3662/8622 (LE, scaveng
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any

@@ -36,15 +36,14 @@ import re
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from pyroute2 import netns as _netns
-from pyroute2.netlink.exceptions import NetlinkError
 
 from . import applier
 from ._nl import is_root, open_ipr
-from .schema import Profile, ProfileError, load_profile, parse_rate
+from .schema import Profile, load_profile, parse_rate
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,4 @@
-import math
 
-import numpy as np
 import pytest
 import torch
 

@@ -4,7 +4,7 @@ import pytest
 
 from dgt.transport import wire
 from dgt.transport.session import (BlocksArrived, IterationComplete, Rejected,
-                                   ShardSession, WorkerFinalised)
+                                   ShardSession)
 from dgt.transport.wire import Flag, MsgType
 
 S = 0xABCDEF
@@ -140,3 +140,47 @@ def test_replayed_sequence_is_deterministic():
     a, b = run(), run()
     assert a[0] == b[0] and np.array_equal(a[1], b[1])
     assert ("IterationComplete", None) in a[0]
+
+
+def _rows(sender, blocks, it=0, ch=1, key=None, sess=S):
+    data = np.tile(np.array(blocks, np.float32)[:, None], (1, ELEMS))
+    return wire.encode_block_datagrams(session=sess, sender=sender, shard=1, iteration=it,
+                                       channel=ch, indices=np.array(blocks), blocks=data,
+                                       key=key)
+
+
+@pytest.mark.parametrize("key", [None, b"k"])
+def test_coalesced_datagrams_equal_one_by_one(key):
+    """A GRO buffer (n equal-size datagrams back to back) gives the same state as the
+    same datagrams one by one, including strays, duplicates and a short tail."""
+    good = _rows(0, [10, 11, 12], key=key)
+    other = _rows(1, [15, 16], ch=2, key=key)
+    stray = _rows(0, [13], sess=S + 1, key=key)
+    dup = _rows(0, [11], key=key)
+    parts = [good, stray, other, dup]
+    buf = b"".join(p.tobytes() for p in parts) + b"\x00" * 7  # junk tail
+    a, b = session(key=key), session(key=key)
+    ev = a.receive_datagram(buf, now=0)
+    for p in parts:
+        for row in p:
+            b.receive_datagram(row.tobytes(), now=0)
+    b.receive_datagram(b"\x00" * 7, now=0)
+    assert np.array_equal(a.received, b.received)
+    assert np.array_equal(a.per_channel, b.per_channel)
+    assert a.counters.rejected == b.counters.rejected
+    assert a.counters.rejected["stray"] == 1 and a.counters.rejected["short"] == 1
+    for c in (1, 2):
+        assert a.counters.channels[c] == b.counters.channels[c]
+    assert a.counters.channels[1].blocks_duplicate == 1
+    arrived = [e for e in ev if isinstance(e, BlocksArrived)]
+    assert sorted(int(r) for e in arrived for r in np.atleast_1d(e.rows)) == [0, 1, 2, 5, 6]
+
+
+def test_coalesced_late_and_completion():
+    s = session(n_workers=1)
+    s.receive_frame(*end(0, [0, 3]), now=0)
+    ev = s.receive_datagram(_rows(0, [10, 11, 12]).tobytes(), now=0.01)
+    assert kinds(ev)[-2:] == ["WorkerFinalised", "IterationComplete"]
+    s.advance()
+    ev = s.receive_datagram(_rows(0, [13, 14], it=0).tobytes(), now=0.02)
+    assert Rejected("late") in ev and s.counters.channels[1].blocks_late == 2

@@ -1,5 +1,4 @@
 """Applying profiles to a real veth pair in a throwaway netns (root only)."""
-import itertools
 import os
 import subprocess
 import sys

@@ -19,24 +19,35 @@ import time
 from typing import Callable
 
 from . import sockopts
-from .framing import Deframer
+from .framing import split_frames
 from .wire import WireError
 
 log = logging.getLogger(__name__)
 
 
-class FrameProtocol(asyncio.Protocol):
+class FrameProtocol(asyncio.BufferedProtocol):
     """``on_frame(proto, header, payload, now)``; ``on_bad(proto, reason)``;
-    ``on_lost(proto, exc)`` when the connection closes."""
+    ``on_lost(proto, exc)`` when the connection closes.
+
+    Receives straight into one preallocated buffer (``get_buffer``/``buffer_updated``,
+    i.e. ``recv_into``): a frame's payload is a view into it, valid only during
+    ``on_frame`` (consumers copy what they keep). The buffer grows to the largest frame
+    seen, and a partial frame is moved to the front once per read.
+    """
+
+    INITIAL_BYTES = 1 << 20
+    UNAUTHENTICATED_MAX = 1 << 16
 
     def __init__(self, on_frame: Callable, on_lost: Callable, on_bad: Callable,
                  key: bytes | None = None, dscp: int | None = None):
         self.on_frame, self.on_lost, self.on_bad = on_frame, on_lost, on_bad
-        self.deframer = Deframer(key)
+        self.key = key
+        self.buf = bytearray(self.INITIAL_BYTES)
+        self.have = 0           # bytes in buf
         self.dscp = dscp
         self.transport: asyncio.Transport | None = None
         self.peer_rank: int | None = None  # learned from HELLO
-        self.said_bye = False
+        self.outgoing = False
 
     def connection_made(self, transport):
         self.transport = transport
@@ -48,9 +59,21 @@ class FrameProtocol(asyncio.Protocol):
             except OSError as e:  # pragma: no cover - depends on socket kind
                 log.debug("could not set DSCP on accepted socket: %s", e)
 
-    def data_received(self, data):
+    def get_buffer(self, sizehint):
+        if self.have == len(self.buf):  # full with one partial frame: grow
+            self._grow(2 * len(self.buf))
+        return memoryview(self.buf)[self.have:]
+
+    def _grow(self, size: int) -> None:
+        new = bytearray(size)  # a new buffer: views of the old one may still exist
+        new[: self.have] = self.buf[: self.have]
+        self.buf = new
+
+    def buffer_updated(self, nbytes):
+        self.have += nbytes
+        view = memoryview(self.buf)[: self.have]
         try:
-            frames = self.deframer.feed(data)
+            frames, used, need = split_frames(view, self.key)
         except WireError as e:
             self.on_bad(self, e.reason)
             self.transport.abort()
@@ -60,6 +83,21 @@ class FrameProtocol(asyncio.Protocol):
             self.on_frame(self, h, payload, now)
             if self.transport.is_closing():
                 return
+        del frames, view
+        rest = self.have - used
+        if used and rest:
+            self.buf[:rest] = self.buf[used:self.have]  # same-size move: no resize
+        self.have = rest
+        if need > len(self.buf):
+            # a stranger (no HELLO yet) gets no large allocation out of us
+            if self.peer_rank is None and need > self.UNAUTHENTICATED_MAX:
+                self.on_bad(self, "too_long")
+                self.transport.abort()
+                return
+            self._grow(need)
+
+    def eof_received(self):
+        return False
 
     def connection_lost(self, exc):
         self.on_lost(self, exc)

@@ -1,34 +1,51 @@
 """TCP stream framing (sans-IO): bytes in, whole messages out.
 
-A TCP stream is a concatenation of wire messages (``dgt.transport.wire``). The deframer
-never trusts a length beyond ``wire.MAX_FRAME_PAYLOAD``; a bad header cannot be
-resynchronised, so it raises :class:`~dgt.transport.wire.WireError` and the adapter
-closes the connection (and counts it).
+A TCP stream is a concatenation of wire messages (``dgt.transport.wire``). Lengths are
+never trusted beyond ``wire.MAX_FRAME_PAYLOAD``; a bad header cannot be resynchronised,
+so it raises :class:`~dgt.transport.wire.WireError` and the adapter closes the connection
+(and counts it).
 """
 from __future__ import annotations
 
 from . import wire
 
 
+def split_frames(view: memoryview, key: bytes | None = None):
+    """Parse whole messages at the start of ``view``.
+
+    Returns ``(frames, consumed, need)``: the ``(Header, payload view)`` pairs, how many
+    bytes they used, and how many bytes the next (incomplete) message needs in total
+    from ``consumed`` on. Raises WireError on a malformed message.
+    """
+    out = []
+    pos, n = 0, len(view)
+    need = wire.HEADER_BYTES
+    while n - pos >= wire.HEADER_BYTES:
+        h = wire.decode_header(view[pos:])
+        size = wire.frame_size(h)
+        if n - pos < size:
+            need = size
+            break
+        out.append(wire.decode(view[pos:pos + size], key))
+        pos += size
+    return out, pos, need
+
+
 class Deframer:
     """Feed stream bytes; get ``(Header, payload memoryview)`` per complete message.
 
-    With ``key`` every frame must carry a valid MAC. Payload views stay valid until the
-    next :meth:`feed` call.
+    With ``key`` every frame must carry a valid MAC. Cost is linear in the bytes fed: a
+    partial frame is buffered and parsed once it is whole. (The asyncio adapter uses
+    :func:`split_frames` directly on a preallocated receive buffer.)
     """
 
     def __init__(self, key: bytes | None = None):
         self._buf = bytearray()
-        self._need = wire.HEADER_BYTES  # bytes needed before parsing again
+        self._need = wire.HEADER_BYTES
         self._key = key
 
     def feed(self, data) -> list[tuple[wire.Header, memoryview]]:
-        """Raises WireError on the first malformed frame; already-complete earlier frames
-        of the same call are discarded with it (the connection is unusable anyway).
-
-        Cost is linear in the bytes fed: a partial frame is appended to a buffer and
-        parsed once, when it is whole (no re-copy per segment).
-        """
+        """Raises WireError on the first malformed frame."""
         buf = self._buf
         if buf:
             buf += data
@@ -38,21 +55,10 @@ class Deframer:
             buf.clear()
         else:
             view = memoryview(data).cast("B")
-        out = []
-        pos = 0
-        n = len(view)
-        self._need = wire.HEADER_BYTES
-        while n - pos >= wire.HEADER_BYTES:
-            h = wire.decode_header(view[pos:])
-            size = wire.frame_size(h)
-            if n - pos < size:
-                self._need = size
-                break
-            out.append(wire.decode(view[pos:pos + size], self._key))
-            pos += size
-        if pos < n:
-            buf += view[pos:]
-        return out
+        frames, used, self._need = split_frames(view, self._key)
+        if used < len(view):
+            buf += view[used:]
+        return frames
 
     @property
     def buffered(self) -> int:

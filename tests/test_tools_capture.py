@@ -1,0 +1,171 @@
+"""dgt capture: real loopback traffic, count bound, ring rotation, channel filter, netns."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dgt.transport import wire
+from dgt.tools import capture, dissect, ports, synth
+
+root = pytest.mark.skipif(os.geteuid() != 0, reason="capture needs root (AF_PACKET)")
+PY = sys.executable
+
+
+def _blast(port: int, n: int, channel: int = 1, dscp: int = 34, elems: int = 64) -> bytes:
+    """Send n real block datagrams to 127.0.0.1:port; returns the first datagram."""
+    dgs = wire.encode_block_datagrams(session=7, sender=0, shard=0, iteration=1,
+                                      channel=channel, indices=np.arange(n),
+                                      blocks=np.ones((n, elems), np.float32))
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+    for row in dgs:
+        s.sendto(row.tobytes(), ("127.0.0.1", port))
+    s.close()
+    return dgs[0].tobytes()
+
+
+@root
+def test_count_bound_stops_and_file_is_readable(tmp_path):
+    base = synth.free_base_port(1)
+    out = tmp_path / "c.pcap"
+    cap = capture.Capture(capture.CaptureConfig(
+        out=str(out), ports=ports.from_ports(f"{base}-{base + 3}"), count=25)).start()
+    first = _blast(base + 1, 60)
+    st = cap.join(10)
+    assert st.stopped_by == "count" and st.packets == 25
+    msgs, d = dissect.messages_from_pcap(out)
+    assert len(msgs) == 25 and d.undecodable == 0
+    assert msgs[0].data == first and msgs[0].dscp == 34
+    assert [m.header.block for m in msgs] == list(range(25))  # lo: no duplicate copies
+
+
+@root
+def test_ring_rotation_keeps_newest_files(tmp_path):
+    base = synth.free_base_port(1)
+    out = tmp_path / "ring.pcap"
+    cap = capture.Capture(capture.CaptureConfig(
+        out=str(out), ports=ports.from_ports(str(base + 1)), ring=3, file_mb=0.02)).start()
+    _blast(base + 1, 200)  # ~300 B frames: ~60 KB, so 3+ rotations at 20 KB
+    time.sleep(0.3)
+    cap.stop()
+    st = cap.join(10)
+    assert st.packets == 200
+    assert len(st.files) == 3 and st.deleted_files >= 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(os.path.basename(f)
+                                                               for f in st.files)
+    for f in st.files:
+        assert os.path.getsize(f) <= 20_000
+    msgs, d = dissect.messages_from_pcap(st.files[-1])
+    assert msgs and msgs[-1].header.block == 199 and d.undecodable == 0
+    # ring files read in order form one contiguous tail of the traffic
+    blocks = [m.header.block for f in st.files for m in dissect.messages_from_pcap(f)[0]]
+    assert blocks == list(range(200 - len(blocks), 200))
+
+
+@root
+def test_channel_filter_bpf_and_layout(tmp_path):
+    cfg = synth.SynthConfig(base_port=synth.free_base_port(2), iterations=2)
+    sent, spec = synth.captured_run(cfg, str(tmp_path / "ch.pcap"), channels=[0, 2])
+    msgs, d = dissect.messages_from_pcap(tmp_path / "ch.pcap", spec)
+    chans = {m.header.channel for m in msgs}
+    assert chans == {0, 2}
+    n2 = sum(1 for m in msgs if m.header.type == wire.MsgType.BLOCKS and m.header.channel == 2)
+    assert n2 == sent["channels"]["udp2"]["blocks_sent"]
+    assert "udp[12] = 2" in sent["capture"]["filter"]
+
+
+def test_bpf_filter_text():
+    spec = ports.from_base_port(47000, 2, 3)
+    f = ports.bpf_filter(spec, [0, 1])
+    assert f == ("(tcp and (port 47000 or port 47010)) or ((udp and (port 47001 or "
+                 "port 47011)) and (udp[12] = 1))")
+    assert ports.bpf_filter(ports.from_ports("5-9")) == (
+        "(tcp and (portrange 5-9)) or (udp and (portrange 5-9))")
+
+
+@root
+@pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2 'ip' not installed")
+def test_capture_inside_netns(tmp_path):
+    ns = f"dgtcap{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot create a netns here: {r.stderr.strip()}")
+    try:
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        out = tmp_path / "ns.pcap"
+        cap = capture.Capture(capture.CaptureConfig(
+            out=str(out), ports=ports.from_ports("47001"), netns=ns, count=5)).start()
+        # the same port in the host namespace must not show up
+        _blast(47001, 3, dscp=8)
+        code = ("import socket,numpy as np; from dgt.transport import wire;"
+                "d=wire.encode_block_datagrams(session=9,sender=3,shard=0,iteration=4,channel=1,"
+                "indices=np.arange(5),blocks=np.zeros((5,4),np.float32));"
+                "s=socket.socket(2,2);[s.sendto(x.tobytes(),('127.0.0.1',47001)) for x in d]")
+        subprocess.run(["ip", "netns", "exec", ns, PY, "-c", code], check=True)
+        st = cap.join(10)
+        msgs, _ = dissect.messages_from_pcap(out)
+        assert st.packets == 5 and {m.header.session for m in msgs} == {9}
+    finally:
+        subprocess.run(["ip", "netns", "del", ns])
+
+
+def _cli(*args, **kw):
+    return subprocess.run([PY, "-m", "dgt.tools.cli", *args], capture_output=True, text=True,
+                          timeout=60, **kw)
+
+
+@pytest.mark.parametrize("cmd", [["capture"], ["pcap"], ["pcap", "summary"], ["replay"]])
+def test_help_on_every_command(cmd):
+    r = _cli(*cmd, "--help")
+    assert r.returncode == 0 and "usage: dgt" in r.stdout
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path):
+    cases = [
+        ["pcap", "summary", str(tmp_path / "missing.pcap")],
+        ["replay", str(tmp_path / "missing.pcap"), "--to", "127.0.0.1"],
+        ["capture", "--ports", "1-x", "--count", "1"],
+        ["capture", "--report", str(tmp_path / "nope.json"), "--count", "1"],
+        ["capture", "--ports", "5000", "--ring", "3"],
+        ["capture", "--ports", "5000", "-i", "nosuchif0", "--count", "1"],
+    ]
+    for args in cases:
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "error" in r.stderr
+
+
+def test_capture_not_root_says_so(tmp_path):
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop to an unprivileged user")
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        "--inh-caps=-all", PY, "-m", "dgt.tools.cli", "capture", "--ports",
+                        "5000", "--count", "1", "-w", "/tmp/x.pcap"],
+                       capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 2 and "root" in r.stderr and "Traceback" not in r.stderr
+
+
+@root
+def test_cli_capture_count_via_subprocess(tmp_path):
+    base = synth.free_base_port(1)
+    out = tmp_path / "cli.pcap"
+    p = subprocess.Popen([PY, "-m", "dgt.tools.capture", "--ports", str(base + 2),
+                          "--count", "10", "-w", str(out), "--seconds", "30"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stderr.readline()
+    assert "capturing on lo" in line
+    _blast(base + 2, 20, channel=2, dscp=18)
+    so, se = p.communicate(timeout=30)
+    assert p.returncode == 0, se
+    assert "packets" in so and "count" in so
+    msgs, _ = dissect.messages_from_pcap(out)
+    assert len(msgs) == 10 and {m.dscp for m in msgs} == {18}

@@ -1,0 +1,105 @@
+"""Fault injection against a real 'dgt train' run: malformed input, dead peers."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import logs_of
+
+pytestmark = pytest.mark.slow
+
+
+def free_base_port() -> int:
+    """A base port whose next 40 ports are free right now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1] // 10 * 10
+        if base + 40 > 65000:
+            continue
+        ok = True
+        for off in range(40):
+            for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+                with socket.socket(socket.AF_INET, kind) as t:
+                    try:
+                        t.bind(("127.0.0.1", base + off))
+                    except OSError:
+                        ok = False
+        if ok:
+            return base
+    pytest.skip("no free block of 40 ports on loopback")
+
+
+def start_train(run_dir, *args):
+    cmd = [sys.executable, "-m", "dgt.cli", "train", "--run-dir", str(run_dir),
+           *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path, proc, timeout_s=120):
+    t_end = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < t_end, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_bad_input_during_training_is_counted_and_dropped(tmp_path):
+    from dgt.tools.fuzz import fuzz
+    base = free_base_port()
+    run_dir, report = tmp_path / "run", tmp_path / "r.json"
+    p = start_train(run_dir, "--epochs", 6, "--base-port", base, "--report", report)
+    wait_for(run_dir / "endpoints-1.json", p)
+    ep = json.loads((run_dir / "endpoints-1.json").read_text())
+    sent = fuzz("127.0.0.1", ep["tcp_port"], ep["udp_ports"], n=10_000, seed=1)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, out + err
+    r = json.loads(report.read_text())
+    assert r["replicas_identical"]
+    assert r["final_test_accuracy"] >= 0.95
+    rejected = sum(r["rejected"].values())
+    # every UDP mutant and every TCP connection that got through is counted
+    assert rejected >= sent["udp"] * 0.95 + 1, (sent, r["rejected"])
+    logs = logs_of(run_dir) + err
+    assert "Traceback" not in logs
+
+
+@pytest.mark.parametrize("victim", ["trainer", "sidecar"])
+def test_dead_peer_ends_the_job_with_its_rank_named(tmp_path, victim):
+    run_dir = tmp_path / "run"
+    p = start_train(run_dir, "--epochs", 200)
+    wait_for(run_dir / "pids.json", p)
+    for line in p.stdout:  # rank 0's progress: training has started
+        if line.startswith("epoch"):
+            break
+    pids = json.loads((run_dir / "pids.json").read_text())
+    dead = next(x for x in pids if x["kind"] == victim and x["rank"] == 2)
+    os.kill(dead["pid"], signal.SIGKILL)
+    out, err = p.communicate(timeout=60)  # bounded: a hang fails the test
+    assert p.returncode != 0
+    text = out + err
+    assert f"{victim} of rank 2" in text or "rank 2" in text, text
+    assert "failed" in text
+    assert not [x for x in pids if alive(x["pid"])]
+    logs = logs_of(run_dir)
+    assert "Traceback" not in logs
+    # the survivors named the dead rank themselves
+    assert "rank 2" in (run_dir / "trainer-0.log").read_text()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dgt-{dead['pid']}")]

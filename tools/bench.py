@@ -1,0 +1,713 @@
+"""``dgt bench``: dgt against gloo all-reduce on the same shaped links.
+
+The matrix (root; builds the netns testbed itself and always tears it down)::
+
+    dgt bench [--systems gloo,tcp,topk,dgt] [--scenarios clean,tenant,lossy]
+              [--rates 1gbit,100mbit] [--workers 4] [--hidden 2500] [--iterations N]
+              [--out docs/bench]
+
+Systems: ``gloo`` (``dgt.tools.gloo_train``: the same training loop, gradients averaged
+by one gloo ``all_reduce``), and ``dgt train --mode tcp|topk|dgt``. Scenarios:
+
+- ``clean``: the testbed alone;
+- ``tenant``: best-effort bulk TCP (iperf3, DSCP 0) from host i to host i+1 mod N for the
+  whole run, so every host's port and every router port carries a tenant flow; restarted
+  per run, bounded to a little more than the run's expected length, stopped when it ends;
+- ``lossy``: ``--loss-pct`` random loss in the router (nftables numgen) on the DSCPs of
+  dgt's unreliable channels only (34, 18, 8): TCP (gloo, dgt's reliable channel) loses
+  nothing.
+
+Per cell: median and p95 communication time per iteration (trainer rank 0: from the
+push to the applied aggregate), time to target accuracy, final accuracy, bytes per
+channel, bytes each node sends per iteration, and goodput = those bytes / median comm
+time / line rate. Outputs in ``--out``: ``results.json`` (every cell), ``README.md``
+(table, exact command, date, load), ``comm_time.png`` and ``time_to_accuracy.png``.
+
+``dgt bench --loopback`` (no root) runs the systems over loopback without shaping: the
+overhead check (``loopback.json``, ``loopback.md``, ``loopback_comm_time.png``).
+``dgt bench goodput`` (root) compares dgt's reliable channel with iperf3 on one port.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("dgt.tools.bench")
+
+SYSTEMS = ("gloo", "tcp", "topk", "dgt")
+SCENARIOS = ("clean", "tenant", "lossy")
+SYSTEM_LABEL = {"gloo": "gloo all_reduce", "tcp": "dgt --mode tcp",
+                "topk": "dgt --mode topk", "dgt": "dgt --mode dgt"}
+UNRELIABLE_DSCP = (34, 18, 8)
+NOT_ROOT = ("dgt bench needs root (network namespaces, tc, nftables); run as root, "
+            "or use 'dgt bench --loopback'")
+#: Seconds a cell spends outside its iterations (process start, imports, rendezvous,
+#: registration, evaluation), measured on the 2-core development VM.
+STARTUP_S = 20.0
+#: Per-iteration compute seen by one worker on the development VM with --hidden 2500
+#: (forward/backward, gradient copies, scoring), on top of the transfer time.
+COMPUTE_S_PER_ITER = 0.35
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run as asked; the message says what to do."""
+
+
+@dataclass
+class BenchConfig:
+    systems: tuple[str, ...] = SYSTEMS
+    scenarios: tuple[str, ...] = SCENARIOS
+    rates: tuple[str, ...] = ("1gbit", "100mbit")
+    workers: int = 4
+    hidden: int = 2500
+    epochs: int = 10
+    iterations: int = 22
+    target_accuracy: float = 0.9
+    loss_pct: float = 1.0
+    profile: str = "htb-prio"
+    seed: int = 0
+    out: str = "docs/bench"
+    loopback: bool = False
+    cell_timeout_s: float = 0.0   # 0: from the estimate
+    keep_runs: bool = False
+
+    def validate(self) -> None:
+        for s in self.systems:
+            if s not in SYSTEMS:
+                raise BenchError(f"--systems: unknown system {s!r}; choose from "
+                                 f"{','.join(SYSTEMS)}")
+        for s in self.scenarios:
+            if s not in SCENARIOS:
+                raise BenchError(f"--scenarios: unknown scenario {s!r}; choose from "
+                                 f"{','.join(SCENARIOS)}")
+        if not self.systems or (not self.loopback and not self.scenarios) or \
+                (not self.loopback and not self.rates):
+            raise BenchError("--systems, --scenarios and --rates must each name at least one")
+        if not 2 <= self.workers <= 64:
+            raise BenchError(f"--workers must be 2..64, got {self.workers}")
+        if self.hidden < 1 or self.epochs < 1 or self.iterations < 0:
+            raise BenchError("--hidden and --epochs must be >= 1, --iterations >= 0")
+        if not 0 < self.loss_pct < 100:
+            raise BenchError(f"--loss-pct must be in (0, 100), got {self.loss_pct}")
+        for r in self.rates:
+            rate_bps(r)
+
+
+def rate_bps(rate: str) -> float:
+    """tc rate notation -> bit/s. Raises BenchError naming the bad rate."""
+    from dgt.tc_profiles.schema import parse_rate
+    try:
+        return float(parse_rate(rate))
+    except ValueError as e:
+        raise BenchError(f"--rates: {e}") from None
+
+
+def n_params(hidden: int) -> int:
+    """Parameters of ``dgt.job.make_model(hidden)``: 64-H-H-10 MLP with biases."""
+    return 64 * hidden + hidden + hidden * hidden + hidden + 10 * hidden + 10
+
+
+def iterations_of(cfg: BenchConfig) -> int:
+    """Iterations one cell runs: --iterations, or --epochs full epochs (the digits
+    train split, 1,437 samples, over workers * 32 per iteration)."""
+    per_epoch = max(1, 1437 // (cfg.workers * 32))
+    full = cfg.epochs * per_epoch
+    return min(full, cfg.iterations) if cfg.iterations else full
+
+
+def estimate_cell_s(cfg: BenchConfig, rate: str | None) -> float:
+    """Expected seconds of one cell: start-up plus iterations x (transfer at line rate of
+    the ring-equivalent 2 (N-1)/N of the gradient, + compute)."""
+    grad = 4 * n_params(cfg.hidden)
+    per_node = 2 * (cfg.workers - 1) / cfg.workers * grad
+    xfer = per_node * 8 / rate_bps(rate) if rate else 0.0
+    return STARTUP_S + iterations_of(cfg) * (xfer + COMPUTE_S_PER_ITER)
+
+
+def plan(cfg: BenchConfig) -> list[dict]:
+    """The cells, in run order (one testbed build per rate x loss setting)."""
+    if cfg.loopback:
+        return [dict(rate=None, scenario="loopback", system=s) for s in cfg.systems]
+    return [dict(rate=r, scenario=sc, system=s) for r in cfg.rates
+            for sc in cfg.scenarios for s in cfg.systems]
+
+
+def estimate_s(cfg: BenchConfig) -> float:
+    return sum(estimate_cell_s(cfg, c["rate"]) for c in plan(cfg)) + \
+        (0 if cfg.loopback else 4.0 * len(cfg.rates) * (1 + ("lossy" in cfg.scenarios)))
+
+
+# ------------------------------------------------------------------------ tenant load
+
+
+class TenantLoad:
+    """Bulk best-effort TCP (iperf3, DSCP 0) src -> dst for each pair, in the background.
+
+    ``start(seconds)`` starts servers and clients (clients stop by themselves after
+    ``seconds``); ``stop()`` ends them early and returns [{src, dst, mbit_s}].
+    """
+
+    def __init__(self, tb, pairs: list[tuple[int, int]], port_base: int = 5401):
+        self.tb, self.pairs, self.port_base = tb, pairs, port_base
+        self.servers: list[subprocess.Popen] = []
+        self.clients: list[subprocess.Popen] = []
+
+    def start(self, seconds: float) -> None:
+        if not shutil.which("iperf3"):
+            raise BenchError("the tenant scenario needs iperf3 (apt-get install iperf3)")
+        from dgt.tc_profiles.testbed import _wait_listen
+        for k, (s, d) in enumerate(self.pairs):
+            self.servers.append(self.tb.popen_in(
+                d, ["iperf3", "-s", "-1", "-p", str(self.port_base + k), "-B",
+                    self.tb.host_addr(d)], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL))
+        _wait_listen(self.tb, self.pairs, self.port_base)
+        for k, (s, d) in enumerate(self.pairs):
+            self.clients.append(self.tb.popen_in(
+                s, ["iperf3", "-c", self.tb.host_addr(d), "-p", str(self.port_base + k),
+                    "-t", f"{max(1, int(seconds))}", "-J"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+
+    def stop(self) -> list[dict]:
+        out = []
+        for c in self.clients:
+            if c.poll() is None:
+                c.send_signal(signal.SIGINT)   # iperf3 still prints its JSON
+        for (s, d), c in zip(self.pairs, self.clients):
+            try:
+                text, _ = c.communicate(timeout=5)
+                j = json.loads(text)
+                end = j.get("end", {})
+                bps = end.get("sum_received", end.get("sum", {})).get("bits_per_second")
+                secs = end.get("sum_received", {}).get("seconds")
+            except (subprocess.TimeoutExpired, ValueError, AttributeError):
+                bps = secs = None
+            out.append(dict(src=s, dst=d, mbit_s=None if bps is None else round(bps / 1e6, 1),
+                            seconds=secs))
+        for p in self.servers + self.clients:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.servers, self.clients = [], []
+        return out
+
+
+# ---------------------------------------------------------------------------- one cell
+
+
+def _tx_bytes(tb, hosts: int) -> list[int] | None:
+    if tb is None:
+        return None
+    out = []
+    for i in range(hosts):
+        r = tb.exec_in(i, ["cat", "/sys/class/net/eth0/statistics/tx_bytes"],
+                       capture_output=True, text=True)
+        try:
+            out.append(int(r.stdout))
+        except ValueError:
+            return None
+    return out
+
+
+def cell_argv(cfg: BenchConfig, system: str, rate: str | None, report: str,
+              run_dir: str) -> list[str]:
+    """The command line of one cell (what a user would type)."""
+    common = ["--workers", str(cfg.workers), "--hidden", str(cfg.hidden),
+              "--epochs", str(cfg.epochs), "--iterations", str(cfg.iterations),
+              "--seed", str(cfg.seed), "--target-accuracy", str(cfg.target_accuracy),
+              "--report", report, "--run-dir", run_dir]
+    if not cfg.loopback:
+        common.append("--testbed")
+    if system == "gloo":
+        return [sys.executable, "-m", "dgt.tools.gloo_train"] + common
+    argv = [sys.executable, "-m", "dgt.cli", "train", "--mode", system] + common
+    if rate is not None:   # pace the UDP channels at the line rate, not above it
+        argv += ["--pace-mbit", f"{rate_bps(rate) / 1e6:g}"]
+    return argv
+
+
+def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> dict:
+    """Run one cell; return its result row (``error`` set when it failed)."""
+    system, rate, scenario = cell["system"], cell["rate"], cell["scenario"]
+    name = f"{rate or 'loopback'}-{scenario}-{system}"
+    run_dir = os.path.join(work_dir, name)
+    os.makedirs(run_dir, exist_ok=True)
+    report_path = os.path.join(run_dir, "report.json")
+    argv = cell_argv(cfg, system, rate, report_path, run_dir)
+    est = estimate_cell_s(cfg, rate)
+    timeout_s = cfg.cell_timeout_s or max(120.0, 4 * est)
+    row = dict(cell, label=SYSTEM_LABEL[system], command=shlex.join(
+        ["dgt", "train"] + argv[4:] if system != "gloo" else
+        ["python", "-m", "dgt.tools.gloo_train"] + argv[3:]), error=None)
+    tenant = None
+    if scenario == "tenant":
+        pairs = [(i, (i + 1) % cfg.workers) for i in range(cfg.workers)]
+        tenant = TenantLoad(tb, pairs)
+        row["tenant_seconds_bound"] = round(1.5 * est + 15)
+        tenant.start(row["tenant_seconds_bound"])
+        time.sleep(1.0)   # let the tenant flows leave slow start
+    tx0 = _tx_bytes(tb, cfg.workers)
+    t0 = time.monotonic()
+    with open(os.path.join(run_dir, "stdout.log"), "wb") as out:
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            code = p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            code = None
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    row["cell_seconds"] = round(time.monotonic() - t0, 1)
+    tx1 = _tx_bytes(tb, cfg.workers)
+    if tenant is not None:
+        row["tenant"] = tenant.stop()
+    if code != 0 or not os.path.exists(report_path):
+        why = "timed out" if code is None else f"exit status {code}"
+        row["error"] = f"{why}; logs in {run_dir}: {_tail(os.path.join(run_dir, 'stdout.log'))}"
+        return row
+    with open(report_path) as f:
+        rep = json.load(f)
+    row.update(_summarise(cfg, system, rate, rep))
+    if tx0 and tx1 and rep.get("iterations") and scenario != "tenant":
+        row["wire_tx_bytes_per_iteration"] = float(np.mean(
+            [b - a for a, b in zip(tx0, tx1)])) / rep["iterations"]
+    if row.get("wire_tx_bytes_per_iteration") and row.get("comm_ms_median") and rate:
+        row["wire_goodput_frac"] = (row["wire_tx_bytes_per_iteration"] * 8
+                                    / (row["comm_ms_median"] / 1e3) / rate_bps(rate))
+    if not cfg.keep_runs:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return row
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except OSError:
+        return ""
+    errs = [ln for ln in lines if "failed" in ln or "rror" in ln]
+    return (errs or lines or [""])[-1][:300]
+
+
+def _summarise(cfg: BenchConfig, system: str, rate: str | None, rep: dict) -> dict:
+    """The numbers a cell reports, from a dgt train / gloo_train report."""
+    iters = rep["iterations"]
+    n = n_params(cfg.hidden)
+    if system == "gloo":
+        bytes_node = rep["bytes_per_iteration"]
+        channels = {}
+        bytes_source = "ring all-reduce: 2(N-1)/N x gradient"
+    else:
+        channels = {k: {f: v[f] for f in ("blocks_sent", "bytes_sent", "blocks_delivered",
+                                          "blocks_lost", "blocks_late")}
+                    for k, v in rep["channels"].items()}
+        push = sum(v["bytes_sent"] for v in rep["channels"].values())
+        pull = (cfg.workers - 1) / cfg.workers * 4 * n * cfg.workers  # all nodes' PULLs
+        bytes_node = (push + pull * iters) / cfg.workers / iters if iters else 0
+        bytes_source = "BLOCKS bytes counted by the sidecars + PULL payload (N-1)/N x gradient"
+    med = rep["comm_ms_median"]
+    row = dict(
+        iterations=iters, comm_ms_median=med, comm_ms_p95=rep["comm_ms_p95"],
+        final_test_accuracy=rep["final_test_accuracy"], target_accuracy=rep["target_accuracy"],
+        target_reached=rep["target_reached"], wall_seconds=rep["wall_seconds"],
+        train_seconds=rep.get("train_seconds"), replicas_identical=rep["replicas_identical"],
+        gradient_bytes=4 * n, bytes_per_iteration_node=bytes_node, bytes_source=bytes_source,
+        channels=channels, blocks_unsent=rep.get("blocks_unsent"),
+        history=[{k: h[k] for k in ("iteration", "seconds", "test_accuracy", "loss")}
+                 for h in rep["history"]])
+    if rate and med:
+        row["goodput_frac"] = bytes_node * 8 / (med / 1e3) / rate_bps(rate)
+    return row
+
+
+# ------------------------------------------------------------------------------ matrix
+
+
+def _load_avg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
+    """Run every cell; write results. Raises BenchError (not root, bad config)."""
+    cfg.validate()
+    if not cfg.loopback and os.geteuid() != 0:
+        raise BenchError(NOT_ROOT)
+    cells = plan(cfg)
+    est = estimate_s(cfg)
+    log_fn(f"dgt bench: {len(cells)} cells ({', '.join(cfg.systems)} x "
+           f"{', '.join(['loopback'] if cfg.loopback else cfg.scenarios)}"
+           + ("" if cfg.loopback else f" x {', '.join(cfg.rates)}")
+           + f"), {cfg.workers} workers, hidden {cfg.hidden} "
+           f"({4 * n_params(cfg.hidden) / 1e6:.1f} MB of gradient), {iterations_of(cfg)} "
+           f"iterations per cell; estimate {est / 60:.1f} min; load {_load_avg()}")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    doc = dict(command=command, date=started.isoformat(timespec="seconds"),
+               host=dict(node=platform.node(), cpus=os.cpu_count(),
+                         load_before=_load_avg(), kernel=platform.release()),
+               config=dataclasses.asdict(cfg), estimate_s=round(est), cells=[])
+    work_dir = tempfile.mkdtemp(prefix="dgt-bench-")
+    from dgt.tc_profiles import testbed
+    tb, tb_key = None, None
+    t0 = time.monotonic()
+    try:
+        for i, cell in enumerate(cells):
+            if not cfg.loopback:
+                key = (cell["rate"], cell["scenario"] == "lossy")
+                if key != tb_key:
+                    log_fn(f"testbed: {cfg.workers} hosts at {cell['rate']}"
+                           + (f", {cfg.loss_pct:g} % loss on DSCP "
+                              f"{','.join(map(str, UNRELIABLE_DSCP))}" if key[1] else ""))
+                    tb = testbed.up(cfg.workers, rate=cell["rate"], profile=cfg.profile,
+                                    loss_pct=cfg.loss_pct if key[1] else 0.0,
+                                    loss_dscp=UNRELIABLE_DSCP if key[1] else None)
+                    tb_key = key
+            tag = f"[{i + 1}/{len(cells)}] {cell['rate'] or 'loopback'} {cell['scenario']} " \
+                  f"{SYSTEM_LABEL[cell['system']]}"
+            log_fn(f"{tag} ...")
+            row = run_cell(cfg, cell, tb, work_dir, log_fn)
+            doc["cells"].append(row)
+            if row["error"]:
+                log_fn(f"{tag}: FAILED: {row['error']}")
+            else:
+                log_fn(f"{tag}: comm median {row['comm_ms_median']:.1f} ms, p95 "
+                       f"{row['comm_ms_p95']:.1f} ms, acc {row['final_test_accuracy']:.3f}, "
+                       f"{row['cell_seconds']:.0f} s (elapsed "
+                       f"{(time.monotonic() - t0) / 60:.1f} min)")
+    finally:
+        if not cfg.loopback:
+            testbed.down()
+        if not cfg.keep_runs:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    doc["elapsed_s"] = round(time.monotonic() - t0)
+    doc["host"]["load_after"] = _load_avg()
+    write_outputs(doc, cfg.out, loopback=cfg.loopback)
+    return doc
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _fmt(v, spec=".1f", none="–"):
+    return none if v is None else format(v, spec)
+
+
+def markdown(doc: dict, loopback: bool = False) -> str:
+    cfg = doc["config"]
+    lines = [f"# dgt bench{' --loopback' if loopback else ''}: dgt vs gloo all_reduce", "",
+             f"Command: `{doc['command']}`", "",
+             f"Date: {doc['date']} (UTC). Host: {doc['host']['cpus']} CPUs, kernel "
+             f"{doc['host']['kernel']}; load average (1, 5, 15 min) before "
+             f"{doc['host']['load_before']}, after {doc['host'].get('load_after')}. "
+             f"Elapsed {doc.get('elapsed_s', 0) / 60:.1f} min (estimate "
+             f"{doc['estimate_s'] / 60:.1f} min).", "",
+             f"{cfg['workers']} workers, MLP hidden {cfg['hidden']} "
+             f"({doc['cells'][0].get('gradient_bytes', 0) / 1e6:.1f} MB of fp32 gradient "
+             f"per iteration) on the scikit-learn digits, batch 32 per worker, Adam; "
+             f"{'loopback, no shaping' if loopback else 'netns star testbed, every port ' + cfg['profile'] + ' at the rate shown'}; "
+             f"target accuracy {cfg['target_accuracy']}."
+             + ("" if loopback else f" Lossy: {cfg['loss_pct']:g} % random drop in the "
+                f"router on DSCP 34, 18, 8 (dgt's UDP channels) only. Tenant: one iperf3 "
+                f"bulk TCP flow (DSCP 0) from host i to host i+1 for the whole run."), "",
+             "comm = trainer rank 0's time from the gradient push to the applied aggregate, "
+             "per iteration. MB/it/node = payload each node sends per iteration "
+             "(gloo: ring all-reduce 2(N-1)/N of the gradient; dgt: BLOCKS bytes its "
+             "sidecars counted + PULL payload). goodput = MB/it/node / median comm / "
+             "line rate; wire = eth0 tx bytes per iteration (headers, ACKs, END; not "
+             "measured under the tenant, whose flows share eth0).", ""]
+    hdr = ("| rate | scenario | system | iters | comm median ms | comm p95 ms | "
+           "to target (it / s) | final acc | MB/it/node | goodput | wire MB/it | "
+           "tcp MB | udp MB (1/2/3) | lost blocks |")
+    lines += [hdr, "|" + "|".join(["---"] * (hdr.count("|") - 1)) + "|"]
+    for c in doc["cells"]:
+        head = f"| {c['rate'] or 'loopback'} | {c['scenario']} | {c['label']} |"
+        if c.get("error"):
+            lines.append(head + f" failed: {c['error'][:120]} |" + " |" * 10)
+            continue
+        tr = c.get("target_reached")
+        ch = c.get("channels") or {}
+        udp = [ch[k]["bytes_sent"] / 1e6 for k in sorted(ch) if k.startswith("udp")]
+        lost = sum(v["blocks_lost"] for v in ch.values()) if ch else None
+        lines.append(
+            head + f" {c['iterations']} | {c['comm_ms_median']:.1f} | {c['comm_ms_p95']:.1f} | "
+            + (f"{tr['iteration']} / {tr['seconds']:.1f}" if tr else "not reached")
+            + f" | {c['final_test_accuracy']:.3f} | {c['bytes_per_iteration_node'] / 1e6:.1f} | "
+            + (f"{c['goodput_frac']:.0%}" if c.get("goodput_frac") is not None else "–")
+            + f" | {_fmt(c.get('wire_tx_bytes_per_iteration') and c['wire_tx_bytes_per_iteration'] / 1e6)}"
+            + f" | {_fmt(ch['tcp']['bytes_sent'] / 1e6 if 'tcp' in ch else None)}"
+            + f" | {'/'.join(f'{u:.1f}' for u in udp) if udp else '–'}"
+            + f" | {_fmt(lost, 'd')} |")
+    tenants = [c for c in doc["cells"] if c.get("tenant")]
+    if tenants:
+        lines += ["", "Tenant goodput (iperf3, Mbit/s per flow, over the whole load):", ""]
+        for c in tenants:
+            lines.append(f"- {c['rate']} {c['label']}: "
+                         + ", ".join(f"h{t['src']}→h{t['dst']} {_fmt(t['mbit_s'])}"
+                                     for t in c["tenant"]))
+    lines += ["", "Plots: " + ("`loopback_comm_time.png`" if loopback else
+                               "`comm_time.png` (median, whisker to p95), "
+                               "`time_to_accuracy.png`") + ". Raw numbers: `"
+              + ("loopback.json" if loopback else "results.json") + "`.", ""]
+    return "\n".join(lines)
+
+
+def plot_comm(doc: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells = [c for c in doc["cells"] if not c.get("error")]
+    rates = list(dict.fromkeys(c["rate"] or "loopback" for c in cells)) or ["loopback"]
+    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        sub = [c for c in cells if (c["rate"] or "loopback") == rate]
+        scen = list(dict.fromkeys(c["scenario"] for c in sub))
+        systems = list(dict.fromkeys(c["system"] for c in sub))
+        w = 0.8 / max(1, len(systems))
+        for j, s in enumerate(systems):
+            xs, med, up = [], [], []
+            for i, sc in enumerate(scen):
+                for c in sub:
+                    if c["system"] == s and c["scenario"] == sc:
+                        xs.append(i + (j - (len(systems) - 1) / 2) * w)
+                        med.append(c["comm_ms_median"])
+                        up.append(max(0.0, c["comm_ms_p95"] - c["comm_ms_median"]))
+            ax.bar(xs, med, w, yerr=[np.zeros(len(up)), up], capsize=3,
+                   label=SYSTEM_LABEL[s])
+        ax.set_xticks(range(len(scen)), scen)
+        ax.set_ylabel("comm time per iteration, ms (median, whisker p95)")
+        ax.set_title(rate)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_accuracy(doc: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells = [c for c in doc["cells"] if not c.get("error") and c.get("history")]
+    panels = list(dict.fromkeys((c["rate"] or "loopback", c["scenario"]) for c in cells))
+    if not panels:
+        panels = [("loopback", "loopback")]
+    cols = min(3, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    target = doc["config"]["target_accuracy"]
+    for ax, (rate, sc) in zip(axes.flat, panels):
+        for c in cells:
+            if (c["rate"] or "loopback", c["scenario"]) == (rate, sc):
+                h = c["history"]
+                ax.plot([x["seconds"] for x in h], [x["test_accuracy"] for x in h],
+                        marker="o", ms=3, label=SYSTEM_LABEL[c["system"]])
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{rate} {sc}")
+        ax.set_xlabel("training seconds")
+        ax.set_ylabel("test accuracy")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(doc: dict, out: str, loopback: bool = False) -> list[str]:
+    os.makedirs(out, exist_ok=True)
+    stem = "loopback" if loopback else "results"
+    paths = [os.path.join(out, f"{stem}.json"),
+             os.path.join(out, "loopback.md" if loopback else "README.md"),
+             os.path.join(out, "loopback_comm_time.png" if loopback else "comm_time.png")]
+    with open(paths[0], "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    with open(paths[1], "w") as f:
+        f.write(markdown(doc, loopback))
+    plot_comm(doc, paths[2])
+    if not loopback:
+        paths.append(os.path.join(out, "time_to_accuracy.png"))
+        plot_accuracy(doc, paths[3])
+    return paths
+
+
+# ----------------------------------------------------------------------------- goodput
+
+
+def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
+                seconds: float = 5.0, out: str = "", profile: str = "htb-prio",
+                log_fn=print) -> dict:
+    """dgt's reliable channel vs iperf3 through one shaped port (root).
+
+    Two testbed hosts at ``rate``. First ``dgt train --testbed --workers 2 --mode tcp``
+    with ``hidden`` (2500: 25 MB of gradient) for ``iterations``: per iteration each node
+    pushes the half of its gradient that the other shard owns and sends back that
+    shard's half of the aggregate, so 25 MB cross each direction of the h0-h1 path per
+    iteration (100 MB in 4). Goodput = gradient bytes per direction / comm time (summed
+    over iterations, and per median iteration). Then iperf3 h0 -> h1 for ``seconds``
+    over the same ports. Returns the numbers and their ratio.
+    """
+    if os.geteuid() != 0:
+        raise BenchError(NOT_ROOT)
+    from dgt.tc_profiles import testbed
+    work = tempfile.mkdtemp(prefix="dgt-bench-goodput-")
+    res: dict = dict(rate=rate, hidden=hidden, iterations=iterations,
+                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                         timespec="seconds"), load_before=_load_avg())
+    try:
+        tb = testbed.up(2, rate=rate, profile=profile)
+        report = os.path.join(work, "report.json")
+        argv = [sys.executable, "-m", "dgt.cli", "train", "--testbed", "--workers", "2",
+                "--mode", "tcp", "--hidden", str(hidden), "--iterations", str(iterations),
+                "--report", report, "--run-dir", os.path.join(work, "run")]
+        log_fn(f"goodput: dgt --mode tcp, 2 hosts at {rate}, {iterations} iterations of "
+               f"{4 * n_params(hidden) / 1e6:.1f} MB")
+        tx0 = _tx_bytes(tb, 2)
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        tx1 = _tx_bytes(tb, 2)
+        if p.returncode != 0 or not os.path.exists(report):
+            raise BenchError(f"dgt train failed: {(p.stdout + p.stderr).strip()[-300:]}")
+        with open(os.path.join(work, "run", "trainer-0.json")) as f:
+            comm_s = json.load(f)["comm_s"]
+        grad = 4 * n_params(hidden)
+        per_dir = grad / 2 * 2     # push of the peer's half + PULL of own half
+        res["dgt_bytes_per_direction"] = per_dir * iterations
+        res["dgt_comm_s"] = comm_s
+        res["dgt_goodput_mbit_total"] = per_dir * iterations * 8 / sum(comm_s) / 1e6
+        res["dgt_goodput_mbit_median"] = per_dir * 8 / float(np.median(comm_s)) / 1e6
+        if tx0 and tx1:
+            res["dgt_wire_tx_bytes_h0"] = tx1[0] - tx0[0]
+        log_fn(f"goodput: dgt {res['dgt_goodput_mbit_total']:.0f} Mbit/s over all "
+               f"iterations ({res['dgt_goodput_mbit_median']:.0f} per median iteration)")
+        loads = testbed.bulk_tcp(tb, [(0, 1)], seconds)
+        res["iperf3_mbit"] = loads[0]["mbit_s"]
+        log_fn(f"goodput: iperf3 h0 -> h1 {res['iperf3_mbit']:.0f} Mbit/s")
+        res["ratio_total"] = res["dgt_goodput_mbit_total"] / res["iperf3_mbit"] \
+            if res["iperf3_mbit"] else None
+        res["ratio_median"] = res["dgt_goodput_mbit_median"] / res["iperf3_mbit"] \
+            if res["iperf3_mbit"] else None
+        res["line_rate_mbit"] = rate_bps(rate) / 1e6
+    finally:
+        testbed.down()
+        shutil.rmtree(work, ignore_errors=True)
+    res["load_after"] = _load_avg()
+    log_fn(f"goodput: ratio dgt/iperf3 {_fmt(res.get('ratio_total'), '.2f')} (all "
+           f"iterations), {_fmt(res.get('ratio_median'), '.2f')} (median iteration)")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "goodput.json"), "w") as f:
+            json.dump(res, f, indent=1)
+            f.write("\n")
+    return res
+
+
+# --------------------------------------------------------------------------------- CLI
+
+
+def _csv(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def add_arguments(p) -> None:
+    d = BenchConfig()
+    p.add_argument("what", nargs="?", choices=("matrix", "goodput"), default="matrix",
+                   help="matrix: systems x scenarios x rates; goodput: dgt's reliable "
+                        "channel vs iperf3 on one port")
+    p.add_argument("--systems", default=",".join(d.systems),
+                   help=f"comma list of {','.join(SYSTEMS)}")
+    p.add_argument("--scenarios", default=",".join(d.scenarios),
+                   help=f"comma list of {','.join(SCENARIOS)}")
+    p.add_argument("--rates", default=None,
+                   help=f"port rates, tc notation (default {','.join(d.rates)}; goodput: "
+                        f"the first, default 1gbit)")
+    p.add_argument("--workers", type=int, default=d.workers)
+    p.add_argument("--hidden", type=int, default=d.hidden,
+                   help="MLP width (2500: 6.4M parameters, 25 MB of fp32 gradient)")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--iterations", type=int, default=None,
+                   help=f"iterations per cell, 0 = every epoch (default {d.iterations}; "
+                        f"goodput: 4)")
+    p.add_argument("--target-accuracy", type=float, default=d.target_accuracy)
+    p.add_argument("--loss-pct", type=float, default=d.loss_pct,
+                   help="lossy scenario: random drop, percent, on DSCP 34,18,8")
+    p.add_argument("--profile", default=d.profile, help="tc profile of every port")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=d.out, help="results directory")
+    p.add_argument("--loopback", action="store_true",
+                   help="no testbed, no shaping, no root: the overhead check")
+    p.add_argument("--cell-timeout-s", type=float, default=0.0,
+                   help="kill a cell after this long (0: 4x its estimate, >= 120 s)")
+    p.add_argument("--keep-runs", action="store_true", help="keep every cell's logs")
+    p.add_argument("--seconds", type=float, default=5.0, help="goodput: iperf3 seconds")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the plan and time estimate, run nothing")
+
+
+def config_from_args(a) -> BenchConfig:
+    d = BenchConfig()
+    return BenchConfig(systems=_csv(a.systems), scenarios=_csv(a.scenarios),
+                       rates=_csv(a.rates) if a.rates else d.rates, workers=a.workers,
+                       hidden=a.hidden, epochs=a.epochs,
+                       iterations=d.iterations if a.iterations is None else a.iterations,
+                       target_accuracy=a.target_accuracy, loss_pct=a.loss_pct,
+                       profile=a.profile, seed=a.seed, out=a.out, loopback=a.loopback,
+                       cell_timeout_s=a.cell_timeout_s, keep_runs=a.keep_runs)
+
+
+def cmd_bench(a) -> int:
+    """Entry point of ``dgt bench``: errors are one line on stderr, exit 2."""
+    from dgt.tc_profiles.testbed import TestbedError
+    command = "dgt " + shlex.join(sys.argv[1:]) if sys.argv and \
+        os.path.basename(sys.argv[0]) == "dgt" else shlex.join(["dgt", "bench"] + sys.argv[2:])
+    try:
+        if a.what == "goodput":
+            rate = _csv(a.rates)[0] if a.rates else "1gbit"
+            rate_bps(rate)
+            run_goodput(rate=rate, hidden=a.hidden,
+                        iterations=4 if a.iterations is None else a.iterations,
+                        seconds=a.seconds, out=a.out, profile=a.profile)
+            return 0
+        cfg = config_from_args(a)
+        cfg.validate()
+        if a.estimate:
+            for c in plan(cfg):
+                print(f"{c['rate'] or 'loopback':>8} {c['scenario']:<8} {c['system']:<5} "
+                      f"~{estimate_cell_s(cfg, c['rate']):.0f} s")
+            print(f"estimate: {estimate_s(cfg) / 60:.1f} min")
+            return 0
+        if not cfg.loopback and os.geteuid() != 0:
+            raise BenchError(NOT_ROOT)
+        doc = run_matrix(cfg, command)
+        print()
+        print(markdown(doc, cfg.loopback))
+        failed = [c for c in doc["cells"] if c.get("error")]
+        return 1 if failed else 0
+    except (BenchError, TestbedError) as e:
+        print(f"dgt bench: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dgt bench: interrupted (testbed removed)", file=sys.stderr)
+        return 130

@@ -1,0 +1,417 @@
+"""Record dgt traffic to pcap: an AF_PACKET socket with a libpcap-compiled BPF filter,
+streamed straight to disk (memory stays bounded), optionally inside a network
+namespace, bounded by time and/or packet count, with an optional ring of files.
+
+On loopback every packet passes the tap twice (out, then in); like libpcap we keep
+only the incoming copy. Timestamps are the kernel's (``SO_TIMESTAMPNS``); files are
+nanosecond pcap (magic ``a1b23c4d``), which scapy, tshark and ``dgt pcap`` read.
+
+Example::
+
+    from dgt.tools import capture, ports
+    cfg = capture.CaptureConfig(out="run.pcap", ports=ports.from_ports("47000-47040"),
+                                count=10_000)
+    stats = capture.run_capture(cfg)        # blocks until a bound or stop()
+    print(stats.packets, stats.files)
+
+``python -m dgt.tools.capture ...`` takes the same flags as ``dgt capture``.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dgt.tools.ports import PortSpec, bpf_filter
+
+log = logging.getLogger("dgt.capture")
+
+ETH_P_ALL = 0x0003
+SOL_PACKET = 263
+PACKET_STATISTICS = 6
+SO_TIMESTAMPNS = 35
+SO_ATTACH_FILTER = 26
+PACKET_OUTGOING = 4
+ARPHRD_ETHER = 1
+ARPHRD_LOOPBACK = 772
+ARPHRD_NONE = 0xFFFE
+CLONE_NEWNET = 0x40000000
+SNAPLEN = 262144  # TSO/GSO super-packets on lo are up to 64 KiB; leave room
+_HATYPE_TO_DLT = {ARPHRD_ETHER: 1, ARPHRD_LOOPBACK: 1, ARPHRD_NONE: 101}
+
+
+class CaptureError(RuntimeError):
+    """Capture cannot start; the message says what to do (one line)."""
+
+
+@dataclass
+class CaptureConfig:
+    """One capture. ``out``: pcap path (with a ring: ``stem.00001.pcap``, ...).
+
+    ``seconds``/``count``: bounds (either, both, or neither = until :meth:`stop`).
+    ``ring``: keep at most this many files (needs ``file_mb``); ``file_mb`` alone
+    rotates and keeps every file. ``channels``: capture only these channels (0 = TCP).
+    ``netns``: name under /run/netns or a path to a netns file.
+    """
+
+    out: str
+    ports: PortSpec = field(default_factory=PortSpec)
+    interface: str = "lo"
+    netns: str | None = None
+    seconds: float | None = None
+    count: int | None = None
+    ring: int | None = None
+    file_mb: float | None = None
+    channels: list[int] | None = None
+    progress_s: float = 1.0
+
+
+@dataclass
+class CaptureStats:
+    """What a capture did: counts, bytes written, kernel drops, files (oldest first)."""
+
+    packets: int = 0
+    bytes: int = 0
+    filtered_out: int = 0
+    kernel_drops: int = 0
+    seconds: float = 0.0
+    files: list[str] = field(default_factory=list)
+    deleted_files: int = 0
+    filter: str = ""
+    interface: str = ""
+    netns: str | None = None
+    stopped_by: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# ---------------------------------------------------------------------------------------
+
+def _setns(netns: str) -> None:
+    """Move the calling thread into network namespace ``netns`` (setns(2))."""
+    path = netns if "/" in netns else f"/run/netns/{netns}"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CaptureError(f"network namespace {netns!r} not found ({path}); "
+                           f"list them with 'ip netns list'") from None
+    except PermissionError:
+        raise CaptureError(f"cannot open {path}: run as root") from None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise CaptureError(f"setns({path}) failed: {os.strerror(err)}; run as root")
+    finally:
+        os.close(fd)
+
+
+def _attach_bpf(sock: socket.socket, expr: str, dlt: int) -> None:
+    """Compile ``expr`` with libpcap (via scapy's ctypes binding) and attach it."""
+    try:
+        from scapy.arch.common import compile_filter, free_filter
+        from scapy.libs.structures import sock_fprog
+        bp = compile_filter(expr, linktype=dlt)
+    except Exception as e:  # ImportError (no libpcap) or a bad expression
+        raise CaptureError(f"cannot compile filter {expr!r}: {e}") from None
+    # libpcap returns its snaplen (scapy's: 65535) from "accept" instructions, and the
+    # kernel truncates to the return value: a 64 KiB TSO frame on lo would be cut short.
+    for i in range(bp.bf_len):
+        ins = bp.bf_insns[i]
+        if ins.code == 0x06 and ins.k:  # BPF_RET | BPF_K, accept
+            ins.k = SNAPLEN
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, sock_fprog(bp.bf_len, bp.bf_insns))
+    finally:
+        free_filter(bp)
+
+
+class PcapRing:
+    """Streamed nanosecond-pcap writer with size-based rotation and a file ring."""
+
+    def __init__(self, out: str, dlt: int, file_mb: float | None, ring: int | None):
+        self.out = Path(out)
+        self.dlt = dlt
+        self.limit = int(file_mb * 1e6) if file_mb else None
+        self.ring = ring
+        self.files: list[str] = []
+        self.deleted = 0
+        self.index = 0
+        self.f = None
+        self.size = 0
+        self._open()
+
+    def _name(self) -> Path:
+        if self.limit is None:
+            return self.out
+        return self.out.with_name(f"{self.out.stem}.{self.index:05d}{self.out.suffix or '.pcap'}")
+
+    def _open(self) -> None:
+        self.index += 1
+        path = self._name()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(path, "wb", buffering=1 << 20)
+        self.f.write(struct.pack("<IHHiIII", 0xA1B23C4D, 2, 4, 0, 0, SNAPLEN, self.dlt))
+        self.size = 24
+        self.files.append(str(path))
+        if self.ring and len(self.files) > self.ring:
+            old = self.files.pop(0)
+            try:
+                os.unlink(old)
+            except OSError:
+                pass
+            self.deleted += 1
+
+    def write(self, ts_ns: int, data: bytes, wirelen: int) -> None:
+        if self.limit is not None and self.size > 24 and self.size + 16 + len(data) > self.limit:
+            self.f.close()
+            self._open()
+        sec, ns = divmod(ts_ns, 1_000_000_000)
+        self.f.write(struct.pack("<IIII", sec, ns, len(data), wirelen))
+        self.f.write(data)
+        self.size += 16 + len(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()
+            self.f = None
+
+
+class Capture:
+    """A capture you can start in a thread and stop; :func:`run_capture` runs one inline.
+
+    ``ready`` is set once the socket is bound and filtering, so traffic sent after
+    ``ready.wait()`` is captured.
+    """
+
+    def __init__(self, cfg: CaptureConfig):
+        if cfg.ring is not None and not cfg.file_mb:
+            raise CaptureError("--ring needs --file-mb (the size of each file)")
+        if cfg.count is not None and cfg.count <= 0:
+            raise CaptureError("--count must be positive")
+        if cfg.seconds is not None and cfg.seconds <= 0:
+            raise CaptureError("--seconds must be positive")
+        self.cfg = cfg
+        self.ready = threading.Event()
+        self.done = threading.Event()
+        self._stop = threading.Event()
+        self.stats = CaptureStats(interface=cfg.interface, netns=cfg.netns)
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def start(self) -> "Capture":
+        """Run in a background thread; raises :class:`CaptureError` if it cannot start."""
+        self._thread = threading.Thread(target=self._thread_main, name="dgt-capture",
+                                        daemon=True)
+        self._thread.start()
+        while not self.ready.wait(0.05):
+            if self.done.is_set():
+                break
+        if self.error:
+            raise self.error
+        return self
+
+    def join(self, timeout: float | None = None) -> CaptureStats:
+        if self._thread:
+            self._thread.join(timeout)
+        if self.error:
+            raise self.error
+        return self.stats
+
+    def _thread_main(self) -> None:
+        try:
+            self.run()
+        except BaseException as e:  # handed to start()/join()
+            self.error = e
+        finally:
+            self.done.set()
+
+    def _open_socket(self) -> tuple[socket.socket, int, bool]:
+        cfg = self.cfg
+        if os.geteuid() != 0:
+            raise CaptureError("capture needs root (CAP_NET_RAW): run with sudo")
+        if cfg.netns:
+            _setns(cfg.netns)  # this thread only: sockets opened below live in the netns
+        try:
+            sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        except PermissionError:
+            raise CaptureError("capture needs root (CAP_NET_RAW): run with sudo") from None
+        try:
+            socket.if_nametoindex(cfg.interface)
+        except OSError:
+            sock.close()
+            where = f" in netns {cfg.netns}" if cfg.netns else ""
+            raise CaptureError(f"no interface {cfg.interface!r}{where}; see 'ip link'") from None
+        try:  # as root, past rmem_max: a busy lo bursts faster than Python drains
+            sock.setsockopt(socket.SOL_SOCKET, 33, 256 << 20)  # SO_RCVBUFFORCE
+        except OSError:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        sock.bind((cfg.interface, ETH_P_ALL))
+        hatype = sock.getsockname()[3]
+        if hatype not in _HATYPE_TO_DLT:
+            sock.close()
+            raise CaptureError(f"interface {cfg.interface!r} has link type {hatype}, "
+                               f"which capture does not support")
+        dlt = _HATYPE_TO_DLT[hatype]
+        self.stats.filter = bpf_filter(cfg.ports, cfg.channels)
+        _attach_bpf(sock, self.stats.filter, dlt)
+        # drain what arrived before the filter was attached
+        sock.setblocking(False)
+        try:
+            while True:
+                sock.recv(SNAPLEN)
+        except BlockingIOError:
+            pass
+        sock.setblocking(True)
+        try:  # reset the kernel's drop counter
+            sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8)
+        except OSError:
+            pass
+        return sock, dlt, hatype == ARPHRD_LOOPBACK
+
+    def run(self) -> CaptureStats:
+        cfg, st = self.cfg, self.stats
+        sock, dlt, loopback = self._open_socket()
+        writer = PcapRing(cfg.out, dlt, cfg.file_mb, cfg.ring)
+        chans = set(cfg.channels) if cfg.channels is not None else None
+        t0 = time.monotonic()
+        deadline = t0 + cfg.seconds if cfg.seconds else None
+        next_progress = t0 + cfg.progress_s
+        anc = socket.CMSG_SPACE(16)
+        log.info("capturing on %s%s, filter: %s", cfg.interface,
+                 f" (netns {cfg.netns})" if cfg.netns else "", st.filter)
+        self.ready.set()
+        try:
+            while True:
+                now = time.monotonic()
+                if self._stop.is_set():
+                    st.stopped_by = "stop"
+                    break
+                if deadline is not None and now >= deadline:
+                    st.stopped_by = "seconds"
+                    break
+                if cfg.count is not None and st.packets >= cfg.count:
+                    st.stopped_by = "count"
+                    break
+                if now >= next_progress:
+                    writer.flush()
+                    st.kernel_drops += self._drops(sock)  # the kernel resets it on read
+                    log.info("captured %d packets, %.1f MB, %d kernel drops",
+                             st.packets, st.bytes / 1e6, st.kernel_drops)
+                    next_progress = now + cfg.progress_s
+                wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - now))
+                r, _, _ = select.select([sock], [], [], wait)
+                if not r:
+                    continue
+                # drain everything queued without going back to select
+                sock.setblocking(False)
+                try:
+                    while cfg.count is None or st.packets < cfg.count:
+                        try:
+                            data, cmsgs, _flags, addr = sock.recvmsg(SNAPLEN, anc)
+                        except BlockingIOError:
+                            break
+                        if loopback and addr[2] == PACKET_OUTGOING:
+                            continue  # lo: keep the incoming copy only
+                        if chans is not None and not _channel_ok(data, dlt, chans):
+                            st.filtered_out += 1
+                            continue
+                        ts_ns = time.time_ns()
+                        for level, typ, val in cmsgs:
+                            if level == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS:
+                                s, ns = struct.unpack("qq", val[:16])
+                                ts_ns = s * 1_000_000_000 + ns
+                        writer.write(ts_ns, data, len(data))
+                        st.packets += 1
+                        st.bytes += len(data)
+                finally:
+                    sock.setblocking(True)
+        finally:
+            st.kernel_drops += self._drops(sock)
+            sock.close()
+            writer.close()
+            st.seconds = time.monotonic() - t0
+            st.files = list(writer.files)
+            st.deleted_files = writer.deleted
+            self.ready.set()
+        return st
+
+    @staticmethod
+    def _drops(sock: socket.socket) -> int:
+        try:
+            _pk, drops = struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))
+            return drops
+        except OSError:
+            return 0
+
+
+def _channel_ok(frame: bytes, dlt: int, chans: set[int]) -> bool:
+    """Post-filter on the dgt header's channel byte (TCP is channel 0). Never raises."""
+    try:
+        off = 14 if dlt == 1 else 0
+        v = frame[off] >> 4
+        if v == 4:
+            ihl = (frame[off] & 0x0F) * 4
+            proto = frame[off + 9]
+            l4 = off + ihl
+        elif v == 6:
+            proto = frame[off + 6]
+            l4 = off + 40
+        else:
+            return False
+        if proto == 6:
+            return 0 in chans
+        if proto == 17:
+            return frame[l4 + 8 + 4] in chans
+    except IndexError:
+        return False
+    return False
+
+
+def run_capture(cfg: CaptureConfig) -> CaptureStats:
+    """Capture inline until a bound is hit (or Ctrl-C); returns the stats.
+
+    Raises :class:`CaptureError` (not root, missing interface or netns, bad filter).
+    """
+    cap = Capture(cfg)
+    if cfg.ring is not None and not cfg.file_mb:
+        raise CaptureError("--ring needs --file-mb")
+    try:
+        return cap.run()
+    except KeyboardInterrupt:
+        cap.stats.stopped_by = "interrupt"
+        return cap.stats
+
+
+def format_stats(st: CaptureStats) -> str:
+    """A short summary table of a finished capture."""
+    rows = [("interface", st.interface + (f" (netns {st.netns})" if st.netns else "")),
+            ("filter", st.filter), ("packets", st.packets),
+            ("bytes", st.bytes), ("kernel drops", st.kernel_drops),
+            ("channel post-filtered", st.filtered_out),
+            ("seconds", f"{st.seconds:.2f}"), ("stopped by", st.stopped_by or "-"),
+            ("files", ", ".join(st.files)), ("files deleted (ring)", st.deleted_files)]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+if __name__ == "__main__":
+    import sys
+    from dgt.tools.cli import standalone
+    sys.exit(standalone("capture"))

@@ -1,0 +1,296 @@
+"""``dgt capture``, ``dgt pcap summary`` and ``dgt replay``.
+
+The main CLI (``dgt.cli``) calls :func:`register` with its subparsers; each subcommand
+sets ``func(args) -> int``. Failures print one line to stderr and return 2; they never
+show a traceback.
+
+Example::
+
+    import argparse
+    from dgt.tools import cli
+    p = argparse.ArgumentParser(prog="dgt")
+    cli.register(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(["pcap", "summary", "run.pcap"])
+    raise SystemExit(args.func(args))
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+log = logging.getLogger("dgt.tools")
+
+
+def _add_port_args(p: argparse.ArgumentParser, required: bool = False,
+                   layout: bool = True) -> None:
+    g = p.add_argument_group("which ports are dgt (pick one; default: any port, "
+                             "recognised by the magic number)" if not required else
+                             "which ports to capture (pick one)")
+    m = g.add_mutually_exclusive_group(required=required)
+    m.add_argument("--ports", metavar="LIST",
+                   help="TCP and UDP ports, e.g. 47000-47040,5000")
+    m.add_argument("--report", metavar="REPORT.json",
+                   help="a 'dgt train' report; its 'sidecars' table gives the ports")
+    if not layout:
+        p.set_defaults(layout_base=None)
+        return
+    m.add_argument("--base-port", type=int, metavar="B", dest="layout_base",
+                   help="the job's --base-port: rank r uses TCP B+10r, UDP B+10r+c")
+    g.add_argument("--ranks", type=int, default=2,
+                   help="with --base-port: number of ranks")
+    g.add_argument("--udp-channels", type=int, default=3,
+                   help="with --base-port: UDP channels per rank")
+
+
+def _port_spec(args, required: bool = False):
+    from dgt.tools import ports
+    if args.ports:
+        return ports.from_ports(args.ports)
+    if args.report:
+        return ports.from_report(args.report)
+    if args.layout_base is not None:
+        return ports.from_base_port(args.layout_base, args.ranks, args.udp_channels)
+    if required:
+        raise ports.PortSpecError("give --ports, --report or --base-port")
+    return None
+
+
+def _logging(quiet: bool = False) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                            format="%(message)s", stream=sys.stderr)
+    elif quiet:
+        logging.getLogger("dgt").setLevel(logging.WARNING)
+
+
+def _guard(fn):
+    """Run a handler: known errors and OS errors become one line on stderr, exit 2."""
+    def run(args) -> int:
+        from dgt.tools.capture import CaptureError
+        from dgt.tools.dissect import PcapError
+        from dgt.tools.ports import PortSpecError
+        from dgt.tools.replay import ReplayError
+        try:
+            return fn(args)
+        except (CaptureError, PcapError, PortSpecError, ReplayError, ValueError) as e:
+            print(f"dgt {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+            print(f"dgt {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"dgt {args.command}: interrupted", file=sys.stderr)
+            return 130
+    run.__name__ = fn.__name__
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+
+@_guard
+def cmd_capture(args) -> int:
+    from dgt.tools import capture, ports
+    _logging(args.quiet)
+    spec = _port_spec(args, required=True)
+    cfg = capture.CaptureConfig(
+        out=args.write, ports=spec, interface=args.interface, netns=args.netns,
+        seconds=args.seconds, count=args.count, ring=args.ring, file_mb=args.file_mb,
+        channels=ports.parse_channels(args.channel) if args.channel else None)
+    import signal
+
+    def _term(signum, frame):  # SIGTERM stops like Ctrl-C: close the file, print stats
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _term)
+    st = capture.run_capture(cfg)
+    print(capture.format_stats(st))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(st.as_dict(), f, indent=2)
+            f.write("\n")
+    return 0
+
+
+@_guard
+def cmd_pcap_summary(args) -> int:
+    from dgt.tools import summary
+    _logging()
+    spec = _port_spec(args)
+    sessions = [int(x, 16) for x in args.session.split(",")] if args.session else None
+    if sessions is None and args.report:
+        with open(args.report) as f:
+            doc = json.load(f)
+        found = {int(str(r["session"]), 16) for r in doc.get("sidecars", [])
+                 if isinstance(r, dict) and r.get("session")}
+        sessions = sorted(found) or None
+    s = summary.summarize(args.files, spec, sessions)
+    print(summary.format_table(s))
+    if args.report:
+        with open(args.report) as f:
+            rep = json.load(f)
+        if isinstance(rep, dict) and rep.get("channels"):
+            cmp = summary.compare_with_report(s, rep)
+            s["report_comparison"] = {k: {"blocks": list(v["blocks"]),
+                                          "bytes": list(v["bytes"]), "match": v["match"]}
+                                      for k, v in cmp.items()}
+            print("\ncapture vs report (blocks, bytes):")
+            for k, v in cmp.items():
+                print(f"  {k:6s} blocks {v['blocks'][0]} / {v['blocks'][1]}  bytes "
+                      f"{v['bytes'][0]} / {v['bytes'][1]}  {'match' if v['match'] else 'DIFFER'}")
+    if args.json:
+        summary.write_json(s, args.json)
+    if args.plot:
+        summary.plot(s, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+@_guard
+def cmd_replay(args) -> int:
+    from dgt.tools import ports, replay
+    _logging(args.quiet)
+    rate_pps = rate_mbit = None
+    if args.rate:
+        rate_pps, rate_mbit = replay.parse_rate(args.rate)
+    if args.speed <= 0:
+        raise ValueError("--speed must be > 0")
+    cfg = replay.ReplayConfig(
+        files=args.files, to_host=args.to, port_map=replay.parse_port_map(args.port_map),
+        base_port=args.to_base_port, from_base_port=args.from_base_port,
+        ports=_port_spec(args),
+        iterations=replay.parse_iterations(args.iterations) if args.iterations else None,
+        channels=set(ports.parse_channels(args.channels)) if args.channels else None,
+        control=not args.no_control, speed=args.speed, rate_pps=rate_pps,
+        rate_mbit=rate_mbit, keep_dscp=not args.no_dscp)
+    items, info = replay.plan(cfg)
+    if not items:
+        raise replay.ReplayError("nothing to send: no dgt messages pass the filters "
+                                 f"(skipped {info['skipped']}); check --ports/--iterations/--channels")
+    if args.dry_run:
+        offs = replay.schedule(items, speed=cfg.speed, rate_pps=rate_pps, rate_mbit=rate_mbit)
+        for it, off in zip(items, offs):
+            h = it.header
+            print(f"{off:10.6f}  {it.proto}  {it.dst}:{it.dport}  {h.type!s:>2} "
+                  f"ch={h.channel} it={h.iteration} {len(it.data)} B")
+        return 0
+    log.info("replaying %d messages from %s", len(items), ", ".join(args.files))
+    rep = replay.replay(cfg, items,
+                        progress=lambda i, n: log.info("sent %d / %d", i, n))
+    rep.update(info)
+    print(replay.format_report(rep))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=2)
+            f.write("\n")
+    # A receiver that closes a stray session's connection (EPIPE/ECONNRESET) is doing
+    # its job; only a replay that delivered nothing at all is a failure.
+    return 0 if rep["totals"]["messages"] or not rep["send_errors"] else 1
+
+
+# ---------------------------------------------------------------------------------------
+
+def cmd_bench(args) -> int:
+    from dgt.tools import bench
+    logging.basicConfig(level=logging.WARNING)
+    return bench.cmd_bench(args)
+
+
+def register(subparsers) -> None:
+    """Add ``capture``, ``pcap`` (``summary``), ``replay`` and ``bench`` to the ``dgt``
+    CLI."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    p = subparsers.add_parser(
+        "bench", help="benchmark dgt against gloo all_reduce on the testbed (root)",
+        description="Run gloo all_reduce and dgt --mode tcp/topk/dgt on the same shaped "
+                    "netns testbed (built and removed by this command; root) under the "
+                    "clean, tenant and lossy scenarios, at each --rates rate; write "
+                    "results.json, README.md and plots to --out. 'dgt bench goodput': "
+                    "dgt's reliable channel vs iperf3 through one port. --loopback: no "
+                    "testbed, no root (the overhead check).")
+    from dgt.tools.bench import add_arguments as _bench_args
+    _bench_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = subparsers.add_parser(
+        "capture", formatter_class=fmt,
+        help="record dgt traffic to pcap (root)",
+        description="Record the dgt ports of an interface to pcap, streamed to disk, "
+                    "bounded by --seconds and/or --count (else until Ctrl-C). Needs root.")
+    p.add_argument("-w", "--write", default="dgt.pcap", metavar="OUT.pcap",
+                   help="output file; with --file-mb: OUT.00001.pcap, ...")
+    p.add_argument("-i", "--interface", default="lo", help="interface to capture on")
+    p.add_argument("--netns", help="capture inside this network namespace (ip netns name)")
+    _add_port_args(p, required=True)
+    p.add_argument("--channel", metavar="LIST",
+                   help="only these channels, e.g. 0,2 (0 = tcp)")
+    p.add_argument("--seconds", type=float, help="stop after this many seconds")
+    p.add_argument("--count", type=int, help="stop after this many packets")
+    p.add_argument("--file-mb", type=float, help="rotate files at this size (MB)")
+    p.add_argument("--ring", type=int, metavar="N",
+                   help="keep only the newest N files (needs --file-mb)")
+    p.add_argument("--json", metavar="OUT.json", help="write the capture stats as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_capture)
+
+    p = subparsers.add_parser("pcap", help="analyse dgt captures",
+                              description="Analyse dgt captures.")
+    sub = p.add_subparsers(dest="pcap_command", metavar="{summary}", required=True)
+    s = sub.add_parser(
+        "summary", formatter_class=fmt, help="per-channel totals, DSCP, loss, late, timeline",
+        description="Per channel: BLOCKS messages, blocks, bytes (message bytes), DSCP "
+                    "seen, loss inferred from END counts, late arrivals (after the PULL), "
+                    "undecodable packets, and a per-iteration timeline. With --report, "
+                    "also compares the totals with the report's channel counters.")
+    s.add_argument("files", nargs="+", metavar="FILE", help="pcap file(s), in order")
+    _add_port_args(s)
+    s.add_argument("--session", metavar="HEX[,HEX]",
+                   help="only these session ids (default: the report's, else all)")
+    s.add_argument("--json", metavar="OUT.json", help="write the summary as JSON")
+    s.add_argument("--plot", metavar="OUT.png", help="draw timeline and channel shares")
+    s.set_defaults(func=cmd_pcap_summary, command="pcap summary")
+
+    p = subparsers.add_parser(
+        "replay", formatter_class=fmt, help="re-send captured dgt messages",
+        description="Re-send the dgt datagrams and TCP frames of a capture: UDP as "
+                    "datagrams, TCP over a fresh connection per captured connection "
+                    "(client-to-server direction only). Original timing by default.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="pcap file(s), in order")
+    p.add_argument("--to", required=True, metavar="HOST", help="destination host")
+    p.add_argument("--port-map", default="", metavar="OLD:NEW,...",
+                   help="rewrite destination ports")
+    p.add_argument("--base-port", type=int, metavar="B", dest="to_base_port",
+                   help="map ports by base: B + (port - FROM_BASE_PORT)")
+    p.add_argument("--from-base-port", type=int, metavar="A",
+                   help="the captured job's base port (default: lowest captured server port)")
+    _add_port_args(p, layout=False)
+    p.add_argument("--iterations", metavar="A-B", help="only these iterations (inclusive)")
+    p.add_argument("--channels", metavar="LIST", help="only BLOCKS of these channels, e.g. 1,2")
+    p.add_argument("--no-control", action="store_true",
+                   help="send BLOCKS only (no HELLO/END/PULL/BYE)")
+    t = p.add_mutually_exclusive_group()
+    t.add_argument("--speed", type=float, default=1.0, help="original timing, F times faster")
+    t.add_argument("--rate", metavar="R", help="fixed rate: e.g. 1000pps or 50Mbit")
+    p.add_argument("--no-dscp", action="store_true", help="do not re-mark with captured DSCP")
+    p.add_argument("--dry-run", action="store_true", help="print the schedule, send nothing")
+    p.add_argument("--json", metavar="OUT.json", help="write the replay report as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_replay)
+
+
+def standalone(command: str | None = None, argv=None) -> int:
+    """Run these subcommands without the main CLI (``python -m dgt.tools.capture``)."""
+    parser = argparse.ArgumentParser(prog="dgt")
+    register(parser.add_subparsers(dest="command", required=True))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if command:
+        argv = [command] + argv
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(standalone())

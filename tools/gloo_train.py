@@ -1,0 +1,343 @@
+"""The gloo baseline: the training loop of ``dgt train``, averaged by ``all_reduce``.
+
+Each rank runs :func:`dgt.job.train` itself (same data split, model, optimiser, lr,
+batch, seed and the same comm-time measurement: from the gradient push to the applied
+aggregate), but its ``comm`` is :class:`GlooAllReduce`: the gradients are copied into
+one flat float32 buffer, summed with ``torch.distributed.all_reduce`` over the gloo
+backend (ring all-reduce: each node sends and receives ``2 (N-1)/N`` of the buffer),
+divided by N and copied back into ``p.grad``. Rendezvous: ``MASTER_ADDR``/``MASTER_PORT``
+(``init_process_group('gloo', init_method='env://')``).
+
+One rank (started by the launcher below, or by torchrun)::
+
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python -m dgt.tools.gloo_train \\
+        --rank 0 --world 2 --result r0.json
+
+The whole job, on loopback or one rank per testbed host (root)::
+
+    python -m dgt.tools.gloo_train --workers 4 --hidden 2500 --iterations 20 \\
+        [--testbed] --report gloo.json
+
+The report has the keys of ``dgt train``'s report where they make sense
+(``comm_ms_median``, ``comm_ms_p95``, ``target_reached``, ``final_test_accuracy``,
+``iterations``, ``wall_seconds``, ``history``, ``replicas_identical``) plus
+``bytes_per_iteration`` (payload each node sends per iteration, ring model) and
+``wire_tx_bytes_per_iteration`` (measured on the host's ``eth0`` in the testbed; None on
+loopback, where ``lo`` counts every rank together).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dgt.config import JobConfig
+
+MODE = "gloo"
+
+
+def _tx_bytes(iface: str) -> int | None:
+    try:
+        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+class GlooAllReduce:
+    """Gradient averaging with one gloo ``all_reduce`` of a flat float32 buffer.
+
+    The same interface as :class:`dgt.Client` (``register``, ``push_pull``, ``close``,
+    ``last_k``), so :func:`dgt.job.train` runs unchanged. ``register`` joins the
+    process group (``env://`` rendezvous), so the rendezvous counts in the job's time as
+    the sidecar registration does for dgt. Raises RuntimeError from gloo on a peer failure.
+
+    Example::
+
+        comm = GlooAllReduce(rank=0, world=2, timeout_s=60)
+        comm.register(model)
+        loss.backward(); comm.push_pull(step); opt.step()
+    """
+
+    last_k = None
+
+    def __init__(self, rank: int, world: int, timeout_s: float = 60.0,
+                 iface: str | None = None):
+        self.rank, self.world, self.timeout_s, self.iface = rank, world, timeout_s, iface
+        self.flat: torch.Tensor | None = None
+        self.tx0 = self.tx1 = None
+
+    def register(self, model: torch.nn.Module) -> None:
+        import datetime
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="env://", rank=self.rank,
+                                world_size=self.world,
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.n_params = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(self.n_params, dtype=torch.float32)
+        dist.barrier()
+        self.tx0 = _tx_bytes(self.iface) if self.iface else None
+
+    def push_pull(self, step: int, loss: float | None = None) -> None:
+        """Replace every ``p.grad`` with the mean over ranks (float32, in place)."""
+        import torch.distributed as dist
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            self.flat[off:off + n].copy_(p.grad.reshape(-1) if p.grad is not None
+                                         else torch.zeros(n))
+            off += n
+        dist.all_reduce(self.flat)
+        self.flat.div_(self.world)
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.view(-1).copy_(self.flat[off:off + n])
+            off += n
+
+    def close(self) -> None:
+        import torch.distributed as dist
+        self.tx1 = _tx_bytes(self.iface) if self.iface else None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def ring_bytes_per_iteration(n_params: int, world: int) -> int:
+    """Payload bytes each node sends per ring all-reduce of ``n_params`` float32:
+    ``2 (N-1)/N * 4 n`` (reduce-scatter, then all-gather)."""
+    return int(round(2 * (world - 1) / world * 4 * n_params)) if world > 1 else 0
+
+
+# ---------------------------------------------------------------------------- one rank
+
+
+def rank_main(ns: argparse.Namespace) -> int:
+    from dgt.job import train
+    torch.set_num_threads(1)
+    comm = GlooAllReduce(ns.rank, ns.world, ns.timeout_s, ns.iface)
+    try:
+        result = train(ns, comm=comm)
+    except RuntimeError as e:
+        print(f"gloo trainer {ns.rank}: job failed: {str(e).splitlines()[0]}",
+              file=sys.stderr, flush=True)
+        return 3
+    result["n_params"] = comm.n_params
+    result["tx_bytes"] = (comm.tx1 - comm.tx0) if None not in (comm.tx0, comm.tx1) else None
+    tmp = ns.result + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, ns.result)
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown, as dgt.job does
+
+
+# ------------------------------------------------------------------------- the launcher
+
+
+@dataclass
+class GlooJob:
+    """A whole gloo job. Defaults: those of ``dgt train`` (:class:`dgt.config.JobConfig`)."""
+    workers: int = JobConfig.workers
+    epochs: int = JobConfig.epochs
+    iterations: int = JobConfig.iterations
+    batch_size: int = JobConfig.batch_size
+    lr: float = JobConfig.lr
+    hidden: int = JobConfig.hidden
+    seed: int = JobConfig.seed
+    target_accuracy: float = JobConfig.target_accuracy
+    testbed: bool = False
+    timeout_s: float = 60.0
+    run_dir: str = ""
+
+
+def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
+    """Start ``job.workers`` ranks (loopback, or testbed host r's netns with
+    ``job.testbed``), wait, and return (exit code, report dict or None).
+
+    Any rank failing stops the others (SIGKILL after 10 s). ``stdout``: where rank 0's
+    progress lines go (default: this terminal).
+    """
+    t0 = time.monotonic()
+    own_run_dir = not job.run_dir
+    run_dir = job.run_dir or tempfile.mkdtemp(prefix="dgt-gloo-")
+    os.makedirs(run_dir, exist_ok=True)
+    n = job.workers
+    if job.testbed:
+        from dgt.tc_profiles import testbed
+        if os.geteuid() != 0:
+            log("gloo_train: --testbed needs root (network namespaces); run as root, or "
+                "drop --testbed to train over loopback")
+            return 2, None
+        tb = testbed.current()
+        if tb is None or tb.hosts < n:
+            log(f"gloo_train: --testbed needs {n} testbed hosts; run "
+                f"'dgt testbed up --hosts {n}' first")
+            return 2, None
+        hosts = [(tb.host_addr(i), ["ip", "netns", "exec", tb.host_netns(i)], "eth0")
+                 for i in range(n)]
+        master_port = 29500 + os.getpid() % 400
+    else:
+        from dgt.launch import free_port
+        hosts = [("127.0.0.1", [], "lo") for _ in range(n)]
+        master_port = free_port()
+    env = dict(os.environ, MASTER_ADDR=hosts[0][0], MASTER_PORT=str(master_port),
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=hosts[0][2])
+    log(f"gloo_train: {n} workers, gloo all_reduce, hidden {job.hidden}, "
+        f"{'testbed' if job.testbed else 'loopback'}; logs in {run_dir}")
+    procs = []
+    for r in range(n):
+        argv = hosts[r][1] + [
+            sys.executable, "-m", "dgt.tools.gloo_train", "--rank", str(r), "--world", str(n),
+            "--result", os.path.join(run_dir, f"trainer-{r}.json"),
+            "--epochs", str(job.epochs), "--iterations", str(job.iterations),
+            "--batch-size", str(job.batch_size), "--lr", str(job.lr),
+            "--hidden", str(job.hidden), "--seed", str(job.seed),
+            "--target-accuracy", str(job.target_accuracy), "--timeout-s", str(job.timeout_s)]
+        if hosts[r][2] != "lo":
+            argv += ["--iface", hosts[r][2]]
+        logf = open(os.path.join(run_dir, f"trainer-{r}.log"), "wb")
+        out = (stdout if stdout is not None else None) if r == 0 else logf
+        procs.append(subprocess.Popen(argv, stdout=out, stderr=logf, env=env,
+                                      start_new_session=True))
+        logf.close()
+    failure, fail_at = None, None
+    try:
+        while any(p.poll() is None for p in procs):
+            for r, p in enumerate(procs):
+                if failure is None and p.returncode not in (None, 0):
+                    failure = f"rank {r} exited with status {p.returncode}"
+                    fail_at = time.monotonic()
+            if fail_at is not None and time.monotonic() - fail_at > 10:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, 9)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+    for r, p in enumerate(procs):
+        if failure is None and p.returncode != 0:
+            failure = f"rank {r} exited with status {p.returncode}"
+    if failure:
+        log(f"gloo_train: failed: {failure}; logs kept in {run_dir}")
+        return 1, None
+    report = build_report(run_dir, job, time.monotonic() - t0)
+    if own_run_dir:
+        import shutil
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return 0, report
+
+
+def build_report(run_dir: str, job: GlooJob, wall_s: float) -> dict:
+    ranks = []
+    for r in range(job.workers):
+        with open(os.path.join(run_dir, f"trainer-{r}.json")) as f:
+            ranks.append(json.load(f))
+    t0 = ranks[0]
+    comm = np.array(t0["comm_s"]) * 1e3
+    iters = t0["iterations"]
+    tx = [t.get("tx_bytes") for t in ranks]
+    wire = (float(np.mean(tx)) / iters if iters and all(x is not None for x in tx)
+            else None)
+    shas = [t["param_sha256"] for t in ranks]
+    return {
+        "mode": MODE,
+        "workers": job.workers,
+        "iterations": iters,
+        "final_test_accuracy": t0["final_test_accuracy"],
+        "wall_seconds": wall_s,
+        "train_seconds": max(t["train_seconds"] for t in ranks),
+        "comm_ms_median": float(np.median(comm)),
+        "comm_ms_p95": float(np.percentile(comm, 95)),
+        "comm_ms": [float(x) for x in comm],
+        "target_accuracy": job.target_accuracy,
+        "target_reached": t0["target_reached"],
+        "replicas_identical": len(set(shas)) == 1,
+        "param_sha256": shas,
+        "n_params": t0["n_params"],
+        "gradient_bytes": 4 * t0["n_params"],
+        "bytes_per_iteration": ring_bytes_per_iteration(t0["n_params"], job.workers),
+        "wire_tx_bytes_per_iteration": wire,
+        "channels": {},
+        "history": t0["history"],
+        "config": {"job": job.__dict__.copy()},
+    }
+
+
+def print_summary(r: dict, log=print) -> None:
+    reached = r["target_reached"]
+    log(f"{'mode':<22}{r['mode']}")
+    log(f"{'workers':<22}{r['workers']}")
+    log(f"{'iterations':<22}{r['iterations']}")
+    log(f"{'final test accuracy':<22}{r['final_test_accuracy']:.4f}")
+    log(f"{'reached ' + str(r['target_accuracy']):<22}"
+        + (f"iteration {reached['iteration']}, {reached['seconds']:.1f} s" if reached
+           else "no"))
+    log(f"{'wall seconds':<22}{r['wall_seconds']:.1f}")
+    log(f"{'comm ms median/p95':<22}{r['comm_ms_median']:.1f} / {r['comm_ms_p95']:.1f}")
+    log(f"{'MB/iteration/node':<22}{r['bytes_per_iteration'] / 1e6:.2f} (ring model)"
+        + (f", {r['wire_tx_bytes_per_iteration'] / 1e6:.2f} on the wire"
+           if r["wire_tx_bytes_per_iteration"] else ""))
+    log(f"{'replicas identical':<22}{r['replicas_identical']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m dgt.tools.gloo_train",
+        description="The gloo all_reduce baseline of 'dgt train': the same training loop. "
+                    "Without --rank: launch --workers ranks and write --report. With "
+                    "--rank: be one rank (MASTER_ADDR/MASTER_PORT from the environment).")
+    p.add_argument("--rank", type=int, help="be this rank (needs --world, --result)")
+    p.add_argument("--world", type=int)
+    p.add_argument("--result", help="with --rank: write this rank's result JSON here")
+    p.add_argument("--iface", help="with --rank: count tx bytes on this interface")
+    p.add_argument("--workers", type=int, default=JobConfig.workers)
+    p.add_argument("--testbed", action="store_true",
+                   help="one rank per testbed host (root; 'dgt testbed up' first)")
+    p.add_argument("--report", default="", help="write the JSON report here")
+    p.add_argument("--run-dir", default="", help="keep logs and per-rank results here")
+    p.add_argument("--epochs", type=int, default=JobConfig.epochs)
+    p.add_argument("--iterations", type=int, default=JobConfig.iterations)
+    p.add_argument("--batch-size", type=int, default=JobConfig.batch_size)
+    p.add_argument("--lr", type=float, default=JobConfig.lr)
+    p.add_argument("--hidden", type=int, default=JobConfig.hidden)
+    p.add_argument("--seed", type=int, default=JobConfig.seed)
+    p.add_argument("--target-accuracy", type=float, default=JobConfig.target_accuracy)
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    ns = p.parse_args(argv)
+    if ns.rank is not None:
+        if ns.world is None or not ns.result:
+            p.error("--rank needs --world and --result")
+        ns.device = "cpu"
+        return rank_main(ns)
+    job = GlooJob(workers=ns.workers, epochs=ns.epochs, iterations=ns.iterations,
+                  batch_size=ns.batch_size, lr=ns.lr, hidden=ns.hidden, seed=ns.seed,
+                  target_accuracy=ns.target_accuracy, testbed=ns.testbed,
+                  timeout_s=ns.timeout_s, run_dir=ns.run_dir)
+    code, report = run_gloo(job)
+    if report is None:
+        return code
+    print_summary(report)
+    if ns.report:
+        with open(ns.report, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"report: {ns.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""``dgt pcap summary``: per-channel totals, DSCP, loss, late arrivals and a
+per-iteration timeline from a capture.
+
+Definitions (the same as the sidecar's report counters, so the two can be compared):
+
+- ``blocks``/``bytes``/``messages`` count ``BLOCKS`` messages per channel; ``bytes`` is
+  the message bytes (header + payload + MAC): the UDP payload of a datagram, the frame
+  length of a TCP frame.
+- ``dscp``: the DSCP values (IP TOS >> 2) seen on packets carrying that channel's
+  messages.
+- ``lost``: from ``END`` (blocks sent per channel per (session, sender, shard,
+  iteration)) minus the blocks of that key seen in the capture; it is loss *before the
+  capture point*.
+- ``late``: blocks of iteration t seen after that shard's ``PULL(t)`` to that worker.
+- ``undecodable``: malformed datagrams / stream chunks (see ``dgt.tools.dissect``).
+
+Example::
+
+    from dgt.tools import summary
+    s = summary.summarize(["run.pcap"], ports=None)
+    print(s["channels"]["udp1"]["blocks"], s["channels"]["udp1"]["lost"])
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+
+from dgt.transport import wire
+from dgt.transport.channels import channel_name
+from dgt.tools.dissect import Dissector, Message
+from dgt.tools.ports import PortSpec
+
+
+class _Iter:
+    __slots__ = ("first", "last", "blocks", "bytes", "ends", "pulls", "first_pull",
+                 "last_pull", "late", "ch_first", "ch_last")
+
+    def __init__(self):
+        self.first = self.last = None
+        self.blocks = Counter()
+        self.bytes = Counter()
+        self.late = Counter()
+        self.ends = self.pulls = 0
+        self.first_pull = self.last_pull = None
+        self.ch_first: dict[int, int] = {}
+        self.ch_last: dict[int, int] = {}
+
+
+class Summary:
+    """Streaming accumulator: :meth:`add` each message in capture order, then
+    :meth:`result`. Memory grows with iterations x keys, not with messages."""
+
+    def __init__(self, dissector: Dissector, sessions=None):
+        self.d = dissector
+        self.only_sessions = None if not sessions else {int(x) for x in sessions}
+        self.other_sessions = Counter()
+        self.ch_messages = Counter()
+        self.ch_blocks = Counter()
+        self.ch_bytes = Counter()
+        self.ch_dscp: dict[int, set] = defaultdict(set)
+        self.ch_late = Counter()
+        self.types = Counter()
+        self.sessions: set[int] = set()
+        self.seen: dict[tuple, Counter] = defaultdict(Counter)
+        self.ends: dict[tuple, list[int]] = {}
+        self.pull_ns: dict[tuple, int] = {}
+        self.endpoint_rank: dict[tuple[str, int], int] = {}
+        if dissector.ports is not None:
+            self.endpoint_rank.update(dissector.ports.endpoint_ranks())
+        self.pulls = 0
+        self.pulls_unattributed = 0
+        self.bad_end = 0
+        self.iters: dict[int, _Iter] = defaultdict(_Iter)
+
+    def add(self, m: Message) -> None:
+        h = m.header
+        if self.only_sessions is not None and h.session not in self.only_sessions:
+            self.other_sessions[f"{h.session:016x}"] += 1
+            return
+        self.types[wire.MsgType(h.type).name] += 1
+        self.sessions.add(h.session)
+        self.ch_dscp[h.channel].add(m.dscp)
+        it = self.iters[h.iteration] if h.type in (wire.MsgType.BLOCKS, wire.MsgType.END,
+                                                   wire.MsgType.PULL) else None
+        if it is not None:
+            it.first = m.ts_ns if it.first is None else it.first
+            it.last = m.ts_ns
+        if h.type != wire.MsgType.PULL:
+            self.endpoint_rank.setdefault((m.src, m.sport), h.sender)
+        if h.type == wire.MsgType.BLOCKS:
+            ch = h.channel
+            self.ch_messages[ch] += 1
+            self.ch_blocks[ch] += h.count
+            self.ch_bytes[ch] += len(m.data)
+            key = (h.session, h.sender, h.shard, h.iteration)
+            self.seen[key][ch] += h.count
+            it.blocks[ch] += h.count
+            it.bytes[ch] += len(m.data)
+            it.ch_first.setdefault(ch, m.ts_ns)
+            it.ch_last[ch] = m.ts_ns
+            if key in self.pull_ns:
+                self.ch_late[ch] += h.count
+                it.late[ch] += h.count
+        elif h.type == wire.MsgType.END:
+            it.ends += 1
+            try:
+                counts = [int(x) for x in wire.unpack_end(m.payload)]
+            except wire.WireError:
+                self.bad_end += 1
+                return
+            key = (h.session, h.sender, h.shard, h.iteration)
+            prev = self.ends.get(key)
+            self.ends[key] = counts if prev is None else [a + b for a, b in zip(prev, counts)]
+        elif h.type == wire.MsgType.PULL:
+            self.pulls += 1
+            it.pulls += 1
+            it.first_pull = m.ts_ns if it.first_pull is None else it.first_pull
+            it.last_pull = m.ts_ns
+            worker = self.endpoint_rank.get((m.dst, m.dport))
+            if worker is None:
+                self.pulls_unattributed += 1
+                return
+            self.pull_ns.setdefault((h.session, worker, h.shard, h.iteration), m.ts_ns)
+
+    def result(self, files=()) -> dict:
+        d = self.d
+        t0 = d.first_ts_ns or 0
+        expected, lost, excess, no_end = Counter(), Counter(), Counter(), Counter()
+        it_lost: dict[int, Counter] = defaultdict(Counter)
+        for key, counts in self.ends.items():
+            seen = self.seen.get(key, Counter())
+            for ch, n in enumerate(counts):
+                expected[ch] += n
+                lost[ch] += max(0, n - seen[ch])
+                it_lost[key[3]][ch] += max(0, n - seen[ch])
+                excess[ch] += max(0, seen[ch] - n)
+        for key, seen in self.seen.items():
+            if key not in self.ends:
+                for ch, n in seen.items():
+                    no_end[ch] += n
+        chans = sorted(set(self.ch_messages) | set(self.ch_dscp) |
+                       {c for c, n in expected.items() if n})
+        total_blocks = sum(self.ch_blocks.values()) or 1
+        total_bytes = sum(self.ch_bytes.values()) or 1
+        channels = {}
+        for ch in chans:
+            channels[channel_name(ch)] = {
+                "channel": ch,
+                "messages": self.ch_messages[ch],
+                "blocks": self.ch_blocks[ch],
+                "bytes": self.ch_bytes[ch],
+                "dscp": sorted(self.ch_dscp.get(ch, ())),
+                "blocks_expected": expected[ch],
+                "lost": lost[ch],
+                "loss_rate": lost[ch] / expected[ch] if expected[ch] else 0.0,
+                "late": self.ch_late[ch],
+                "blocks_without_end": no_end[ch],
+                "excess": excess[ch],
+                "share_blocks": self.ch_blocks[ch] / total_blocks,
+                "share_bytes": self.ch_bytes[ch] / total_bytes,
+            }
+
+        def rel(ns):
+            return None if ns is None else (ns - t0) / 1e9
+
+        iterations = []
+        for t in sorted(self.iters):
+            it = self.iters[t]
+            iterations.append({
+                "iteration": t,
+                "start_s": rel(it.first), "end_s": rel(it.last),
+                "first_pull_s": rel(it.first_pull), "last_pull_s": rel(it.last_pull),
+                "ends": it.ends, "pulls": it.pulls,
+                "blocks": {channel_name(c): it.blocks[c] for c in sorted(it.blocks)},
+                "bytes": {channel_name(c): it.bytes[c] for c in sorted(it.bytes)},
+                "lost": {channel_name(c): n for c, n in sorted(it_lost[t].items()) if n},
+                "late": {channel_name(c): n for c, n in sorted(it.late.items()) if n},
+                "channel_span_s": {channel_name(c): [rel(it.ch_first[c]), rel(it.ch_last[c])]
+                                   for c in sorted(it.ch_first)},
+            })
+        return {
+            "files": [str(f) for f in files],
+            **d.counters(),
+            "duration_s": ((d.last_ts_ns or 0) - t0) / 1e9,
+            "sessions": [f"{s:016x}" for s in sorted(self.sessions)],
+            "types": dict(sorted(self.types.items())),
+            "other_sessions_ignored": dict(self.other_sessions),
+            "channels": channels,
+            "totals": {"messages": sum(self.ch_messages.values()),
+                       "blocks": sum(self.ch_blocks.values()),
+                       "bytes": sum(self.ch_bytes.values()),
+                       "blocks_expected": sum(expected.values()),
+                       "lost": sum(lost.values()), "late": sum(self.ch_late.values())},
+            "ends": len(self.ends), "bad_ends": self.bad_end,
+            "pulls": self.pulls, "pulls_unattributed": self.pulls_unattributed,
+            "iterations": iterations,
+        }
+
+
+def summarize(files, ports: PortSpec | None = None, sessions=None) -> dict:
+    """Summarise one or more pcap files (a capture ring, in order) as one capture.
+
+    ``sessions``: only count messages of these session ids (others are tallied under
+    ``other_sessions_ignored``: a concurrent job on the same ports).
+
+    Returns the JSON-able dict described in the module docstring. Raises
+    :class:`dgt.tools.dissect.PcapError` for a missing or non-pcap file.
+    """
+    if isinstance(files, (str, bytes)) or hasattr(files, "__fspath__"):
+        files = [files]
+    d = Dissector(ports)
+    s = Summary(d, sessions)
+    from dgt.tools.dissect import parse_packet, read_pcap
+    for f in files:
+        for linktype, rec in read_pcap(f):
+            for m in d.feed(parse_packet(linktype, rec)):
+                s.add(m)
+    d.finish()
+    return s.result(files)
+
+
+def compare_with_report(summary: dict, report: dict) -> dict:
+    """Per channel: capture ``blocks``/``bytes`` vs the report's ``blocks_sent``/
+    ``bytes_sent``. Returns ``{name: {"blocks": (capture, report), "bytes": (...),
+    "match": bool}}``."""
+    out = {}
+    rch = report.get("channels", {})
+    for name in sorted(set(summary["channels"]) | set(rch)):
+        c = summary["channels"].get(name, {})
+        r = rch.get(name, {})
+        pair_b = (c.get("blocks", 0), r.get("blocks_sent", 0))
+        pair_y = (c.get("bytes", 0), r.get("bytes_sent", 0))
+        out[name] = {"blocks": pair_b, "bytes": pair_y,
+                     "match": pair_b[0] == pair_b[1] and pair_y[0] == pair_y[1]}
+    return out
+
+
+def format_table(s: dict) -> str:
+    """The human-readable summary: one row per channel, then totals and counters."""
+    cols = ["channel", "messages", "blocks", "bytes", "dscp", "expected", "lost",
+            "loss%", "late"]
+    rows = [cols]
+    for name, c in s["channels"].items():
+        rows.append([name, c["messages"], c["blocks"], c["bytes"],
+                     ",".join(map(str, c["dscp"])) or "-", c["blocks_expected"],
+                     c["lost"], f"{100 * c['loss_rate']:.2f}", c["late"]])
+    t = s["totals"]
+    rows.append(["total", t["messages"], t["blocks"], t["bytes"], "", t["blocks_expected"],
+                 t["lost"], "", t["late"]])
+    w = [max(len(str(r[i])) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(str(v).rjust(w[i]) if i else str(v).ljust(w[i])
+                       for i, v in enumerate(r)) for r in rows]
+    lines.insert(1, "  ".join("-" * x for x in w))
+    lines.append("")
+    lines.append(f"packets {s['packets']}, dgt packets {s['dgt_packets']}, messages "
+                 f"{s['messages']}, undecodable {s['undecodable']}"
+                 + (f" {s['undecodable_reasons']}" if s["undecodable"] else ""))
+    lines.append(f"iterations {len(s['iterations'])}, ENDs {s['ends']}, PULLs {s['pulls']}"
+                 f" ({s['pulls_unattributed']} unattributed), duration {s['duration_s']:.3f} s,"
+                 f" types {s['types']}")
+    if s.get("other_sessions_ignored"):
+        lines.append(f"ignored messages of other sessions: {s['other_sessions_ignored']}")
+    return "\n".join(lines)
+
+
+def plot(s: dict, out_png: str) -> None:
+    """Timeline (blocks per channel over time, PULL marks), blocks per iteration and
+    per-channel shares, as one PNG (matplotlib, Agg backend)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(s["channels"])
+    colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 5))
+    for row in s["iterations"]:
+        t = row["iteration"]
+        for j, (name, (a, b)) in enumerate(row["channel_span_s"].items()):
+            y = t + (j - len(names) / 2) * 0.12
+            ax1.plot([a, b if b > a else a + 1e-6], [y, y], color=colors.get(name), lw=3,
+                     label=name if t == s["iterations"][0]["iteration"] else None)
+        if row["first_pull_s"] is not None:
+            ax1.plot([row["first_pull_s"], row["last_pull_s"]], [t, t], "kx",
+                     label="PULL" if t == s["iterations"][0]["iteration"] else None)
+    ax1.set_xlabel("time since capture start (s)")
+    ax1.set_ylabel("iteration")
+    ax1.set_title("timeline: BLOCKS span per channel, PULLs")
+    if s["iterations"]:
+        ax1.legend(loc="best", fontsize=8)
+    its = [r["iteration"] for r in s["iterations"]]
+    bottom = [0] * len(its)
+    for name in names:
+        vals = [r["blocks"].get(name, 0) for r in s["iterations"]]
+        ax2.bar(its, vals, bottom=bottom, color=colors[name], label=name)
+        bottom = [a + b for a, b in zip(bottom, vals)]
+    ax2.set_xlabel("iteration")
+    ax2.set_ylabel("blocks seen")
+    ax2.set_title("blocks per iteration")
+    if names:
+        ax2.legend(fontsize=8)
+    x = range(len(names))
+    ax3.bar([i - 0.2 for i in x], [s["channels"][n]["share_blocks"] for n in names], 0.4,
+            label="blocks")
+    ax3.bar([i + 0.2 for i in x], [s["channels"][n]["share_bytes"] for n in names], 0.4,
+            label="bytes")
+    ax3.set_xticks(list(x), names)
+    ax3.set_ylabel("share")
+    ax3.set_title("per-channel share")
+    ax3.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+def write_json(s: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(s, f, indent=2, sort_keys=False)
+        f.write("\n")

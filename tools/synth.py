@@ -1,0 +1,416 @@
+"""Synthetic dgt traffic over real loopback sockets, for tests and benchmarks.
+
+Workers (threads) push BSP iterations to shards with the real wire format: per
+(worker, shard, iteration) a TCP ``BLOCKS`` frame (INDEXED) on channel 0, one UDP
+datagram per block on each unreliable channel (each UDP socket marked with its
+channel's DSCP), then ``END`` with the per-channel counts. The shard answers ``PULL``
+on the same TCP connection once every worker's END is in. Ports follow the
+``--base-port`` layout (rank r: TCP ``B+10r``, UDP channel c ``B+10r+c``).
+
+``omit`` drops chosen datagrams before they are sent (they still count in END, as a
+network loss would); ``late`` holds chosen datagrams back until after the PULL.
+:func:`run` returns the sender-side counters in the train report's shape:
+``{"channels": {"tcp": {"blocks_sent", "bytes_sent", ...}, "udp1": ...}}``.
+
+Example::
+
+    from dgt.tools import synth
+    sent = synth.run(synth.SynthConfig(base_port=46000, iterations=3))
+    print(sent["channels"]["udp1"]["blocks_sent"])
+"""
+from __future__ import annotations
+
+import random
+import selectors
+import socket
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dgt.transport import wire
+from dgt.transport.channels import channel_dscp, channel_name
+from dgt.tools.ports import RANK_STRIDE, PortSpec
+
+
+@dataclass
+class SynthConfig:
+    """``blocks``: blocks per (worker, shard, iteration) on each channel, channel 0
+    first (length = 1 + udp channels). ``omit``/``late``: sets of
+    ``(worker, shard, iteration, channel, nth)`` naming datagrams (nth within that
+    channel's send list) to drop / to send after the PULL."""
+
+    base_port: int = 46000
+    host: str = "127.0.0.1"
+    ranks: int = 2
+    iterations: int = 3
+    first_iteration: int = 0
+    blocks: tuple[int, ...] = (4, 6, 4, 2)
+    block_elems: int = 16
+    dscp: tuple[int, ...] | None = None  # per channel; default channel_dscp(C)
+    session: int = 0x5EED_D67_0000_0001
+    key: bytes | None = None
+    omit: set = field(default_factory=set)
+    late: set = field(default_factory=set)
+    timeout_s: float = 20.0
+
+    @property
+    def udp_channels(self) -> int:
+        return len(self.blocks) - 1
+
+    def tcp_port(self, rank: int) -> int:
+        return self.base_port + RANK_STRIDE * rank
+
+    def udp_port(self, rank: int, channel: int) -> int:
+        return self.base_port + RANK_STRIDE * rank + channel
+
+    def sidecars(self) -> list[dict]:
+        """The train report's ``sidecars`` table for this layout."""
+        return [{"rank": r, "host": self.host, "tcp_port": self.tcp_port(r),
+                 "udp_ports": [self.udp_port(r, c) for c in range(1, self.udp_channels + 1)]}
+                for r in range(self.ranks)]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_message(sock: socket.socket) -> tuple[wire.Header, bytes]:
+    """Read one whole message from a TCP socket; returns (header, message bytes)."""
+    head = _recv_exact(sock, wire.HEADER_BYTES)
+    h = wire.decode_header(head)
+    return h, head + _recv_exact(sock, wire.frame_size(h) - wire.HEADER_BYTES)
+
+
+class _Shards:
+    """Every rank's shard: TCP listener + one UDP socket per channel, in one thread."""
+
+    def __init__(self, cfg: SynthConfig):
+        self.cfg = cfg
+        self.sel = selectors.DefaultSelector()
+        self.socks: list[socket.socket] = []
+        self.ends: dict[tuple[int, int], dict[int, socket.socket]] = defaultdict(dict)
+        self.udp_received = defaultdict(int)
+        self.stop = threading.Event()
+        for r in range(cfg.ranks):
+            ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ls.bind((cfg.host, cfg.tcp_port(r)))
+            ls.listen(64)
+            ls.setblocking(False)
+            self.sel.register(ls, selectors.EVENT_READ, ("listen", r))
+            self.socks.append(ls)
+            for c in range(1, cfg.udp_channels + 1):
+                us = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                us.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+                us.bind((cfg.host, cfg.udp_port(r, c)))
+                us.setblocking(False)
+                self.sel.register(us, selectors.EVENT_READ, ("udp", r))
+                self.socks.append(us)
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="synth-shards")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        bufs: dict[socket.socket, bytearray] = {}
+        dscp = self.cfg.dscp or channel_dscp(self.cfg.udp_channels)
+        while not self.stop.is_set():
+            for key, _ in self.sel.select(0.05):
+                kind, rank = key.data
+                s = key.fileobj
+                if kind == "listen":
+                    c, _ = s.accept()
+                    c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp[0] << 2)
+                    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    c.setblocking(False)
+                    bufs[c] = bytearray()
+                    self.sel.register(c, selectors.EVENT_READ, ("tcp", rank))
+                elif kind == "udp":
+                    while True:
+                        try:
+                            s.recv(65536)
+                            self.udp_received[rank] += 1
+                        except BlockingIOError:
+                            break
+                else:
+                    try:
+                        data = s.recv(1 << 20)
+                    except (BlockingIOError, ConnectionError):
+                        data = None
+                    if not data:
+                        if data == b"" or data is None:
+                            self.sel.unregister(s)
+                            s.close()
+                        continue
+                    buf = bufs[s]
+                    buf += data
+                    while len(buf) >= wire.HEADER_BYTES:
+                        h = wire.decode_header(buf)
+                        n = wire.frame_size(h)
+                        if len(buf) < n:
+                            break
+                        del buf[:n]
+                        if h.type == wire.MsgType.END:
+                            self._on_end(rank, h, s)
+
+    def _on_end(self, shard: int, h: wire.Header, conn: socket.socket) -> None:
+        cfg = self.cfg
+        got = self.ends[(shard, h.iteration)]
+        got[h.sender] = conn
+        if len(got) < cfg.ranks:
+            return
+        n_blocks = 4
+        agg = np.zeros(n_blocks * cfg.block_elems, np.float32)
+        for worker, c in sorted(got.items()):
+            pull = wire.encode(wire.MsgType.PULL, session=cfg.session, sender=shard,
+                               shard=shard, iteration=h.iteration, block=0, count=n_blocks,
+                               payload=wire.pack_pull(agg, np.ones(n_blocks, bool)),
+                               key=cfg.key)
+            c.setblocking(True)
+            c.sendall(pull)
+            c.setblocking(False)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+        self.sel.close()
+
+
+def _worker(cfg: SynthConfig, rank: int, sent: dict, lock: threading.Lock,
+            errors: list) -> None:
+    try:
+        dscp = cfg.dscp or channel_dscp(cfg.udp_channels)
+        rng = np.random.default_rng(rank)
+        conns = []
+        for s in range(cfg.ranks):
+            c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp[0] << 2)  # before connect
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            c.settimeout(cfg.timeout_s)
+            c.connect((cfg.host, cfg.tcp_port(s)))
+            c.sendall(wire.encode(wire.MsgType.HELLO, session=cfg.session, sender=rank,
+                                  shard=s, key=cfg.key))
+            conns.append(c)
+        udps = []
+        for ch in range(1, cfg.udp_channels + 1):
+            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            u.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp[ch] << 2)
+            udps.append(u)
+        total_blocks = sum(cfg.blocks)
+        for t in range(cfg.first_iteration, cfg.first_iteration + cfg.iterations):
+            held = []
+            for s, conn in enumerate(conns):
+                base = s * total_blocks
+                idx = base
+                n0 = cfg.blocks[0]
+                blocks = rng.standard_normal((n0, cfg.block_elems)).astype(np.float32)
+                msg = wire.encode(wire.MsgType.BLOCKS, session=cfg.session, sender=rank,
+                                  shard=s, iteration=t, channel=0, block=idx, count=n0,
+                                  flags=wire.Flag.INDEXED, key=cfg.key,
+                                  payload=wire.pack_indexed_blocks(
+                                      np.arange(idx, idx + n0), blocks))
+                if n0:
+                    conn.sendall(msg)
+                    with lock:
+                        d = sent["tcp"]
+                        d["blocks_sent"] += n0
+                        d["bytes_sent"] += len(msg)
+                        d["messages_sent"] += 1
+                idx += n0
+                for ch in range(1, cfg.udp_channels + 1):
+                    n = cfg.blocks[ch]
+                    blocks = rng.standard_normal((n, cfg.block_elems)).astype(np.float32)
+                    dgs = wire.encode_block_datagrams(
+                        session=cfg.session, sender=rank, shard=s, iteration=t, channel=ch,
+                        indices=np.arange(idx, idx + n), blocks=blocks, key=cfg.key)
+                    idx += n
+                    for nth in range(n):
+                        k = (rank, s, t, ch, nth)
+                        if k in cfg.omit:
+                            with lock:
+                                sent[channel_name(ch)]["omitted"] += 1
+                            continue
+                        if k in cfg.late:
+                            held.append((ch, dgs[nth].tobytes(), s))
+                            continue
+                        udps[ch - 1].sendto(dgs[nth].tobytes(), (cfg.host, cfg.udp_port(s, ch)))
+                        with lock:
+                            d = sent[channel_name(ch)]
+                            d["blocks_sent"] += 1
+                            d["bytes_sent"] += dgs.shape[1]
+                            d["messages_sent"] += 1
+                conn.sendall(wire.encode(wire.MsgType.END, session=cfg.session, sender=rank,
+                                         shard=s, iteration=t, count=total_blocks,
+                                         payload=wire.pack_end(list(cfg.blocks)), key=cfg.key))
+            for conn in conns:  # BSP: wait for every shard's PULL
+                while True:
+                    h, _ = recv_message(conn)
+                    if h.type == wire.MsgType.PULL and h.iteration == t:
+                        break
+            for ch, dg, s in held:
+                udps[ch - 1].sendto(dg, (cfg.host, cfg.udp_port(s, ch)))
+                with lock:
+                    d = sent[channel_name(ch)]
+                    d["blocks_sent"] += 1
+                    d["bytes_sent"] += len(dg)
+                    d["messages_sent"] += 1
+                    d["late"] += 1
+        for conn in conns:
+            conn.sendall(wire.encode(wire.MsgType.BYE, session=cfg.session, sender=rank,
+                                     key=cfg.key))
+            conn.close()
+        for u in udps:
+            u.close()
+    except BaseException as e:  # reported by run()
+        errors.append(e)
+
+
+def run(cfg: SynthConfig) -> dict:
+    """Run the synthetic job to completion; returns the sender-side report.
+
+    Raises the first worker error (e.g. ``OSError`` when a port is taken).
+    """
+    names = [channel_name(c) for c in range(len(cfg.blocks))]
+    sent = {n: {"blocks_sent": 0, "bytes_sent": 0, "messages_sent": 0, "omitted": 0,
+                "late": 0} for n in names}
+    shards = _Shards(cfg)
+    lock = threading.Lock()
+    errors: list = []
+    try:
+        threads = [threading.Thread(target=_worker, args=(cfg, r, sent, lock, errors))
+                   for r in range(cfg.ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(cfg.timeout_s * 3)
+    finally:
+        shards.close()
+    if errors:
+        raise errors[0]
+    dscp = cfg.dscp or channel_dscp(cfg.udp_channels)
+    for c, n in enumerate(names):
+        sent[n]["dscp"] = dscp[c]
+    return {"channels": sent, "sidecars": cfg.sidecars(), "session": cfg.session}
+
+
+def free_base_port(ranks: int = 2, lo: int = 20000, hi: int = 60000) -> int:
+    """A base port whose ``ranks`` x 10 TCP and UDP ports are all free right now."""
+    for _ in range(200):
+        base = random.randrange(lo, hi - RANK_STRIDE * ranks) // 10 * 10
+        try:
+            socks = []
+            for p in range(base, base + RANK_STRIDE * ranks):
+                for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+                    s = socket.socket(socket.AF_INET, kind)
+                    socks.append(s)
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range found")
+
+
+class Recorder:
+    """A receiver that records every message it gets: UDP datagrams as they are, TCP
+    streams split into messages. ``messages``: list of (proto, local port, bytes)."""
+
+    def __init__(self, host: str, tcp_ports=(), udp_ports=()):
+        self.sel = selectors.DefaultSelector()
+        self.messages: list[tuple[str, int, bytes]] = []
+        self.lock = threading.Lock()
+        self.stop_ev = threading.Event()
+        for p in tcp_ports:
+            ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ls.bind((host, p))
+            ls.listen(64)
+            ls.setblocking(False)
+            self.sel.register(ls, selectors.EVENT_READ, ("listen", p))
+        for p in udp_ports:
+            us = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            us.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            us.bind((host, p))
+            us.setblocking(False)
+            self.sel.register(us, selectors.EVENT_READ, ("udp", p))
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="recorder")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        bufs: dict = {}
+        while not self.stop_ev.is_set():
+            for key, _ in self.sel.select(0.05):
+                kind, port = key.data
+                s = key.fileobj
+                if kind == "listen":
+                    c, _ = s.accept()
+                    c.setblocking(False)
+                    bufs[c] = bytearray()
+                    self.sel.register(c, selectors.EVENT_READ, ("tcp", port))
+                elif kind == "udp":
+                    while True:
+                        try:
+                            d = s.recv(65536)
+                        except BlockingIOError:
+                            break
+                        with self.lock:
+                            self.messages.append(("udp", port, d))
+                else:
+                    try:
+                        d = s.recv(1 << 20)
+                    except (BlockingIOError, ConnectionError):
+                        d = b""
+                    if not d:
+                        self.sel.unregister(s)
+                        s.close()
+                        continue
+                    buf = bufs[s]
+                    buf += d
+                    while len(buf) >= wire.HEADER_BYTES:
+                        try:
+                            n = wire.frame_size(wire.decode_header(buf))
+                        except wire.WireError:
+                            n = len(buf)
+                        if len(buf) < n:
+                            break
+                        with self.lock:
+                            self.messages.append(("tcp", port, bytes(buf[:n])))
+                        del buf[:n]
+
+    def close(self) -> list[tuple[str, int, bytes]]:
+        self.stop_ev.set()
+        self.thread.join(5)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+        self.sel.close()
+        return self.messages
+
+
+def captured_run(cfg: SynthConfig, out: str, **capture_kw) -> tuple[dict, "PortSpec"]:
+    """Run the synthetic job while capturing its ports on lo to ``out`` (root).
+
+    Returns (sender report, PortSpec). Raises CaptureError when not root.
+    """
+    import time as _time
+    from dgt.tools.capture import Capture, CaptureConfig
+    from dgt.tools.ports import from_sidecars, sidecars_from_doc
+    spec = from_sidecars(sidecars_from_doc(cfg.sidecars()))
+    cap = Capture(CaptureConfig(out=out, ports=spec, **capture_kw)).start()
+    try:
+        sent = run(cfg)
+        _time.sleep(0.3)  # let the tap catch up with the last packets
+    finally:
+        cap.stop()
+        cap.join(10)
+    sent["capture"] = cap.stats.as_dict()
+    return sent, spec

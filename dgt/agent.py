@@ -35,6 +35,7 @@ class Links:
     send_tcp: Callable[[int, bytes], None]            # (shard, frame)
     send_udp: Callable[[int, int, np.ndarray], int]  # (channel, shard, rows) -> sent
     local_push: Callable[[int, np.ndarray, np.ndarray, float], None]
+    waiting_for: Callable[[], list[int]] = lambda: []   # ranks the local shard awaits
 
 
 class WorkerAgent:
@@ -145,8 +146,12 @@ class WorkerAgent:
                 await asyncio.wait_for(asyncio.shield(self.pull_waiter), timeout_s)
             except asyncio.TimeoutError:
                 missing = sorted(set(range(lay.n_shards)) - set(self.pulls))
+                stalled = [w for w in self.links.waiting_for() if w != me]
+                why = (f"; shard {me} never got END({t}) from rank(s) {stalled} "
+                       f"(dead or frozen)" if stalled else "")
                 raise PeerFailure(f"no PULL for iteration {t} from shard(s) {missing} "
-                                  f"within {timeout_s:.0f} s", missing[0]) from None
+                                  f"within {timeout_s:.0f} s{why}",
+                                  stalled[0] if stalled else missing[0]) from None
         self._apply(t)
         return k
 

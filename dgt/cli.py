@@ -5,7 +5,8 @@ import argparse
 import sys
 
 from . import __version__
-from .config import JobConfig, TransmissionConfig, add_arguments, from_args
+from .config import (JobConfig, OneLineParser, TransmissionConfig, add_arguments,
+                     from_args)
 
 
 def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -14,7 +15,11 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         tx = from_args(TransmissionConfig, ns)
     except ValueError as e:
         parser.error(str(e))
-    from .launch import run_job
+    from .launch import check_paths, run_job
+    try:
+        check_paths(job)
+    except ValueError as e:
+        parser.error(str(e))
     code, _ = run_job(job, tx)
     return code
 
@@ -25,7 +30,7 @@ def _sidecar(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dgt", description="Contribution-aware differential "
+    p = OneLineParser(prog="dgt", description="Contribution-aware differential "
                                 "gradient transmission for data-parallel training.")
     p.add_argument("--version", action="version", version=f"dgt {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -36,15 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "one sidecar each, over loopback (or the testbed with --testbed).")
     add_arguments(t, JobConfig)
     add_arguments(t, TransmissionConfig)
-    t.set_defaults(func=lambda ns: _train(ns, t))
+    t.set_defaults(func=lambda ns: _train(ns, t), parser=t)
 
-    from .sidecar import add_node_arguments
+    from .sidecar import add_sidecar_arguments
     s = sub.add_parser("sidecar", help="run one node's sidecar",
                        description="Run one node's sidecar (worker agent + server shard).")
-    add_node_arguments(s)
-    add_arguments(s, TransmissionConfig)
-    s.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
-    s.set_defaults(func=lambda ns: _sidecar(ns, s))
+    add_sidecar_arguments(s)
+    s.set_defaults(func=lambda ns: _sidecar(ns, s), parser=s)
 
     for mod in ("dgt.tc_profiles.cli", "dgt.tools.cli"):
         try:
@@ -57,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand whose flags were wrong, not the top level
+        getattr(ns, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(ns.func(ns) or 0)
     except KeyboardInterrupt:

@@ -83,11 +83,14 @@ class JobConfig:
     seed: int = _f(0, "seed for model init, data split and shuffling")
     device: str = _f("cpu", "cpu | cuda | cuda:N (trainer device)")
     report: str = _f("", "write the JSON report here")
-    run_dir: str = _f("", "keep logs and per-process results here (default: a temp dir)")
+    run_dir: str = _f("", "keep logs and per-process results here (none: a temp dir, "
+                      "removed after a successful run)")
     base_port: int = _f(0, "rank r listens on TCP base+10r and UDP base+10r+c "
                         "(0 = free ports)")
     testbed: bool = _f(False, "run one sidecar + trainer per testbed host (needs "
                        "'dgt testbed up'; root)")
+    testbed_prefix: str = _f("dgt", "with --testbed: the testbed's name prefix (its "
+                             "namespaces are <prefix>-h<i>)")
     target_accuracy: float = _f(0.95, "report the iteration and time when test accuracy "
                                 "first reaches this")
 
@@ -98,10 +101,30 @@ class JobConfig:
             raise ValueError(f"--iterations must be >= 0, got {self.iterations}")
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or self.hidden < 1:
             raise ValueError("--epochs, --batch-size, --hidden must be >= 1 and --lr > 0")
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise ValueError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
         if not 0 <= self.base_port <= 65535 - 10 * self.workers - 8:
             raise ValueError(f"--base-port must leave room for {self.workers} nodes")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag gets one line: what is wrong and where to look."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def finite(typ):
+    """argparse type: a finite number (no inf/nan)."""
+    def conv(text: str):
+        v = typ(text)
+        if v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        return v
+    conv.__name__ = typ.__name__
+    return conv
 
 
 def _flag(name: str) -> str:
@@ -125,12 +148,13 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     """Add one flag per dataclass field of ``cls`` (booleans get --x / --no-x)."""
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
-        help_ = f"{f.metadata['help']} (default: {f.default}; env {_env(f.name)})"
+        shown = f.default if f.default != "" else "none"
+        help_ = f"{f.metadata['help']} (default: {shown}; env {_env(f.name)})"
         if f.type in ("bool", bool):
             group.add_argument(_flag(f.name), dest=f.name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_)
         else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            typ = {"int": int, "float": finite(float), "str": str}.get(f.type, f.type)
             group.add_argument(_flag(f.name), dest=f.name, type=typ, default=None,
                                choices=f.metadata.get("choices"), help=help_)
 
@@ -147,8 +171,8 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
             raw = environ[_env(f.name)]
             try:
                 v = (_parse_bool(raw) if f.type in ("bool", bool)
-                     else {"int": int, "float": float}.get(f.type, str)(raw))
-            except ValueError as e:
+                     else {"int": int, "float": finite(float)}.get(f.type, str)(raw))
+            except (ValueError, argparse.ArgumentTypeError) as e:
                 raise ValueError(f"{_env(f.name)}={raw!r}: {e}") from None
         if v is not None:
             kw[f.name] = v

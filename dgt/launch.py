@@ -5,7 +5,8 @@ On loopback (the default) every process runs on this machine without root. With
 crosses the shaped links (``dgt testbed up`` first).
 
 Failure: when any process exits non-zero, the others get up to ``GRACE_S`` to exit on
-their own (they learn of the failure through ERROR frames), then SIGTERM, then SIGKILL.
+their own (the launcher SIGTERMs the sidecars with the reason in failure.json, and
+they tell their trainers), then SIGKILL.
 The launcher names the failed rank, and leaves no process behind.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from .config import JobConfig, TransmissionConfig, to_argv
 from .report import build_report, print_summary
 
-GRACE_S = 10.0
+GRACE_S = 5.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -51,10 +52,11 @@ class Job:
         if os.geteuid() != 0:
             raise RuntimeError("--testbed needs root (network namespaces); run as root, "
                                "or drop --testbed to train over loopback")
-        tb = testbed.current()
+        tb = testbed.current(self.job.testbed_prefix)
         if tb is None or tb.hosts < n:
             have = 0 if tb is None else tb.hosts
-            raise RuntimeError(f"--testbed needs {n} testbed hosts, found {have}; run "
+            raise RuntimeError(f"--testbed needs {n} testbed hosts with prefix "
+                               f"'{self.job.testbed_prefix}', found {have}; run "
                                f"'dgt testbed up --hosts {n}' first")
         return [(tb.host_addr(i), ["ip", "netns", "exec", tb.host_netns(i)])
                 for i in range(n)]
@@ -164,7 +166,8 @@ class Job:
         from .ipc import shm_dir
         for kind, _, p in self.procs:
             if kind == "sidecar" and p.poll() is not None:
-                for path in glob.glob(os.path.join(shm_dir(), f"dgt-{p.pid}-*")):
+                for path in glob.glob(os.path.join(shm_dir(), f"dgt-{p.pid}-*")) + \
+                        glob.glob(os.path.join(self.run_dir, "*.sock")):
                     try:
                         os.unlink(path)
                     except OSError:
@@ -185,9 +188,45 @@ def _last_line(path: str) -> str:
     return (errs or lines or [""])[-1].strip()[:300]
 
 
+def check_paths(job: JobConfig) -> None:
+    """Fail before training, not after: --report's folder and --run-dir must be usable.
+    Raises ValueError with a message that names the flag."""
+    if job.report:
+        folder = os.path.dirname(os.path.abspath(job.report))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--report: cannot create folder {folder}: {e.strerror}") from None
+        if os.path.isdir(job.report):
+            raise ValueError(f"--report {job.report} is a directory; give a file path")
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"--report: folder {folder} is not writable")
+    if job.run_dir:
+        if os.path.exists(job.run_dir) and not os.path.isdir(job.run_dir):
+            raise ValueError(f"--run-dir {job.run_dir} is a file; give a folder")
+        try:
+            os.makedirs(job.run_dir, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--run-dir: cannot create {job.run_dir}: {e.strerror}") from None
+    if job.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {job.device}: no CUDA device here (torch "
+                             f"{torch.__version__}); use --device cpu")
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dict | None]:
-    """Run ``dgt train``. Returns (exit code, report dict or None)."""
+    """Run ``dgt train``. Returns (exit code, report dict or None).
+
+    SIGTERM, SIGINT and SIGHUP stop every child process and clean up (even when the
+    launcher was started in the background with SIGINT ignored)."""
     t0 = time.monotonic()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
     j = Job(job, tx, log)
     log(f"dgt train: {job.workers} workers, mode {tx.mode}, k {tx.k}, {tx.channels} UDP "
         f"channels, block {tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}; "
@@ -200,8 +239,10 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dic
         log(f"dgt train: {e}")
         return 2, None
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         j.kill()
-        log("dgt train: interrupted")
+        log(f"dgt train: interrupted; children stopped, logs kept in {j.run_dir}")
         return 130, None
     except BaseException:
         j.kill()

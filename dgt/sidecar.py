@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -26,7 +28,7 @@ import numpy as np
 from . import ipc
 from .agent import Links, WorkerAgent
 from .errors import PeerFailure
-from .config import TransmissionConfig, add_arguments, from_args
+from .config import OneLineParser, TransmissionConfig, add_arguments, from_args
 from .layout import BlockLayout
 from .rendezvous import Rendezvous
 from .scheduler.deadline import DeadlinePolicy
@@ -99,7 +101,6 @@ class Sidecar:
         self._write_report()
         self._close()
         if self.failed:
-            log.error("rank %d: %s", self.rank, self.failed)
             return EXIT_PEER_FAILURE
         return 0
 
@@ -247,7 +248,8 @@ class Sidecar:
                                key=self.key, counters=self.counters)
         self.shard = ServerShard(lay, rank, session, self._send_pull)
         links = Links(send_tcp=self._send_tcp, send_udp=self._send_udp,
-                      local_push=self.shard.local_push)
+                      local_push=self.shard.local_push,
+                      waiting_for=self.shard.session.waiting_for)
         self.agent = WorkerAgent(self.cfg, lay, rank, self.session_id, self.key, grad.array,
                                  agg.array, links, self.counters, seed=self.node.seed)
         await self._connect_peers()
@@ -314,7 +316,17 @@ class Sidecar:
 
     def _send_udp(self, channel: int, shard: int, rows: np.ndarray) -> int:
         ep = self.peers[shard]
-        return self.udp_senders[channel].send(rows, (ep["host"], ep["udp_ports"][channel - 1]))
+        try:
+            return self.udp_senders[channel].send(rows, (ep["host"],
+                                                         ep["udp_ports"][channel - 1]))
+        except OSError as e:
+            if e.errno == errno.EMSGSIZE:
+                raise PeerFailure(
+                    f"a {rows.shape[1]} B datagram exceeds the path MTU to rank {shard} "
+                    f"(--block-bytes {self.cfg.block_bytes}); use --block-bytes "
+                    f"{(1500 - 28 - 34 - 16) // 4 * 4} or less for a 1500 B MTU", self.rank) \
+                    from None
+            raise PeerFailure(f"UDP send to rank {shard} failed: {e}", shard) from None
 
     def _send_pull(self, worker: int, iteration: int, aggregate: np.ndarray,
                    received: np.ndarray) -> None:
@@ -498,9 +510,8 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--world", type=int, required=True, help="number of nodes")
     g.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    help="TCPStore host (env MASTER_ADDR)")
-    g.add_argument("--master-port", type=int,
-                   default=int(os.environ.get("MASTER_PORT", "29500")),
-                   help="TCPStore port; rank 0 hosts it (env MASTER_PORT)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="TCPStore port; rank 0 hosts it (env MASTER_PORT, default 29500)")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--base-port", type=int, default=0,
                    help="TCP port base+10*rank, UDP channel c on base+10*rank+c (0 = free)")
@@ -510,12 +521,18 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for ranking ties/exploration")
 
 
-def main(argv: list[str] | None = None, prog: str = "dgt sidecar") -> int:
-    p = argparse.ArgumentParser(prog=prog, description="Run one node's sidecar "
-                                "(worker agent + colocated server shard).")
+def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``dgt sidecar``."""
     add_node_arguments(p)
     add_arguments(p, TransmissionConfig)
-    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
+
+
+def main(argv: list[str] | None = None, prog: str = "dgt sidecar") -> int:
+    p = OneLineParser(prog=prog, description="Run one node's sidecar "
+                      "(worker agent + colocated server shard).")
+    add_sidecar_arguments(p)
     return run_from_args(p.parse_args(argv), p)
 
 
@@ -526,8 +543,23 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         cfg = from_args(TransmissionConfig, ns)
     except ValueError as e:
         parser.error(str(e))
+    if ns.world < 1:
+        parser.error(f"--world must be >= 1, got {ns.world}")
     if not 0 <= ns.rank < ns.world:
-        parser.error(f"--rank must be in 0..{ns.world - 1}")
+        parser.error(f"--rank must be in 0..{ns.world - 1}, got {ns.rank}")
+    if ns.master_port is None:
+        env = os.environ.get("MASTER_PORT", "29500")
+        if not env.isdigit():
+            parser.error(f"MASTER_PORT={env!r} is not a port number")
+        ns.master_port = int(env)
+    if not 1 <= ns.master_port <= 65535:
+        parser.error(f"--master-port must be 1..65535, got {ns.master_port}")
+    if ns.base_port < 0 or (ns.base_port and ns.base_port + 10 * ns.rank + cfg.channels > 65535):
+        parser.error(f"--base-port {ns.base_port} leaves no room for rank {ns.rank}'s ports "
+                     f"(base + 10*rank + {cfg.channels} must be <= 65535)")
+    sock_dir = os.path.dirname(os.path.abspath(ns.socket_path or "/tmp/x"))
+    if not os.path.isdir(sock_dir):
+        parser.error(f"--socket: directory {sock_dir} does not exist")
     node = NodeConfig(rank=ns.rank, world=ns.world, master_addr=ns.master_addr,
                       master_port=ns.master_port, host=ns.host, base_port=ns.base_port,
                       socket_path=ns.socket_path or f"/tmp/dgt-{ns.rank}.sock",
@@ -537,7 +569,13 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         import uvloop
         return uvloop.run(Sidecar(cfg, node).run())
     except OSError as e:
-        print(f"dgt sidecar: {e}", file=sys.stderr)
+        what = {errno.EADDRINUSE: f"a port of rank {node.rank} is in use (--base-port "
+                                  f"{node.base_port}: TCP base+10*rank, UDP base+10*rank+c); "
+                                  f"pick another --base-port or 0 for free ports",
+                errno.EADDRNOTAVAIL: f"--host {node.host} is not an address of this host"}
+        msg = what.get(e.errno) or (f"--host {node.host}: {e.strerror}" if isinstance(
+            e, socket.gaierror) else str(e))
+        print(f"dgt sidecar: error: {msg}", file=sys.stderr)
         return 2
 
 

@@ -32,7 +32,7 @@ import sys
 import time
 
 from . import applier
-from .schema import load_profile
+from .schema import load_profile, parse_rate
 from .testbed import HOST_DEV, TestbedError, Testbed, down, host_addr, up
 
 UDP_PAYLOAD_BYTES = 1400
@@ -43,6 +43,7 @@ DEFAULT_CASES = (("EF", 46, 200), ("EF", 46, 400), ("EF", 46, 600),
 RX, BULK_SRC, UDP_SRC = 0, 1, 2
 UDP_PORT = 5202
 _BUCKET_BURSTS = 4                     # token bucket depth, in sends
+BUSY_FRAC = 0.9                        # port sends >= 90 % of its rate: saturated
 CPU_SHORT = 0.97                       # offered < 97 % of asked: the sender ran out of CPU
 
 
@@ -206,13 +207,17 @@ def run_case(tb: Testbed, name: str, dscp: int, offered_mbit: float, seconds: fl
     Returns offered/delivered figures in Mbit/s (UDP payload) and the port's class
     counters: {case, dscp, cls, asked_mbit, offered_mbit, cpu_limited, gso, note,
     gen_cpu_s, gen_in_send_s, delivered_frac, delivered_mbit, port_pkts, port_drops,
-    src_drops, rx_app_mbit, rx_rcvbuf_errors, bulk_mbit, be_port_mbit, load1}.
+    src_drops, rx_app_mbit, rx_rcvbuf_errors, bulk_mbit, be_port_mbit, port_mbit,
+    port_busy, load1}.
 
     ``delivered_frac`` = datagrams p0 sent / (sent + dropped) for the probe's class;
     ``src_drops`` = the probe class's drops on h2's own eth0 (should be 0);
     ``rx_app_mbit`` = payload the sink on h0 read; ``bulk_mbit`` = iperf3's bulk goodput
     over its whole run; ``be_port_mbit`` = what p0 sent for best effort while the probe
-    ran (frame bytes, Ethernet header included); ``cpu_limited`` = the generator offered
+    ran (frame bytes, Ethernet header included); ``port_mbit`` the same for every
+    class; ``port_busy`` = port_mbit >= 90 % of the port rate (saturated: without it,
+    as on a machine too busy to run the bulk flow, a low band simply gets the idle link
+    and its fraction says nothing about priority); ``cpu_limited`` = the generator offered
     < 97 % of ``asked_mbit``; ``load1`` = 1-minute load average when the case started.
     """
     cid = _class_of(tb, dscp)
@@ -242,7 +247,9 @@ def run_case(tb: Testbed, name: str, dscp: int, offered_mbit: float, seconds: fl
                                    text=True)
             procs.append(bulk_cli)
             time.sleep(warmup_s)          # let TCP fill the queue before the probe starts
-        before = applier.class_counters(applier.show(*port))
+        state = applier.show(*port)
+        leaves = [c["classid"] for c in state["classes"] if c.get("leaf")]
+        before = applier.class_counters(state)
         t_before = time.monotonic()
         src0 = applier.class_counters(applier.show(*src_port))[cid]
         udp0 = _udp_snmp(tb, RX)
@@ -272,6 +279,8 @@ def run_case(tb: Testbed, name: str, dscp: int, offered_mbit: float, seconds: fl
             p.wait()
     be = _class_of(tb, 0)
     be_bytes = after[be]["bytes"] - before[be]["bytes"]
+    port_bytes = sum(after[c]["bytes"] - before[c]["bytes"] for c in leaves)
+    port_mbit = port_bytes * 8 / window_s / 1e6
     after, before = after[cid], before[cid]
     pkts = after["packets"] - before["packets"]
     drops = after["drops"] - before["drops"]
@@ -288,6 +297,8 @@ def run_case(tb: Testbed, name: str, dscp: int, offered_mbit: float, seconds: fl
                 rx_rcvbuf_errors=udp1["RcvbufErrors"] - udp0["RcvbufErrors"],
                 bulk_mbit=None if bulk_mbit is None else round(bulk_mbit, 1),
                 be_port_mbit=round(be_bytes * 8 / window_s / 1e6, 1),
+                port_mbit=round(port_mbit, 1),
+                port_busy=port_mbit >= BUSY_FRAC * parse_rate(tb.rate) / 1e6,
                 load1=round(load1, 2))
 
 
@@ -349,13 +360,14 @@ def parse_cases(text: str) -> tuple:
 
 def render(results: list[dict]) -> str:
     """Table: case, DSCP, class, asked, offered, delivered at the port, drops, app rx,
-    bulk TCP goodput, best effort sent by the port. A ``*`` after offered marks a case
-    whose sender's CPU could not offer what was asked."""
+    bulk TCP goodput, best effort and everything sent by the port. A ``*`` after offered marks a case
+    whose sender's CPU could not offer what was asked, a ``!`` after port one whose port
+    was not saturated."""
     lines = [f"{'case':<5} {'dscp':>4} {'class':<6} {'asked':>6} {'offered':>9} "
              f"{'delivered':>10} {'frac':>6} {'port pkts':>10} {'drops':>8} {'app rx':>8} "
-             f"{'bulk TCP':>9} {'BE port':>8}",
+             f"{'bulk TCP':>9} {'BE port':>8} {'port':>7}",
              f"{'':<5} {'':>4} {'':<6} {'Mbit/s':>6} {'Mbit/s':>9} {'Mbit/s':>10} {'':>6} "
-             f"{'':>10} {'':>8} {'Mbit/s':>8} {'Mbit/s':>9} {'Mbit/s':>8}"]
+             f"{'':>10} {'':>8} {'Mbit/s':>8} {'Mbit/s':>9} {'Mbit/s':>8} {'Mbit/s':>7}"]
     notes = []
     for r in results:
         bulk = "-" if r["bulk_mbit"] is None else f"{r['bulk_mbit']:.0f}"
@@ -364,11 +376,15 @@ def render(results: list[dict]) -> str:
                      f"{r['offered_mbit']:>8.1f}{star} "
                      f"{r['delivered_mbit']:>10.1f} {r['delivered_frac']:>6.3f} "
                      f"{r['port_pkts']:>10} {r['port_drops']:>8} {r['rx_app_mbit']:>8.1f} "
-                     f"{bulk:>9} {r.get('be_port_mbit', 0):>8.1f}")
+                     f"{bulk:>9} {r.get('be_port_mbit', 0):>8.1f} "
+                     f"{r.get('port_mbit', 0):>6.0f}{' ' if r.get('port_busy') else '!'}")
         if r.get("note") and r["note"] not in notes:
             notes.append(r["note"])
     if any(r.get("cpu_limited") for r in results):
-        notes.append("* the sender's CPU could not offer what was asked (see gen_cpu_s)")
+        notes.append("* the machine's CPU could not offer what was asked "
+                     "(gen_cpu_s, gen_in_send_s)")
+    if any(not r.get("port_busy", True) for r in results):
+        notes.append("! the port sent < 90 % of its rate: not saturated, no priority test")
     return "\n".join(lines + notes)
 
 

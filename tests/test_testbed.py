@@ -191,16 +191,26 @@ def test_priority_under_bulk_load():
     bottleneck. The namespaces go even when the check fails."""
     from dgt.tc_profiles.priority_check import priority_check, render
     prefix = f"dgtt{uuid.uuid4().hex[:6]}"
+    res = []
     try:
-        res = priority_check(rate="1gbit", seconds=3, prefix=prefix,
-                             cases=(("EF", 46, 600), ("CS1", 8, 600)))
+        # CS1 says something only on a saturated port; a machine too busy to run the
+        # bulk flow leaves the link idle, so CS1 is measured again (up to 3 tries)
+        for _ in range(3):
+            res += priority_check(rate="1gbit", seconds=3, prefix=prefix,
+                                  cases=(("EF", 46, 600), ("CS1", 8, 600)))
+            if res[-1]["port_busy"]:
+                break
     finally:
         testbed.down(prefix)
     print(render(res))
     assert testbed.current(prefix) is None
-    ef = [r for r in res if r["case"] == "EF"][0]
-    cs1 = [r for r in res if r["case"] == "CS1"][0]
-    assert ef["port_pkts"] > 0 and ef["delivered_frac"] >= 0.9, ef
-    assert ef["src_drops"] == 0, ef
+    for ef in [r for r in res if r["case"] == "EF"]:
+        assert ef["port_pkts"] > 0 and ef["delivered_frac"] >= 0.9, ef
+        assert ef["src_drops"] == 0, ef
+    ef_frac = min(r["delivered_frac"] for r in res if r["case"] == "EF")
+    cs1 = [r for r in res if r["case"] == "CS1"][-1]
+    if not cs1["port_busy"]:
+        pytest.skip(f"the bulk flow could not saturate the port in 3 tries (machine busy, "
+                    f"load {cs1['load1']}): CS1 untested; EF held")
     assert cs1["port_drops"] > 0
-    assert cs1["delivered_frac"] < 0.5 * ef["delivered_frac"], cs1
+    assert cs1["delivered_frac"] < 0.5 * ef_frac, cs1

@@ -103,3 +103,42 @@ def test_dead_peer_ends_the_job_with_its_rank_named(tmp_path, victim):
     # the survivors named the dead rank themselves
     assert "rank 2" in (run_dir / "trainer-0.log").read_text()
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dgt-{dead['pid']}")]
+
+
+def _started(tmp_path, *args):
+    run_dir = tmp_path / "run"
+    p = start_train(run_dir, *args)
+    wait_for(run_dir / "pids.json", p)
+    for line in p.stdout:  # rank 0's progress: training has started
+        if line.startswith("epoch"):
+            break
+    return p, run_dir, json.loads((run_dir / "pids.json").read_text())
+
+
+def test_frozen_trainer_is_named_and_the_job_ends(tmp_path):
+    p, run_dir, pids = _started(tmp_path, "--epochs", 200, "--peer-timeout-s", 5)
+    frozen = next(x for x in pids if x["kind"] == "trainer" and x["rank"] == 2)
+    os.kill(frozen["pid"], signal.SIGSTOP)
+    try:
+        out, err = p.communicate(timeout=90)
+    finally:
+        try:
+            os.kill(frozen["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert p.returncode != 0
+    assert "rank(s) [2]" in out + err, out + err
+    assert not [x for x in pids if alive(x["pid"])]
+
+
+def test_sigterm_to_the_launcher_stops_every_child(tmp_path):
+    p, run_dir, pids = _started(tmp_path, "--epochs", 200)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130
+    assert "interrupted" in out + err
+    assert not [x for x in pids if alive(x["pid"])]
+    mine = {str(x["pid"]) for x in pids}
+    assert not [f for f in os.listdir("/dev/shm") if f.split("-")[1:2] and
+                f.split("-")[1] in mine]
+    assert not list(run_dir.glob("*.sock"))

@@ -53,14 +53,16 @@ SCENARIOS = ("clean", "tenant", "lossy")
 SYSTEM_LABEL = {"gloo": "gloo all_reduce", "tcp": "dgt --mode tcp",
                 "topk": "dgt --mode topk", "dgt": "dgt --mode dgt"}
 UNRELIABLE_DSCP = (34, 18, 8)
-NOT_ROOT = ("dgt bench needs root (network namespaces, tc, nftables); run as root, "
-            "or use 'dgt bench --loopback'")
+NOT_ROOT = ("needs root (network namespaces, tc, nftables); run as root, or use "
+            "'dgt bench --loopback'")
 #: Seconds a cell spends outside its iterations (process start, imports, rendezvous,
 #: registration, evaluation), measured on the 2-core development VM.
 STARTUP_S = 20.0
 #: Per-iteration compute seen by one worker on the development VM with --hidden 2500
 #: (forward/backward, gradient copies, scoring), on top of the transfer time.
 COMPUTE_S_PER_ITER = 0.35
+
+
 
 
 class BenchError(RuntimeError):
@@ -79,6 +81,7 @@ class BenchConfig:
     target_accuracy: float = 0.9
     loss_pct: float = 1.0
     profile: str = "htb-prio"
+    prefix: str = "dgtbench"   # own testbed namespaces: never touches a 'dgt' testbed
     seed: int = 0
     out: str = "docs/bench"
     loopback: bool = False
@@ -127,6 +130,14 @@ def iterations_of(cfg: BenchConfig) -> int:
     per_epoch = max(1, 1437 // (cfg.workers * 32))
     full = cfg.epochs * per_epoch
     return min(full, cfg.iterations) if cfg.iterations else full
+
+
+def peer_timeout_s(cfg: BenchConfig, rate: str | None) -> float:
+    """dgt's --peer-timeout-s in a cell: 20 s (the default), or 10 x the line-rate
+    transfer time of one iteration where that is longer (low rates)."""
+    grad = 4 * n_params(cfg.hidden)
+    xfer = 2 * (cfg.workers - 1) / cfg.workers * grad * 8 / rate_bps(rate) if rate else 0
+    return max(20.0, round(10 * xfer))
 
 
 def estimate_cell_s(cfg: BenchConfig, rate: str | None) -> float:
@@ -191,9 +202,10 @@ class TenantLoad:
             try:
                 text, _ = c.communicate(timeout=5)
                 j = json.loads(text)
+                # interrupted clients report sum_received as 0: use the sender's sum
                 end = j.get("end", {})
-                bps = end.get("sum_received", end.get("sum", {})).get("bits_per_second")
-                secs = end.get("sum_received", {}).get("seconds")
+                bps = end.get("sum_sent", {}).get("bits_per_second")
+                secs = end.get("sum_sent", {}).get("seconds")
             except (subprocess.TimeoutExpired, ValueError, AttributeError):
                 bps = secs = None
             out.append(dict(src=s, dst=d, mbit_s=None if bps is None else round(bps / 1e6, 1),
@@ -231,10 +243,11 @@ def cell_argv(cfg: BenchConfig, system: str, rate: str | None, report: str,
               "--seed", str(cfg.seed), "--target-accuracy", str(cfg.target_accuracy),
               "--report", report, "--run-dir", run_dir]
     if not cfg.loopback:
-        common.append("--testbed")
+        common += ["--testbed", "--testbed-prefix", cfg.prefix]
     if system == "gloo":
         return [sys.executable, "-m", "dgt.tools.gloo_train"] + common
-    argv = [sys.executable, "-m", "dgt.cli", "train", "--mode", system] + common
+    argv = [sys.executable, "-m", "dgt.cli", "train", "--mode", system,
+            "--peer-timeout-s", f"{peer_timeout_s(cfg, rate):g}"] + common
     if rate is not None:   # pace the UDP channels at the line rate, not above it
         argv += ["--pace-mbit", f"{rate_bps(rate) / 1e6:g}"]
     return argv
@@ -283,12 +296,19 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
     tx1 = _tx_bytes(tb, cfg.workers)
     if tenant is not None:
         row["tenant"] = tenant.stop()
-    if code != 0 or not os.path.exists(report_path):
+    rep = None
+    if code == 0 and os.path.exists(report_path):
+        with open(report_path) as f:
+            rep = json.load(f)
+    else:
         why = "timed out" if code is None else f"exit status {code}"
         row["error"] = f"{why}; logs in {run_dir}: {_tail(os.path.join(run_dir, 'stdout.log'))}"
-        return row
-    with open(report_path) as f:
-        rep = json.load(f)
+        rep = _salvage(cfg, system, run_dir)
+        if rep is None:
+            return row
+        # Rank 0 ran every iteration; the job failed after (at shutdown). Its numbers
+        # are real; the row says what failed.
+        row["shutdown_failure"], row["error"] = row["error"], None
     row.update(_summarise(cfg, system, rate, rep))
     if tx0 and tx1 and rep.get("iterations") and scenario != "tenant":
         row["wire_tx_bytes_per_iteration"] = float(np.mean(
@@ -296,9 +316,33 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
     if row.get("wire_tx_bytes_per_iteration") and row.get("comm_ms_median") and rate:
         row["wire_goodput_frac"] = (row["wire_tx_bytes_per_iteration"] * 8
                                     / (row["comm_ms_median"] / 1e3) / rate_bps(rate))
-    if not cfg.keep_runs:
+    if not cfg.keep_runs and not row.get("shutdown_failure"):
         shutil.rmtree(run_dir, ignore_errors=True)
     return row
+
+
+def _salvage(cfg: BenchConfig, system: str, run_dir: str) -> dict | None:
+    """The report of a dgt job that failed only after rank 0 finished every iteration
+    (e.g. a peer missing the last PULL at shutdown), from the per-process results that
+    were written; None when rank 0 did not finish."""
+    if system == "gloo":
+        return None
+    try:
+        with open(os.path.join(run_dir, "trainer-0.json")) as f:
+            t0 = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if t0.get("iterations") != iterations_of(cfg):
+        return None
+    from dgt.config import JobConfig, TransmissionConfig
+    from dgt.report import build_report
+    job = JobConfig(workers=cfg.workers, epochs=cfg.epochs, iterations=cfg.iterations,
+                    hidden=cfg.hidden, seed=cfg.seed, testbed=not cfg.loopback,
+                    target_accuracy=cfg.target_accuracy)
+    try:
+        return build_report(run_dir, job, TransmissionConfig(mode=system), 0.0)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _tail(path: str) -> str:
@@ -370,8 +414,12 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
                host=dict(node=platform.node(), cpus=os.cpu_count(),
                          load_before=_load_avg(), kernel=platform.release()),
                config=dataclasses.asdict(cfg), estimate_s=round(est), cells=[])
-    work_dir = tempfile.mkdtemp(prefix="dgt-bench-")
     from dgt.tc_profiles import testbed
+    if not cfg.loopback and testbed.current(cfg.prefix) is not None:
+        raise BenchError(f"a testbed with prefix '{cfg.prefix}' is already up (another "
+                         f"bench?); pick another --prefix, or remove it: 'dgt testbed "
+                         f"down --prefix {cfg.prefix}'")
+    work_dir = tempfile.mkdtemp(prefix="dgt-bench-")
     tb, tb_key = None, None
     t0 = time.monotonic()
     try:
@@ -384,10 +432,11 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
                               f"{','.join(map(str, UNRELIABLE_DSCP))}" if key[1] else ""))
                     tb = testbed.up(cfg.workers, rate=cell["rate"], profile=cfg.profile,
                                     loss_pct=cfg.loss_pct if key[1] else 0.0,
-                                    loss_dscp=UNRELIABLE_DSCP if key[1] else None)
+                                    loss_dscp=UNRELIABLE_DSCP if key[1] else None,
+                                    prefix=cfg.prefix)
                     tb_key = key
-            tag = f"[{i + 1}/{len(cells)}] {cell['rate'] or 'loopback'} {cell['scenario']} " \
-                  f"{SYSTEM_LABEL[cell['system']]}"
+            where = "loopback" if cfg.loopback else f"{cell['rate']} {cell['scenario']}"
+            tag = f"[{i + 1}/{len(cells)}] {where} {SYSTEM_LABEL[cell['system']]}"
             log_fn(f"{tag} ...")
             row = run_cell(cfg, cell, tb, work_dir, log_fn)
             doc["cells"].append(row)
@@ -397,11 +446,16 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
                 log_fn(f"{tag}: comm median {row['comm_ms_median']:.1f} ms, p95 "
                        f"{row['comm_ms_p95']:.1f} ms, acc {row['final_test_accuracy']:.3f}, "
                        f"{row['cell_seconds']:.0f} s (elapsed "
-                       f"{(time.monotonic() - t0) / 60:.1f} min)")
+                       f"{(time.monotonic() - t0) / 60:.1f} min)"
+                       + (" -- but the job failed at shutdown, see the table"
+                          if row.get("shutdown_failure") else ""))
     finally:
         if not cfg.loopback:
-            testbed.down()
-        if not cfg.keep_runs:
+            testbed.down(cfg.prefix)
+        failed = [c for c in doc["cells"] if c.get("error") or c.get("shutdown_failure")]
+        if failed or cfg.keep_runs:
+            log_fn(f"logs kept in {work_dir}")
+        else:
             shutil.rmtree(work_dir, ignore_errors=True)
     doc["elapsed_s"] = round(time.monotonic() - t0)
     doc["host"]["load_after"] = _load_avg()
@@ -452,6 +506,8 @@ def markdown(doc: dict, loopback: bool = False) -> str:
         ch = c.get("channels") or {}
         udp = [ch[k]["bytes_sent"] / 1e6 for k in sorted(ch) if k.startswith("udp")]
         lost = sum(v["blocks_lost"] for v in ch.values()) if ch else None
+        if c.get("shutdown_failure"):
+            head = head[:-1] + "† |"
         lines.append(
             head + f" {c['iterations']} | {c['comm_ms_median']:.1f} | {c['comm_ms_p95']:.1f} | "
             + (f"{tr['iteration']} / {tr['seconds']:.1f}" if tr else "not reached")
@@ -461,9 +517,15 @@ def markdown(doc: dict, loopback: bool = False) -> str:
             + f" | {_fmt(ch['tcp']['bytes_sent'] / 1e6 if 'tcp' in ch else None)}"
             + f" | {'/'.join(f'{u:.1f}' for u in udp) if udp else '–'}"
             + f" | {_fmt(lost, 'd')} |")
+    if any(c.get("shutdown_failure") for c in doc["cells"]):
+        lines += ["", "† the job failed after trainer rank 0 had run every iteration "
+                  "(the numbers are rank 0's and the sidecars' own records): "]
+        lines += [f"- {c['rate'] or 'loopback'} {c['scenario']} {c['label']}: "
+                  f"{c['shutdown_failure'].split(': ', 1)[-1][:200]}"
+                  for c in doc["cells"] if c.get("shutdown_failure")]
     tenants = [c for c in doc["cells"] if c.get("tenant")]
     if tenants:
-        lines += ["", "Tenant goodput (iperf3, Mbit/s per flow, over the whole load):", ""]
+        lines += ["", "Tenant throughput (iperf3 sender side, Mbit/s per flow, over the whole load):", ""]
         for c in tenants:
             lines.append(f"- {c['rate']} {c['label']}: "
                          + ", ".join(f"h{t['src']}→h{t['dst']} {_fmt(t['mbit_s'])}"
@@ -559,7 +621,7 @@ def write_outputs(doc: dict, out: str, loopback: bool = False) -> list[str]:
 
 def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
                 seconds: float = 5.0, out: str = "", profile: str = "htb-prio",
-                log_fn=print) -> dict:
+                prefix: str = BenchConfig.prefix, log_fn=print) -> dict:
     """dgt's reliable channel vs iperf3 through one shaped port (root).
 
     Two testbed hosts at ``rate``. First ``dgt train --testbed --workers 2 --mode tcp``
@@ -578,9 +640,13 @@ def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                          timespec="seconds"), load_before=_load_avg())
     try:
-        tb = testbed.up(2, rate=rate, profile=profile)
+        if testbed.current(prefix) is not None:
+            raise BenchError(f"a testbed with prefix '{prefix}' is already up; pick "
+                             f"another --prefix")
+        tb = testbed.up(2, rate=rate, profile=profile, prefix=prefix)
         report = os.path.join(work, "report.json")
-        argv = [sys.executable, "-m", "dgt.cli", "train", "--testbed", "--workers", "2",
+        argv = [sys.executable, "-m", "dgt.cli", "train", "--testbed", "--testbed-prefix",
+                prefix, "--workers", "2",
                 "--mode", "tcp", "--hidden", str(hidden), "--iterations", str(iterations),
                 "--report", report, "--run-dir", os.path.join(work, "run")]
         log_fn(f"goodput: dgt --mode tcp, 2 hosts at {rate}, {iterations} iterations of "
@@ -588,10 +654,17 @@ def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
         tx0 = _tx_bytes(tb, 2)
         p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         tx1 = _tx_bytes(tb, 2)
-        if p.returncode != 0 or not os.path.exists(report):
+        try:
+            with open(os.path.join(work, "run", "trainer-0.json")) as f:
+                comm_s = json.load(f)["comm_s"]
+        except (OSError, ValueError, KeyError):
+            comm_s = []
+        if len(comm_s) != iterations:
             raise BenchError(f"dgt train failed: {(p.stdout + p.stderr).strip()[-300:]}")
-        with open(os.path.join(work, "run", "trainer-0.json")) as f:
-            comm_s = json.load(f)["comm_s"]
+        if p.returncode != 0:   # rank 0 ran every iteration; the job failed after that
+            res["shutdown_failure"] = (p.stdout + p.stderr).strip()[-300:]
+            log_fn(f"goodput: dgt train failed after rank 0's last iteration: "
+                   f"{res['shutdown_failure'].splitlines()[-2:]}")
         grad = 4 * n_params(hidden)
         per_dir = grad / 2 * 2     # push of the peer's half + PULL of own half
         res["dgt_bytes_per_direction"] = per_dir * iterations
@@ -611,7 +684,7 @@ def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
             if res["iperf3_mbit"] else None
         res["line_rate_mbit"] = rate_bps(rate) / 1e6
     finally:
-        testbed.down()
+        testbed.down(prefix)
         shutil.rmtree(work, ignore_errors=True)
     res["load_after"] = _load_avg()
     log_fn(f"goodput: ratio dgt/iperf3 {_fmt(res.get('ratio_total'), '.2f')} (all "
@@ -655,6 +728,8 @@ def add_arguments(p) -> None:
                    help="lossy scenario: random drop, percent, on DSCP 34,18,8")
     p.add_argument("--profile", default=d.profile, help="tc profile of every port")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--prefix", default=d.prefix,
+                   help="name prefix of the bench's own testbed namespaces")
     p.add_argument("--out", default=d.out, help="results directory")
     p.add_argument("--loopback", action="store_true",
                    help="no testbed, no shaping, no root: the overhead check")
@@ -673,7 +748,7 @@ def config_from_args(a) -> BenchConfig:
                        hidden=a.hidden, epochs=a.epochs,
                        iterations=d.iterations if a.iterations is None else a.iterations,
                        target_accuracy=a.target_accuracy, loss_pct=a.loss_pct,
-                       profile=a.profile, seed=a.seed, out=a.out, loopback=a.loopback,
+                       profile=a.profile, prefix=a.prefix, seed=a.seed, out=a.out, loopback=a.loopback,
                        cell_timeout_s=a.cell_timeout_s, keep_runs=a.keep_runs)
 
 
@@ -688,7 +763,8 @@ def cmd_bench(a) -> int:
             rate_bps(rate)
             run_goodput(rate=rate, hidden=a.hidden,
                         iterations=4 if a.iterations is None else a.iterations,
-                        seconds=a.seconds, out=a.out, profile=a.profile)
+                        seconds=a.seconds, out=a.out, profile=a.profile,
+                        prefix=a.prefix)
             return 0
         cfg = config_from_args(a)
         cfg.validate()

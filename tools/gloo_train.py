@@ -157,6 +157,7 @@ class GlooJob:
     seed: int = JobConfig.seed
     target_accuracy: float = JobConfig.target_accuracy
     testbed: bool = False
+    testbed_prefix: str = JobConfig.testbed_prefix
     timeout_s: float = 60.0
     run_dir: str = ""
 
@@ -179,10 +180,10 @@ def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
             log("gloo_train: --testbed needs root (network namespaces); run as root, or "
                 "drop --testbed to train over loopback")
             return 2, None
-        tb = testbed.current()
+        tb = testbed.current(job.testbed_prefix)
         if tb is None or tb.hosts < n:
-            log(f"gloo_train: --testbed needs {n} testbed hosts; run "
-                f"'dgt testbed up --hosts {n}' first")
+            log(f"gloo_train: --testbed needs {n} testbed hosts with prefix "
+                f"'{job.testbed_prefix}'; run 'dgt testbed up --hosts {n}' first")
             return 2, None
         hosts = [(tb.host_addr(i), ["ip", "netns", "exec", tb.host_netns(i)], "eth0")
                  for i in range(n)]
@@ -308,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=JobConfig.workers)
     p.add_argument("--testbed", action="store_true",
                    help="one rank per testbed host (root; 'dgt testbed up' first)")
+    p.add_argument("--testbed-prefix", default=JobConfig.testbed_prefix,
+                   help="with --testbed: the testbed's name prefix")
     p.add_argument("--report", default="", help="write the JSON report here")
     p.add_argument("--run-dir", default="", help="keep logs and per-rank results here")
     p.add_argument("--epochs", type=int, default=JobConfig.epochs)
@@ -327,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     job = GlooJob(workers=ns.workers, epochs=ns.epochs, iterations=ns.iterations,
                   batch_size=ns.batch_size, lr=ns.lr, hidden=ns.hidden, seed=ns.seed,
                   target_accuracy=ns.target_accuracy, testbed=ns.testbed,
+                  testbed_prefix=ns.testbed_prefix,
                   timeout_s=ns.timeout_s, run_dir=ns.run_dir)
     code, report = run_gloo(job)
     if report is None:

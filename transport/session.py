@@ -138,6 +138,12 @@ class ShardSession:
         self.received[sender] = mask
         return self._finalise(sender, "complete")
 
+    def waiting_for(self) -> list[int]:
+        """Workers whose END for the current iteration has not arrived (nor been
+        finalised): the ranks a stalled iteration is waiting on."""
+        return [w for w in range(self.n_workers)
+                if not self.finalised[w] and self.end_counts[w] is None]
+
     # -- time -------------------------------------------------------------------------
     def next_deadline(self) -> float | None:
         pending = [d for d, f in zip(self.deadline, self.finalised) if d is not None and not f]

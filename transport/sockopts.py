@@ -11,6 +11,9 @@ import socket
 
 log = logging.getLogger(__name__)
 
+IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
+IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
+
 #: Linux skb priority per DSCP: EF highest. Values <= 6 need no privilege.
 def priority_for_dscp(dscp: int) -> int:
     """SO_PRIORITY for a DSCP: 6 for EF, 5..1 for AF4x..AF1x/CS2, 0 for CS1/LE/BE."""
@@ -57,6 +60,8 @@ def udp_socket(host: str, port: int, dscp: int, rcvbuf: int = 4 << 20,
     """A bound, non-blocking UDP socket carrying ``dscp``. ``port`` 0 picks a free port."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
+        # never fragment: a datagram over the path MTU fails with EMSGSIZE (ip(7))
+        s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
         set_dscp(s, dscp)
         set_buffers(s, rcvbuf, sndbuf, need_bytes=rcvbuf // 2)
         s.bind((host, port))

@@ -1,0 +1,172 @@
+"""The benchmark harness: gloo baseline, 'dgt bench' (loopback, testbed), scoring bench.
+
+Small and real: tiny models, a couple of iterations, real processes and sockets. No
+timing is asserted; the numbers belong to the benchmark's own output.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, tc)")
+
+REPORT_KEYS = ("comm_ms_median", "comm_ms_p95", "target_reached", "final_test_accuracy",
+               "iterations", "wall_seconds", "bytes_per_iteration", "history",
+               "replicas_identical")
+
+
+def test_gloo_train_on_loopback_writes_a_report(tmp_path):
+    report = tmp_path / "gloo.json"
+    p = subprocess.run([sys.executable, "-m", "dgt.tools.gloo_train", "--workers", "2",
+                        "--iterations", "2", "--hidden", "32", "--report", str(report)],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    r = json.loads(report.read_text())
+    for k in REPORT_KEYS:
+        assert k in r, k
+    assert r["mode"] == "gloo" and r["workers"] == 2 and r["iterations"] == 2
+    assert len(r["comm_ms"]) == 2
+    assert r["replicas_identical"]
+    n = 64 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10
+    assert r["n_params"] == n
+    assert r["bytes_per_iteration"] == 4 * n  # 2 (N-1)/N = 1 for N = 2
+
+
+def test_gloo_and_dgt_share_the_training_loop(tmp_path):
+    """Same data, model, seed and optimiser: with the same averaged gradient (up to the
+    summation order) the first epoch's accuracy agrees closely."""
+    g = tmp_path / "g.json"
+    d = tmp_path / "d.json"
+    common = ["--workers", "2", "--iterations", "3", "--hidden", "32"]
+    p = subprocess.run([sys.executable, "-m", "dgt.tools.gloo_train", *common,
+                        "--report", str(g)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--mode", "tcp", *common,
+                        "--report", str(d)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rg, rd = json.loads(g.read_text()), json.loads(d.read_text())
+    assert rg["iterations"] == rd["iterations"] == 3
+    assert rg["history"][-1]["loss"] == pytest.approx(rd["history"][-1]["loss"], rel=1e-3)
+
+
+def test_bench_loopback_writes_json_markdown_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--loopback",
+                        "--workers", "2", "--hidden", "32", "--iterations", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((out / "loopback.json").read_text())
+    assert [c["system"] for c in doc["cells"]] == ["gloo", "tcp", "topk", "dgt"]
+    for c in doc["cells"]:
+        assert c["error"] is None, c["error"]
+        assert c["iterations"] == 1
+        assert c["comm_ms_median"] > 0 and c["comm_ms_p95"] >= c["comm_ms_median"]
+    md = (out / "loopback.md").read_text()
+    assert "dgt bench --loopback" in md and doc["date"] in md
+    assert md.count("| loopback |") == 4
+    assert (out / "loopback_comm_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[4/4]" in p.stdout   # progress lines
+
+
+def _bench_as_nobody() -> tuple[int, str]:
+    """Run `dgt bench` in a forked child that dropped to uid 65534 (modules imported
+    first: the interpreter's own files may be unreadable to that user)."""
+    import dgt.cli
+    import dgt.tools.bench  # noqa: F401
+    import dgt.tools.cli  # noqa: F401
+    import dgt.tc_profiles.testbed  # noqa: F401
+    import dgt.tc_profiles.cli  # noqa: F401
+    parser = dgt.cli.build_parser()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.dup2(w, 2)
+            os.dup2(w, 1)
+            sys.stdout = os.fdopen(1, "w")
+            sys.stderr = os.fdopen(2, "w")
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            ns = parser.parse_args(["bench", "--rates", "1gbit"])
+            code = ns.func(ns)
+        except BaseException:
+            code = 99
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), text
+
+
+def test_bench_without_root_is_one_line_error():
+    if os.geteuid() == 0:
+        code, text = _bench_as_nobody()
+    else:
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench"], capture_output=True,
+                           text=True, timeout=60)
+        code, text = p.returncode, p.stdout + p.stderr
+    assert code == 2
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert len(lines) == 1, text
+    assert "needs root" in lines[0] and "--loopback" in lines[0]
+
+
+def test_bench_rejects_unknown_system():
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--loopback",
+                        "--systems", "nccl"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "unknown system 'nccl'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bench_estimate_prints_plan():
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("\n") == 24 + 1   # 4 systems x 3 scenarios x 2 rates + total
+    assert "estimate:" in p.stdout
+
+
+def test_scoring_bench_reports_throughput():
+    from dgt.tools.bench_scoring import bench
+    r = bench(mb=1.0, repeat=2)
+    assert r["n_blocks"] == -(-250_000 // 352)
+    assert r["threads"] == 1
+    assert r["gb_per_s_per_core"] > 0 and r["total_s"] > 0
+
+
+@root_only
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("shutil").which("iperf3"), reason="needs iperf3")
+def test_bench_on_testbed_every_scenario(tmp_path):
+    """The real matrix, tiny: 2 hosts, gloo + dgt, clean/tenant/lossy at one rate; the
+    testbed is removed afterwards."""
+    from dgt.tc_profiles import testbed
+    out = tmp_path / "bench"
+    prefix = f"dgtbt{os.getpid() % 10000}"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--workers", "2",
+                        "--hidden", "32", "--iterations", "2", "--systems", "gloo,dgt",
+                        "--rates", "1gbit", "--prefix", prefix, "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert testbed.current(prefix) is None, "testbed left behind"
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    assert [(c["scenario"], c["system"]) for c in doc["cells"]] == [
+        ("clean", "gloo"), ("clean", "dgt"), ("tenant", "gloo"), ("tenant", "dgt"),
+        ("lossy", "gloo"), ("lossy", "dgt")]
+    for c in doc["cells"]:
+        assert c["error"] is None
+        assert 0 < c["goodput_frac"]
+    tenant = [c for c in doc["cells"] if c["scenario"] == "tenant"]
+    assert all(len(c["tenant"]) == 2 for c in tenant)
+    assert doc["cells"][1]["channels"]["udp1"]["bytes_sent"] > 0
+    md = (out / "README.md").read_text()
+    assert doc["command"] in md
+    for name in ("comm_time.png", "time_to_accuracy.png"):
+        assert (out / name).stat().st_size > 1000

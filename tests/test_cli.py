@@ -1,0 +1,56 @@
+"""Every wrong flag gets one line that says what to do, exit status 2, no traceback."""
+import subprocess
+import sys
+
+import pytest
+
+BAD = [
+    (["train", "--k", "2"], "--k must be in [0, 1]"),
+    (["train", "--workers", "0"], "--workers must be"),
+    (["train", "--channels", "9"], "--channels must be 1..7"),
+    (["train", "--block-bytes", "3"], "--block-bytes must be a multiple of 4"),
+    (["train", "--lr", "inf"], "finite"),
+    (["train", "--target-accuracy", "7"], "--target-accuracy"),
+    (["train", "--mode", "fast"], "invalid choice"),
+    (["train", "--bogus"], "dgt train: error: unrecognized arguments: --bogus"),
+    (["train", "--run-dir", "/proc/self/status"], "--run-dir"),
+    (["train", "--report", "/proc/nonexistent/r.json"], "--report"),
+    (["sidecar", "--rank", "0", "--world", "0"], "--world must be >= 1"),
+    (["sidecar", "--rank", "0", "--world", "1", "--base-port", "65535"], "--base-port"),
+    (["sidecar", "--rank", "0", "--world", "2", "--master-port", "99999"], "--master-port"),
+    (["sidecar", "--rank", "0", "--world", "1", "--log-level", "LOUD"], "--log-level"),
+    (["sidecar", "--rank", "0", "--world", "1", "--socket", "/nonexistent/x.sock"],
+     "--socket"),
+    (["sidecar", "--rank", "0", "--world", "1", "--host", "10.255.255.1"],
+     "not an address of this host"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_flag_is_one_line(args, message):
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", *args], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert message in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("env,message", [({"DGT_K": "abc"}, "DGT_K"),
+                                         ({"DGT_PACE_MBIT": "1e400"}, "DGT_PACE_MBIT"),
+                                         ({"MASTER_PORT": "abc"}, "MASTER_PORT")])
+def test_bad_env_var_is_one_line(env, message):
+    import os
+    cmd = "sidecar --rank 0 --world 2" if "MASTER_PORT" in env else "train"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", *cmd.split()], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, **env})
+    assert p.returncode == 2 and message in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("cmd", ["", "train", "sidecar", "tc", "testbed", "capture", "pcap",
+                                 "replay"])
+def test_help_on_every_command(cmd):
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", *cmd.split(), "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "usage:" in p.stdout

@@ -1,0 +1,40 @@
+"""'dgt train --testbed': every gradient crosses shaped 1 Gbit/s htb-prio ports."""
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0, reason="the testbed needs root (netns)")]
+
+
+@pytest.fixture
+def testbed4():
+    from dgt.tc_profiles import testbed
+    testbed.down()
+    try:
+        yield testbed.up(4, rate="1gbit", profile="htb-prio")
+    finally:
+        testbed.down()
+
+
+def test_train_across_the_testbed(train, testbed4):
+    p, r = train("--testbed", "--workers", 4)
+    assert r["final_test_accuracy"] >= 0.95, p.stdout
+    assert r["replicas_identical"]
+    hosts = {s["host"] for s in r["sidecars"]}
+    assert hosts == {testbed4.host_addr(i) for i in range(4)}
+    for name in ("tcp", "udp1", "udp2", "udp3"):
+        assert r["channels"][name]["blocks_sent"] > 0
+    # host 0's shaped port carried the traffic, each channel in the band of its DSCP
+    state = testbed4.status()[f"{testbed4.host_netns(0)}:eth0"]
+    by_dscp = {d: c["stats"]["bytes"] for c in state["classes"] for d in c["dscp"]}
+    for dscp in (46, 34, 18, 8):   # tcp, udp1, udp2, udp3
+        assert by_dscp[dscp] > 1_000_000, (dscp, by_dscp)
+
+
+def test_datagram_over_path_mtu_is_refused_clearly(train, testbed4):
+    p, r = train("--testbed", "--workers", 2, "--epochs", 1, "--block-bytes", 4096,
+                 check=False)
+    assert p.returncode != 0 and r is None
+    assert "exceeds the path MTU" in p.stdout + p.stderr
+    assert "--block-bytes 1420 or less" in p.stdout + p.stderr

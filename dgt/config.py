@@ -77,6 +77,8 @@ class JobConfig:
     workers: int = _f(4, "training processes, one sidecar each")
     epochs: int = _f(10, "passes over the training set")
     iterations: int = _f(0, "stop after this many iterations (0 = run every epoch)")
+    eval_every: int = _f(0, "also measure test accuracy every this many iterations "
+                         "(0 = once per epoch)")
     batch_size: int = _f(32, "samples per worker per iteration")
     lr: float = _f(2e-3, "Adam learning rate")
     hidden: int = _f(1024, "MLP hidden width (2 hidden layers; 1024 gives ~1.1M params)")
@@ -97,8 +99,8 @@ class JobConfig:
     def validate(self) -> None:
         if not 1 <= self.workers <= 64:
             raise ValueError(f"--workers must be 1..64, got {self.workers}")
-        if self.iterations < 0:
-            raise ValueError(f"--iterations must be >= 0, got {self.iterations}")
+        if self.iterations < 0 or self.eval_every < 0:
+            raise ValueError("--iterations and --eval-every must be >= 0")
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or self.hidden < 1:
             raise ValueError("--epochs, --batch-size, --hidden must be >= 1 and --lr > 0")
         if not 0.0 < self.target_accuracy <= 1.0:

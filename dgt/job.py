@@ -67,7 +67,9 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     ``close()`` and ``last_k``. Default: a :class:`dgt.Client` on ``ns.socket``. The
     gloo baseline (``dgt.tools.gloo_train``) passes its all-reduce here, so both run
     this very loop. ``ns.iterations`` > 0 stops after that many iterations (the last
-    epoch may be partial; it is evaluated all the same).
+    epoch may be partial; it is evaluated all the same). ``ns.eval_every`` > 0 also
+    evaluates test accuracy every that many iterations (more points in ``history``,
+    finer time-to-accuracy).
     """
     device = torch.device(ns.device)
     torch.set_num_threads(1)
@@ -78,6 +80,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     loss_fn = nn.CrossEntropyLoss()
     client = comm if comm is not None else Client(ns.socket, timeout_s=ns.timeout_s)
     max_iterations = int(getattr(ns, "iterations", 0) or 0)
+    eval_every = int(getattr(ns, "eval_every", 0) or 0)
     t_start = time.monotonic()
     client.register(model)
     per_iter = ns.world * ns.batch_size
@@ -104,6 +107,15 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
             opt.step()
             losses.append(loss.item())
             step += 1
+            last = i == iters_per_epoch - 1 or (max_iterations and step >= max_iterations)
+            if eval_every and step % eval_every == 0 and not last:
+                acc = accuracy(model, xte, yte)
+                elapsed = time.monotonic() - t_start
+                history.append({"epoch": epoch + 1, "iteration": step,
+                                "loss": float(np.mean(losses)), "test_accuracy": acc,
+                                "seconds": elapsed, "k": client.last_k})
+                if reached is None and acc >= ns.target_accuracy:
+                    reached = {"iteration": step, "seconds": elapsed}
         acc = accuracy(model, xte, yte)
         elapsed = time.monotonic() - t_start
         history.append({"epoch": epoch + 1, "iteration": step, "loss": float(np.mean(losses)),
@@ -137,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result", required=True, help="write this rank's result JSON here")
     p.add_argument("--epochs", type=int, default=JobConfig.epochs)
     p.add_argument("--iterations", type=int, default=JobConfig.iterations)
+    p.add_argument("--eval-every", type=int, default=JobConfig.eval_every)
     p.add_argument("--batch-size", type=int, default=JobConfig.batch_size)
     p.add_argument("--lr", type=float, default=JobConfig.lr)
     p.add_argument("--hidden", type=int, default=JobConfig.hidden)

@@ -83,6 +83,7 @@ class Job:
             trainer = prefix + [py, "-m", "dgt.job", "--rank", str(r), "--world", str(n),
                                 "--socket", sock, "--epochs", str(j.epochs),
                                 "--iterations", str(j.iterations),
+                                "--eval-every", str(j.eval_every),
                                 "--result", os.path.join(self.run_dir, f"trainer-{r}.json"),
                                 "--batch-size", str(j.batch_size), "--lr", str(j.lr),
                                 "--hidden", str(j.hidden), "--seed", str(j.seed),

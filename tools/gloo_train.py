@@ -151,6 +151,7 @@ class GlooJob:
     workers: int = JobConfig.workers
     epochs: int = JobConfig.epochs
     iterations: int = JobConfig.iterations
+    eval_every: int = JobConfig.eval_every
     batch_size: int = JobConfig.batch_size
     lr: float = JobConfig.lr
     hidden: int = JobConfig.hidden
@@ -202,6 +203,7 @@ def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
             sys.executable, "-m", "dgt.tools.gloo_train", "--rank", str(r), "--world", str(n),
             "--result", os.path.join(run_dir, f"trainer-{r}.json"),
             "--epochs", str(job.epochs), "--iterations", str(job.iterations),
+            "--eval-every", str(job.eval_every),
             "--batch-size", str(job.batch_size), "--lr", str(job.lr),
             "--hidden", str(job.hidden), "--seed", str(job.seed),
             "--target-accuracy", str(job.target_accuracy), "--timeout-s", str(job.timeout_s)]
@@ -315,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default="", help="keep logs and per-rank results here")
     p.add_argument("--epochs", type=int, default=JobConfig.epochs)
     p.add_argument("--iterations", type=int, default=JobConfig.iterations)
+    p.add_argument("--eval-every", type=int, default=JobConfig.eval_every)
     p.add_argument("--batch-size", type=int, default=JobConfig.batch_size)
     p.add_argument("--lr", type=float, default=JobConfig.lr)
     p.add_argument("--hidden", type=int, default=JobConfig.hidden)
@@ -328,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.device = "cpu"
         return rank_main(ns)
     job = GlooJob(workers=ns.workers, epochs=ns.epochs, iterations=ns.iterations,
+                  eval_every=ns.eval_every,
                   batch_size=ns.batch_size, lr=ns.lr, hidden=ns.hidden, seed=ns.seed,
                   target_accuracy=ns.target_accuracy, testbed=ns.testbed,
                   testbed_prefix=ns.testbed_prefix,

@@ -84,6 +84,7 @@ class Sidecar:
         self.trainer_writer: asyncio.StreamWriter | None = None
         self.failed: PeerFailure | None = None
         self.done = asyncio.Event()
+        self.finishing = False
         self.rendezvoused = asyncio.Event()
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
@@ -97,7 +98,7 @@ class Sidecar:
         await self._bind()
         await self._rendezvous()
         await self.done.wait()
-        await asyncio.sleep(0.05)  # let ERROR/BYE frames flush
+        await self._drain(5.0)  # let PULL/BYE/ERROR frames reach the kernel
         self._write_report()
         self._close()
         if self.failed:
@@ -375,6 +376,7 @@ class Sidecar:
                       else h.sender, propagate=False)
         elif h.type == MsgType.BYE:
             self.left.add(h.sender)
+            self._check_finished()
         elif h.type == MsgType.PULL and proto.outgoing:
             self._on_pull_frame(h, payload)
         elif h.type in (MsgType.BLOCKS, MsgType.END) and not proto.outgoing:
@@ -411,8 +413,14 @@ class Sidecar:
         conns = self.out_conns if proto.outgoing else self.in_conns
         if conns.get(r) is not proto:
             return
-        if r not in self.left:
-            self.fail(f"lost connection to rank {r} (process died or network down)", r)
+        if r in self.left:
+            return
+        if self.finishing:  # our work is done; its own launcher reports the death
+            log.warning("rank %d: rank %d left without BYE", self.rank, r)
+            self.left.add(r)
+            self._check_finished()
+            return
+        self.fail(f"lost connection to rank {r} (process died or network down)", r)
 
     def _arm_timer(self) -> None:
         """Keep one timer armed for the shard's earliest post-END deadline."""
@@ -451,14 +459,41 @@ class Sidecar:
         self.done.set()
 
     def finish(self) -> None:
-        """Orderly end: BYE to every peer, then stop."""
-        if self.done.is_set():
+        """Orderly end: BYE to every peer, then stop once every peer has said BYE too.
+
+        A peer sends BYE only after its trainer applied its last aggregate, so once all
+        BYEs are in nobody needs our PULLs any more; stopping earlier could cut a PULL
+        still queued in a send buffer. Bounded by ``peer_timeout_s``."""
+        if self.done.is_set() or self.finishing:
             return
+        self.finishing = True
         bye = wire.encode(MsgType.BYE, session=self.session_id, sender=self.rank,
                           key=self.key)
         for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
             conn.send(bye)
-        self.done.set()
+        self._check_finished()
+        asyncio.get_running_loop().call_later(self.cfg.peer_timeout_s, self._finish_timeout)
+
+    def _check_finished(self) -> None:
+        peers = set(self.peers) - {self.rank}
+        if self.finishing and self.left >= peers:
+            self.done.set()
+
+    def _finish_timeout(self) -> None:
+        if not self.done.is_set():
+            log.warning("rank %d: no BYE from rank(s) %s within %.0f s; stopping", self.rank,
+                        sorted(set(self.peers) - {self.rank} - self.left),
+                        self.cfg.peer_timeout_s)
+            self.done.set()
+
+    async def _drain(self, timeout_s: float) -> None:
+        """Wait until every connection's send buffer is empty (PULLs, BYE, ERROR)."""
+        t_end = time.monotonic() + timeout_s
+        conns = list(self.out_conns.values()) + list(self.in_conns.values())
+        while time.monotonic() < t_end and any(
+                c.transport is not None and not c.transport.is_closing()
+                and c.transport.get_write_buffer_size() for c in conns):
+            await asyncio.sleep(0.01)
 
     def _write_report(self) -> None:
         report = {

@@ -54,6 +54,8 @@ class Client:
         self.grad: np.ndarray | None = None
         self.aggregate: np.ndarray | None = None
         self.last_k: float | None = None
+        self.next_step = 0
+        self.closed = False
 
     # -- control ----------------------------------------------------------------------
     def _send(self, msg: dict) -> None:
@@ -80,28 +82,49 @@ class Client:
 
     # -- API --------------------------------------------------------------------------
     def register(self, model: torch.nn.Module) -> None:
-        """Lay out ``model``'s trainable parameters (float32) as one flat vector, in
-        ``model.parameters()`` order. Raises TypeError for non-float32 parameters."""
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        for p in self.params:
+        """Lay out ``model``'s trainable parameters (float32, any memory format) as one
+        flat vector, in ``model.parameters()`` order. Call once per client.
+
+        Raises TypeError for non-float32 parameters, ValueError for a model without
+        trainable parameters, RuntimeError when already registered or closed, and
+        PeerFailure when the sidecar refuses.
+        """
+        self._check_open()
+        if self.grad is not None:
+            raise RuntimeError("register() was already called; one model per Client")
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters; nothing to push")
+        for p in params:
             if p.dtype != torch.float32:
                 raise TypeError(f"dgt moves float32 gradients; got {p.dtype}")
-        n = sum(p.numel() for p in self.params)
+        n = sum(p.numel() for p in params)
         self._send({"op": "register", "n_params": n, "dtype": "float32"})
         msg = self._recv("registered")
         self._maps = [ipc.ShmBuffer(msg["grad"], msg["padded"]),
                       ipc.ShmBuffer(msg["aggregate"], msg["padded"])]
+        self.params = params
         self.grad, self.aggregate = self._maps[0].array, self._maps[1].array
         self.n_params = n
-        dev = self.params[0].device if self.params else torch.device("cpu")
-        self.device = dev
-        if dev.type == "cuda":
-            self._dev_flat = torch.empty(n, dtype=torch.float32, device=dev)
+        self.device = params[0].device
+        if self.device.type == "cuda":
+            self._dev_flat = torch.empty(n, dtype=torch.float32, device=self.device)
             self._pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
 
     def push_pull(self, step: int, loss: float | None = None) -> None:
         """Push this step's gradients and replace each ``p.grad`` with the aggregate
-        (the mean over workers). Blocks until it is applied. Raises PeerFailure."""
+        (the mean over workers). Blocks until it is applied. ``step`` must increase by
+        one per call, from 0 (the BSP iteration).
+
+        Raises RuntimeError before register() or after close(), ValueError for a step
+        out of order, and PeerFailure when the job failed.
+        """
+        self._check_open()
+        if self.grad is None:
+            raise RuntimeError("call register(model) before push_pull()")
+        if step != self.next_step:
+            raise ValueError(f"step {step} out of order: expected {self.next_step} "
+                             f"(one push_pull per iteration, counting from 0)")
         g = torch.from_numpy(self.grad)[: self.n_params]
         a = torch.from_numpy(self.aggregate)[: self.n_params]
         if self.device.type == "cuda":
@@ -116,6 +139,7 @@ class Client:
                 off += n
         self._send({"op": "push", "t": int(step), "loss": loss})
         self.last_k = self._recv("pulled").get("k")
+        self.next_step += 1
         if self.device.type == "cuda":
             self._pinned.copy_(a)
             self._dev_flat.copy_(self._pinned, non_blocking=False)
@@ -127,11 +151,19 @@ class Client:
             n = p.numel()
             if p.grad is None:
                 p.grad = torch.empty_like(p)
-            p.grad.view(-1).copy_(src[off:off + n])
+            # view(p.shape) is the logical layout; copy_ writes any memory format
+            p.grad.copy_(src[off:off + n].view(p.shape))
             off += n
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this Client is closed")
+
     def close(self) -> None:
-        """Say goodbye (the sidecar then ends cleanly) and unmap the buffers."""
+        """Say goodbye (the sidecar then ends cleanly) and unmap the buffers. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self._send({"op": "bye"})
         except PeerFailure:

@@ -52,8 +52,9 @@ class TransmissionConfig:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}")
         if not 0.0 <= self.k <= 1.0:
             raise ValueError(f"--k must be in [0, 1], got {self.k}")
-        if not 0.0 <= self.k_min <= self.k:
-            raise ValueError(f"--k-min must be in [0, --k], got {self.k_min}")
+        if self.adaptive_k and not 0.0 <= self.k_min <= self.k:
+            raise ValueError(f"--k-min must be in [0, --k] with --adaptive-k, got "
+                             f"{self.k_min}")
         if not 1 <= self.channels <= 7:
             raise ValueError(f"--channels must be 1..7, got {self.channels}")
         if self.block_bytes <= 0 or self.block_bytes % 4 or self.block_bytes > 65000:

@@ -211,6 +211,9 @@ class Sidecar:
             return
         except PeerFailure as e:
             self.fail(str(e), e.rank)
+        except Exception as e:  # a bug of ours: fail the job cleanly, never linger
+            log.debug("internal error", exc_info=True)
+            self.fail(f"rank {self.rank}: internal error: {e!r}", self.rank)
         if clean:
             self.finish()
         elif not self.done.is_set():
@@ -223,7 +226,12 @@ class Sidecar:
 
     async def _register(self, msg: dict) -> None:
         loop = asyncio.get_running_loop()
-        n_params = int(msg["n_params"])
+        n_params = msg.get("n_params")
+        if self.agent is not None:
+            raise PeerFailure(f"rank {self.rank}: register sent twice", self.rank)
+        if not isinstance(n_params, int) or not 0 < n_params < 1 << 31:
+            raise PeerFailure(f"rank {self.rank} registered a model of {n_params!r} "
+                              f"parameters; need 1..2^31-1", self.rank)
         await self.rendezvoused.wait()
         rank = self.rank
 
@@ -268,8 +276,14 @@ class Sidecar:
         if self.agent is None:
             self._to_trainer({"op": "error", "rank": self.rank, "message": "push before register"})
             return
-        t = int(msg["t"])
+        t = msg.get("t")
+        expected = self.agent.iteration + 1 if self.pushes else 0
+        if t != expected:
+            raise PeerFailure(f"rank {self.rank} pushed iteration {t!r}, expected "
+                              f"{expected}", self.rank)
         loss = msg.get("loss")
+        if loss is not None and not isinstance(loss, (int, float)):
+            loss = None
         k = await self.agent.push(t, float(loss) if loss is not None else None,
                                   self.cfg.peer_timeout_s)
         self.pushes += 1

@@ -66,6 +66,7 @@ def test_capture_summary_matches_report_and_replay_is_rejected(tmp_path):
     wait_for(tmp_path / "b" / "endpoints-3.json", pb)
     rep = subprocess.run(DGT + ["replay", str(pcap), "--to", "127.0.0.1", "--base-port",
                                 str(base_b), "--from-base-port", str(base_a),
+                                "--speed", "4",  # ends well before run B does
                                 "--json", str(tmp_path / "replay.json")],
                          capture_output=True, text=True, timeout=300)
     assert rep.returncode == 0, rep.stdout + rep.stderr

@@ -1,0 +1,92 @@
+"""dgt.Client as a library against a real one-node sidecar: use and misuse."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import dgt
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def sidecar(tmp_path):
+    path = str(tmp_path / "s.sock")
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                          "--world", "1", "--master-port", str(_free_port()), "--socket",
+                          path, "--run-dir", str(tmp_path)], stderr=subprocess.PIPE,
+                         text=True)
+    yield path, p
+    if p.poll() is None:
+        p.kill()
+    p.wait(timeout=30)
+
+
+def _conv_model():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    return m.to(memory_format=torch.channels_last)
+
+
+def test_client_use_and_misuse(sidecar):
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    with pytest.raises(RuntimeError, match="register"):
+        c.push_pull(0)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        c.register(nn.ReLU())
+    with pytest.raises(TypeError, match="float32"):
+        c.register(nn.Linear(2, 2).double())
+    m = _conv_model()
+    c.register(m)
+    with pytest.raises(RuntimeError, match="already"):
+        c.register(m)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    for step in range(2):
+        m.zero_grad()
+        m(x).sum().backward()
+        want = [p.grad.clone() for p in m.parameters()]
+        c.push_pull(step)
+        for p, w in zip(m.parameters(), want):  # one worker: the aggregate is its grad
+            assert torch.equal(p.grad, w)
+    with pytest.raises(ValueError, match="out of order"):
+        c.push_pull(7)
+    c.close()
+    c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.push_pull(2)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_dead_sidecar_is_a_peer_failure_not_a_hang(sidecar):
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    m = nn.Linear(4, 2)
+    c.register(m)
+    m(torch.randn(3, 4)).sum().backward()
+    c.push_pull(0)
+    os.kill(proc.pid, signal.SIGKILL)
+    with pytest.raises(dgt.PeerFailure):  # pytest-timeout fails a hang
+        c.push_pull(1)
+
+
+def test_sidecar_refuses_out_of_order_push_from_a_raw_client(sidecar):
+    """A trainer that bypasses dgt.Client gets an error reply, and the sidecar exits."""
+    import json
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    c.register(nn.Linear(4, 2))
+    c.sock.sendall(b'{"op":"push","t":5}\n')
+    reply = json.loads(c.file.readline())
+    assert reply["op"] == "error" and "expected 0" in reply["message"]
+    assert proc.wait(timeout=30) != 0
+    assert "Traceback" not in proc.stderr.read()

@@ -35,7 +35,7 @@ class Links:
     send_tcp: Callable[[int, bytes], None]            # (shard, frame)
     send_udp: Callable[[int, int, np.ndarray], int]  # (channel, shard, rows) -> sent
     local_push: Callable[[int, np.ndarray, np.ndarray, float], None]
-    waiting_for: Callable[[], list[int]] = lambda: []   # ranks the local shard awaits
+    waiting_for: Callable[[int], list[int]] = lambda t: []  # ranks shard me awaits in t
 
 
 class WorkerAgent:
@@ -146,7 +146,7 @@ class WorkerAgent:
                 await asyncio.wait_for(asyncio.shield(self.pull_waiter), timeout_s)
             except asyncio.TimeoutError:
                 missing = sorted(set(range(lay.n_shards)) - set(self.pulls))
-                stalled = [w for w in self.links.waiting_for() if w != me]
+                stalled = [w for w in self.links.waiting_for(t) if w != me]
                 why = (f"; shard {me} never got END({t}) from rank(s) {stalled} "
                        f"(dead or frozen)" if stalled else "")
                 raise PeerFailure(f"no PULL for iteration {t} from shard(s) {missing} "

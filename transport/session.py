@@ -138,9 +138,11 @@ class ShardSession:
         self.received[sender] = mask
         return self._finalise(sender, "complete")
 
-    def waiting_for(self) -> list[int]:
-        """Workers whose END for the current iteration has not arrived (nor been
-        finalised): the ranks a stalled iteration is waiting on."""
+    def waiting_for(self, iteration: int) -> list[int]:
+        """Workers whose END(iteration) has not arrived (nor been finalised): the ranks
+        a stalled iteration is waiting on. Empty unless ``iteration`` is the current one."""
+        if iteration != self.iteration:
+            return []
         return [w for w in range(self.n_workers)
                 if not self.finalised[w] and self.end_counts[w] is None]
 

@@ -25,7 +25,7 @@ from pyroute2.netlink.rtnl.tcmsg import tcmsg
 from . import kernel
 from ._nl import open_ipr, request
 from .plan import (ETH_P_IP, ETH_P_IPV6, ROOT_MAJOR, build_delete_root, build_message,
-                   compile_profile, fmt_handle, render_tc)
+                   compile_profile, encode, fmt_handle, render_tc)
 from .schema import Profile, ProfileError, format_rate, load_profile, parse_rate
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,33 @@ def dry_run(profile: Profile | str, dev: str, netns: str | None = None,
     Raises ProfileError (bad profile) or TcError (bad rate).
     """
     p = _profile(profile)
-    try:
-        ops = compile_profile(p, _rate_bit(rate))
-    except ValueError as e:
-        raise TcError(str(e)) from None
+    ops = _compile(p, rate)
+    _prebuild(ops, 1)
     return render_tc(ops, dev, netns)
+
+
+def _compile(p: Profile, rate) -> list:
+    try:
+        return compile_profile(p, _rate_bit(rate))
+    except ValueError as e:
+        raise TcError(str(e).splitlines()[0]) from None
+
+
+def _prebuild(ops, ifindex: int) -> list:
+    """Build and encode every message before anything changes: a value that does not
+    fit its netlink field fails here, with the device untouched."""
+    msgs = []
+    for op in ops:
+        try:
+            t, f, m = build_message(op, ifindex)
+            encode(m, t, f)
+            m = build_message(op, ifindex)[2]  # a fresh, unencoded copy to send
+        except (struct.error, OverflowError, ValueError, TypeError) as e:
+            where = f"band '{op.band}'" if op.band else f"{op.obj} {fmt_handle(op.handle)}"
+            raise TcError(f"{where}: {op.kind} {op.obj} cannot be encoded for netlink "
+                          f"({e}); nothing was changed") from None
+        msgs.append((t, f, m))
+    return msgs
 
 
 def _ifindex(ipr, dev: str, netns: str | None) -> int:
@@ -123,25 +145,40 @@ def apply(profile: Profile | str, dev: str, netns: str | None = None,
     netlink failure; the device is left with its default root qdisc).
     """
     p = _profile(profile)
-    try:
-        ops = compile_profile(p, _rate_bit(rate))
-    except ValueError as e:
-        raise TcError(str(e)) from None
+    ops = _compile(p, rate)
+    _prebuild(ops, 1)
     check_kernel(p)
     with _open(netns) as ipr:
         ifindex = _ifindex(ipr, dev, netns)
-        _delete_root(ipr, ifindex)
+        msgs = _prebuild(ops, ifindex)
         done = 0
+        changed = False
         try:
-            for op in ops:
-                t, f, m = build_message(op, ifindex)
+            changed = True
+            _delete_root(ipr, ifindex)
+            for t, f, m in msgs:
                 request(ipr, m, t, f)
                 done += 1
-        except NetlinkError as e:
-            _delete_root(ipr, ifindex)
-            bad = render_tc([ops[done]], dev, netns, delete_root_first=False)[0]
-            raise TcError(f"kernel refused `{bad}`: {e.args[-1] if e.args else e} "
-                          f"(errno {e.code}); root qdisc of {dev} reset") from None
+        except BaseException as e:
+            # transactional: whatever went wrong once changes began (kernel refusal,
+            # Python exception, Ctrl-C), remove our half-built root: the device is
+            # back to the kernel's default root qdisc.
+            if changed:
+                try:
+                    _delete_root(ipr, ifindex)
+                except Exception:  # noqa: BLE001 - report the original failure
+                    pass
+            if isinstance(e, NetlinkError):
+                bad = render_tc([ops[done]], dev, netns, delete_root_first=False)[0]
+                raise TcError(f"kernel refused `{bad}`: {e.args[-1] if e.args else e} "
+                              f"(errno {e.code}); root qdisc of {dev} reset") from None
+            if isinstance(e, Exception):
+                raise TcError(f"applying profile '{p.name}' failed at "
+                              f"{ops[min(done, len(ops) - 1)].obj} "
+                              f"{fmt_handle(ops[min(done, len(ops) - 1)].handle)}: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                              f"; root qdisc of {dev} reset") from None
+            raise
     log.info("applied tc profile %s on %s%s", p.name, dev, f" (netns {netns})" if netns else "")
     return p
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -94,6 +95,12 @@ def _root() -> int | None:
 
 @_guard
 def tb_up(args) -> int:
+    if args.hosts < 1:
+        return _fail(f"--hosts must be >= 1, got {args.hosts}")
+    if not (math.isfinite(args.loss) and 0 <= args.loss <= 100):
+        return _fail(f"--loss must be a percentage 0..100, got {args.loss}")
+    if args.queue_bytes is not None and args.queue_bytes < 1500:
+        return _fail(f"--queue-bytes must be >= 1500 (one packet), got {args.queue_bytes}")
     if (rc := _root()) is not None:
         return rc
     dscp = [int(x) for x in args.loss_dscp.split(",")] if args.loss_dscp else None
@@ -144,6 +151,8 @@ def tb_exec(args) -> int:
 
 @_guard
 def tb_load(args) -> int:
+    if not (math.isfinite(args.seconds) and args.seconds > 0):
+        return _fail(f"--seconds must be a finite number > 0, got {args.seconds}")
     if (rc := _root()) is not None:
         return rc
     tb = testbed.current(args.prefix)

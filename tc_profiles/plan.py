@@ -85,12 +85,16 @@ class TcOp:
     band: str | None = None
 
 
-def compile_profile(profile: Profile, rate_bit: int | None = None) -> list[TcOp]:
+def compile_profile(profile: Profile, rate_bit: int | None = None,
+                    check: bool = True) -> list[TcOp]:
     """The ops that build ``profile`` on one device, in creation order.
 
     ``rate_bit`` overrides the profile's link rate (HTB only). Raises ValueError when
-    an override is given for a prio profile.
+    an override is given for a prio profile, or (``check``) when a computed value
+    (rate, burst, cburst, quantum, limit) does not fit its netlink field.
     """
+    if check:
+        check_limits(profile, rate_bit)
     ops: list[TcOp] = []
     nbands = set(profile.netem_bands())
     names = [b.name for b in profile.bands]
@@ -146,6 +150,96 @@ def compile_profile(profile: Profile, rate_bit: int | None = None) -> list[TcOp]
                              "keys": dscp_keys_ipv6(d), "target": cid, "dscp": d},
                             band=b.name))
     return ops
+
+
+U32_MAX = (1 << 32) - 1
+_RTAB_MAX_SIZE = 2048   # largest packet size in pyroute2's rate table (256 cells << 3)
+
+
+def op_limit_problems(op: TcOp) -> list[tuple[str, str]]:
+    """What of ``op`` does not fit its netlink field: ``[(direction, text)]`` with
+    direction ``'low'`` (the rate is too small: a transmit time overflows) or ``'high'``
+    (a byte count overflows). Empty when everything fits. Mirrors what pyroute2
+    encodes (``calc_xmittime`` ticks, the 256-entry rate tables) and what tc(8) shows
+    (burst/cburst in bytes, u32)."""
+    from pyroute2.netlink.rtnl.tcmsg.common import calc_xmittime
+    out: list[tuple[str, str]] = []
+    p = op.params
+    if op.obj == "class" and op.kind == "htb":
+        for rk, bk, name in (("rate_Bps", "burst", "burst"), ("ceil_Bps", "cburst", "cburst")):
+            rate, burst = p[rk], p[bk]
+            if rate < 1:
+                out.append(("low", f"{rk[:-4]} {rate} B/s is below 1 B/s"))
+                continue
+            if burst > U32_MAX:
+                out.append(("high", f"{name} {burst} B exceeds {U32_MAX}"))
+            ticks = calc_xmittime(rate, burst)
+            tab = calc_xmittime(min(rate, U32_MAX), _RTAB_MAX_SIZE)
+            if ticks > U32_MAX or tab > U32_MAX:
+                out.append(("low", f"{rk[:-4]} {format_rate(rate * 8)}: {name} time "
+                                   f"{max(ticks, tab)} ticks exceeds {U32_MAX}"))
+        if p["quantum"] > U32_MAX:
+            out.append(("high", f"quantum {p['quantum']} exceeds {U32_MAX}"))
+    elif op.obj == "qdisc" and op.kind in ("bfifo", "pfifo", "netem"):
+        if p["limit"] > U32_MAX:
+            out.append(("high", f"{op.kind} limit {p['limit']} exceeds {U32_MAX}"))
+    return out
+
+
+def _problems(profile: Profile, rate_bit: int | None) -> list[tuple[TcOp, str, str]]:
+    return [(op, d, t) for op in compile_profile(profile, rate_bit, check=False)
+            for d, t in op_limit_problems(op)]
+
+
+def _search(profile: Profile, lo: int, hi: int, ok_at_hi: bool) -> int:
+    """Boundary between failing and fitting link rates in [lo, hi] (bisection)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if (not _problems(profile, mid)) == ok_at_hi:
+            hi = mid
+        else:
+            lo = mid
+    return hi if ok_at_hi else lo
+
+
+def check_limits(profile: Profile, rate_bit: int | None = None) -> None:
+    """Raise ValueError (one line, naming the profile, the band and the usable --rate
+    range) when a computed netlink value of ``profile`` at ``rate_bit`` does not fit
+    its field. Called by :func:`compile_profile`, so dry runs and applies agree."""
+    probs = _problems(profile, rate_bit)
+    if not probs:
+        return
+    op, direction, text = probs[0]
+    link = rate_bit or profile.rate_bit
+    where = f"profile '{profile.name}'" + (f", band '{op.band}'" if op.band else ", root class")
+    ref = 10**9  # a rate every shipped profile fits
+    if direction == "low":
+        bound = (_search(profile, max(1, link), max(ref, link), True)
+                 if not _problems(profile, max(ref, link)) else None)
+        hint = (f"; the minimum usable --rate is {format_rate(_round_up(bound))}"
+                if bound else "")
+    else:
+        bound = (_search(profile, min(ref, link), link, False)
+                 if not _problems(profile, min(ref, link)) else None)
+        hint = (f"; the maximum usable --rate is {format_rate(_round_down(bound))}"
+                if bound else "")
+    raise ValueError(f"{where}: rate {format_rate(link)} does not fit the kernel's "
+                     f"32-bit fields ({text}){hint}")
+
+
+def _round_up(bits: int) -> int:
+    """A readable rate >= bits (whole kbit/mbit above 10 units)."""
+    for mult in (10**9, 10**6, 10**3):
+        if bits >= 10 * mult:
+            return -(-bits // mult) * mult
+    return bits
+
+
+def _round_down(bits: int) -> int:
+    for mult in (10**9, 10**6, 10**3):
+        if bits >= 10 * mult:
+            return bits // mult * mult
+    return bits
 
 
 def _htb_class(rate_Bps: int, ceil_Bps: int, prio: int) -> dict:

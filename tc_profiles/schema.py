@@ -322,7 +322,15 @@ def load_profile(name_or_path: str | Path) -> Profile:
         path = Path(s)
         if not path.is_file():
             raise ProfileError(f"profile file {s!r} does not exist")
-        text, source = path.read_text(), str(path)
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ProfileError(f"profile file {s!r} is not UTF-8 text (byte 0x"
+                               f"{e.object[e.start]:02x} at offset {e.start}); "
+                               f"a profile is a YAML file") from None
+        except OSError as e:
+            raise ProfileError(f"cannot read profile file {s!r}: {e.strerror or e}") from None
+        source = str(path)
     else:
         res = _profiles_dir().joinpath(f"{s}.yaml")
         if not res.is_file():
@@ -338,6 +346,8 @@ def loads(text: str, source: str = "<string>") -> Profile:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ProfileError(f"{source}: not valid YAML: {str(e).splitlines()[0]}") from None
+    except (ValueError, RecursionError) as e:  # e.g. a YAML int too big, deep nesting
+        raise ProfileError(f"{source}: not a usable YAML document: {e}") from None
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: a profile must be a YAML mapping")
     return validate(data, source)

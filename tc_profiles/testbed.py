@@ -43,6 +43,7 @@ from pyroute2 import netns as _netns
 
 from . import applier
 from ._nl import is_root, open_ipr
+from .plan import compile_profile
 from .schema import Profile, load_profile, parse_rate
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,8 @@ def _profile_with_queue(profile: Profile, queue_bytes: int | None) -> Profile:
         return profile
     if queue_bytes < 1500:
         raise TestbedError(f"queue_bytes {queue_bytes} is below one 1500 B packet")
+    if queue_bytes > 1 << 31:
+        raise TestbedError(f"queue_bytes {queue_bytes} is above {1 << 31} (2 GiB)")
     bands = tuple(dataclasses.replace(b, limit_bytes=int(queue_bytes), limit_packets=None)
                   for b in profile.bands)
     return dataclasses.replace(profile, bands=bands)
@@ -272,8 +275,9 @@ def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
     if not 0 <= float(loss_pct) <= 100:
         raise TestbedError(f"loss_pct must be 0..100, got {loss_pct}")
     try:
-        parse_rate(rate)
+        rate_bit = parse_rate(rate)
         prof = _profile_with_queue(load_profile(profile), queue_bytes)
+        compile_profile(prof, rate_bit)  # every value fits its netlink field
         applier.check_kernel(prof)
     except (ValueError, applier.TcError) as e:
         raise TestbedError(str(e)) from None

@@ -52,6 +52,8 @@ SYSTEMS = ("gloo", "tcp", "topk", "dgt")
 SCENARIOS = ("clean", "tenant", "lossy")
 SYSTEM_LABEL = {"gloo": "gloo all_reduce", "tcp": "dgt --mode tcp",
                 "topk": "dgt --mode topk", "dgt": "dgt --mode dgt"}
+SYSTEM_COLOR = {"gloo": "tab:blue", "tcp": "tab:orange", "topk": "tab:green",
+                "dgt": "tab:red"}
 UNRELIABLE_DSCP = (34, 18, 8)
 NOT_ROOT = ("needs root (network namespaces, tc, nftables); run as root, or use "
             "'dgt bench --loopback'")
@@ -274,7 +276,8 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
     if scenario == "tenant":
         pairs = [(i, (i + 1) % cfg.workers) for i in range(cfg.workers)]
         tenant = TenantLoad(tb, pairs)
-        row["tenant_seconds_bound"] = round(1.5 * est + 15)
+        # bounded by the cell's own timeout; stopped as soon as the cell ends
+        row["tenant_seconds_bound"] = round(timeout_s + 5)
         tenant.start(row["tenant_seconds_bound"])
         time.sleep(1.0)   # let the tenant flows leave slow start
     tx0 = _tx_bytes(tb, cfg.workers)
@@ -393,6 +396,17 @@ def _summarise(cfg: BenchConfig, system: str, rate: str | None, rep: dict) -> di
 # ------------------------------------------------------------------------------ matrix
 
 
+def _git_revision() -> str | None:
+    """``git describe --always --dirty`` of the dgt source tree, or None."""
+    try:
+        r = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                           text=True, timeout=10,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() or None if r.returncode == 0 else None
+
+
 def _load_avg() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -417,7 +431,8 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
     doc = dict(command=command, date=started.isoformat(timespec="seconds"),
                host=dict(node=platform.node(), cpus=os.cpu_count(),
                          load_before=_load_avg(), kernel=platform.release()),
-               config=dataclasses.asdict(cfg), estimate_s=round(est), cells=[])
+               config=dataclasses.asdict(cfg), estimate_s=round(est), cells=[],
+               git=_git_revision())
     from dgt.tc_profiles import testbed
     if not cfg.loopback and testbed.current(cfg.prefix) is not None:
         raise BenchError(f"a testbed with prefix '{cfg.prefix}' is already up (another "
@@ -482,7 +497,7 @@ def markdown(doc: dict, loopback: bool = False) -> str:
              f"{doc['host']['kernel']}; load average (1, 5, 15 min) before "
              f"{doc['host']['load_before']}, after {doc['host'].get('load_after')}. "
              f"Elapsed {doc.get('elapsed_s', 0) / 60:.1f} min (estimate "
-             f"{doc['estimate_s'] / 60:.1f} min).", "",
+             f"{doc['estimate_s'] / 60:.1f} min). Source: `{doc.get('git') or '?'}`.", "",
              f"{cfg['workers']} workers, MLP hidden {cfg['hidden']} "
              f"({doc['cells'][0].get('gradient_bytes', 0) / 1e6:.1f} MB of fp32 gradient "
              f"per iteration) on the scikit-learn digits, batch 32 per worker, Adam; "
@@ -551,7 +566,7 @@ def plot_comm(doc: dict, path: str) -> None:
     for ax, rate in zip(axes[0], rates):
         sub = [c for c in cells if (c["rate"] or "loopback") == rate]
         scen = list(dict.fromkeys(c["scenario"] for c in sub))
-        systems = list(dict.fromkeys(c["system"] for c in sub))
+        systems = [s for s in SYSTEMS if any(c["system"] == s for c in sub)]
         w = 0.8 / max(1, len(systems))
         for j, s in enumerate(systems):
             xs, med, up = [], [], []
@@ -562,7 +577,7 @@ def plot_comm(doc: dict, path: str) -> None:
                         med.append(c["comm_ms_median"])
                         up.append(max(0.0, c["comm_ms_p95"] - c["comm_ms_median"]))
             ax.bar(xs, med, w, yerr=[np.zeros(len(up)), up], capsize=3,
-                   label=SYSTEM_LABEL[s])
+                   label=SYSTEM_LABEL[s], color=SYSTEM_COLOR[s])
         ax.set_xticks(range(len(scen)), scen)
         ax.set_ylabel("comm time per iteration, ms (median, whisker p95)")
         ax.set_title(rate)
@@ -589,7 +604,8 @@ def plot_accuracy(doc: dict, path: str) -> None:
             if (c["rate"] or "loopback", c["scenario"]) == (rate, sc):
                 h = c["history"]
                 ax.plot([x["seconds"] for x in h], [x["test_accuracy"] for x in h],
-                        marker="o", ms=3, label=SYSTEM_LABEL[c["system"]])
+                        marker="o", ms=3, label=SYSTEM_LABEL[c["system"]],
+                        color=SYSTEM_COLOR[c["system"]])
         ax.axhline(target, color="grey", lw=0.8, ls="--")
         ax.set_title(f"{rate} {sc}")
         ax.set_xlabel("training seconds")

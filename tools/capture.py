@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import select
 import socket
@@ -135,6 +136,24 @@ def _attach_bpf(sock: socket.socket, expr: str, dlt: int) -> None:
         free_filter(bp)
 
 
+def validate_config(cfg: CaptureConfig) -> None:
+    """Raise :class:`CaptureError` (one line) for a bound or ring setting that makes no
+    sense: ``--ring`` >= 1 (with ``--file-mb``), ``--file-mb`` finite and > 0,
+    ``--seconds`` finite and > 0, ``--count`` >= 1."""
+    if cfg.file_mb is not None and not (math.isfinite(cfg.file_mb) and cfg.file_mb > 0):
+        raise CaptureError(f"--file-mb must be a finite number > 0, got {cfg.file_mb}")
+    if cfg.file_mb is not None and cfg.file_mb * 1e6 < 25:
+        raise CaptureError(f"--file-mb {cfg.file_mb} is smaller than a pcap header")
+    if cfg.ring is not None and cfg.ring < 1:
+        raise CaptureError(f"--ring must be >= 1 (files to keep), got {cfg.ring}")
+    if cfg.ring is not None and not cfg.file_mb:
+        raise CaptureError("--ring needs --file-mb (the size of each file)")
+    if cfg.count is not None and cfg.count <= 0:
+        raise CaptureError(f"--count must be >= 1, got {cfg.count}")
+    if cfg.seconds is not None and not (math.isfinite(cfg.seconds) and cfg.seconds > 0):
+        raise CaptureError(f"--seconds must be a finite number > 0, got {cfg.seconds}")
+
+
 class PcapRing:
     """Streamed nanosecond-pcap writer with size-based rotation and a file ring."""
 
@@ -197,12 +216,7 @@ class Capture:
     """
 
     def __init__(self, cfg: CaptureConfig):
-        if cfg.ring is not None and not cfg.file_mb:
-            raise CaptureError("--ring needs --file-mb (the size of each file)")
-        if cfg.count is not None and cfg.count <= 0:
-            raise CaptureError("--count must be positive")
-        if cfg.seconds is not None and cfg.seconds <= 0:
-            raise CaptureError("--seconds must be positive")
+        validate_config(cfg)
         self.cfg = cfg
         self.ready = threading.Event()
         self.done = threading.Event()
@@ -390,8 +404,6 @@ def run_capture(cfg: CaptureConfig) -> CaptureStats:
     Raises :class:`CaptureError` (not root, missing interface or netns, bad filter).
     """
     cap = Capture(cfg)
-    if cfg.ring is not None and not cfg.file_mb:
-        raise CaptureError("--ring needs --file-mb")
     try:
         return cap.run()
     except KeyboardInterrupt:

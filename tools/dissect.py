@@ -197,15 +197,30 @@ class RawRecord:
     data: bytes
 
 
-def read_pcap(path) -> Iterator[tuple[int, RawRecord]]:
+SUPPORTED_LINKTYPES = {DLT_EN10MB: "EN10MB (Ethernet)", DLT_RAW_ALT: "RAW", DLT_RAW: "RAW",
+                       DLT_LINUX_SLL: "LINUX_SLL", DLT_IPV4: "IPV4", DLT_IPV6: "IPV6",
+                       DLT_LINUX_SLL2: "LINUX_SLL2"}
+_MAX_RECORD = 1 << 18  # no link layer we read has frames above 256 KiB
+
+
+def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord]]:
     """Yield ``(linktype, RawRecord)`` from a classic pcap file (µs or ns, either byte
-    order). Streams; memory stays bounded. Raises :class:`PcapError` for a missing file
-    or a bad global header; a truncated last record ends the iteration quietly.
+    order). Streams; memory stays bounded. Raises :class:`PcapError` for a missing file,
+    a bad global header or a link type :func:`parse_packet` cannot read.
+
+    A record that is cut off (end of file mid-record) or not a plausible record
+    (captured length above the snap length or 256 KiB, above the original length, or a
+    sub-second field out of range: garbage) ends the iteration; when ``status`` is
+    given, ``status["truncated"]`` is then set to ``{"file", "record", "offset",
+    "reason"}`` (record: 1-based number of the bad record; offset: its byte offset).
+    ``status["records"]`` counts the records read.
     """
     try:
         f = open(path, "rb")
     except OSError as e:
         raise PcapError(f"cannot open {path}: {e.strerror}") from None
+    if status is not None:
+        status.setdefault("records", 0)
     with f:
         gh = f.read(24)
         if len(gh) < 24:
@@ -219,18 +234,40 @@ def read_pcap(path) -> Iterator[tuple[int, RawRecord]]:
                                 f"'editcap -F pcap {path} out.pcap'")
             raise PcapError(f"{path}: not a pcap file (magic {magic.hex()})")
         endian, frac_ns = table[magic]
+        snaplen = struct.unpack(endian + "I", gh[16:20])[0]
         linktype = struct.unpack(endian + "I", gh[20:24])[0] & 0x0FFFFFFF
+        if linktype not in SUPPORTED_LINKTYPES:
+            names = ", ".join(f"{k} ({v})" for k, v in sorted(SUPPORTED_LINKTYPES.items()))
+            raise PcapError(f"{path}: link type {linktype} is not supported; supported: "
+                            f"{names}")
+        max_incl = max(snaplen, _MAX_RECORD) if snaplen else _MAX_RECORD
+        frac_max = 1_000_000_000 if frac_ns == 1 else 1_000_000
         rec = struct.Struct(endian + "IIII")
         frame = 0
+        offset = 24
+
+        def cut(reason: str) -> None:
+            if status is not None:
+                status["truncated"] = {"file": str(path), "record": frame + 1,
+                                       "offset": offset, "reason": reason}
+
         while True:
             h = f.read(16)
-            if len(h) < 16:
+            if not h:
                 return
-            sec, frac, incl, _orig = rec.unpack(h)
+            if len(h) < 16:
+                return cut("record header cut off")
+            sec, frac, incl, orig = rec.unpack(h)
+            if incl > max_incl or frac >= frac_max or (orig and incl > orig):
+                return cut(f"not a pcap record (captured length {incl}, original length "
+                           f"{orig}, sub-second field {frac})")
             data = f.read(incl)
             if len(data) < incl:
-                return
+                return cut(f"record data cut off ({len(data)} of {incl} bytes)")
             frame += 1
+            offset += 16 + incl
+            if status is not None:
+                status["records"] += 1
             yield linktype, RawRecord(frame, sec * 1_000_000_000 + frac * frac_ns, data)
 
 

@@ -148,7 +148,9 @@ def from_base_port(base: int, ranks: int, udp_channels: int = 3,
     """PortSpec of a job started with ``--base-port base``: rank r TCP ``base+10r``,
     UDP channel c ``base+10r+c``."""
     if not 1 <= udp_channels <= 7:
-        raise PortSpecError(f"udp channels must be 1..7, got {udp_channels}")
+        raise PortSpecError(f"--udp-channels must be 1..7, got {udp_channels}")
+    if ranks < 1:
+        raise PortSpecError(f"--ranks must be >= 1, got {ranks}")
     if base < 1 or base + RANK_STRIDE * ranks > 65535:
         raise PortSpecError(f"base port {base} with {ranks} ranks leaves 1..65535")
     return from_sidecars(Sidecar(r, host, base + RANK_STRIDE * r,

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import errno
+import math
 import select
 import socket
 import time
@@ -101,25 +102,46 @@ def parse_port_map(text: str) -> dict[int, int]:
     return out
 
 
+_RATE_UNITS = {"pps": None, "bit": 1e-6, "kbit": 1e-3, "mbit": 1.0, "gbit": 1e3}
+MAX_SCHEDULE_S = 24 * 3600.0  # a replay scheduled longer than this is refused
+
+
 def parse_rate(text: str) -> tuple[float | None, float | None]:
-    """``"1000"``/``"1000pps"`` -> (1000, None); ``"50Mbit"`` -> (None, 50.0)."""
-    t = text.strip().lower()
-    try:
-        if t.endswith("mbit"):
-            v = float(t[:-4])
-            if v > 0:
-                return None, v
-        elif t.endswith("pps"):
-            v = float(t[:-3])
-            if v > 0:
-                return v, None
-        else:
-            v = float(t)
-            if v > 0:
-                return v, None
-    except ValueError:
-        pass
-    raise PortSpecError(f"bad --rate {text!r}; use e.g. 1000pps or 50Mbit")
+    """``"1000pps"`` -> (1000, None); ``"50Mbit"`` -> (None, 50.0); ``"1Gbit"`` ->
+    (None, 1000.0). A unit is required (pps, bit, kbit, Mbit, Gbit; case-insensitive,
+    optional ``/s``); the number must be finite and > 0. Raises PortSpecError."""
+    t = str(text).strip().lower().replace(" ", "")
+    if t.endswith("/s"):
+        t = t[:-2]
+    for unit in sorted(_RATE_UNITS, key=len, reverse=True):
+        if t.endswith(unit) and t[:-len(unit)]:
+            try:
+                v = float(t[:-len(unit)])
+            except ValueError:
+                break
+            if not (math.isfinite(v) and v > 0):
+                break
+            mult = _RATE_UNITS[unit]
+            return (v, None) if mult is None else (None, v * mult)
+        if t.endswith(unit):
+            break
+    else:
+        try:
+            float(t)
+            raise PortSpecError(f"bad --rate {text!r}: give a unit, e.g. {t}pps or "
+                                f"{t}Mbit")
+        except ValueError:
+            pass
+    raise PortSpecError(f"bad --rate {text!r}; use a positive number with a unit, "
+                        f"e.g. 1000pps or 50Mbit (units: pps, bit, kbit, Mbit, Gbit)")
+
+
+def check_schedule(offsets: list[float]) -> None:
+    """Refuse a schedule longer than :data:`MAX_SCHEDULE_S` (a typo in --rate/--speed)."""
+    if offsets and not offsets[-1] <= MAX_SCHEDULE_S:
+        raise ReplayError(f"the replay would take {offsets[-1]:.6g} s "
+                          f"({offsets[-1] / 3600:.3g} h), over the {MAX_SCHEDULE_S / 3600:g} h "
+                          f"limit; raise --rate or --speed")
 
 
 def parse_iterations(text: str) -> tuple[int, int]:
@@ -145,11 +167,19 @@ def plan(cfg: ReplayConfig) -> tuple[list[Item], dict]:
     d = Dissector(cfg.ports)
     raw = []
     skipped = Counter()
+    truncated = []
+    records = 0
     for f in cfg.files:
-        for linktype, rec in read_pcap(f):
+        st: dict = {}
+        for linktype, rec in read_pcap(f, st):
             for m in d.feed(parse_packet(linktype, rec)):
                 raw.append(m)
+        records += st.get("records", 0)
+        if "truncated" in st:
+            truncated.append(st["truncated"])
     d.finish()
+    from dgt.tools.summary import check_truncated
+    check_truncated(truncated, records)
     server_ports = []
     chosen = []
     for m in raw:
@@ -193,7 +223,8 @@ def plan(cfg: ReplayConfig) -> tuple[list[Item], dict]:
         items.append(Item(m.ts_ns, m.proto, conn, (m.src, m.sport),
                           cfg.to_host or m.dst, port, m.dport, m.dscp, m.header, m.data))
     info = {"captured_messages": len(raw), "skipped": dict(skipped),
-            "undecodable": d.undecodable, "from_base_port": old_base}
+            "undecodable": d.undecodable, "from_base_port": old_base,
+            "truncated": truncated}
     return items, info
 
 
@@ -208,19 +239,19 @@ def schedule(items: list[Item], *, speed: float = 1.0, rate_pps: float | None = 
     if not items:
         return []
     if rate_pps is not None:
-        if rate_pps <= 0:
-            raise ValueError("rate_pps must be > 0")
+        if not (math.isfinite(rate_pps) and rate_pps > 0):
+            raise ValueError("rate_pps must be finite and > 0")
         return [i / rate_pps for i in range(len(items))]
     if rate_mbit is not None:
-        if rate_mbit <= 0:
-            raise ValueError("rate_mbit must be > 0")
+        if not (math.isfinite(rate_mbit) and rate_mbit > 0):
+            raise ValueError("rate_mbit must be finite and > 0")
         out, bits = [], 0
         for it in items:
             out.append(bits / (rate_mbit * 1e6))
             bits += len(it.data) * 8
         return out
-    if speed <= 0:
-        raise ValueError("speed must be > 0")
+    if not (math.isfinite(speed) and speed > 0):
+        raise ValueError(f"--speed must be a finite number > 0, got {speed}")
     t0 = items[0].ts_ns
     return [(it.ts_ns - t0) / 1e9 / speed for it in items]
 
@@ -256,16 +287,24 @@ def _send_tcp(sock: socket.socket, data: bytes) -> int:
 
 def replay(cfg: ReplayConfig, items: list[Item] | None = None, progress=None) -> dict:
     """Send the planned messages on schedule; returns the report dict (see
-    :func:`format_report`). Raises ReplayError when a TCP destination refuses."""
+    :func:`format_report`). A TCP connection that is refused, or that breaks mid-way
+    (the receiver ended), does not stop the replay: its messages are counted under
+    ``send_errors`` and ``send_errors_by_destination`` and the others go on. Raises
+    ReplayError for a schedule over :data:`MAX_SCHEDULE_S`."""
     info = {}
     if items is None:
         items, info = plan(cfg)
     offs = schedule(items, speed=cfg.speed, rate_pps=cfg.rate_pps, rate_mbit=cfg.rate_mbit)
+    check_schedule(offs)
     udp_socks: dict[tuple, list] = {}
     tcp_socks: dict[tuple, socket.socket] = {}
     per_ch = defaultdict(Counter)
     per_dst = Counter()
     send_errors = Counter()
+    dst_errors: dict[str, Counter] = defaultdict(Counter)
+    refused: dict[tuple, str] = {}   # captured conn -> why its connect failed
+    connect_failures: list[str] = []
+    opened = 0
     lateness_max = 0.0
     reply_bytes = 0
     start = time.monotonic() + 0.01
@@ -290,6 +329,10 @@ def replay(cfg: ReplayConfig, items: list[Item] | None = None, progress=None) ->
                         ent[1] = tos
                     ent[0].sendto(it.data, (it.dst, it.dport))
                 else:
+                    if it.conn in refused:  # its connection was refused: count, go on
+                        send_errors[refused[it.conn]] += 1
+                        dst_errors[f"{it.proto}:{it.dst}:{it.dport}"][refused[it.conn]] += 1
+                        continue
                     s = tcp_socks.get(it.conn)
                     if s is None:
                         s = socket.socket(socket.AF_INET6 if ":" in it.dst else socket.AF_INET,
@@ -302,17 +345,30 @@ def replay(cfg: ReplayConfig, items: list[Item] | None = None, progress=None) ->
                             s.connect((it.dst, it.dport))
                         except OSError as e:
                             s.close()
-                            raise ReplayError(
+                            code = errno.errorcode.get(e.errno, "") or type(e).__name__
+                            refused[it.conn] = code
+                            connect_failures.append(
                                 f"cannot connect to {it.dst}:{it.dport} (captured port "
-                                f"{it.orig_dport}): {e.strerror or e}; is the receiver "
-                                f"listening? check --to/--port-map") from None
+                                f"{it.orig_dport}): {e.strerror or e}")
+                            send_errors[code] += 1
+                            dst_errors[f"{it.proto}:{it.dst}:{it.dport}"][code] += 1
+                            continue
                         s.setblocking(False)
                         tcp_socks[it.conn] = s
+                        opened += 1
                     reply_bytes += _send_tcp(s, it.data)
-            except ReplayError:
-                raise
             except OSError as e:
-                send_errors[errno.errorcode.get(e.errno, str(e.errno))] += 1
+                code = errno.errorcode.get(e.errno, str(e.errno))
+                send_errors[code] += 1
+                dst_errors[f"{it.proto}:{it.dst}:{it.dport}"][code] += 1
+                if it.proto == "tcp" and it.conn in tcp_socks:
+                    # the receiver went away (job ended): drop this connection, count
+                    # the rest of its messages, go on with the others
+                    try:
+                        tcp_socks.pop(it.conn).close()
+                    except OSError:
+                        pass
+                    refused[it.conn] = code
                 continue
             name = channel_name(it.header.channel)
             c = per_ch[name]
@@ -349,9 +405,12 @@ def replay(cfg: ReplayConfig, items: list[Item] | None = None, progress=None) ->
         "totals": {"messages": sum(v["messages"] for v in per_ch.values()),
                    "blocks": sum(v["blocks"] for v in per_ch.values()),
                    "bytes": sum(v["bytes"] for v in per_ch.values())},
-        "tcp_connections": len(tcp_socks),
+        "tcp_connections": opened,
         "udp_sockets": len(udp_socks),
         "send_errors": dict(send_errors),
+        "send_errors_by_destination": {k: dict(v) for k, v in sorted(dst_errors.items())},
+        "tcp_connect_failures": connect_failures,
+        "tcp_connections_refused": len(connect_failures),
         "reply_bytes_discarded": reply_bytes,
         "original_duration_s": orig,
         "scheduled_duration_s": sched,
@@ -376,8 +435,15 @@ def format_report(rep: dict) -> str:
     lines += ["",
               f"destinations: {rep['destinations']}",
               f"skipped: {rep.get('skipped', {})}, send errors: {rep['send_errors']}, "
-              f"tcp connections: {rep['tcp_connections']}",
+              f"tcp connections: {rep['tcp_connections']}"
+              + (f" ({rep['tcp_connections_refused']} refused)"
+                 if rep.get("tcp_connections_refused") else ""),
               f"duration {rep['duration_s']:.3f} s (scheduled {rep['scheduled_duration_s']:.3f} s,"
               f" captured {rep['original_duration_s']:.3f} s"
               + (f", ratio {ratio:.3f})" if ratio else ")")]
+    if rep.get("send_errors_by_destination"):
+        lines.append(f"send errors by destination: {rep['send_errors_by_destination']}")
+    from dgt.tools.summary import truncation_text
+    for t in rep.get("truncated", ()):
+        lines.append(truncation_text(t) + "; replayed the records before it")
     return "\n".join(lines)

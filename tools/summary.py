@@ -211,12 +211,35 @@ def summarize(files, ports: PortSpec | None = None, sessions=None) -> dict:
     d = Dissector(ports)
     s = Summary(d, sessions)
     from dgt.tools.dissect import parse_packet, read_pcap
+    truncated = []
+    records = 0
     for f in files:
-        for linktype, rec in read_pcap(f):
+        st: dict = {}
+        for linktype, rec in read_pcap(f, st):
             for m in d.feed(parse_packet(linktype, rec)):
                 s.add(m)
+        records += st.get("records", 0)
+        if "truncated" in st:
+            truncated.append(st["truncated"])
     d.finish()
-    return s.result(files)
+    check_truncated(truncated, records)
+    out = s.result(files)
+    out["records"] = records
+    out["truncated"] = truncated
+    return out
+
+
+def truncation_text(t: dict) -> str:
+    """``truncated at record N (byte offset X) in FILE: reason``."""
+    return (f"truncated at record {t['record']} (byte offset {t['offset']}) in "
+            f"{t['file']}: {t['reason']}")
+
+
+def check_truncated(truncated: list, records: int) -> None:
+    """Raise PcapError when a capture was cut off before a single readable record."""
+    from dgt.tools.dissect import PcapError
+    if truncated and records == 0:
+        raise PcapError(f"no readable packets: {truncation_text(truncated[0])}")
 
 
 def compare_with_report(summary: dict, report: dict) -> dict:
@@ -258,6 +281,8 @@ def format_table(s: dict) -> str:
     lines.append(f"iterations {len(s['iterations'])}, ENDs {s['ends']}, PULLs {s['pulls']}"
                  f" ({s['pulls_unattributed']} unattributed), duration {s['duration_s']:.3f} s,"
                  f" types {s['types']}")
+    for t in s.get("truncated", ()):
+        lines.append(truncation_text(t) + "; totals cover the records before it")
     if s.get("other_sessions_ignored"):
         lines.append(f"ignored messages of other sessions: {s['other_sessions_ignored']}")
     return "\n".join(lines)

@@ -121,20 +121,20 @@ class WorkerAgent:
                 ctr[0].blocks_sent += rel.size
                 ctr[0].bytes_sent += len(frame)
         for c in range(1, self.cfg.channels + 1):  # then UDP, best band first
-            for s in range(lay.n_shards):
-                if s == me:
-                    continue
+            per_shard = []
+            for k in range(1, lay.n_shards):  # from me+1 on: senders start apart
+                s = (me + k) % lay.n_shards
                 lo, hi = lay.shard_lo(s), lay.shard_hi(s)
                 idx = lo + np.flatnonzero(chan[lo:hi] == c)
                 counts[s, c] = idx.size
                 if not idx.size:
                     continue
-                dgrams = wire.encode_block_datagrams(
+                per_shard.append((s, wire.encode_block_datagrams(
                     session=self.session, sender=me, shard=s, iteration=t, channel=c,
-                    indices=idx, blocks=blocks[idx], key=self.key)
-                await self._send_paced(c, s, dgrams)
+                    indices=idx, blocks=blocks[idx], key=self.key)))
                 ctr[c].blocks_sent += idx.size
-                ctr[c].bytes_sent += dgrams.size
+                ctr[c].bytes_sent += per_shard[-1][1].size
+            await self._send_paced(c, per_shard)
         for s in range(lay.n_shards):
             if s == me:
                 continue
@@ -155,21 +155,27 @@ class WorkerAgent:
         self._apply(t)
         return k
 
-    async def _send_paced(self, channel: int, shard: int, dgrams: np.ndarray) -> None:
-        """Send (n, size) datagrams in GSO batches of <= 64 KB, each paced as a burst."""
-        n, size = dgrams.shape
-        per = max(1, 65000 // size)
+    async def _send_paced(self, channel: int, per_shard: list) -> None:
+        """Send each shard's (n, size) datagrams in GSO batches of <= 64 KB, round-robin
+        over the shards (so no receiver port gets every sender's full rate at once:
+        no incast), each batch paced as one burst by the token bucket."""
         bucket, send = self.bucket, self.links.send_udp
-        i = 0
-        while i < n:
-            k = min(per, n - i)
-            d = bucket.delay(k * size, time.monotonic())
-            if d > 0.0005:
-                await asyncio.sleep(d)
-            sent = send(channel, shard, dgrams[i:i + k])
-            if sent < k:  # socket send buffer full: let the kernel drain it
-                await asyncio.sleep(0.0005)
-            i += sent
+        pos = [0] * len(per_shard)
+        live = list(range(len(per_shard)))
+        while live:
+            for j in list(live):
+                s, dgrams = per_shard[j]
+                n, size = dgrams.shape
+                k = min(max(1, 65000 // size), n - pos[j])
+                d = bucket.delay(k * size, time.monotonic())
+                if d > 0.0005:
+                    await asyncio.sleep(d)
+                sent = send(channel, s, dgrams[pos[j]:pos[j] + k])
+                if sent < k:  # socket send buffer full: let the kernel drain it
+                    await asyncio.sleep(0.0005)
+                pos[j] += sent
+                if pos[j] >= n:
+                    live.remove(j)
 
     # -- pull -------------------------------------------------------------------------
     def on_pull(self, shard: int, iteration: int, aggregate: np.ndarray,

@@ -122,8 +122,8 @@ class WorkerAgent:
                 ctr[0].bytes_sent += len(frame)
         for c in range(1, self.cfg.channels + 1):  # then UDP, best band first
             per_shard = []
-            for k in range(1, lay.n_shards):  # from me+1 on: senders start apart
-                s = (me + k) % lay.n_shards
+            for off in range(1, lay.n_shards):  # from me+1 on: senders start apart
+                s = (me + off) % lay.n_shards
                 lo, hi = lay.shard_lo(s), lay.shard_hi(s)
                 idx = lo + np.flatnonzero(chan[lo:hi] == c)
                 counts[s, c] = idx.size

@@ -144,3 +144,15 @@ def test_contribution_picks_the_large_blocks():
             await fab.step(t, [g, g])
             assert np.allclose(fab.aggs[0][hot:hot + 16], 1.0)
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("k", [0.3, 0.5])
+def test_push_reports_the_k_it_used(k):
+    cfg = TransmissionConfig(block_bytes=64, pace_mbit=0, k=k)
+    fab = Fabric(cfg, 3000, 4)
+
+    async def main():
+        g = np.ones(3000, np.float32)
+        return await asyncio.gather(*(a.push(0, None, 5.0) for a in fab.agents
+                                      if not fab.grads[a.rank].__setitem__(slice(0, 3000), g)))
+    assert asyncio.run(main()) == [k] * 4

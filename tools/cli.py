@@ -18,7 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import re
 import sys
+from pathlib import Path
 
 log = logging.getLogger("dgt.tools")
 
@@ -51,10 +55,65 @@ def _port_spec(args, required: bool = False):
     if args.report:
         return ports.from_report(args.report)
     if args.layout_base is not None:
+        if args.ranks < 1:
+            raise ports.PortSpecError(f"--ranks must be >= 1, got {args.ranks}")
+        if not 1 <= args.udp_channels <= 7:
+            raise ports.PortSpecError(f"--udp-channels must be 1..7, got {args.udp_channels}")
         return ports.from_base_port(args.layout_base, args.ranks, args.udp_channels)
     if required:
         raise ports.PortSpecError("give --ports, --report or --base-port")
     return None
+
+
+def _positive(flag: str, value, integer: bool = False) -> None:
+    """Raise ValueError unless ``value`` (when given) is finite and > 0 (``integer``:
+    >= 1)."""
+    if value is None:
+        return
+    if integer:
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    elif not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} must be a finite number > 0, got {value}")
+
+
+def check_output(flag: str, path: str | None) -> None:
+    """The output-path policy of every command (``-w``, ``--json``, ``--plot``),
+    checked before any work: missing parent folders are created; the path must not be
+    a folder, and its folder (and the file, if it exists) must be writable. Raises
+    ValueError (one line)."""
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder, give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"{flag} {path}: {parent} is not a folder") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot create folder {parent}: "
+                         f"{e.strerror or e}") from None
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: folder {parent} is not writable")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{flag} {path}: file is not writable")
+
+
+_SESSION_RE = re.compile(r"^(0x)?[0-9a-fA-F]{1,16}$")
+
+
+def parse_session(text: str, where: str = "--session") -> int:
+    """A session id: up to 16 hex digits (as the report and the summary print it,
+    e.g. 3f2a9c0d11e4b7a8). Raises ValueError (one line)."""
+    t = str(text).strip()
+    if not _SESSION_RE.match(t):
+        raise ValueError(f"bad {where} {text!r}: a session id is 16 hex digits, "
+                         f"e.g. 3f2a9c0d11e4b7a8")
+    return int(t, 16)
 
 
 def _logging(quiet: bool = False) -> None:
@@ -95,7 +154,13 @@ def _guard(fn):
 def cmd_capture(args) -> int:
     from dgt.tools import capture, ports
     _logging(args.quiet)
+    _positive("--seconds", args.seconds)
+    _positive("--file-mb", args.file_mb)
+    _positive("--count", args.count, integer=True)
+    _positive("--ring", args.ring, integer=True)
     spec = _port_spec(args, required=True)
+    check_output("-w", args.write)
+    check_output("--json", args.json)
     cfg = capture.CaptureConfig(
         out=args.write, ports=spec, interface=args.interface, netns=args.netns,
         seconds=args.seconds, count=args.count, ring=args.ring, file_mb=args.file_mb,
@@ -119,11 +184,15 @@ def cmd_pcap_summary(args) -> int:
     from dgt.tools import summary
     _logging()
     spec = _port_spec(args)
-    sessions = [int(x, 16) for x in args.session.split(",")] if args.session else None
+    check_output("--json", args.json)
+    check_output("--plot", args.plot)
+    sessions = ([parse_session(x) for x in args.session.split(",")]
+                if args.session else None)
     if sessions is None and args.report:
         with open(args.report) as f:
             doc = json.load(f)
-        found = {int(str(r["session"]), 16) for r in doc.get("sidecars", [])
+        found = {parse_session(r["session"], f"session in {args.report}")
+                 for r in doc.get("sidecars", [])
                  if isinstance(r, dict) and r.get("session")}
         sessions = sorted(found) or None
     s = summary.summarize(args.files, spec, sessions)
@@ -155,8 +224,8 @@ def cmd_replay(args) -> int:
     rate_pps = rate_mbit = None
     if args.rate:
         rate_pps, rate_mbit = replay.parse_rate(args.rate)
-    if args.speed <= 0:
-        raise ValueError("--speed must be > 0")
+    _positive("--speed", args.speed)
+    check_output("--json", args.json)
     cfg = replay.ReplayConfig(
         files=args.files, to_host=args.to, port_map=replay.parse_port_map(args.port_map),
         base_port=args.to_base_port, from_base_port=args.from_base_port,
@@ -169,8 +238,12 @@ def cmd_replay(args) -> int:
     if not items:
         raise replay.ReplayError("nothing to send: no dgt messages pass the filters "
                                  f"(skipped {info['skipped']}); check --ports/--iterations/--channels")
+    for t in info.get("truncated", ()):
+        from dgt.tools.summary import truncation_text
+        log.warning("%s; replaying the records before it", truncation_text(t))
+    offs = replay.schedule(items, speed=cfg.speed, rate_pps=rate_pps, rate_mbit=rate_mbit)
+    replay.check_schedule(offs)
     if args.dry_run:
-        offs = replay.schedule(items, speed=cfg.speed, rate_pps=rate_pps, rate_mbit=rate_mbit)
         for it, off in zip(items, offs):
             h = it.header
             print(f"{off:10.6f}  {it.proto}  {it.dst}:{it.dport}  {h.type!s:>2} "
@@ -185,9 +258,25 @@ def cmd_replay(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2)
             f.write("\n")
-    # A receiver that closes a stray session's connection (EPIPE/ECONNRESET) is doing
-    # its job; only a replay that delivered nothing at all is a failure.
-    return 0 if rep["totals"]["messages"] or not rep["send_errors"] else 1
+    # A receiver that closes a stray session's connection (EPIPE/ECONNRESET), or a job
+    # that ended mid-replay, is counted under send errors and the replay goes on; only
+    # a replay that delivered nothing is a failure. Datagrams are never confirmed, so
+    # when every TCP connection was refused nothing is known to have arrived either.
+    failures = rep.get("tcp_connect_failures", [])
+    if failures and not rep["tcp_connections"]:
+        print(f"dgt replay: error: {failures[0]}; no TCP connection could be made "
+              f"({len(failures)} refused); is the receiver listening? check "
+              f"--to/--port-map", file=sys.stderr)
+        return 2
+    if rep["send_errors"] and not rep["totals"]["messages"]:
+        print(f"dgt replay: error: nothing was delivered; send errors "
+              f"{rep['send_errors']}", file=sys.stderr)
+        return 2
+    if failures:
+        print(f"dgt replay: warning: {len(failures)} TCP connection(s) refused "
+              f"(first: {failures[0]}); their messages are counted under send errors",
+              file=sys.stderr)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------

@@ -128,10 +128,12 @@ def parse_rate(text: str) -> tuple[float | None, float | None]:
     else:
         try:
             float(t)
+            unitless = True
+        except ValueError:
+            unitless = False
+        if unitless:
             raise PortSpecError(f"bad --rate {text!r}: give a unit, e.g. {t}pps or "
                                 f"{t}Mbit")
-        except ValueError:
-            pass
     raise PortSpecError(f"bad --rate {text!r}; use a positive number with a unit, "
                         f"e.g. 1000pps or 50Mbit (units: pps, bit, kbit, Mbit, Gbit)")
 

@@ -1,0 +1,233 @@
+"""Bad input to `dgt capture`, `dgt pcap summary` and `dgt replay`: one line on stderr,
+exit 2, no traceback; damaged captures are reported, not silently summed."""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+import pytest
+from scapy.layers.inet import IP, TCP, UDP
+from scapy.layers.l2 import Ether
+from scapy.utils import wrpcap
+
+from dgt.tools.dissect import DGT
+
+PY = sys.executable
+
+
+def _cli(*args, **kw):
+    return subprocess.run([PY, "-m", "dgt.cli", *args], capture_output=True, text=True,
+                          timeout=120, **kw)
+
+
+def _one_line_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
+def _udp_pcap(path, n=3, dport=47001):
+    pkts = []
+    for i in range(n):
+        p = (Ether() / IP(src="10.0.0.1", dst="10.0.0.2") / UDP(sport=40000, dport=dport)
+             / DGT(type=2, channel=1, session=0x1234, iteration=i, block=i, count=1,
+                   data=b"x" * 32))
+        p.time = 1000 + i * 0.01
+        pkts.append(p)
+    wrpcap(str(path), pkts)
+    return path
+
+
+def _tcp_pcap(path, server_ports, n=3):
+    """One captured TCP connection per server port, n BLOCKS frames each."""
+    pkts = []
+    for k, port in enumerate(server_ports):
+        seq = 1000
+        for i in range(n):
+            msg = bytes(DGT(type=2, channel=0, session=0x1234, iteration=i, block=i,
+                            count=1, data=b"y" * 16))
+            p = (Ether() / IP(src="127.0.0.1", dst="127.0.0.1")
+                 / TCP(sport=65000 + k, dport=port, flags="PA", seq=seq) / msg)
+            p.time = 1000 + i * 0.001 + k * 0.0001
+            seq += len(msg)
+            pkts.append(p)
+    pkts.sort(key=lambda p: p.time)
+    wrpcap(str(path), pkts)
+    return path
+
+
+# ----------------------------------------------------------------- bad flags
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--ring", "-1", "--file-mb", "1"], "--ring"),
+    (["--ring", "0", "--file-mb", "1"], "--ring"),
+    (["--file-mb", "0"], "--file-mb"),
+    (["--file-mb", "-1"], "--file-mb"),
+    (["--file-mb", "nan"], "--file-mb"),
+    (["--seconds", "nan"], "--seconds"),
+    (["--seconds", "inf"], "--seconds"),
+    (["--seconds", "-2"], "--seconds"),
+    (["--count", "0"], "--count"),
+])
+def test_capture_bad_numbers(tmp_path, flags, needle):
+    out = tmp_path / "c.pcap"
+    r = _cli("capture", "--ports", "5000", "-w", str(out), *flags)
+    _one_line_error(r, needle)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--ranks", "0"], "--ranks"), (["--ranks", "-3"], "--ranks"),
+    (["--udp-channels", "0"], "--udp-channels"), (["--udp-channels", "8"], "--udp-channels"),
+])
+def test_capture_bad_layout(tmp_path, flags, needle):
+    r = _cli("capture", "--base-port", "47000", "--count", "1", "-w",
+             str(tmp_path / "c.pcap"), *flags)
+    _one_line_error(r, needle)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--speed", "nan"], "--speed"), (["--speed", "inf"], "--speed"),
+    (["--speed", "0"], "--speed"), (["--rate", "100"], "give a unit"),
+    (["--rate", "nanpps"], "--rate"), (["--rate", "-5Mbit"], "--rate"),
+    (["--rate", "10furlongs"], "--rate"),
+])
+def test_replay_bad_timing_flags(tmp_path, flags, needle):
+    pcap = _udp_pcap(tmp_path / "u.pcap")
+    _one_line_error(_cli("replay", str(pcap), "--to", "127.0.0.1", "--dry-run", *flags),
+                    needle)
+
+
+@pytest.mark.parametrize("rate", ["1e-9pps", "0.00001pps", "1e-12Mbit"])
+def test_replay_absurd_schedule_refused(tmp_path, rate):
+    pcap = _udp_pcap(tmp_path / "u.pcap", n=3)
+    r = _cli("replay", str(pcap), "--to", "127.0.0.1", "--dry-run", "--rate", rate)
+    _one_line_error(r, "would take", "24 h")
+
+
+def test_replay_rate_units(tmp_path):
+    from dgt.tools import replay
+    assert replay.parse_rate("2Gbit") == (None, 2000.0)
+    assert replay.parse_rate("500kbit") == (None, 0.5)
+    pcap = _udp_pcap(tmp_path / "u.pcap", n=3)
+    r = _cli("replay", str(pcap), "--to", "127.0.0.1", "--dry-run", "--rate", "10pps")
+    assert r.returncode == 0 and "0.200000" in r.stdout
+
+
+@pytest.mark.parametrize("session", ["zz", "12345678901234567", "-1", "0x"])
+def test_summary_bad_session(tmp_path, session):
+    pcap = _udp_pcap(tmp_path / "u.pcap")
+    _one_line_error(_cli("pcap", "summary", str(pcap), "--session", session),
+                    "16 hex digits")
+
+
+# ------------------------------------------------------------- damaged pcaps
+
+def _header(linktype=1):
+    return struct.pack("<IHHiIII", 0xA1B2C3D4, 2, 4, 0, 0, 65535, linktype)
+
+
+@pytest.mark.parametrize("cmd", [["pcap", "summary"], ["replay", "--to", "127.0.0.1"]])
+def test_unsupported_link_type(tmp_path, cmd):
+    f = tmp_path / "lt.pcap"
+    f.write_bytes(_header(147) + struct.pack("<IIII", 1, 0, 4, 4) + b"abcd")
+    r = _cli(cmd[0], *cmd[1:], str(f)) if cmd[0] == "replay" else _cli(*cmd, str(f))
+    _one_line_error(r, "link type 147", "supported", "EN10MB")
+
+
+@pytest.mark.parametrize("cmd", [["pcap", "summary"], ["replay", "--to", "127.0.0.1"]])
+def test_garbage_after_header(tmp_path, cmd):
+    f = tmp_path / "g.pcap"
+    f.write_bytes(_header() + bytes(range(256)) * 4)
+    r = _cli(*cmd, str(f))
+    _one_line_error(r, "truncated at record 1 (byte offset 24)")
+
+
+def test_truncated_capture_is_reported(tmp_path):
+    f = _udp_pcap(tmp_path / "t.pcap", n=3)
+    data = f.read_bytes()
+    f.write_bytes(data[:-10])
+    js = tmp_path / "t.json"
+    r = _cli("pcap", "summary", str(f), "--json", str(js))
+    assert r.returncode == 0, r.stderr
+    assert "truncated at record 3 (byte offset" in r.stdout
+    doc = json.loads(js.read_text())
+    assert doc["records"] == 2 and doc["truncated"][0]["record"] == 3
+    assert doc["truncated"][0]["offset"] == len(data) - (len(data) - 24) // 3
+    assert doc["totals"]["messages"] == 2
+
+
+# -------------------------------------------------------------- output paths
+
+@pytest.mark.parametrize("cmd", [
+    ["pcap", "summary", "{pcap}", "--json", "{bad}"],
+    ["pcap", "summary", "{pcap}", "--plot", "{bad}"],
+    ["replay", "{pcap}", "--to", "127.0.0.1", "--dry-run", "--json", "{bad}"],
+    ["capture", "--ports", "5000", "--count", "1", "-w", "{bad}"],
+    ["capture", "--ports", "5000", "--count", "1", "-w", "{ok}", "--json", "{bad}"],
+])
+def test_bad_output_path_checked_up_front(tmp_path, cmd):
+    pcap = _udp_pcap(tmp_path / "u.pcap")
+    (tmp_path / "afile").write_text("x")
+    bad = str(tmp_path / "afile" / "out.x")           # parent is a file
+    args = [a.format(pcap=pcap, bad=bad, ok=tmp_path / "ok.pcap") for a in cmd]
+    r = _cli(*args)
+    _one_line_error(r, "not a folder")
+    assert not (tmp_path / "ok.pcap").exists()        # nothing captured first
+    r = _cli(*[a.format(pcap=pcap, bad=tmp_path, ok=tmp_path / "ok.pcap") for a in cmd])
+    _one_line_error(r, "is a folder")
+
+
+def test_output_parent_folders_are_created(tmp_path):
+    pcap = _udp_pcap(tmp_path / "u.pcap")
+    out = tmp_path / "new" / "sub" / "s.json"
+    r = _cli("pcap", "summary", str(pcap), "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["totals"]["messages"] == 3
+
+
+# ------------------------------------------------------- replay: refused TCP
+
+def test_replay_goes_on_when_one_tcp_destination_refuses(tmp_path):
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(8)
+    live = lst.getsockname()[1]
+    dead_s = socket.socket()
+    dead_s.bind(("127.0.0.1", 0))
+    dead = dead_s.getsockname()[1]
+    dead_s.close()                       # nobody listens there
+    got = []
+
+    def serve():
+        lst.settimeout(20)
+        try:
+            c, _ = lst.accept()
+        except OSError:
+            return
+        with c:
+            while d := c.recv(65536):
+                got.append(d)
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    pcap = _tcp_pcap(tmp_path / "t.pcap", [live, dead], n=3)
+    js = tmp_path / "r.json"
+    r = _cli("replay", str(pcap), "--to", "127.0.0.1", "--speed", "100", "--json", str(js))
+    t.join(20)
+    lst.close()
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "refused" in r.stderr
+    rep = json.loads(js.read_text())
+    assert rep["totals"]["messages"] == 3 and rep["tcp_connections"] == 1
+    assert rep["send_errors_by_destination"] == {f"tcp:127.0.0.1:{dead}": {"ECONNREFUSED": 3}}
+    assert sum(map(len, got)) == 3 * (34 + 16)
+    # nothing deliverable at all: exit 2, one line
+    r = _cli("replay", str(_tcp_pcap(tmp_path / "d.pcap", [dead])), "--to", "127.0.0.1",
+             "--speed", "100")
+    assert r.returncode == 2 and "cannot connect" in r.stderr and "Traceback" not in r.stderr

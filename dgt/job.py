@@ -140,13 +140,9 @@ def _fmt_k(k) -> str:
     return "-" if k is None else f"{k:.2f}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dgt.job",
-                                description="One trainer of 'dgt train' (started by it).")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--socket", required=True, help="the node sidecar's Unix socket")
-    p.add_argument("--result", required=True, help="write this rank's result JSON here")
+def add_loop_arguments(p: argparse.ArgumentParser) -> None:
+    """The training-loop flags shared by this trainer and the gloo baseline; defaults
+    from :class:`~dgt.config.JobConfig`."""
     p.add_argument("--epochs", type=int, default=JobConfig.epochs)
     p.add_argument("--iterations", type=int, default=JobConfig.iterations)
     p.add_argument("--eval-every", type=int, default=JobConfig.eval_every)
@@ -154,9 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=JobConfig.lr)
     p.add_argument("--hidden", type=int, default=JobConfig.hidden)
     p.add_argument("--seed", type=int, default=JobConfig.seed)
-    p.add_argument("--device", default=JobConfig.device)
     p.add_argument("--target-accuracy", type=float, default=JobConfig.target_accuracy)
     p.add_argument("--timeout-s", type=float, default=60.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dgt.job",
+                                description="One trainer of 'dgt train' (started by it).")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--socket", required=True, help="the node sidecar's Unix socket")
+    p.add_argument("--result", required=True, help="write this rank's result JSON here")
+    add_loop_arguments(p)
+    p.add_argument("--device", default=JobConfig.device)
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:

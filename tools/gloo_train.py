@@ -315,15 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --testbed: the testbed's name prefix")
     p.add_argument("--report", default="", help="write the JSON report here")
     p.add_argument("--run-dir", default="", help="keep logs and per-rank results here")
-    p.add_argument("--epochs", type=int, default=JobConfig.epochs)
-    p.add_argument("--iterations", type=int, default=JobConfig.iterations)
-    p.add_argument("--eval-every", type=int, default=JobConfig.eval_every)
-    p.add_argument("--batch-size", type=int, default=JobConfig.batch_size)
-    p.add_argument("--lr", type=float, default=JobConfig.lr)
-    p.add_argument("--hidden", type=int, default=JobConfig.hidden)
-    p.add_argument("--seed", type=int, default=JobConfig.seed)
-    p.add_argument("--target-accuracy", type=float, default=JobConfig.target_accuracy)
-    p.add_argument("--timeout-s", type=float, default=60.0)
+    from dgt.job import add_loop_arguments
+    add_loop_arguments(p)
     ns = p.parse_args(argv)
     if ns.rank is not None:
         if ns.world is None or not ns.result:

@@ -67,9 +67,15 @@ def test_bad_input_during_training_is_counted_and_dropped(tmp_path):
     run_dir, report = tmp_path / "run", tmp_path / "r.json"
     p = start_train(run_dir, "--epochs", 6, "--base-port", base, "--report", report)
     wait_for(run_dir / "endpoints-1.json", p)
+    head = []
+    for line in p.stdout:  # rank 0's progress: the session is live, training runs
+        head.append(line)
+        if line.startswith("epoch"):
+            break
     ep = json.loads((run_dir / "endpoints-1.json").read_text())
     sent = fuzz("127.0.0.1", ep["tcp_port"], ep["udp_ports"], n=10_000, seed=1)
     out, err = p.communicate(timeout=300)
+    out = "".join(head) + out
     assert p.returncode == 0, out + err
     r = json.loads(report.read_text())
     assert r["replicas_identical"]

@@ -277,8 +277,8 @@ def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
     try:
         rate_bit = parse_rate(rate)
         prof = _profile_with_queue(load_profile(profile), queue_bytes)
+        applier.check_kernel(prof)  # first: a missing qdisc says which profile to use
         compile_profile(prof, rate_bit)  # every value fits its netlink field
-        applier.check_kernel(prof)
     except (ValueError, applier.TcError) as e:
         raise TestbedError(str(e)) from None
     if loss_dscp is not None:

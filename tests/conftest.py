@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -31,3 +32,21 @@ def logs_of(run_dir) -> str:
 @pytest.fixture
 def train(tmp_path):
     return lambda *a, **kw: run_train(tmp_path, *a, **kw)
+
+
+@pytest.fixture
+def veth():
+    """(netns, dev): a veth pair 'va'/'vb' in a fresh netns, removed even on failure."""
+    from pyroute2 import netns as pr_netns
+
+    from dgt.tc_profiles._nl import open_ipr
+    ns = f"dgttest-{uuid.uuid4().hex[:8]}"
+    pr_netns.create(ns)
+    try:
+        with open_ipr(ns) as ipr:
+            ipr.link("add", ifname="va", kind="veth", peer={"ifname": "vb"})
+            for n in ("va", "vb"):
+                ipr.link("set", index=ipr.link_lookup(ifname=n)[0], state="up")
+        yield ns, "va"
+    finally:
+        pr_netns.remove(ns)

@@ -2,31 +2,14 @@
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 from pyroute2 import netns as pr_netns
 
 from dgt.tc_profiles import applier
-from dgt.tc_profiles._nl import open_ipr
 from dgt.tc_profiles.kernel import missing_qdiscs
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, tc)")
-
-
-@pytest.fixture
-def veth():
-    """(netns, dev): a veth pair 'va'/'vb' in a fresh netns, removed even on failure."""
-    ns = f"dgttest-{uuid.uuid4().hex[:8]}"
-    pr_netns.create(ns)
-    try:
-        with open_ipr(ns) as ipr:
-            ipr.link("add", ifname="va", kind="veth", peer={"ifname": "vb"})
-            for n in ("va", "vb"):
-                ipr.link("set", index=ipr.link_lookup(ifname=n)[0], state="up")
-        yield ns, "va"
-    finally:
-        pr_netns.remove(ns)
 
 
 @root_only
@@ -103,10 +86,4 @@ def test_missing_device_and_netns(veth):
     assert "dgt-no-such-netns" not in pr_netns.listnetns()
 
 
-CLI = ("import argparse, sys\n"
-       "from dgt.tc_profiles import cli\n"
-       "ap = argparse.ArgumentParser(prog='dgt')\n"
-       "sub = ap.add_subparsers(dest='command', required=True)\n"
-       "cli.register(sub)\n"
-       "a = ap.parse_args()\n"
-       "sys.exit(a.func(a))\n")
+from test_tc_cli import CLI  # noqa: E402

@@ -3,13 +3,10 @@ transactional; unreadable profile files are named."""
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
-from pyroute2 import netns as pr_netns
 
 from dgt.tc_profiles import applier, plan
-from dgt.tc_profiles._nl import open_ipr
 from dgt.tc_profiles.schema import load_profile
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, tc)")
@@ -62,20 +59,6 @@ def test_random_bytes_profile_names_the_file(tmp_path):
     f.write_bytes(bytes([0x86, 0xff, 0x00, 0xc3]) * 64)
     r = _cli("tc", "apply", str(f), "--dev", "eth0", "--dry-run")
     _one_line_error(r, str(f), "UTF-8")
-
-
-@pytest.fixture
-def veth():
-    ns = f"dgttest-{uuid.uuid4().hex[:8]}"
-    pr_netns.create(ns)
-    try:
-        with open_ipr(ns) as ipr:
-            ipr.link("add", ifname="va", kind="veth", peer={"ifname": "vb"})
-            for n in ("va", "vb"):
-                ipr.link("set", index=ipr.link_lookup(ifname=n)[0], state="up")
-        yield ns, "va"
-    finally:
-        pr_netns.remove(ns)
 
 
 def _ours(ns, dev):

@@ -58,7 +58,7 @@ def test_rate_override(veth):
 @pytest.mark.parametrize("profile, qdisc", [("prio-dscp", "prio"), ("htb-netem", "netem")])
 def test_missing_qdisc_refused_before_any_change(veth, profile, qdisc):
     if not missing_qdiscs([qdisc]):
-        pytest.skip(f"this kernel has {qdisc}; the refusal cannot be shown here")
+        pytest.skip(reason=f"this kernel has {qdisc}; the refusal cannot be shown here")
     ns, dev = veth
     applier.apply("htb-prio", dev, ns)
     before = applier.strip_counters(applier.show(dev, ns))

@@ -210,7 +210,7 @@ def test_priority_under_bulk_load():
     ef_frac = min(r["delivered_frac"] for r in res if r["case"] == "EF")
     cs1 = [r for r in res if r["case"] == "CS1"][-1]
     if not cs1["port_busy"]:
-        pytest.skip(f"the bulk flow could not saturate the port in 3 tries (machine busy, "
+        pytest.skip(reason=f"the bulk flow could not saturate the port in 3 tries (machine busy, "
                     f"load {cs1['load1']}): CS1 untested; EF held")
     assert cs1["port_drops"] > 0
     assert cs1["delivered_frac"] < 0.5 * ef_frac, cs1

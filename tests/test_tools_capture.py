@@ -96,7 +96,7 @@ def test_capture_inside_netns(tmp_path):
     ns = f"dgtcap{os.getpid()}"
     r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
     if r.returncode:
-        pytest.skip(f"cannot create a netns here: {r.stderr.strip()}")
+        pytest.skip(reason=f"cannot create a netns here: {r.stderr.strip()}")
     try:
         subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
         out = tmp_path / "ns.pcap"
@@ -146,7 +146,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
 
 def test_capture_not_root_says_so(tmp_path):
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to drop to an unprivileged user")
+        pytest.skip(reason="needs root and setpriv to drop to an unprivileged user")
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                         "--inh-caps=-all", PY, "-m", "dgt.tools.cli", "capture", "--ports",
                         "5000", "--count", "1", "-w", "/tmp/x.pcap"],

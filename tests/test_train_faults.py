@@ -32,7 +32,7 @@ def free_base_port() -> int:
                         ok = False
         if ok:
             return base
-    pytest.skip("no free block of 40 ports on loopback")
+    pytest.skip(reason="no free block of 40 ports on loopback")
 
 
 def start_train(run_dir, *args):

@@ -677,3 +677,21 @@ def messages_from_pcap(path, ports: PortSpec | None = None) -> tuple[list[Messag
 def lua_script_path() -> str:
     """Path of the Wireshark Lua dissector shipped as package data (``dgt.lua``)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "dgt.lua")
+
+
+def dissect_files(d, files, sink) -> tuple[list, int]:
+    """Feed every record of ``files`` (pcap paths, in order) through dissector ``d``,
+    calling ``sink(message)`` per decoded message, then ``d.finish()``.
+
+    Returns (truncation notes, records read) for the caller to report."""
+    truncated, records = [], 0
+    for f in files:
+        st: dict = {}
+        for linktype, rec in read_pcap(f, st):
+            for m in d.feed(parse_packet(linktype, rec)):
+                sink(m)
+        records += st.get("records", 0)
+        if "truncated" in st:
+            truncated.append(st["truncated"])
+    d.finish()
+    return truncated, records

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from dgt.transport import wire
 from dgt.transport.channels import channel_name
-from dgt.tools.dissect import Dissector, parse_packet, read_pcap
+from dgt.tools.dissect import Dissector, dissect_files
 from dgt.tools.ports import PortSpec, PortSpecError
 
 _CONTROL = {wire.MsgType.HELLO, wire.MsgType.BYE}
@@ -169,17 +169,7 @@ def plan(cfg: ReplayConfig) -> tuple[list[Item], dict]:
     d = Dissector(cfg.ports)
     raw = []
     skipped = Counter()
-    truncated = []
-    records = 0
-    for f in cfg.files:
-        st: dict = {}
-        for linktype, rec in read_pcap(f, st):
-            for m in d.feed(parse_packet(linktype, rec)):
-                raw.append(m)
-        records += st.get("records", 0)
-        if "truncated" in st:
-            truncated.append(st["truncated"])
-    d.finish()
+    truncated, records = dissect_files(d, cfg.files, raw.append)
     from dgt.tools.summary import check_truncated
     check_truncated(truncated, records)
     server_ports = []

@@ -210,18 +210,8 @@ def summarize(files, ports: PortSpec | None = None, sessions=None) -> dict:
         files = [files]
     d = Dissector(ports)
     s = Summary(d, sessions)
-    from dgt.tools.dissect import parse_packet, read_pcap
-    truncated = []
-    records = 0
-    for f in files:
-        st: dict = {}
-        for linktype, rec in read_pcap(f, st):
-            for m in d.feed(parse_packet(linktype, rec)):
-                s.add(m)
-        records += st.get("records", 0)
-        if "truncated" in st:
-            truncated.append(st["truncated"])
-    d.finish()
+    from dgt.tools.dissect import dissect_files
+    truncated, records = dissect_files(d, files, s.add)
     check_truncated(truncated, records)
     out = s.result(files)
     out["records"] = records

@@ -22,7 +22,7 @@ from .feedback import Residual
 from .layout import BlockLayout
 from .scheduler.assign import (DROPPED, AdaptiveK, assign_channels, rank_blocks,
                                reliable_count)
-from .scheduler.pacing import TokenBucket
+from .scheduler.pacing import TokenBucket, flow_share
 from .transport import wire
 from .transport.counters import Counters
 from .transport.wire import Flag, MsgType
@@ -36,6 +36,15 @@ class Links:
     send_udp: Callable[[int, int, np.ndarray], int]  # (channel, shard, rows) -> sent
     local_push: Callable[[int, np.ndarray, np.ndarray, float], None]
     waiting_for: Callable[[int], list[int]] = lambda t: []  # ranks shard me awaits in t
+    tcp_backlog: Callable[[int], int] = lambda s: 0  # bytes our TCP to that node has unsent
+    push_sent: Callable[[], None] = lambda: None       # our push has left (END sent)
+
+
+#: unsent TCP bytes to a node below which its UDP blocks may start (two GSO batches)
+TCP_BACKLOG_SLACK = 128 * 1024
+#: per-node UDP bucket depth: two GSO batches, so a timer that fires late (the event
+#: loop's timers have 1 ms resolution) is made up by the next batch, not lost
+UDP_BURST_BYTES = 2 * 65536
 
 
 class WorkerAgent:
@@ -56,10 +65,17 @@ class WorkerAgent:
         self.residual = Residual(layout.padded, layout.block_elems, cfg.error_feedback)
         self.adaptive = AdaptiveK(cfg.k, min(cfg.k_min, cfg.k)) if cfg.adaptive_k else None
         self.gen = torch.Generator().manual_seed(seed * 1009 + rank)
-        self.bucket = TokenBucket(cfg.pace_mbit, now=time.monotonic())
-        self.pulls: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # one equal share of the egress port per peer node (scheduler.pacing.flow_share):
+        # the TCP flows to it are paced at that share by the kernel; the UDP blocks to it
+        # wait until that TCP has left (tcp_backlog), then go at the same share
+        self.share = flow_share(cfg.pace_mbit, layout.n_shards - 1)
+        now = time.monotonic()
+        self.buckets = {s: TokenBucket.bytes_per_s(self.share, burst_bytes=UDP_BURST_BYTES, now=now)
+                        for s in range(layout.n_shards) if s != rank}
+        self.pulls: dict[int, np.ndarray] = {}   # shard -> received bitmap
         self.pull_waiter: asyncio.Future | None = None
         self.iteration = 0
+        self.sending = False   # between plan() and END: our push is on the port
         self.k_history: list[float] = []
         # conservation invariant (DESIGN.md): float64 running sums
         self.raw_sum = torch.zeros(layout.padded, dtype=torch.float64) \
@@ -93,6 +109,7 @@ class WorkerAgent:
         """Run iteration ``t`` to the applied aggregate. Returns k. Raises PeerFailure
         when a shard's PULL does not come within ``timeout_s``."""
         self.iteration = t
+        self.sending = True
         chan, k = self.plan(loss)
         self.k_history.append(k)
         lay, me = self.layout, self.rank
@@ -101,46 +118,60 @@ class WorkerAgent:
         self.pull_waiter = loop.create_future()
         counts = np.zeros((lay.n_shards, wire.MAX_CHANNELS), np.int64)
         ctr = self.counters.channels
+        frames: list[tuple[int, list]] = []
         for s in range(lay.n_shards):  # reliable first: the important blocks
             lo, hi = lay.shard_lo(s), lay.shard_hi(s)
             sc = chan[lo:hi]
             sent = sc != DROPPED
             self.counters.blocks_unsent += int(sc.size - sent.sum())
-            if s == me:
+            if s == me:   # in-process, after the network sends are under way
                 self.counters.blocks_local += int(sent.sum())
-                self.links.local_push(t, blocks[lo:hi], sent, time.monotonic())
+                local = (blocks[lo:hi], sent)
                 continue
             rel = np.flatnonzero(sc == 0)
             counts[s, 0] = rel.size
             if rel.size:
-                frame = wire.encode(MsgType.BLOCKS, session=self.session, sender=me,
-                                    shard=s, iteration=t, channel=0, block=int(lo + rel[0]),
-                                    count=rel.size, flags=Flag.INDEXED, key=self.key,
-                                    payload=wire.pack_indexed_blocks(lo + rel, blocks[lo + rel]))
-                self.links.send_tcp(s, frame)
+                # all reliable (tcp mode): send a view of the work buffer, no gather. It
+                # is rewritten only by the next plan(), after every shard's PULL, i.e.
+                # after each shard has received these bytes.
+                data = blocks[lo:hi] if rel.size == hi - lo else blocks[lo + rel]
+                frame = wire.encode_parts(
+                    MsgType.BLOCKS, session=self.session, sender=me, shard=s, iteration=t,
+                    channel=0, block=int(lo + rel[0]), count=rel.size, flags=Flag.INDEXED,
+                    key=self.key, parts=wire.indexed_blocks_parts(lo + rel, data))
+                frames.append((s, frame))
                 ctr[0].blocks_sent += rel.size
-                ctr[0].bytes_sent += len(frame)
-        for c in range(1, self.cfg.channels + 1):  # then UDP, best band first
-            per_shard = []
-            for off in range(1, lay.n_shards):  # from me+1 on: senders start apart
-                s = (me + off) % lay.n_shards
-                lo, hi = lay.shard_lo(s), lay.shard_hi(s)
+        for s, frame in frames:
+            self.links.send_tcp(s, frame)
+            size = sum(memoryview(b).nbytes for b in frame)
+            ctr[0].bytes_sent += size
+        self.links.local_push(t, *local, time.monotonic())
+        streams = []   # per peer node: its UDP blocks, best band first
+        for off in range(1, lay.n_shards):  # from me+1 on: senders start apart
+            s = (me + off) % lay.n_shards
+            lo, hi = lay.shard_lo(s), lay.shard_hi(s)
+            segments = []
+            for c in range(1, self.cfg.channels + 1):
                 idx = lo + np.flatnonzero(chan[lo:hi] == c)
                 counts[s, c] = idx.size
                 if not idx.size:
                     continue
-                per_shard.append((s, wire.encode_block_datagrams(
+                segments.append((c, wire.encode_block_datagrams(
                     session=self.session, sender=me, shard=s, iteration=t, channel=c,
                     indices=idx, blocks=blocks[idx], key=self.key)))
                 ctr[c].blocks_sent += idx.size
-                ctr[c].bytes_sent += per_shard[-1][1].size
-            await self._send_paced(c, per_shard)
+                ctr[c].bytes_sent += segments[-1][1].size
+            if segments:
+                streams.append((s, segments))
+        await self._send_paced(streams)
         for s in range(lay.n_shards):
             if s == me:
                 continue
             self.links.send_tcp(s, wire.encode(
                 MsgType.END, session=self.session, sender=me, shard=s, iteration=t,
                 count=int(counts[s].sum()), payload=wire.pack_end(counts[s]), key=self.key))
+        self.sending = False
+        self.links.push_sent()
         if len(self.pulls) < lay.n_shards:
             try:
                 await asyncio.wait_for(asyncio.shield(self.pull_waiter), timeout_s)
@@ -155,46 +186,84 @@ class WorkerAgent:
         self._apply(t)
         return k
 
-    async def _send_paced(self, channel: int, per_shard: list) -> None:
-        """Send each shard's (n, size) datagrams in GSO batches of <= 64 KB, round-robin
-        over the shards (so no receiver port gets every sender's full rate at once:
-        no incast), each batch paced as one burst by the token bucket."""
-        bucket, send = self.bucket, self.links.send_udp
-        pos = [0] * len(per_shard)
-        live = list(range(len(per_shard)))
-        while live:
-            for j in list(live):
-                s, dgrams = per_shard[j]
-                n, size = dgrams.shape
-                k = min(max(1, 65000 // size), n - pos[j])
-                d = bucket.delay(k * size, time.monotonic())
-                if d > 0.0005:
-                    await asyncio.sleep(d)
-                sent = send(channel, s, dgrams[pos[j]:pos[j] + k])
-                if sent < k:  # socket send buffer full: let the kernel drain it
-                    await asyncio.sleep(0.0005)
-                pos[j] += sent
-                if pos[j] >= n:
-                    live.remove(j)
+    async def _send_paced(self, streams: list) -> None:
+        """Send each peer node's UDP datagrams (``streams``: [(node, [(channel, (n, size)
+        uint8 datagrams), ...])], channels best first) in GSO batches of <= 64 KB. The
+        nodes go concurrently, each at its own share of the port (its bucket) once our
+        TCP bytes to it have left, always the batch that is due first: so every node's
+        stream is continuous (no barrier between channels), and no receiving port gets
+        more than its rate from all senders together (no incast)."""
+        send = self.links.send_udp
+        seg = [0] * len(streams)      # current (channel, datagrams) segment per node
+        pos = [0] * len(streams)      # next row in it
+        charged = [0] * len(streams)  # rows whose tokens are taken, not yet sent
+        due: dict[int, float] = {}
+        give_up: dict[int, float] = {}   # node -> stop waiting for its TCP backlog then
+
+        def take(j: int, now: float) -> None:
+            s, segments = streams[j]
+            n, size = segments[seg[j]][1].shape
+            if self.share > 0 and now < give_up.get(j, float("inf")):
+                # a paced port: that node's TCP bytes leave first; bounded (twice the
+                # drain time + 1 s), so a peer that stopped reading cannot stall our
+                # push: END still goes and the PULL wait names the peer
+                backlog = self.links.tcp_backlog(s)
+                if backlog > TCP_BACKLOG_SLACK:
+                    give_up.setdefault(j, now + 2 * backlog / self.share + 1.0)
+                    charged[j] = 0
+                    due[j] = now + max(0.0005, backlog / self.share)
+                    return
+            charged[j] = min(max(1, 65000 // size), n - pos[j])
+            due[j] = now + self.buckets[s].delay(charged[j] * size, now)
+
+        now = time.monotonic()
+        for j in range(len(streams)):
+            take(j, now)
+        while due:
+            j = min(due, key=due.__getitem__)
+            wait = due[j] - time.monotonic()
+            if wait > 0.0005:
+                await asyncio.sleep(wait)
+            if not charged[j]:   # it was waiting for that node's TCP backlog
+                take(j, time.monotonic())
+                continue
+            s, segments = streams[j]
+            c, dgrams = segments[seg[j]]
+            sent = send(c, s, dgrams[pos[j]:pos[j] + charged[j]])
+            pos[j] += sent
+            charged[j] -= sent
+            now = time.monotonic()
+            if charged[j]:   # socket buffer or our own qdisc full: let it drain
+                due[j] = now + 0.0005
+                await asyncio.sleep(0.0005)
+                continue
+            if pos[j] == dgrams.shape[0]:
+                seg[j], pos[j] = seg[j] + 1, 0
+            if seg[j] < len(segments):
+                take(j, now)
+            else:
+                del due[j]
 
     # -- pull -------------------------------------------------------------------------
     def on_pull(self, shard: int, iteration: int, aggregate: np.ndarray,
                 received: np.ndarray) -> bool:
-        """A shard's PULL (network or local). Returns False (caller counts it) when it is
-        not for the iteration in flight or repeats one already taken."""
+        """A shard's PULL (network or local): ``aggregate`` ((shard_blocks * block_elems,)
+        float32, may be a view into a receive buffer) is copied straight into the
+        trainer's shared aggregate. Returns False (caller counts it) when it is not for
+        the iteration in flight or repeats one already taken."""
         if iteration != self.iteration or shard in self.pulls or self.pull_waiter is None:
             return False
-        self.pulls[shard] = (aggregate, received)
+        lay = self.layout
+        self.aggregate[lay.shard_lo(shard) * lay.block_elems:
+                       lay.shard_hi(shard) * lay.block_elems] = aggregate
+        self.pulls[shard] = received.copy()
         if len(self.pulls) == self.layout.n_shards and not self.pull_waiter.done():
             self.pull_waiter.set_result(None)
         return True
 
     def _apply(self, t: int) -> None:
         lay = self.layout
-        arrived = np.concatenate([self.pulls[s][1] for s in range(lay.n_shards)])
-        for s in range(lay.n_shards):
-            lo, hi = lay.shard_lo(s) * lay.block_elems, lay.shard_hi(s) * lay.block_elems
-            self.aggregate[lo:hi] = self.pulls[s][0]
+        arrived = np.concatenate([self.pulls[s] for s in range(lay.n_shards)])
         self.pulls.clear()
         self.pull_waiter = None
         self.residual.update(self.work, torch.from_numpy(arrived))

@@ -62,7 +62,28 @@ class Client:
         try:
             self.sock.sendall(ipc.encode_msg(msg))
         except OSError as e:
+            # the sidecar may have said why before it closed (a peer failed): prefer that
+            reason = self._pending_error()
+            if reason is not None:
+                raise reason from None
             raise PeerFailure(f"sidecar connection failed: {e}") from None
+
+    def _pending_error(self) -> PeerFailure | None:
+        """An ``error`` line the sidecar sent before closing, if one is buffered."""
+        try:
+            self.sock.settimeout(1.0)
+            line = self.file.readline(ipc.MAX_LINE)
+            msg = ipc.decode_msg(line) if line else None
+        except (OSError, ValueError):
+            return None
+        finally:
+            try:
+                self.sock.settimeout(self.timeout_s)
+            except OSError:
+                pass
+        if msg and msg.get("op") == "error":
+            return PeerFailure(msg.get("message", "unknown error"), msg.get("rank"))
+        return None
 
     def _recv(self, want: str) -> dict:
         try:
@@ -101,10 +122,11 @@ class Client:
         n = sum(p.numel() for p in params)
         self._send({"op": "register", "n_params": n, "dtype": "float32"})
         msg = self._recv("registered")
-        self._maps = [ipc.ShmBuffer(msg["grad"], msg["padded"]),
-                      ipc.ShmBuffer(msg["aggregate"], msg["padded"])]
+        self._maps = [ipc.ShmBuffer(msg["grad"], msg["padded"])]
+        if msg["aggregate"] != msg["grad"]:
+            self._maps.append(ipc.ShmBuffer(msg["aggregate"], msg["padded"]))
         self.params = params
-        self.grad, self.aggregate = self._maps[0].array, self._maps[1].array
+        self.grad, self.aggregate = self._maps[0].array, self._maps[-1].array
         self.n_params = n
         self.device = params[0].device
         if self.device.type == "cuda":
@@ -135,7 +157,8 @@ class Client:
             off = 0
             for p in self.params:
                 n = p.numel()
-                g[off:off + n].copy_(_grad(p).reshape(-1))
+                if not self._is_view(p, g, off):   # zero_grad(set_to_none=True) etc.
+                    g[off:off + n].copy_(_grad(p).reshape(-1))
                 off += n
         self._send({"op": "push", "t": int(step), "loss": loss})
         self.last_k = self._recv("pulled").get("k")
@@ -146,14 +169,27 @@ class Client:
             src = self._dev_flat
         else:
             src = a
+        shared = self.device.type == "cpu" and self.aggregate is self.grad
         off = 0
         for p in self.params:
             n = p.numel()
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
-            # view(p.shape) is the logical layout; copy_ writes any memory format
-            p.grad.copy_(src[off:off + n].view(p.shape))
+            view = src[off:off + n].view(p.shape)
+            if shared and p.is_contiguous():
+                # p.grad becomes the shared memory itself: backward accumulates into it
+                # (zero_grad(set_to_none=False)) and the next push reads it in place
+                p.grad = view
+            else:
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                # view(p.shape) is the logical layout; copy_ writes any memory format
+                p.grad.copy_(view)
             off += n
+
+    @staticmethod
+    def _is_view(p: torch.Tensor, g: torch.Tensor, off: int) -> bool:
+        """True when ``p.grad`` is still the shared buffer's slice at ``off``."""
+        return p.grad is not None and p.grad.is_contiguous() and \
+            p.grad.data_ptr() == g.data_ptr() + 4 * off
 
     def _check_open(self) -> None:
         if self.closed:

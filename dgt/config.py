@@ -13,6 +13,20 @@ from dataclasses import dataclass, field
 from .layout import DEFAULT_BLOCK_BYTES
 
 MODES = ("dgt", "tcp", "topk", "random")
+PACE_AUTO = -1.0   # --pace-mbit auto: the sidecar resolves it from the egress link
+
+
+def parse_pace(text: str) -> float:
+    """``--pace-mbit``: ``auto`` or a finite number >= 0 (Mbit/s)."""
+    if text.strip().lower() == "auto":
+        return PACE_AUTO
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if v != v or v in (float("inf"), float("-inf")) or v < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or Mbit/s >= 0, got {text!r}")
+    return v
 
 
 def _f(default, help: str, **kw):
@@ -35,7 +49,9 @@ class TransmissionConfig:
     epsilon: float = _f(0.0, "Slim-DP exploration: share of reliable slots given to "
                         "random low-score blocks")
     error_feedback: bool = _f(True, "keep undelivered blocks in a residual and resend")
-    pace_mbit: float = _f(1000.0, "UDP pacing rate per node in Mbit/s (0 = unpaced)")
+    pace_mbit: float = _f(PACE_AUTO, "UDP pacing rate per node in Mbit/s: auto (the "
+                          "egress link's rate: its HTB rate, else its speed; unpaced on "
+                          "loopback), or a number (0 = unpaced)", parse="pace")
     deadline_ms: float = _f(50.0, "minimum wait after END before a shard finalises a "
                             "worker")
     peer_timeout_s: float = _f(20.0, "a peer silent this long is declared dead")
@@ -66,8 +82,9 @@ class TransmissionConfig:
             raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon}")
         if not 0.0 <= self.drop_udp < 1.0:
             raise ValueError(f"--drop-udp must be in [0, 1), got {self.drop_udp}")
-        if self.pace_mbit < 0 or self.deadline_ms < 0 or self.peer_timeout_s <= 0:
-            raise ValueError("--pace-mbit and --deadline-ms must be >= 0, "
+        if (self.pace_mbit < 0 and self.pace_mbit != PACE_AUTO) or self.deadline_ms < 0 \
+                or self.peer_timeout_s <= 0:
+            raise ValueError("--pace-mbit must be auto or >= 0, --deadline-ms >= 0, "
                              "--peer-timeout-s > 0")
 
 
@@ -152,12 +169,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         shown = f.default if f.default != "" else "none"
+        if f.metadata.get("parse") == "pace" and f.default == PACE_AUTO:
+            shown = "auto"
         help_ = f"{f.metadata['help']} (default: {shown}; env {_env(f.name)})"
         if f.type in ("bool", bool):
             group.add_argument(_flag(f.name), dest=f.name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_)
         else:
-            typ = {"int": int, "float": finite(float), "str": str}.get(f.type, f.type)
+            typ = _PARSERS.get(f.metadata.get("parse"), None) or \
+                {"int": int, "float": finite(float), "str": str}.get(f.type, f.type)
             group.add_argument(_flag(f.name), dest=f.name, type=typ, default=None,
                                choices=f.metadata.get("choices"), help=help_)
 
@@ -174,7 +194,9 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
             raw = environ[_env(f.name)]
             try:
                 v = (_parse_bool(raw) if f.type in ("bool", bool)
-                     else {"int": int, "float": finite(float)}.get(f.type, str)(raw))
+                     else _PARSERS.get(f.metadata.get("parse"), None)(raw)
+                     if f.metadata.get("parse") else
+                     {"int": int, "float": finite(float)}.get(f.type, str)(raw))
             except (ValueError, argparse.ArgumentTypeError) as e:
                 raise ValueError(f"{_env(f.name)}={raw!r}: {e}") from None
         if v is not None:
@@ -184,6 +206,9 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
     return cfg
 
 
+_PARSERS = {"pace": parse_pace}
+
+
 def to_argv(cfg) -> list[str]:
     """The flags that reproduce ``cfg`` (used by the launcher to start processes)."""
     out = []
@@ -191,6 +216,8 @@ def to_argv(cfg) -> list[str]:
         v = getattr(cfg, f.name)
         if isinstance(v, bool):
             out.append(_flag(f.name) if v else "--no-" + f.name.replace("_", "-"))
+        elif f.metadata.get("parse") == "pace" and v == PACE_AUTO:
+            out += [_flag(f.name), "auto"]
         else:
             out += [_flag(f.name), str(v)]
     return out

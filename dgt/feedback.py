@@ -22,10 +22,11 @@ class Residual:
         self.block_elems = block_elems
         self.residual = torch.zeros(padded if enabled else 0, dtype=torch.float32,
                                     device=device)
+        self.empty = True   # residual is all zero: compensate is a no-op
 
     def compensate(self, g: torch.Tensor) -> torch.Tensor:
         """``g += residual``. ``g``: (padded,) float32. Returns ``g``."""
-        if self.enabled:
+        if self.enabled and not self.empty:
             g.add_(self.residual)
         return g
 
@@ -33,5 +34,12 @@ class Residual:
         """``arrived``: (n_blocks,) bool, True where the block reached its shard."""
         if not self.enabled:
             return
-        keep = (~arrived).to(g.dtype).repeat_interleave(self.block_elems)
-        torch.mul(g, keep, out=self.residual)
+        if bool(arrived.all()):   # the common case on a clean link: nothing to keep
+            if not self.empty:
+                self.residual.zero_()
+                self.empty = True
+            return
+        n = arrived.numel()
+        keep = (~arrived).to(g.dtype).view(n, 1)   # broadcast per block: no (padded,) mask
+        torch.mul(g.view(n, -1), keep, out=self.residual.view(n, -1))
+        self.empty = False

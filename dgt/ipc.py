@@ -1,13 +1,15 @@
 """Trainer <-> sidecar plumbing on one node: shared-memory buffers and a small control
 channel over a Unix socket.
 
-Gradients and aggregates never go through the socket: they live in two files under
-/dev/shm that both processes map. The socket carries one JSON object per line:
+Gradients and aggregates never go through the socket: they live in one file under
+/dev/shm that both processes map (the sidecar takes the gradient out at push, then writes
+the aggregate over it, so a CPU trainer's ``p.grad`` can *be* that memory: no copy either
+way). The socket carries one JSON object per line:
 
     trainer -> sidecar: {"op": "register", "n_params": int, "dtype": "float32"}
                         {"op": "push", "t": int, "loss": float}
                         {"op": "bye"}
-    sidecar -> trainer: {"op": "registered", "grad": path, "aggregate": path,
+    sidecar -> trainer: {"op": "registered", "grad": path, "aggregate": path (the same),
                          "padded": int, "block_elems": int}
                         {"op": "pulled", "t": int, "k": float}
                         {"op": "error", "message": str, "rank": int | null}

@@ -86,6 +86,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     per_iter = ns.world * ns.batch_size
     iters_per_epoch = max(1, len(xtr) // per_iter)
     comm_s: list[float] = []
+    comm_at: list[tuple[float, float]] = []   # (push, pull) on CLOCK_MONOTONIC: host-wide
     history = []
     reached = None
     step = 0
@@ -101,11 +102,14 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
             loss = loss_fn(model(xtr[idx]), ytr[idx])
             opt.zero_grad(set_to_none=False)
             loss.backward()
-            t0 = time.perf_counter()
-            client.push_pull(step, loss=loss.item())
-            comm_s.append(time.perf_counter() - t0)
+            loss_value = loss.item()
+            t0 = time.monotonic()
+            client.push_pull(step, loss=loss_value)
+            t1 = time.monotonic()
+            comm_s.append(t1 - t0)
+            comm_at.append((t0, t1))
             opt.step()
-            losses.append(loss.item())
+            losses.append(loss_value)
             step += 1
             last = i == iters_per_epoch - 1 or (max_iterations and step >= max_iterations)
             if eval_every and step % eval_every == 0 and not last:
@@ -132,6 +136,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     client.close()
     return {"rank": ns.rank, "iterations": step, "final_test_accuracy": history[-1]["test_accuracy"],
             "history": history, "param_sha256": param_sha256(model), "comm_s": comm_s,
+            "comm_at": comm_at,
             "train_seconds": time.monotonic() - t_start, "target_reached": reached,
             "device": str(device)}
 

@@ -52,13 +52,16 @@ class ServerShard:
         self.handle(self.session.deliver_local(self.rank, iteration, mask, now))
 
     def _aggregate(self, iteration: int) -> None:
-        acc = self.recv[0].copy()
-        for w in range(1, self.n_workers):  # rank order: bitwise reproducible
-            acc += self.recv[w]
+        recv, bitmaps = self.recv, self.bitmaps
+        for w in range(self.n_workers):  # a block that did not arrive counts as zero
+            if not bitmaps[w].all():
+                recv[w][~bitmaps[w]] = 0
+        # a new array every iteration: PULL frames send views of it without copying
+        acc = np.add(recv[0], recv[1]) if self.n_workers > 1 else recv[0].copy()
+        for w in range(2, self.n_workers):  # rank order: bitwise reproducible
+            acc += recv[w]
         acc /= np.float32(self.n_workers)
         flat = acc.reshape(-1)
-        bitmaps = self.bitmaps
-        self.recv[:] = 0
         self.bitmaps = [None] * self.n_workers
         self.session.advance()
         for w in range(self.n_workers):

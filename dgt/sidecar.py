@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
 import json
 import logging
@@ -28,10 +29,13 @@ import numpy as np
 from . import ipc
 from .agent import Links, WorkerAgent
 from .errors import PeerFailure
-from .config import OneLineParser, TransmissionConfig, add_arguments, from_args
+from .config import (PACE_AUTO, OneLineParser, TransmissionConfig, add_arguments,
+                     from_args)
+from .link_rate import auto_pace_mbit
 from .layout import BlockLayout
 from .rendezvous import Rendezvous
 from .scheduler.deadline import DeadlinePolicy
+from .scheduler.pacing import flow_share
 from .shard import ServerShard
 from .transport import sockopts, wire
 from .transport.aio import DatagramProtocol, FrameProtocol
@@ -89,6 +93,8 @@ class Sidecar:
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
         self.pushes = 0
+        self.pace_source = "--pace-mbit"
+        self.held_pulls: list = []   # PULL frames waiting for our push to leave
 
     # -- startup ----------------------------------------------------------------------
     async def run(self) -> int:
@@ -243,12 +249,21 @@ class Sidecar:
         if len(set(sizes.values())) != 1:
             raise PeerFailure(f"trainers registered different model sizes: {sizes}; every "
                               f"rank must train the same model", None)
+        if self.cfg.pace_mbit == PACE_AUTO:
+            hosts = [ep["host"] for r, ep in sorted(self.peers.items()) if r != rank]
+            # pyroute2's sync API cannot run inside a running event loop: use a thread
+            pace, self.pace_source = await loop.run_in_executor(None, auto_pace_mbit, hosts)
+            self.cfg = dataclasses.replace(self.cfg, pace_mbit=pace)
+            log.info("rank %d: UDP pacing %s (%s)", rank,
+                     f"{pace:g} Mbit/s" if pace else "off", self.pace_source)
         lay = BlockLayout.from_bytes(n_params, self.cfg.block_bytes, self.world)
         self.layout = lay
         tag = f"dgt-{os.getpid()}-{self.session_id & 0xffffffff:08x}-r{rank}"
+        # one buffer: the push reads the gradient out (plan) before any PULL of that
+        # iteration can arrive, and the PULLs write the aggregate over it
         grad = ipc.ShmBuffer(os.path.join(ipc.shm_dir(), tag + "-grad"), lay.padded, True)
-        agg = ipc.ShmBuffer(os.path.join(ipc.shm_dir(), tag + "-agg"), lay.padded, True)
-        self.buffers = [grad, agg]
+        agg = grad
+        self.buffers = [grad]
         policy = DeadlinePolicy(min_s=self.cfg.deadline_ms / 1000.0,
                                 rate_mbit=self.cfg.pace_mbit or 1000.0)
         session = ShardSession(session=self.session_id, shard=rank, lo=lay.shard_lo(rank),
@@ -258,7 +273,8 @@ class Sidecar:
         self.shard = ServerShard(lay, rank, session, self._send_pull)
         links = Links(send_tcp=self._send_tcp, send_udp=self._send_udp,
                       local_push=self.shard.local_push,
-                      waiting_for=self.shard.session.waiting_for)
+                      waiting_for=self.shard.session.waiting_for,
+                      tcp_backlog=self._tcp_backlog, push_sent=self._flush_pulls)
         self.agent = WorkerAgent(self.cfg, lay, rank, self.session_id, self.key, grad.array,
                                  agg.array, links, self.counters, seed=self.node.seed)
         await self._connect_peers()
@@ -312,6 +328,7 @@ class Sidecar:
             proto.send(wire.encode(MsgType.HELLO, session=self.session_id, sender=self.rank,
                                    shard=r, key=self.key))
             self.out_conns[r] = proto
+            self._pace(proto)
 
     def _protocol(self, outgoing_to: int | None = None) -> FrameProtocol:
         p = FrameProtocol(self._on_frame, self._on_lost, self._on_bad, key=self.key,
@@ -328,6 +345,31 @@ class Sidecar:
         if conn is None or conn.transport.is_closing():
             raise PeerFailure(f"connection to rank {shard} is closed", shard)
         conn.send(frame)
+
+    def _tcp_backlog(self, peer: int) -> int:
+        """Bytes our push connection to ``peer`` has not sent yet: in the transport's
+        buffer plus the kernel's unsent queue."""
+        conn = self.out_conns.get(peer)
+        if conn is None or conn.transport is None:
+            return 0
+        sock = conn.transport.get_extra_info("socket")
+        return conn.transport.get_write_buffer_size() + (sockopts.tcp_unsent(sock)
+                                                         if sock is not None else 0)
+
+    def _flush_pulls(self) -> None:
+        """Our push has left: send the PULLs our shard held back meanwhile."""
+        held, self.held_pulls = self.held_pulls, []
+        for conn, frame in held:
+            conn.send(frame)
+
+    def _pace(self, conn: FrameProtocol) -> None:
+        """Cap a reliable connection at one peer's share of the port (kernel TCP pacing,
+        SO_MAX_PACING_RATE): N-1 senders into one port then add up to its rate, so the
+        port's queue does not overflow into retransmission timeouts (incast)."""
+        if self.cfg.pace_mbit > 0 and not conn.paced and conn.transport is not None:
+            sockopts.set_pacing_rate(conn.transport.get_extra_info("socket"),
+                                     flow_share(self.cfg.pace_mbit, self.world - 1))
+            conn.paced = True
 
     def _send_udp(self, channel: int, shard: int, rows: np.ndarray) -> int:
         ep = self.peers[shard]
@@ -353,10 +395,20 @@ class Sidecar:
             self.fail(f"rank {worker} has no connection to shard {self.rank}", worker)
             return
         lay = self.layout
-        conn.send(wire.encode(MsgType.PULL, session=self.session_id, sender=self.rank,
-                              shard=self.rank, iteration=iteration,
-                              block=lay.shard_lo(self.rank), count=lay.shard_blocks(self.rank),
-                              payload=wire.pack_pull(aggregate, received), key=self.key))
+        # the aggregate goes out as a view (no copy per worker): the shard allocates a
+        # new one every iteration and never writes this one again
+        frame = wire.encode_parts(
+            MsgType.PULL, session=self.session_id, sender=self.rank, shard=self.rank,
+            iteration=iteration, block=lay.shard_lo(self.rank),
+            count=lay.shard_blocks(self.rank), parts=wire.pull_parts(aggregate, received),
+            key=self.key)
+        self._pace(conn)
+        if self.cfg.pace_mbit > 0 and self.agent.sending:
+            # our own push is still on the port and other shards wait for it, while
+            # this shard is done: the push goes first (a paced port has no spare rate)
+            self.held_pulls.append((conn, frame))
+            return
+        conn.send(frame)
 
     # -- input ------------------------------------------------------------------------
     def _on_datagram(self, channel: int, data: bytes, now: float) -> None:
@@ -414,7 +466,7 @@ class Sidecar:
         except wire.WireError as e:
             self.counters.rejected[e.reason] += 1
             return
-        if not self.agent.on_pull(s, h.iteration, agg.copy(), received):
+        if not self.agent.on_pull(s, h.iteration, agg, received):
             self.counters.rejected["bad_pull"] += 1
 
     def _on_bad(self, proto: FrameProtocol, reason: str) -> None:
@@ -519,7 +571,10 @@ class Sidecar:
             "emulated_drops": sum(p.emulated_drops for _, p in self.udp.values()),
             "udp_gso": all(b.gso for b in self.udp_senders.values()),
             "udp_gro": self.gro,
+            "pace_mbit": self.cfg.pace_mbit, "pace_source": self.pace_source,
             "udp_send_syscalls": sum(b.syscalls for b in self.udp_senders.values()),
+            "udp_send_backoffs": sum(b.backoffs for b in self.udp_senders.values()),
+            "udp_icmp_errors": sum(b.icmp_errors for b in self.udp_senders.values()),
             "k_mean": float(np.mean(self.agent.k_history)) if self.agent and
             self.agent.k_history else None,
             **self.counters.to_dict(self.cfg.channels),

@@ -170,3 +170,57 @@ def test_bench_on_testbed_every_scenario(tmp_path):
     assert doc["command"] in md
     for name in ("comm_time.png", "time_to_accuracy.png"):
         assert (out / name).stat().st_size > 1000
+
+
+def _goodput(*args, timeout=120):
+    return subprocess.Popen([sys.executable, "-m", "dgt.tools.goodput", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_goodput_tool_moves_every_block_through_the_shard_path():
+    port = str(_free_port())
+    recv = _goodput("recv", "--port", port, "--mb", "6", "--pushes", "3")
+    send = _goodput("send", "--port", port, "--mb", "6", "--pushes", "3")
+    sout, serr = send.communicate(timeout=120)
+    rout, rerr = recv.communicate(timeout=120)
+    assert send.returncode == 0 and recv.returncode == 0, serr + rerr
+    r = json.loads(rout)
+    per_push = round(6e6 / 3 / 1408)
+    assert r["bytes"] == 3 * per_push * 1408 and r["pushes"] == 3
+    assert r["rejected"] == 0 and r["seconds"] > 0 and r["mbit_s"] > 0
+
+
+def test_goodput_tool_bad_flags_and_no_receiver():
+    p = subprocess.run([sys.executable, "-m", "dgt.tools.goodput", "send", "--mb", "-1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert "--mb must be > 0" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "dgt.tools.goodput", "send", "--port",
+                        str(_free_port()), "--timeout-s", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "ConnectionRefusedError" in p.stderr
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@root_only
+def test_bench_goodput_on_testbed(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "goodput", "--mb", "20",
+                        "--seconds", "1", "--iterations", "2", "--hidden", "200",
+                        "--prefix", "dgtbgp", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    r = json.loads((tmp_path / "goodput.json").read_text())
+    assert r["dgt_reliable"]["rejected"] == 0
+    assert r["dgt_reliable"]["bytes"] == round(20e6 / 8 / 1408) * 8 * 1408
+    assert r["iperf3_mbit"] > 0 and r["dgt_mbit"] > 0
+    assert r["ratio"] == pytest.approx(r["dgt_mbit"] / r["iperf3_mbit"])
+    assert len(r["train_comm_s"]) == 2
+    assert "dgtbgp" not in subprocess.run(["ip", "netns"], capture_output=True,
+                                          text=True).stdout

@@ -90,3 +90,28 @@ def test_sidecar_refuses_out_of_order_push_from_a_raw_client(sidecar):
     assert reply["op"] == "error" and "expected 0" in reply["message"]
     assert proc.wait(timeout=30) != 0
     assert "Traceback" not in proc.stderr.read()
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_grads_live_in_shared_memory_and_stay_correct(sidecar, set_to_none):
+    """After push_pull a contiguous parameter's grad *is* the shared buffer (no copy on
+    the next push when zero_grad keeps it); a channels_last one is copied. Either way
+    every step's aggregate equals the gradient (one worker), whatever zero_grad does."""
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    m = _conv_model()
+    c.register(m)
+    buf = torch.from_numpy(c.grad)
+    lo, hi = buf.data_ptr(), buf.data_ptr() + 4 * buf.numel()
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    for step in range(3):
+        m.zero_grad(set_to_none=set_to_none)
+        (m(x) * (step + 1)).sum().backward()
+        want = [p.grad.clone() for p in m.parameters()]
+        c.push_pull(step)
+        for p, w in zip(m.parameters(), want):
+            assert torch.equal(p.grad, w)
+            shared = lo <= p.grad.data_ptr() < hi
+            assert shared == p.is_contiguous()
+    c.close()
+    assert proc.wait(timeout=30) == 0

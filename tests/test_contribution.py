@@ -41,3 +41,14 @@ def test_residual_keeps_exactly_what_did_not_arrive():
     off = Residual(6, 2, enabled=False)
     off.update(g, torch.tensor([False] * 3))
     assert off.compensate(torch.ones(6)).tolist() == [1] * 6
+
+
+def test_residual_clears_when_everything_arrived():
+    r = Residual(6, 2)
+    r.update(torch.tensor([1., 2, 3, 4, 5, 6]), torch.tensor([False, True, False]))
+    assert r.compensate(torch.zeros(6)).tolist() == [1, 2, 0, 0, 5, 6]
+    r.update(torch.full((6,), 9.), torch.tensor([True, True, True]))
+    assert r.residual.tolist() == [0] * 6
+    assert r.compensate(torch.ones(6)).tolist() == [1] * 6
+    r.update(torch.full((6,), 7.), torch.tensor([True, True, False]))
+    assert r.compensate(torch.zeros(6)).tolist() == [0, 0, 0, 0, 7, 7]

@@ -49,6 +49,8 @@ class Fabric:
 
     def _tcp_from(self, r):
         def send(s, frame):
+            if isinstance(frame, list):   # scatter-gather parts (wire.encode_parts)
+                frame = b"".join(frame)
             (h, payload), = Deframer().feed(frame)
             shard = self.shards[s]
             if h.type == wire.MsgType.END:   # UDP "in flight" lands before END is read

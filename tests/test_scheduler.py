@@ -72,3 +72,24 @@ def test_deadline_policy():
     assert DeadlinePolicy(min_s=0.05, queue_bytes=1 << 20, rate_mbit=1000).after_end_s() \
         == pytest.approx(max(0.05, 2 * 8 * (1 << 20) / 1e9))
     assert DeadlinePolicy(min_s=0.5).after_end_s() == 0.5
+
+
+def test_flow_share_gives_every_receiving_port_exactly_its_rate():
+    from dgt.scheduler.pacing import WIRE_HEADROOM, TokenBucket, flow_share
+    share = flow_share(1000, 3)
+    assert 3 * share == pytest.approx(1000e6 / 8 * WIRE_HEADROOM)
+    assert flow_share(0, 3) == 0.0 and flow_share(1000, 0) == 0.0
+    b = TokenBucket.bytes_per_s(share, burst_bytes=0, now=0.0)
+    assert b.delay(int(share), 0.0) == pytest.approx(1.0)   # one second of debt
+    assert TokenBucket.bytes_per_s(0.0).delay(10**9, 0.0) == 0.0
+
+
+def test_pacing_rate_is_set_on_a_real_tcp_socket():
+    import socket
+
+    from dgt.transport import sockopts
+    with socket.socket() as s:
+        assert sockopts.set_pacing_rate(s, 12_345_678)
+        assert s.getsockopt(socket.SOL_SOCKET, sockopts.SO_MAX_PACING_RATE) == 12_345_678
+        assert sockopts.set_pacing_rate(s, 0)   # 0: uncapped again
+        assert s.getsockopt(socket.SOL_SOCKET, sockopts.SO_MAX_PACING_RATE) in (-1, 0xFFFFFFFF)

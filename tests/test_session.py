@@ -1,6 +1,8 @@
 """The sans-IO shard session driven by scripted packet sequences (no sockets)."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dgt.transport import wire
 from dgt.transport.session import (BlocksArrived, IterationComplete, Rejected,
@@ -142,9 +144,9 @@ def test_replayed_sequence_is_deterministic():
     assert ("IterationComplete", None) in a[0]
 
 
-def _rows(sender, blocks, it=0, ch=1, key=None, sess=S):
-    data = np.tile(np.array(blocks, np.float32)[:, None], (1, ELEMS))
-    return wire.encode_block_datagrams(session=sess, sender=sender, shard=1, iteration=it,
+def _rows(sender, blocks, it=0, ch=1, key=None, sess=S, shard=1):
+    data = np.tile(np.array(blocks, np.float32)[:, None], (1, ELEMS)) + sender / 8
+    return wire.encode_block_datagrams(session=sess, sender=sender, shard=shard, iteration=it,
                                        channel=ch, indices=np.array(blocks), blocks=data,
                                        key=key)
 
@@ -184,3 +186,43 @@ def test_coalesced_late_and_completion():
     s.advance()
     ev = s.receive_datagram(_rows(0, [13, 14], it=0).tobytes(), now=0.02)
     assert Rejected("late") in ev and s.counters.channels[1].blocks_late == 2
+
+
+run_spec = st.tuples(
+    st.integers(0, 3),                     # sender (3 = not a worker)
+    st.sampled_from([1, 1, 1, 2]),         # shard (2 = wrong shard)
+    st.sampled_from([S, S, S, S + 1]),     # session (S + 1 = stray)
+    st.sampled_from([0, 0, 0, 1]),         # iteration (1 = future)
+    st.integers(0, 3),                     # channel (0 = reliable: not allowed on UDP)
+    st.lists(st.integers(5, 24), min_size=1, max_size=12))  # blocks, some outside [10, 20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(run_spec, min_size=1, max_size=4), st.booleans())
+def test_any_gro_run_equals_one_by_one(runs, split):
+    """GSO runs (equal headers but the block: the uniform fast path) and mixed runs (the
+    general vectorised path) give exactly the state, counters and block data that the
+    same datagrams give one by one: duplicates, strays, futures, late blocks of a
+    finalised worker, bad senders, shards and blocks included."""
+    parts = [_rows(w, blocks, it=it, ch=ch, sess=sess, shard=sh)
+             for w, sh, sess, it, ch, blocks in runs]
+    a, b = session(), session()
+    for s in (a, b):   # worker 2 is final already: its blocks are late
+        s.receive_frame(*end(2, [0, 0]), now=0)
+    got_a, got_b = np.zeros((3, 10, ELEMS), np.float32), np.zeros((3, 10, ELEMS), np.float32)
+    bufs = [p.tobytes() for p in parts] if split else [b"".join(p.tobytes() for p in parts)]
+    for buf in bufs:
+        for e in a.receive_datagram(buf, now=0):
+            if isinstance(e, BlocksArrived):
+                got_a[e.sender, e.rows] = e.data
+    for p in parts:
+        for row in p:
+            for e in b.receive_datagram(row.tobytes(), now=0):
+                if isinstance(e, BlocksArrived):
+                    got_b[e.sender, e.rows] = e.data
+    assert np.array_equal(a.received, b.received)
+    assert np.array_equal(a.per_channel, b.per_channel)
+    assert a.counters.rejected == b.counters.rejected
+    for c in range(wire.MAX_CHANNELS):
+        assert a.counters.channels[c] == b.counters.channels[c]
+    assert np.array_equal(got_a, got_b)

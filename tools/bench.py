@@ -641,22 +641,29 @@ def write_outputs(doc: dict, out: str, loopback: bool = False) -> list[str]:
 
 def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
                 seconds: float = 5.0, out: str = "", profile: str = "htb-prio",
-                prefix: str = BenchConfig.prefix, log_fn=print) -> dict:
+                prefix: str = BenchConfig.prefix, mb: float = 100.0,
+                log_fn=print) -> dict:
     """dgt's reliable channel vs iperf3 through one shaped port (root).
 
-    Two testbed hosts at ``rate``. First ``dgt train --testbed --workers 2 --mode tcp``
-    with ``hidden`` (2500: 25 MB of gradient) for ``iterations``: per iteration each node
-    pushes the half of its gradient that the other shard owns and sends back that
-    shard's half of the aggregate, so 25 MB cross each direction of the h0-h1 path per
-    iteration (100 MB in 4). Goodput = gradient bytes per direction / comm time (summed
-    over iterations, and per median iteration). Then iperf3 h0 -> h1 for ``seconds``
-    over the same ports. Returns the numbers and their ratio.
+    Two testbed hosts at ``rate``, in one run:
+
+    1. the reliable channel alone (the acceptance figure): ``dgt.tools.goodput`` pushes
+       ``mb`` MB of blocks from h0 to h1 over one connection with the sidecar's framing
+       and receive path; goodput = block bytes / (first byte .. last push complete);
+    2. iperf3 h0 -> h1 for ``seconds`` over the same ports (receiver goodput);
+    3. for context, a training job: ``dgt train --testbed --workers 2 --mode tcp`` with
+       ``hidden`` (2500: 25 MB of gradient) for ``iterations``. Per iteration each node
+       pushes the half of its gradient the other shard owns, then that shard's PULL comes
+       back, so 25 MB cross each direction per iteration, with compute, aggregation and
+       the BSP barrier between them: its "goodput" is bytes / comm time.
+
+    Returns the numbers and the ratios to iperf3.
     """
     if os.geteuid() != 0:
         raise BenchError(NOT_ROOT)
     from dgt.tc_profiles import testbed
     work = tempfile.mkdtemp(prefix="dgt-bench-goodput-")
-    res: dict = dict(rate=rate, hidden=hidden, iterations=iterations,
+    res: dict = dict(rate=rate, hidden=hidden, iterations=iterations, mb=mb,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                          timespec="seconds"), load_before=_load_avg())
     try:
@@ -664,51 +671,63 @@ def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
             raise BenchError(f"a testbed with prefix '{prefix}' is already up; pick "
                              f"another --prefix")
         tb = testbed.up(2, rate=rate, profile=profile, prefix=prefix)
+        res["line_rate_mbit"] = rate_bps(rate) / 1e6
+        # 1. the reliable channel alone
+        log_fn(f"goodput: dgt reliable channel, {mb:g} MB h0 -> h1 at {rate}")
+        tool = [sys.executable, "-m", "dgt.tools.goodput"]
+        recv = tb.popen_in(1, tool + ["recv", "--bind", tb.host_addr(1), "--port", "5400",
+                                      "--mb", f"{mb:g}"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            snd = tb.exec_in(0, tool + ["send", "--host", tb.host_addr(1), "--port", "5400",
+                                        "--mb", f"{mb:g}"], timeout_s=180)
+            rout, rerr = recv.communicate(timeout=60)
+        finally:
+            if recv.poll() is None:
+                recv.kill()
+                recv.wait()
+        if recv.returncode != 0 or snd.returncode != 0:
+            raise BenchError(f"goodput tool failed: {(rerr + snd.stderr).strip()[-300:]}")
+        chan = json.loads(rout)
+        res["dgt_reliable"] = chan
+        res["dgt_mbit"] = chan["mbit_s"]
+        log_fn(f"goodput: dgt reliable channel {res['dgt_mbit']:.0f} Mbit/s "
+               f"({chan['bytes'] / 1e6:.1f} MB in {chan['seconds']:.3f} s)")
+        # 2. iperf3 over the same port
+        loads = testbed.bulk_tcp(tb, [(0, 1)], seconds)
+        res["iperf3_mbit"] = loads[0]["mbit_s"]
+        log_fn(f"goodput: iperf3 h0 -> h1 {res['iperf3_mbit']:.0f} Mbit/s")
+        res["ratio"] = res["dgt_mbit"] / res["iperf3_mbit"] if res["iperf3_mbit"] else None
+        # 3. context: the same bytes inside BSP training iterations
         report = os.path.join(work, "report.json")
         argv = [sys.executable, "-m", "dgt.cli", "train", "--testbed", "--testbed-prefix",
                 prefix, "--workers", "2",
                 "--mode", "tcp", "--hidden", str(hidden), "--iterations", str(iterations),
                 "--report", report, "--run-dir", os.path.join(work, "run")]
-        log_fn(f"goodput: dgt --mode tcp, 2 hosts at {rate}, {iterations} iterations of "
-               f"{4 * n_params(hidden) / 1e6:.1f} MB")
-        tx0 = _tx_bytes(tb, 2)
+        log_fn(f"goodput: context, dgt train --mode tcp, 2 hosts, {iterations} iterations "
+               f"of {4 * n_params(hidden) / 1e6:.1f} MB")
         p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-        tx1 = _tx_bytes(tb, 2)
         try:
             with open(os.path.join(work, "run", "trainer-0.json")) as f:
                 comm_s = json.load(f)["comm_s"]
         except (OSError, ValueError, KeyError):
             comm_s = []
-        if len(comm_s) != iterations:
-            raise BenchError(f"dgt train failed: {(p.stdout + p.stderr).strip()[-300:]}")
-        if p.returncode != 0:   # rank 0 ran every iteration; the job failed after that
-            res["shutdown_failure"] = (p.stdout + p.stderr).strip()[-300:]
-            log_fn(f"goodput: dgt train failed after rank 0's last iteration: "
-                   f"{res['shutdown_failure'].splitlines()[-2:]}")
-        grad = 4 * n_params(hidden)
-        per_dir = grad / 2 * 2     # push of the peer's half + PULL of own half
-        res["dgt_bytes_per_direction"] = per_dir * iterations
-        res["dgt_comm_s"] = comm_s
-        res["dgt_goodput_mbit_total"] = per_dir * iterations * 8 / sum(comm_s) / 1e6
-        res["dgt_goodput_mbit_median"] = per_dir * 8 / float(np.median(comm_s)) / 1e6
-        if tx0 and tx1:
-            res["dgt_wire_tx_bytes_h0"] = tx1[0] - tx0[0]
-        log_fn(f"goodput: dgt {res['dgt_goodput_mbit_total']:.0f} Mbit/s over all "
-               f"iterations ({res['dgt_goodput_mbit_median']:.0f} per median iteration)")
-        loads = testbed.bulk_tcp(tb, [(0, 1)], seconds)
-        res["iperf3_mbit"] = loads[0]["mbit_s"]
-        log_fn(f"goodput: iperf3 h0 -> h1 {res['iperf3_mbit']:.0f} Mbit/s")
-        res["ratio_total"] = res["dgt_goodput_mbit_total"] / res["iperf3_mbit"] \
-            if res["iperf3_mbit"] else None
-        res["ratio_median"] = res["dgt_goodput_mbit_median"] / res["iperf3_mbit"] \
-            if res["iperf3_mbit"] else None
-        res["line_rate_mbit"] = rate_bps(rate) / 1e6
+        if len(comm_s) == iterations:
+            per_dir = 4 * n_params(hidden)   # push of the peer's half + PULL of own half
+            res["train_comm_s"] = comm_s
+            res["train_mbit_median"] = per_dir * 8 / float(np.median(comm_s)) / 1e6
+            res["train_ratio_median"] = res["train_mbit_median"] / res["iperf3_mbit"] \
+                if res["iperf3_mbit"] else None
+            log_fn(f"goodput: in training {res['train_mbit_median']:.0f} Mbit/s per "
+                   f"median iteration")
+        else:
+            res["train_error"] = (p.stdout + p.stderr).strip()[-300:]
+            log_fn(f"goodput: training context run failed: {res['train_error']}")
     finally:
         testbed.down(prefix)
         shutil.rmtree(work, ignore_errors=True)
     res["load_after"] = _load_avg()
-    log_fn(f"goodput: ratio dgt/iperf3 {_fmt(res.get('ratio_total'), '.2f')} (all "
-           f"iterations), {_fmt(res.get('ratio_median'), '.2f')} (median iteration)")
+    log_fn(f"goodput: ratio dgt reliable channel / iperf3 {_fmt(res.get('ratio'), '.2f')}")
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "goodput.json"), "w") as f:
@@ -759,6 +778,8 @@ def add_arguments(p) -> None:
                    help="kill a cell after this long (0: 4x its estimate, >= 120 s)")
     p.add_argument("--keep-runs", action="store_true", help="keep every cell's logs")
     p.add_argument("--seconds", type=float, default=5.0, help="goodput: iperf3 seconds")
+    p.add_argument("--mb", type=float, default=100.0,
+                   help="goodput: MB pushed over the reliable channel (default 100)")
     p.add_argument("--estimate", action="store_true",
                    help="print the plan and time estimate, run nothing")
 
@@ -787,7 +808,7 @@ def cmd_bench(a) -> int:
             run_goodput(rate=rate, hidden=a.hidden,
                         iterations=4 if a.iterations is None else a.iterations,
                         seconds=a.seconds, out=a.out, profile=a.profile,
-                        prefix=a.prefix)
+                        prefix=a.prefix, mb=a.mb)
             return 0
         cfg = config_from_args(a)
         cfg.validate()

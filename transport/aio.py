@@ -48,6 +48,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.peer_rank: int | None = None  # learned from HELLO
         self.outgoing = False
+        self.paced = False      # owner's flag: SO_MAX_PACING_RATE set on this socket
 
     def connection_made(self, transport):
         self.transport = transport
@@ -103,8 +104,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.on_lost(self, exc)
 
     def send(self, data) -> None:
+        """Queue ``data``: bytes, or a list of buffers from :func:`~.wire.encode_parts`
+        (written with ``writelines``: the transport keeps references, not copies, so the
+        caller must leave those buffers unmodified until they are sent)."""
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+            if isinstance(data, list):
+                self.transport.writelines(data)
+            else:
+                self.transport.write(data)
 
 
 class DatagramProtocol(asyncio.DatagramProtocol):

@@ -6,13 +6,16 @@ net.core.rmem_max/wmem_max and the kernel doubles the value), RFC 2474 (TOS = DS
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import socket
+import struct
 
 log = logging.getLogger(__name__)
 
 IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
 IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
+IP_RECVERR = getattr(socket, "IP_RECVERR", 11)   # linux/in.h
 
 #: Linux skb priority per DSCP: EF highest. Values <= 6 need no privilege.
 def priority_for_dscp(dscp: int) -> int:
@@ -62,6 +65,9 @@ def udp_socket(host: str, port: int, dscp: int, rcvbuf: int = 4 << 20,
     try:
         # never fragment: a datagram over the path MTU fails with EMSGSIZE (ip(7))
         s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        # a datagram our own egress qdisc drops fails with ENOBUFS rather than silently:
+        # the sender backs off and resends (transport.udp_batch.BatchSender.send)
+        s.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
         set_dscp(s, dscp)
         set_buffers(s, rcvbuf, sndbuf, need_bytes=rcvbuf // 2)
         s.bind((host, port))
@@ -96,3 +102,34 @@ def tcp_client(dscp: int) -> socket.socket:
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     s.setblocking(False)
     return s
+
+
+#: socket(7) SO_MAX_PACING_RATE (Linux 3.13+); Python's socket module does not name it
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+
+
+def set_pacing_rate(sock, bytes_per_s: float) -> bool:
+    """Cap ``sock``'s send rate at ``bytes_per_s`` (socket(7) SO_MAX_PACING_RATE). On a
+    TCP socket this turns on the kernel's internal TCP pacing (Linux 4.13+; no fq qdisc
+    needed), so a flow leaves at a steady rate instead of in cwnd bursts. ``<= 0``
+    removes the cap. Returns False where the kernel refuses (logged, not raised)."""
+    v = 0xFFFFFFFF if bytes_per_s <= 0 else max(1, min(int(bytes_per_s), 0xFFFFFFFE))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=I", v))
+        return True
+    except OSError as e:
+        log.debug("SO_MAX_PACING_RATE refused: %s", e)
+        return False
+
+
+SIOCOUTQNSD = 0x894B   # linux/sockios.h: bytes in a TCP socket not yet sent
+
+
+def tcp_unsent(sock) -> int:
+    """Bytes queued in TCP socket ``sock`` that the kernel has not sent yet (tcp(7)
+    SIOCOUTQNSD; in-flight unacknowledged bytes are not counted). 0 where unsupported."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD,
+                                              b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0

@@ -119,6 +119,33 @@ def mac_tag(key: bytes, data) -> bytes:
     return hashlib.blake2b(data, digest_size=MAC_BYTES, key=key).digest()
 
 
+def encode_parts(msg_type: int, *, session: int, sender: int, shard: int = 0,
+                 iteration: int = 0, channel: int = 0, block: int = 0, count: int = 0,
+                 parts=(), flags: int = 0, key: bytes | None = None) -> list:
+    """Encode one message as a list of buffers (header, payload parts [, MAC]) for
+    scatter-gather output (``transport.writelines``, ``sendmsg``): the payload parts are
+    not copied. The caller must not modify them until the transport has sent them.
+
+    ``parts``: bytes-like objects (numpy arrays included) whose concatenation is the
+    payload. With ``key`` the MAC flag is set and a tag is appended. Raises
+    :class:`WireError` (``too_long``) for a payload over ``MAX_FRAME_PAYLOAD``.
+    """
+    views = [memoryview(p).cast("B") for p in parts]
+    n = sum(v.nbytes for v in views)
+    if n > MAX_FRAME_PAYLOAD:
+        raise WireError("too_long", f"payload {n} B > {MAX_FRAME_PAYLOAD} B")
+    if key is not None:
+        flags |= Flag.MAC
+    head = HEADER.pack(MAGIC, VERSION, msg_type, channel, flags, session, sender, shard,
+                       iteration, block, count, n)
+    if key is None:
+        return [head, *views]
+    h = hashlib.blake2b(head, digest_size=MAC_BYTES, key=key)
+    for v in views:
+        h.update(v)
+    return [head, *views, h.digest()]
+
+
 def encode(msg_type: int, *, session: int, sender: int, shard: int = 0, iteration: int = 0,
            channel: int = 0, block: int = 0, count: int = 0, payload=b"",
            flags: int = 0, key: bytes | None = None) -> bytes:
@@ -128,19 +155,9 @@ def encode(msg_type: int, *, session: int, sender: int, shard: int = 0, iteratio
     appended. Raises :class:`WireError` (``too_long``) for a payload over
     ``MAX_FRAME_PAYLOAD``.
     """
-    payload = memoryview(payload).cast("B")
-    n = payload.nbytes
-    if n > MAX_FRAME_PAYLOAD:
-        raise WireError("too_long", f"payload {n} B > {MAX_FRAME_PAYLOAD} B")
-    if key is not None:
-        flags |= Flag.MAC
-    head = HEADER.pack(MAGIC, VERSION, msg_type, channel, flags, session, sender, shard,
-                       iteration, block, count, n)
-    if key is None:
-        return b"".join((head, payload))
-    h = hashlib.blake2b(head, digest_size=MAC_BYTES, key=key)
-    h.update(payload)
-    return b"".join((head, payload, h.digest()))
+    return b"".join(encode_parts(msg_type, session=session, sender=sender, shard=shard,
+                                 iteration=iteration, channel=channel, block=block,
+                                 count=count, parts=(payload,), flags=flags, key=key))
 
 
 def decode_header(buf) -> Header:
@@ -204,7 +221,14 @@ def pack_indexed_blocks(indices: np.ndarray, blocks: np.ndarray) -> bytes:
 
     ``indices``: (count,) integer; ``blocks``: (count, block_elems) float32.
     """
-    return indices.astype(">u4").tobytes() + np.ascontiguousarray(blocks, "<f4").tobytes()
+    return b"".join(indexed_blocks_parts(indices, blocks))
+
+
+def indexed_blocks_parts(indices: np.ndarray, blocks: np.ndarray) -> tuple:
+    """:func:`pack_indexed_blocks` as (indices bytes, blocks array) for
+    :func:`encode_parts`: the blocks are not copied when already C-contiguous
+    little-endian float32."""
+    return indices.astype(">u4").tobytes(), np.ascontiguousarray(blocks, "<f4")
 
 
 def unpack_indexed_blocks(payload: memoryview, count: int, block_elems: int
@@ -239,8 +263,14 @@ def unpack_end(payload: memoryview) -> np.ndarray:
 def pack_pull(aggregate: np.ndarray, received: np.ndarray) -> bytes:
     """PULL payload: the shard's aggregate (float32 LE), then the received bitmap
     (``np.packbits``, big bit order, one bit per block of the shard)."""
-    return (np.ascontiguousarray(aggregate, "<f4").tobytes()
-            + np.packbits(received.astype(bool)).tobytes())
+    return b"".join(pull_parts(aggregate, received))
+
+
+def pull_parts(aggregate: np.ndarray, received: np.ndarray) -> tuple:
+    """:func:`pack_pull` as (aggregate array, bitmap bytes) for :func:`encode_parts`;
+    the aggregate is not copied when already C-contiguous little-endian float32."""
+    return (np.ascontiguousarray(aggregate, "<f4"),
+            np.packbits(received.astype(bool)).tobytes())
 
 
 def unpack_pull(payload: memoryview, n_blocks: int, block_elems: int

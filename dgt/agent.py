@@ -70,7 +70,7 @@ class WorkerAgent:
         # wait until that TCP has left (tcp_backlog), then go at the same share
         self.share = flow_share(cfg.pace_mbit, layout.n_shards - 1)
         now = time.monotonic()
-        self.buckets = {s: TokenBucket.bytes_per_s(self.share, burst_bytes=UDP_BURST_BYTES, now=now)
+        self.buckets = {s: TokenBucket.bytes_per_s(self.share, UDP_BURST_BYTES, now)
                         for s in range(layout.n_shards) if s != rank}
         self.pulls: dict[int, np.ndarray] = {}   # shard -> received bitmap
         self.pull_waiter: asyncio.Future | None = None
@@ -163,7 +163,7 @@ class WorkerAgent:
                 ctr[c].bytes_sent += segments[-1][1].size
             if segments:
                 streams.append((s, segments))
-        await self._send_paced(streams)
+        await self._send_paced(streams, counts)
         for s in range(lay.n_shards):
             if s == me:
                 continue
@@ -186,19 +186,26 @@ class WorkerAgent:
         self._apply(t)
         return k
 
-    async def _send_paced(self, streams: list) -> None:
+    async def _send_paced(self, streams: list, counts: np.ndarray | None = None) -> None:
         """Send each peer node's UDP datagrams (``streams``: [(node, [(channel, (n, size)
         uint8 datagrams), ...])], channels best first) in GSO batches of <= 64 KB. The
         nodes go concurrently, each at its own share of the port (its bucket) once our
         TCP bytes to it have left, always the batch that is due first: so every node's
         stream is continuous (no barrier between channels), and no receiving port gets
-        more than its rate from all senders together (no incast)."""
+        more than its rate from all senders together (no incast).
+
+        A batch our own egress queue refuses (ENOBUFS) or our socket buffer cannot take
+        is retried; when that band stays refused for ``_refused_budget`` (it is starved,
+        e.g. CS1 under best-effort bulk traffic), the rest of that node's band is dropped
+        here: counted as ``blocks_dropped_local``, taken out of ``counts`` (the END
+        counts, so the shard does not wait for them) and kept by error feedback."""
         send = self.links.send_udp
         seg = [0] * len(streams)      # current (channel, datagrams) segment per node
         pos = [0] * len(streams)      # next row in it
         charged = [0] * len(streams)  # rows whose tokens are taken, not yet sent
         due: dict[int, float] = {}
         give_up: dict[int, float] = {}   # node -> stop waiting for its TCP backlog then
+        refused_since: dict[int, float] = {}   # node -> first refused send of this band
 
         def take(j: int, now: float) -> None:
             s, segments = streams[j]
@@ -233,16 +240,41 @@ class WorkerAgent:
             pos[j] += sent
             charged[j] -= sent
             now = time.monotonic()
+            if sent:
+                refused_since.pop(j, None)
             if charged[j]:   # socket buffer or our own qdisc full: let it drain
-                due[j] = now + 0.0005
-                await asyncio.sleep(0.0005)
-                continue
+                first = refused_since.setdefault(j, now)
+                if now - first < self._refused_budget(dgrams.shape[1]):
+                    # retry after half a batch's time at our share: a queue that is
+                    # draining takes it then, and a starved one costs few syscalls
+                    due[j] = now + self._retry_after(dgrams.shape[1])
+                    continue
+                dropped = dgrams.shape[0] - pos[j]   # the band is starved: drop its rest
+                ctr = self.counters.channels[c]
+                ctr.blocks_dropped_local += dropped
+                ctr.blocks_sent -= dropped
+                ctr.bytes_sent -= dropped * dgrams.shape[1]
+                if counts is not None:
+                    counts[s, c] -= dropped
+                charged[j], pos[j] = 0, dgrams.shape[0]
+            refused_since.pop(j, None)
             if pos[j] == dgrams.shape[0]:
                 seg[j], pos[j] = seg[j] + 1, 0
             if seg[j] < len(segments):
                 take(j, now)
             else:
                 del due[j]
+
+    def _retry_after(self, datagram_bytes: int) -> float:
+        batch = max(1, 65000 // datagram_bytes) * datagram_bytes
+        return max(0.0005, batch / self.share / 2) if self.share > 0 else 0.0005
+
+    def _refused_budget(self, datagram_bytes: int) -> float:
+        """Seconds a band may keep refusing sends before the rest of it is dropped:
+        the time our share of the port takes for 4 GSO batches (at least 2 ms), i.e. a
+        queue that does not drain while higher bands go first."""
+        batch = max(1, 65000 // datagram_bytes) * datagram_bytes
+        return max(0.002, 4 * batch / self.share) if self.share > 0 else 0.05
 
     # -- pull -------------------------------------------------------------------------
     def on_pull(self, shard: int, iteration: int, aggregate: np.ndarray,

@@ -92,11 +92,12 @@ def print_summary(r: dict, log=print) -> None:
         log(f"{'conservation error':<22}{r['conservation_rel_error']:.2e}")
     log("")
     log(f"{'channel':<8}{'share':>7}{'blocks sent':>13}{'MB sent':>9}{'delivered':>11}"
-        f"{'late':>7}{'lost':>7}")
+        f"{'late':>7}{'lost':>7}{'dropped here':>14}")
     for name, ch in r["channels"].items():
         log(f"{name:<8}{r['channel_block_share'][name]:>7.1%}{ch['blocks_sent']:>13}"
             f"{ch['bytes_sent'] / 1e6:>9.1f}{ch['blocks_delivered']:>11}"
-            f"{ch['blocks_late']:>7}{ch['blocks_lost']:>7}")
+            f"{ch['blocks_late']:>7}{ch['blocks_lost']:>7}"
+            f"{ch.get('blocks_dropped_local', 0):>14}")
     extra = f"local {r['blocks_local']}, unsent (topk) {r['blocks_unsent']}"
     if r["rejected"]:
         extra += ", rejected " + ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items()))

@@ -61,3 +61,29 @@ def test_udp_waits_for_tcp_backlog_but_not_forever():
     assert sum(n for s, n in sent if s == 1) == 100
     assert sum(n for s, n in sent if s == 2) == 100
     assert order.index(2) > order.index(1) and order[-1] == 2
+
+
+def test_a_band_our_own_queue_keeps_refusing_is_dropped_and_taken_out_of_end():
+    """Band 2 to node 1 is refused for good (a starved scavenger queue under bulk
+    best-effort traffic): the push still ends, band 2's rest is counted as dropped here
+    and removed from the END counts; every other band goes out whole."""
+    sent = []
+
+    def send_udp(c, s, rows):
+        if (s, c) == (1, 2):
+            return 0               # ENOBUFS, every time
+        sent.append((s, c, len(rows)))
+        return len(rows)
+
+    agent = _agent(Links(send_tcp=None, send_udp=send_udp, local_push=None),
+                   pace_mbit=100.0)
+    counts = np.zeros((3, 8), np.int64)
+    counts[1, 1] = counts[1, 2] = counts[2, 1] = counts[2, 2] = 300
+    for c in (1, 2):
+        agent.counters.channels[c].blocks_sent = 600
+    asyncio.run(asyncio.wait_for(agent._send_paced(_streams(300), counts), 60))
+    assert sum(n for s, c, n in sent if (s, c) == (1, 1)) == 300
+    assert sum(n for s, c, n in sent if s == 2) == 600
+    assert counts[1, 2] == 0 and counts[1, 1] == counts[2, 2] == 300
+    ch2 = agent.counters.channels[2]
+    assert ch2.blocks_dropped_local == 300 and ch2.blocks_sent == 300

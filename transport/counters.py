@@ -11,13 +11,16 @@ from dataclasses import asdict, dataclass, field
 from .channels import channel_name
 
 FIELDS = ("blocks_sent", "bytes_sent", "blocks_delivered",
-          "bytes_delivered", "blocks_late", "blocks_lost", "blocks_duplicate")
+          "bytes_delivered", "blocks_late", "blocks_lost", "blocks_duplicate",
+          "blocks_dropped_local")
 
 
 @dataclass
 class ChannelCounters:
     """One channel. ``lost``: counted in END but not delivered in time (late blocks are
-    also lost). ``late``: arrived after its worker was finalised, dropped."""
+    also lost). ``late``: arrived after its worker was finalised, dropped.
+    ``dropped_local``: refused by this host's own egress queue for that band (ENOBUFS)
+    for longer than the sender waits; never sent, not in END, kept by error feedback."""
 
     blocks_sent: int = 0
     bytes_sent: int = 0
@@ -26,6 +29,7 @@ class ChannelCounters:
     blocks_late: int = 0
     blocks_lost: int = 0
     blocks_duplicate: int = 0
+    blocks_dropped_local: int = 0
 
 
 @dataclass

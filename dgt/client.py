@@ -149,6 +149,7 @@ class Client:
                              f"(one push_pull per iteration, counting from 0)")
         g = torch.from_numpy(self.grad)[: self.n_params]
         a = torch.from_numpy(self.aggregate)[: self.n_params]
+        had_none = [p.grad is None for p in self.params]
         if self.device.type == "cuda":
             torch.cat([_grad(p).reshape(-1) for p in self.params], out=self._dev_flat)
             self._pinned.copy_(self._dev_flat)
@@ -171,10 +172,14 @@ class Client:
             src = a
         shared = self.device.type == "cpu" and self.aggregate is self.grad
         off = 0
-        for p in self.params:
+        for p, none in zip(self.params, had_none):
             n = p.numel()
             view = src[off:off + n].view(p.shape)
-            if shared and p.is_contiguous():
+            if none and not bool(view.any()):
+                # no worker had a gradient for it (its mean is exactly 0): keep None, as
+                # one process would, so momentum and weight decay leave it alone
+                p.grad = None
+            elif shared and p.is_contiguous():
                 # p.grad becomes the shared memory itself: backward accumulates into it
                 # (zero_grad(set_to_none=False)) and the next push reads it in place
                 p.grad = view

@@ -49,8 +49,9 @@ class TransmissionConfig:
     epsilon: float = _f(0.0, "Slim-DP exploration: share of reliable slots given to "
                         "random low-score blocks")
     error_feedback: bool = _f(True, "keep undelivered blocks in a residual and resend")
-    pace_mbit: float = _f(PACE_AUTO, "UDP pacing rate per node in Mbit/s: auto (the "
-                          "egress link's rate: its HTB rate, else its speed; unpaced on "
+    pace_mbit: float = _f(PACE_AUTO, "egress rate per node in Mbit/s, split in equal "
+                          "shares over the peers for TCP (kernel pacing) and UDP alike: "
+                          "auto (the egress link's HTB rate, else its speed; unpaced on "
                           "loopback), or a number (0 = unpaced)", parse="pace")
     deadline_ms: float = _f(50.0, "minimum wait after END before a shard finalises a "
                             "worker")

@@ -57,7 +57,8 @@ class Job:
             have = 0 if tb is None else tb.hosts
             raise RuntimeError(f"--testbed needs {n} testbed hosts with prefix "
                                f"'{self.job.testbed_prefix}', found {have}; run "
-                               f"'dgt testbed up --hosts {n}' first")
+                               f"'dgt testbed up --hosts {n} --prefix "
+                               f"{self.job.testbed_prefix}' first")
         return [(tb.host_addr(i), ["ip", "netns", "exec", tb.host_netns(i)])
                 for i in range(n)]
 
@@ -229,6 +230,12 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dic
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     j = Job(job, tx, log)
+    try:   # a missing testbed or root is known now: say so before anything starts
+        j._hosts()
+    except RuntimeError as e:
+        j.cleanup()
+        log(f"dgt train: {e}")
+        return 2, None
     log(f"dgt train: {job.workers} workers, mode {tx.mode}, k {tx.k}, {tx.channels} UDP "
         f"channels, block {tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}; "
         f"logs in {j.run_dir}")
@@ -237,6 +244,7 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dic
         code, failure = j.wait()
     except RuntimeError as e:
         j.kill()
+        j.cleanup()
         log(f"dgt train: {e}")
         return 2, None
     except KeyboardInterrupt:

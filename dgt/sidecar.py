@@ -258,6 +258,7 @@ class Sidecar:
                      f"{pace:g} Mbit/s" if pace else "off", self.pace_source)
         lay = BlockLayout.from_bytes(n_params, self.cfg.block_bytes, self.world)
         self.layout = lay
+        self._check_pace(lay)
         tag = f"dgt-{os.getpid()}-{self.session_id & 0xffffffff:08x}-r{rank}"
         # one buffer: the push reads the gradient out (plan) before any PULL of that
         # iteration can arrive, and the PULLs write the aggregate over it
@@ -345,6 +346,21 @@ class Sidecar:
         if conn is None or conn.transport.is_closing():
             raise PeerFailure(f"connection to rank {shard} is closed", shard)
         conn.send(frame)
+
+    def _check_pace(self, lay: BlockLayout) -> None:
+        """Refuse a pacing rate at which one iteration (push, then PULL, of the N-1
+        remote shards' bytes) cannot fit in --peer-timeout-s: the job would otherwise
+        fail later with a timeout that seems to blame a peer."""
+        if self.cfg.pace_mbit <= 0 or self.world < 2:
+            return
+        share = flow_share(self.cfg.pace_mbit, self.world - 1) * (self.world - 1)
+        need_s = 2 * 4 * lay.padded * (self.world - 1) / self.world / share
+        if need_s > self.cfg.peer_timeout_s:
+            raise PeerFailure(
+                f"--pace-mbit {self.cfg.pace_mbit:g} moves one iteration of this model "
+                f"({4 * lay.padded / 1e6:.1f} MB of gradient, {self.world} nodes) in about "
+                f"{need_s:.0f} s, more than --peer-timeout-s {self.cfg.peer_timeout_s:g}; "
+                f"raise --pace-mbit (or auto) or --peer-timeout-s", self.rank)
 
     def _tcp_backlog(self, peer: int) -> int:
         """Bytes our push connection to ``peer`` has not sent yet: in the transport's

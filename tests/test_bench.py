@@ -202,6 +202,72 @@ def test_goodput_tool_bad_flags_and_no_receiver():
     assert "ConnectionRefusedError" in p.stderr
 
 
+def test_goodput_receiver_survives_strangers_and_sender_fails_on_mismatch():
+    """A stray connection (no HELLO, then garbage) is cut off and counted; the real
+    transfer still completes. A sender whose --mb differs gets no confirmation and
+    fails, and the receiver says what it saw."""
+    import socket
+    port = str(_free_port())
+    recv = _goodput("recv", "--port", port, "--mb", "3", "--pushes", "2", "--timeout-s", "60")
+    for _ in range(200):
+        try:
+            c = socket.create_connection(("127.0.0.1", int(port)))
+            break
+        except OSError:
+            import time
+            time.sleep(0.05)
+    c.sendall(b"\x00" * 100_000)
+    c.close()
+    socket.create_connection(("127.0.0.1", int(port))).close()
+    send = _goodput("send", "--port", port, "--mb", "3", "--pushes", "2")
+    sout, serr = send.communicate(timeout=120)
+    rout, rerr = recv.communicate(timeout=120)
+    assert send.returncode == 0 and recv.returncode == 0, serr + rerr
+    r = json.loads(rout)
+    assert r["bytes"] == 2 * round(3e6 / 2 / 1408) * 1408 and r["rejected"] >= 1
+    port = str(_free_port())
+    recv = _goodput("recv", "--port", port, "--mb", "2", "--timeout-s", "8")
+    send = _goodput("send", "--port", port, "--mb", "4", "--timeout-s", "8")
+    sout, serr = send.communicate(timeout=120)
+    rout, rerr = recv.communicate(timeout=120)
+    assert send.returncode == 1 and "did not confirm" in serr and "Traceback" not in serr
+    assert recv.returncode == 1 and "same --mb" in rerr and "Traceback" not in rerr
+
+
+@pytest.mark.parametrize("args", [["recv", "--timeout-s", "nan"], ["send", "--mb", "inf"],
+                                  ["send", "--mb", "nan"], ["recv", "--timeout-s", "0"],
+                                  ["send", "--block-bytes", "1000000"],
+                                  ["send", "--mb", "0.001"]])
+def test_goodput_tool_rejects_bad_numbers_in_one_line(args):
+    p = subprocess.run([sys.executable, "-m", "dgt.tools.goodput", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--estimate", "--mb", "nan"], "--mb must be a finite number"),
+    (["--estimate", "--seconds", "-3"], "--seconds must be a finite number"),
+    (["--estimate", "--iterations", "-1"], "--iterations must be >= 1"),
+    (["--estimate", "--loopback"], "--loopback does not apply"),
+    (["--estimate", "--workers", "3"], "drop --workers")])
+def test_bench_goodput_checks_flags_before_building_anything(args, msg):
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "goodput", "--prefix",
+                        "dgtbgpx", *args], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert "dgtbgpx" not in subprocess.run(["ip", "netns"], capture_output=True,
+                                           text=True).stdout
+
+
+def test_bench_goodput_estimate_runs_nothing():
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "goodput", "--estimate",
+                        "--prefix", "dgtbgpy"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "estimate:" in p.stdout
+    assert "dgt reliable channel" not in p.stdout   # nothing was measured
+    assert "dgtbgpy" not in subprocess.run(["ip", "netns"], capture_output=True,
+                                           text=True).stdout
+
+
 def _free_port():
     import socket
     with socket.socket() as s:

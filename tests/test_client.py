@@ -115,3 +115,21 @@ def test_grads_live_in_shared_memory_and_stay_correct(sidecar, set_to_none):
             assert shared == p.is_contiguous()
     c.close()
     assert proc.wait(timeout=30) == 0
+
+
+def test_a_parameter_no_worker_has_a_gradient_for_keeps_none(sidecar):
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    torch.manual_seed(0)
+    used, unused = nn.Linear(4, 3), nn.Linear(4, 3)
+    m = nn.ModuleDict({"used": used, "unused": unused})
+    c.register(m)
+    for step in range(2):
+        m.zero_grad(set_to_none=True)
+        used(torch.randn(5, 4)).sum().backward()
+        want = [p.grad.clone() for p in used.parameters()]
+        c.push_pull(step)
+        assert all(p.grad is None for p in unused.parameters())
+        assert all(torch.equal(p.grad, w) for p, w in zip(used.parameters(), want))
+    c.close()
+    assert proc.wait(timeout=30) == 0

@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -148,3 +149,25 @@ def test_sigterm_to_the_launcher_stops_every_child(tmp_path):
     assert not [f for f in os.listdir("/dev/shm") if f.split("-")[1:2] and
                 f.split("-")[1] in mine]
     assert not list(run_dir.glob("*.sock"))
+
+
+def test_too_slow_pacing_is_refused_with_the_flag_named(train):
+    p, _ = train("--workers", 2, "--iterations", 1, "--pace-mbit", 0.5, check=False,
+                 timeout=120)
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    assert "--pace-mbit 0.5" in out and "--peer-timeout-s" in out, out
+    assert "Traceback" not in p.stdout + p.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the testbed check)")
+def test_missing_testbed_is_reported_first_with_the_prefix_and_leaves_nothing(tmp_path):
+    before = set(os.listdir(tempfile.gettempdir()))
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--testbed",
+                        "--testbed-prefix", "nosuchtb", "--workers", "2", "--epochs", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "dgt testbed up --hosts 2 --prefix nosuchtb" in p.stdout + p.stderr
+    assert "logs in" not in p.stdout + p.stderr
+    new = set(os.listdir(tempfile.gettempdir())) - before
+    assert not [d for d in new if d.startswith("dgt-run-")]

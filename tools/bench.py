@@ -371,8 +371,9 @@ def _summarise(cfg: BenchConfig, system: str, rate: str | None, rep: dict) -> di
         channels = {}
         bytes_source = "ring all-reduce: 2(N-1)/N x gradient"
     else:
-        channels = {k: {f: v[f] for f in ("blocks_sent", "bytes_sent", "blocks_delivered",
-                                          "blocks_lost", "blocks_late")}
+        channels = {k: {f: v.get(f, 0) for f in ("blocks_sent", "bytes_sent",
+                                                 "blocks_delivered", "blocks_lost",
+                                                 "blocks_late", "blocks_dropped_local")}
                     for k, v in rep["channels"].items()}
         push = sum(v["bytes_sent"] for v in rep["channels"].values())
         pull = (cfg.workers - 1) / cfg.workers * 4 * n * cfg.workers  # all nodes' PULLs
@@ -687,7 +688,8 @@ def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
                 recv.kill()
                 recv.wait()
         if recv.returncode != 0 or snd.returncode != 0:
-            raise BenchError(f"goodput tool failed: {(rerr + snd.stderr).strip()[-300:]}")
+            lines = [ln for ln in (rerr + snd.stderr).strip().splitlines() if ln.strip()]
+            raise BenchError(f"goodput tool failed: {lines[-1] if lines else 'no output'}")
         chan = json.loads(rout)
         res["dgt_reliable"] = chan
         res["dgt_mbit"] = chan["mbit_s"]
@@ -755,7 +757,8 @@ def add_arguments(p) -> None:
     p.add_argument("--rates", default=None,
                    help=f"port rates, tc notation (default {','.join(d.rates)}; goodput: "
                         f"the first, default 1gbit)")
-    p.add_argument("--workers", type=int, default=d.workers)
+    p.add_argument("--workers", type=int, default=d.workers,
+                   help=f"matrix: nodes (default {d.workers}; goodput always uses 2)")
     p.add_argument("--hidden", type=int, default=d.hidden,
                    help="MLP width (2500: 6.4M parameters, 25 MB of fp32 gradient)")
     p.add_argument("--epochs", type=int, default=d.epochs)
@@ -796,6 +799,26 @@ def config_from_args(a) -> BenchConfig:
                        keep_runs=a.keep_runs)
 
 
+def check_goodput_args(a, iterations: int) -> None:
+    """``dgt bench goodput``'s own flags, checked before anything is built. Raises
+    BenchError naming the flag."""
+    import math
+    for name, v in (("--mb", a.mb), ("--seconds", a.seconds)):
+        if not math.isfinite(v) or v <= 0:
+            raise BenchError(f"{name} must be a finite number > 0, got {v}")
+    if iterations < 1:
+        raise BenchError(f"--iterations must be >= 1 for goodput, got {iterations}")
+    if a.hidden < 1:
+        raise BenchError(f"--hidden must be >= 1, got {a.hidden}")
+    if a.loopback:
+        raise BenchError("goodput runs through one shaped testbed port; --loopback does "
+                         "not apply (use 'dgt bench --loopback' for the overhead check)")
+    if a.workers != BenchConfig().workers:
+        raise BenchError("goodput always uses 2 testbed hosts; drop --workers")
+    if len(_csv(a.rates) if a.rates else []) > 1:
+        raise BenchError("goodput takes one --rates value (one port rate)")
+
+
 def cmd_bench(a) -> int:
     """Entry point of ``dgt bench``: errors are one line on stderr, exit 2."""
     from dgt.tc_profiles.testbed import TestbedError
@@ -805,11 +828,19 @@ def cmd_bench(a) -> int:
         if a.what == "goodput":
             rate = _csv(a.rates)[0] if a.rates else "1gbit"
             rate_bps(rate)
-            run_goodput(rate=rate, hidden=a.hidden,
-                        iterations=4 if a.iterations is None else a.iterations,
-                        seconds=a.seconds, out=a.out, profile=a.profile,
-                        prefix=a.prefix, mb=a.mb)
-            return 0
+            iterations = 4 if a.iterations is None else a.iterations
+            check_goodput_args(a, iterations)
+            if a.estimate:
+                print(f"goodput: 2 testbed hosts at {rate}; {a.mb:g} MB over dgt's "
+                      f"reliable channel, iperf3 for {a.seconds:g} s, then dgt train "
+                      f"--mode tcp --workers 2 --hidden {a.hidden} for {iterations} "
+                      f"iterations")
+                print(f"estimate: {(20 + a.seconds + 10 + 3 * iterations) / 60:.1f} min")
+                return 0
+            res = run_goodput(rate=rate, hidden=a.hidden, iterations=iterations,
+                              seconds=a.seconds, out=a.out, profile=a.profile,
+                              prefix=a.prefix, mb=a.mb)
+            return 0 if res.get("ratio") is not None and "train_error" not in res else 1
         cfg = config_from_args(a)
         cfg.validate()
         if a.estimate:

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from ..config import OneLineParser
+from ..config import OneLineParser, finite
 from ..layout import DEFAULT_BLOCK_BYTES
 from ..transport import sockopts, wire
 from ..transport.aio import FrameProtocol
@@ -51,13 +51,18 @@ async def receive(bind: str, port: int, mb: float, pushes: int, block_bytes: int
                         n_workers=1, deadline_s=0.0)
     shard = np.zeros((per_push, elems), np.float32)
     done = loop.create_future()
-    state = {"t0": None, "complete": 0, "bad": 0}
+    state = {"t0": None, "complete": 0, "bad": 0, "sender": None}
 
     def on_frame(proto, h, payload, now):
-        if state["t0"] is None:
-            state["t0"] = now
-        if h.type == wire.MsgType.HELLO:   # as the sidecar: HELLO admits large frames
+        if h.type == wire.MsgType.HELLO and h.session == SESSION and \
+                state["sender"] is None:   # as the sidecar: HELLO admits large frames
             proto.peer_rank = h.sender
+            state["sender"] = proto
+            state["t0"] = now
+            return
+        if proto is not state["sender"]:   # a stranger: counted and cut off
+            on_bad(proto, "no_hello")
+            proto.transport.abort()
             return
         for e in sess.receive_frame(h, payload, now):
             if isinstance(e, BlocksArrived):
@@ -67,26 +72,39 @@ async def receive(bind: str, port: int, mb: float, pushes: int, block_bytes: int
                 sess.advance()
                 if state["complete"] == pushes and not done.done():
                     done.set_result(time.monotonic())
+                    proto.send(wire.encode(wire.MsgType.END, session=SESSION, sender=0,
+                                           shard=0, iteration=pushes, count=pushes,
+                                           payload=wire.pack_end(
+                                               np.zeros(MAX_CHANNELS, np.int64))))
 
     def on_bad(proto, reason):
         state["bad"] += 1
 
     def on_lost(proto, exc):
-        if not done.done():
-            done.set_exception(ConnectionError(f"sender left after {state['complete']} "
-                                               f"of {pushes} pushes"))
+        if proto is state["sender"] and not done.done():
+            done.set_exception(ConnectionError(
+                f"sender left after {state['complete']} of {pushes} pushes (rejected "
+                f"{state['bad'] + sum(sess.counters.rejected.values())} messages; do "
+                f"both ends use the same --mb, --pushes and --block-bytes?)"))
 
     server = await loop.create_server(
         lambda: FrameProtocol(on_frame, on_lost, on_bad, dscp=channel_dscp(1)[0]),
         bind, port)
     try:
         t_end = await asyncio.wait_for(done, timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(
+            f"no complete transfer within {timeout_s:g} s: {state['complete']} of {pushes} "
+            f"pushes, {'a' if state['sender'] else 'no'} sender connected, rejected "
+            f"{state['bad'] + sum(sess.counters.rejected.values())} messages (same --mb, "
+            f"--pushes and --block-bytes on both ends?)") from None
     finally:
         server.close()
     seconds = t_end - state["t0"]
     nbytes = per_push * pushes * block_bytes
     return {"bytes": nbytes, "seconds": seconds, "mbit_s": nbytes * 8 / seconds / 1e6,
-            "pushes": pushes, "block_bytes": block_bytes, "rejected": state["bad"]}
+            "pushes": pushes, "block_bytes": block_bytes,
+            "rejected": state["bad"] + sum(sess.counters.rejected.values())}
 
 
 async def send(host: str, port: int, mb: float, pushes: int, block_bytes: int,
@@ -107,11 +125,19 @@ async def send(host: str, port: int, mb: float, pushes: int, block_bytes: int,
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.05)
-    closed = loop.create_future()
+    acked = loop.create_future()
+
+    def on_frame(proto, h, payload, now):   # the receiver's END: every push complete
+        if h.type == wire.MsgType.END and h.session == SESSION and not acked.done():
+            acked.set_result(True)
+
+    def on_lost(proto, exc):
+        if not acked.done():
+            acked.set_result(False)
+
     _, proto = await loop.create_connection(
-        lambda: FrameProtocol(lambda *a: None,
-                              lambda p, e: closed.done() or closed.set_result(None),
-                              lambda p, r: None), sock=sock)
+        lambda: FrameProtocol(on_frame, on_lost, lambda p, r: None), sock=sock)
+    proto.peer_rank = 0   # the receiver is trusted to answer with a small END
     t0 = time.monotonic()
     proto.send(wire.encode(wire.MsgType.HELLO, session=SESSION, sender=0, shard=0))
     for t in range(pushes):
@@ -125,8 +151,14 @@ async def send(host: str, port: int, mb: float, pushes: int, block_bytes: int,
                                iteration=t, count=per_push, payload=wire.pack_end(counts)))
         while proto.transport.get_write_buffer_size() > 4 * per_push * block_bytes:
             await asyncio.sleep(0.001)   # bounded queue, like a sidecar's BSP step
-    await asyncio.wait_for(closed, max(1.0, deadline - time.monotonic()))
-    return {"seconds_to_close": time.monotonic() - t0}
+    try:
+        ok = await asyncio.wait_for(acked, max(1.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        ok = False
+    if not ok:
+        raise ConnectionError("the receiver did not confirm the transfer (its error says "
+                              "why; same --mb, --pushes and --block-bytes on both ends?)")
+    return {"seconds_to_ack": time.monotonic() - t0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,16 +168,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("role", choices=("recv", "send"))
     p.add_argument("--bind", default="127.0.0.1", help="recv: address to listen on")
     p.add_argument("--host", default="127.0.0.1", help="send: receiver address")
-    p.add_argument("--port", type=int, default=5400)
-    p.add_argument("--mb", type=float, default=100.0, help="MB (10^6 B) of blocks to push")
-    p.add_argument("--pushes", type=int, default=8, help="pushes (one frame + END each)")
-    p.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES)
-    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--port", type=int, default=5400, help="TCP port (default 5400)")
+    p.add_argument("--mb", type=finite(float), default=100.0,
+                   help="MB (10^6 B) of blocks to push (default 100)")
+    p.add_argument("--pushes", type=int, default=8,
+                   help="pushes, one frame + END each (default 8)")
+    p.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES,
+                   help=f"block size (default {DEFAULT_BLOCK_BYTES}, at most 65000)")
+    p.add_argument("--timeout-s", type=finite(float), default=120.0,
+                   help="give up after this long (default 120)")
     a = p.parse_args(argv)
     if not 1 <= a.port <= 65535:
         p.error(f"--port must be 1..65535, got {a.port}")
-    if a.mb <= 0 or a.pushes < 1 or a.block_bytes <= 0 or a.block_bytes % 4:
-        p.error("--mb must be > 0, --pushes >= 1, --block-bytes a positive multiple of 4")
+    if a.mb <= 0 or a.pushes < 1 or not 4 <= a.block_bytes <= 65000 or a.block_bytes % 4:
+        p.error("--mb must be > 0, --pushes >= 1, --block-bytes a multiple of 4 in "
+                "4..65000")
+    if a.timeout_s <= 0:
+        p.error(f"--timeout-s must be > 0, got {a.timeout_s}")
+    if a.mb * 1e6 < a.pushes * a.block_bytes:
+        p.error(f"--mb {a.mb:g} is less than one {a.block_bytes} B block per push; "
+                f"raise --mb or lower --pushes")
     try:
         import uvloop
         run = uvloop.run
@@ -156,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run(fn(where, a.port, a.mb, a.pushes, a.block_bytes, a.timeout_s))
     except (OSError, ConnectionError, asyncio.TimeoutError) as e:
-        print(f"goodput {a.role}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"goodput {a.role}: {type(e).__name__}: {e or 'timed out'}", file=sys.stderr)
         return 1
     print(json.dumps(out), flush=True)
     return 0

@@ -220,7 +220,7 @@ class WorkerAgent:
                     charged[j] = 0
                     due[j] = now + max(0.0005, backlog / self.share)
                     return
-            charged[j] = min(max(1, 65000 // size), n - pos[j])
+            charged[j] = min(self._batch_rows(size), n - pos[j])
             due[j] = now + self.buckets[s].delay(charged[j] * size, now)
 
         now = time.monotonic()
@@ -265,15 +265,20 @@ class WorkerAgent:
             else:
                 del due[j]
 
+    @staticmethod
+    def _batch_rows(datagram_bytes: int) -> int:
+        """Datagrams per GSO send (one UDP payload of at most 65,000 bytes)."""
+        return max(1, 65000 // datagram_bytes)
+
     def _retry_after(self, datagram_bytes: int) -> float:
-        batch = max(1, 65000 // datagram_bytes) * datagram_bytes
+        batch = self._batch_rows(datagram_bytes) * datagram_bytes
         return max(0.0005, batch / self.share / 2) if self.share > 0 else 0.0005
 
     def _refused_budget(self, datagram_bytes: int) -> float:
         """Seconds a band may keep refusing sends before the rest of it is dropped:
         the time our share of the port takes for 4 GSO batches (at least 2 ms), i.e. a
         queue that does not drain while higher bands go first."""
-        batch = max(1, 65000 // datagram_bytes) * datagram_bytes
+        batch = self._batch_rows(datagram_bytes) * datagram_bytes
         return max(0.002, 4 * batch / self.share) if self.share > 0 else 0.05
 
     # -- pull -------------------------------------------------------------------------

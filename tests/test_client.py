@@ -1,4 +1,5 @@
 """dgt.Client as a library against a real one-node sidecar: use and misuse."""
+import glob
 import os
 import signal
 import socket
@@ -29,6 +30,9 @@ def sidecar(tmp_path):
     if p.poll() is None:
         p.kill()
     p.wait(timeout=30)
+    # a sidecar killed with SIGKILL (here or by a test) cannot unlink its buffer
+    for f in glob.glob(os.path.join("/dev/shm", f"dgt-{p.pid}-*")):
+        os.unlink(f)
 
 
 def _conv_model():

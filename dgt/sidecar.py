@@ -263,7 +263,6 @@ class Sidecar:
         # one buffer: the push reads the gradient out (plan) before any PULL of that
         # iteration can arrive, and the PULLs write the aggregate over it
         grad = ipc.ShmBuffer(os.path.join(ipc.shm_dir(), tag + "-grad"), lay.padded, True)
-        agg = grad
         self.buffers = [grad]
         policy = DeadlinePolicy(min_s=self.cfg.deadline_ms / 1000.0,
                                 rate_mbit=self.cfg.pace_mbit or 1000.0)
@@ -277,7 +276,7 @@ class Sidecar:
                       waiting_for=self.shard.session.waiting_for,
                       tcp_backlog=self._tcp_backlog, push_sent=self._flush_pulls)
         self.agent = WorkerAgent(self.cfg, lay, rank, self.session_id, self.key, grad.array,
-                                 agg.array, links, self.counters, seed=self.node.seed)
+                                 grad.array, links, self.counters, seed=self.node.seed)
         await self._connect_peers()
 
         def barrier():
@@ -285,7 +284,7 @@ class Sidecar:
             self.rdv.gather("dgt/ready")
 
         await loop.run_in_executor(None, barrier)
-        self._to_trainer({"op": "registered", "grad": grad.path, "aggregate": agg.path,
+        self._to_trainer({"op": "registered", "grad": grad.path, "aggregate": grad.path,
                           "padded": lay.padded, "block_elems": lay.block_elems,
                           "n_blocks": lay.n_blocks})
 

@@ -1,7 +1,7 @@
 """The sans-IO shard session driven by scripted packet sequences (no sockets)."""
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dgt.transport import wire
@@ -199,6 +199,8 @@ run_spec = st.tuples(
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(run_spec, min_size=1, max_size=4), st.booleans())
+@example(runs=[(0, 1, S, 0, 0, [5]), (0, 1, S, 0, 1, [10]), (0, 1, S, 0, 2, [10])],
+         split=False)   # one row twice in a run: the first copy counts, as one by one
 def test_any_gro_run_equals_one_by_one(runs, split):
     """GSO runs (equal headers but the block: the uniform fast path) and mixed runs (the
     general vectorised path) give exactly the state, counters and block data that the

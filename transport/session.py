@@ -176,8 +176,9 @@ class ShardSession:
         self.finalised[:] = False
 
     # -- internals --------------------------------------------------------------------
-    def _reject(self, reason: str) -> Rejected:
-        self.counters.rejected[reason] += 1
+    def _reject(self, reason: str, n: int = 1) -> Rejected:
+        """Count ``n`` messages rejected for ``reason``; one event for all of them."""
+        self.counters.rejected[reason] += n
         return Rejected(reason)
 
     def _check_addressing(self, h: wire.Header) -> str | None:
@@ -260,7 +261,7 @@ class ShardSession:
         try:
             h = wire.decode_header(rows[0])
         except WireError as e:
-            return [self._reject_n(e.reason, n)]
+            return [self._reject(e.reason, n)]
         bad = self._check_addressing(h)
         if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
                 or h.flags & (Flag.INDEXED | Flag.MAC):
@@ -268,13 +269,13 @@ class ShardSession:
         elif h.length != self.block_payload:
             bad = "bad_length"
         if bad:
-            return [self._reject_n(bad, n)]
+            return [self._reject(bad, n)]
         off = _BLOCK_OFFSET   # same order of checks as one datagram (_block)
         r = rows[:, off:off + 4].copy().view(">u4").reshape(n).astype(np.int64) - self.lo
         events: list = []
         inside = (r >= 0) & (r < self.hi - self.lo)
         if not inside.all():
-            events.append(self._reject_n("bad_block", int(n - inside.sum())))
+            events.append(self._reject("bad_block", int(n - inside.sum())))
             rows, r = rows[inside], r[inside]
             if not r.size:
                 return events
@@ -284,7 +285,7 @@ class ShardSession:
             self.counters.channels[ch].blocks_late += r.size
             return events + [Rejected("late")]
         if h.iteration > self.iteration:
-            return events + [self._reject_n("future", r.size)]
+            return events + [self._reject("future", r.size)]
         return events + self._deliver(w, r, np.full(r.size, ch, np.int64), rows)
 
     def _deliver(self, w: int, r: np.ndarray, chs: np.ndarray, rows: np.ndarray) -> list:
@@ -293,9 +294,9 @@ class ShardSession:
         in this run), count, and emit the blocks."""
         if not r.size:
             return []
-        last = self._scratch
-        last[r] = np.arange(r.size)
-        fresh = (last[r] == np.arange(r.size)) & ~self.received[w, r]
+        first, order = self._scratch, np.arange(r.size)
+        first[r[::-1]] = order[::-1]   # the first copy of a row wins, as one by one
+        fresh = (first[r] == order) & ~self.received[w, r]
         if not fresh.all():
             dup = np.bincount(chs[~fresh], minlength=wire.MAX_CHANNELS)
             for c in np.flatnonzero(dup):
@@ -316,10 +317,6 @@ class ShardSession:
         if self.end_counts[w] is not None and not self.finalised[w] and self._complete(w):
             events += self._finalise(w, "complete")
         return events
-
-    def _reject_n(self, reason: str, n: int) -> Rejected:
-        self.counters.rejected[reason] += n
-        return Rejected(reason)
 
     def _block(self, h: wire.Header, payload: memoryview, nbytes: int) -> list:
         """Fast path for one UDP block: scalar checks, no per-datagram array work."""

@@ -219,12 +219,20 @@ class WorkerAgent:
                     give_up.setdefault(j, now + 2 * backlog / self.share + 1.0)
                     charged[j] = 0
                     due[j] = now + max(0.0005, backlog / self.share)
+                    # the share is the TCP's until then: no tokens saved up meanwhile
+                    self.buckets[s].hold(due[j])
                     return
             charged[j] = min(self._batch_rows(size), n - pos[j])
             due[j] = now + self.buckets[s].delay(charged[j] * size, now)
 
         now = time.monotonic()
         for j in range(len(streams)):
+            # a bucket idle since the last push is full; start with one batch at most, so
+            # the N-1 first batches together fit the egress queue
+            s, segments = streams[j]
+            size = segments[0][1].shape[1]
+            self.buckets[s].delay(0, now)
+            self.buckets[s].hold(now, self._batch_rows(size) * size)
             take(j, now)
         while due:
             j = min(due, key=due.__getitem__)

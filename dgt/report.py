@@ -68,7 +68,9 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
         "conservation_rel_error": conservation_error(run_dir),
         "history": trainers[0]["history"] if trainers else [],
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
-                      "udp_ports": s["udp_ports"], "session": s["session"]} for s in sidecars],
+                      "udp_ports": s["udp_ports"], "session": s["session"],
+                      "pushes": s.get("pushes"), "pulls_held": s.get("pulls_held", 0)}
+                     for s in sidecars],
         "config": {"job": asdict(job),
                    "transmission": {k: v for k, v in asdict(tx).items() if k != "secret"}},
     }

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import ipc
-from .agent import Links, WorkerAgent
+from .agent import TCP_BACKLOG_SLACK, Links, WorkerAgent
 from .errors import PeerFailure
 from .config import (PACE_AUTO, OneLineParser, TransmissionConfig, add_arguments,
                      from_args)
@@ -35,7 +35,7 @@ from .link_rate import auto_pace_mbit
 from .layout import BlockLayout
 from .rendezvous import Rendezvous
 from .scheduler.deadline import DeadlinePolicy
-from .scheduler.pacing import flow_share
+from .scheduler.pacing import HeldPulls, flow_share
 from .shard import ServerShard
 from .transport import sockopts, wire
 from .transport.aio import DatagramProtocol, FrameProtocol
@@ -93,8 +93,10 @@ class Sidecar:
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
         self.pushes = 0
+        self.pulls_held = 0   # PULLs that waited for our push to their worker
         self.pace_source = "--pace-mbit"
-        self.held_pulls: list = []   # PULL frames waiting for our push to leave
+        self.held_pulls: HeldPulls | None = None   # on a paced port, after register
+        self._flush_timer: asyncio.TimerHandle | None = None
 
     # -- startup ----------------------------------------------------------------------
     async def run(self) -> int:
@@ -277,6 +279,9 @@ class Sidecar:
                       tcp_backlog=self._tcp_backlog, push_sent=self._flush_pulls)
         self.agent = WorkerAgent(self.cfg, lay, rank, self.session_id, self.key, grad.array,
                                  grad.array, links, self.counters, seed=self.node.seed)
+        if self.cfg.pace_mbit > 0 and self.world > 1:
+            self.held_pulls = HeldPulls(flow_share(self.cfg.pace_mbit, self.world - 1),
+                                        TCP_BACKLOG_SLACK)
         await self._connect_peers()
 
         def barrier():
@@ -372,10 +377,19 @@ class Sidecar:
                                                          if sock is not None else 0)
 
     def _flush_pulls(self) -> None:
-        """Our push has left: send the PULLs our shard held back meanwhile."""
-        held, self.held_pulls = self.held_pulls, []
-        for conn, frame in held:
-            conn.send(frame)
+        """Send the held PULLs whose worker's share of our port is free again (our push
+        to it has left); look again when the others' backlog should have drained."""
+        self._flush_timer = None
+        if self.held_pulls is None or self.agent is None or self.agent.sending:
+            return   # push_sent() calls again when our push has left
+        ready, wait = self.held_pulls.release(self._tcp_backlog, time.monotonic())
+        for worker, frame in ready:
+            conn = self.in_conns.get(worker)
+            if conn is not None and not conn.transport.is_closing():
+                conn.send(frame)
+        if wait is not None:
+            self._flush_timer = asyncio.get_running_loop().call_later(wait,
+                                                                      self._flush_pulls)
 
     def _pace(self, conn: FrameProtocol) -> None:
         """Cap a reliable connection at one peer's share of the port (kernel TCP pacing,
@@ -418,10 +432,14 @@ class Sidecar:
             count=lay.shard_blocks(self.rank), parts=wire.pull_parts(aggregate, received),
             key=self.key)
         self._pace(conn)
-        if self.cfg.pace_mbit > 0 and self.agent.sending:
-            # our own push is still on the port and other shards wait for it, while
-            # this shard is done: the push goes first (a paced port has no spare rate)
-            self.held_pulls.append((conn, frame))
+        if self.held_pulls is not None and (
+                self.agent.sending or self._tcp_backlog(worker) > TCP_BACKLOG_SLACK):
+            # our push is still on the port (other shards wait for it) or on that
+            # worker's share of it: the push goes first (scheduler.pacing.HeldPulls)
+            self.held_pulls.hold(worker, frame)
+            self.pulls_held += 1
+            if not self.agent.sending and self._flush_timer is None:
+                self._flush_pulls()
             return
         conn.send(frame)
 
@@ -580,7 +598,7 @@ class Sidecar:
         report = {
             "rank": self.rank, "host": self.node.host, "tcp_port": self.tcp_port,
             "udp_ports": self.udp_ports, "session": f"{self.session_id:016x}",
-            "pushes": self.pushes, "failed": str(self.failed) if self.failed else None,
+            "pushes": self.pushes, "pulls_held": self.pulls_held, "failed": str(self.failed) if self.failed else None,
             "config": {k: v for k, v in asdict(self.cfg).items() if k != "secret"},
             "deadline_finalised": self.shard.finalised_by_deadline if self.shard else 0,
             "emulated_drops": sum(p.emulated_drops for _, p in self.udp.values()),
@@ -606,6 +624,8 @@ class Sidecar:
                                np.zeros(self.layout.padded)))
 
     def _close(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
         for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
             if conn.transport is not None:
                 conn.transport.close()

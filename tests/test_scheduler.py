@@ -93,3 +93,39 @@ def test_pacing_rate_is_set_on_a_real_tcp_socket():
         assert s.getsockopt(socket.SOL_SOCKET, sockopts.SO_MAX_PACING_RATE) == 12_345_678
         assert sockopts.set_pacing_rate(s, 0)   # 0: uncapped again
         assert s.getsockopt(socket.SOL_SOCKET, sockopts.SO_MAX_PACING_RATE) in (-1, 0xFFFFFFFF)
+
+
+def test_token_bucket_hold_saves_no_tokens_for_time_that_was_not_its_own():
+    """The TCP bytes ahead of a node's datagrams use the share until ``until``; the
+    bucket must not turn that time into a burst (it overflowed the egress queue)."""
+    b = TokenBucket(rate_mbit=8.0, burst_bytes=100_000, now=0.0)   # 1 MB/s
+    assert b.delay(0, now=10.0) == 0.0 and b.tokens == 100_000      # idle: full
+    b.hold(until=10.05)                                              # TCP's until 10.05
+    assert b.delay(1000, now=10.05) == pytest.approx(0.001)          # nothing saved up
+    b2 = TokenBucket(rate_mbit=8.0, burst_bytes=100_000, now=0.0)
+    b2.hold(until=5.0, tokens=20_000)                                # start: one batch
+    assert b2.delay(20_000, now=5.0) == 0.0
+    assert b2.delay(1000, now=5.0) == pytest.approx(0.001)
+
+
+def test_held_pulls_wait_for_their_workers_push_and_not_forever():
+    """A PULL to a worker goes once our push to that worker has left (backlog under the
+    slack), the others stay; a worker whose backlog never drains gets its PULL after
+    twice the drain time + 1 s; the next look is when the smallest backlog drains."""
+    from dgt.scheduler.pacing import HeldPulls
+    backlog = {1: 0, 2: 500_000, 3: 2_000_000}
+    q = HeldPulls(share=1_000_000.0, slack=100_000)
+    for w in (1, 2, 3):
+        q.hold(w, f"pull-{w}")
+    ready, wait = q.release(backlog.__getitem__, now=0.0)
+    assert ready == [(1, "pull-1")] and len(q) == 2
+    assert wait == pytest.approx(0.5)                 # worker 2's 500 kB at 1 MB/s
+    backlog[2] = 50_000                               # drained to under the slack
+    ready, wait = q.release(backlog.__getitem__, now=0.5)
+    assert ready == [(2, "pull-2")] and wait == pytest.approx(2.0)
+    # worker 3 never reads: its PULL goes at 2 * 2 s + 1 s after it was first held
+    assert q.release(backlog.__getitem__, now=4.9)[0] == []
+    ready, wait = q.release(backlog.__getitem__, now=5.0)
+    assert ready == [(3, "pull-3")] and wait is None and len(q) == 0
+    with pytest.raises(ValueError):
+        HeldPulls(share=0.0, slack=1)

@@ -13,7 +13,8 @@ from typing import Callable
 #: ACKs for what the node receives leave on the same port (about 1 % of its ingress).
 #: Measured on the 1 Gbit/s testbed, 31 iterations of 4 x 25.8 MB, `--mode dgt`: 0.97
 #: gave 1,061 TCP retransmissions and 3,199 late or lost UDP blocks, 0.95 gave 8 and
-#: 598; with PULLs held per worker (HeldPulls), 0.95 gave 8 and 729, 0.93 gave 9 and 276
+#: 598; with PULLs held per worker (HeldPulls) and TokenBucket.hold, 0.95 gave 8 and
+#: 729, 0.93 gave 9 and 276
 WIRE_HEADROOM = 0.93
 
 

@@ -22,7 +22,7 @@ from .feedback import Residual
 from .layout import BlockLayout
 from .scheduler.assign import (DROPPED, AdaptiveK, assign_channels, rank_blocks,
                                reliable_count)
-from .scheduler.pacing import TokenBucket, flow_share
+from .scheduler.pacing import TokenBucket, drain_wait, flow_share
 from .transport import wire
 from .transport.counters import Counters
 from .transport.wire import Flag, MsgType
@@ -204,23 +204,23 @@ class WorkerAgent:
         pos = [0] * len(streams)      # next row in it
         charged = [0] * len(streams)  # rows whose tokens are taken, not yet sent
         due: dict[int, float] = {}
-        give_up: dict[int, float] = {}   # node -> stop waiting for its TCP backlog then
+        give_up: dict[int, float | None] = {}   # node -> stop waiting for its TCP then
         refused_since: dict[int, float] = {}   # node -> first refused send of this band
 
         def take(j: int, now: float) -> None:
             s, segments = streams[j]
             n, size = segments[seg[j]][1].shape
-            if self.share > 0 and now < give_up.get(j, float("inf")):
-                # a paced port: that node's TCP bytes leave first; bounded (twice the
-                # drain time + 1 s), so a peer that stopped reading cannot stall our
-                # push: END still goes and the PULL wait names the peer
-                backlog = self.links.tcp_backlog(s)
-                if backlog > TCP_BACKLOG_SLACK:
-                    give_up.setdefault(j, now + 2 * backlog / self.share + 1.0)
+            if self.share > 0:
+                # a paced port: that node's TCP bytes leave first; bounded, so a peer
+                # that stopped reading cannot stall our push: END still goes and the
+                # PULL wait names the peer
+                wait, give_up[j] = drain_wait(self.links.tcp_backlog(s), self.share,
+                                              TCP_BACKLOG_SLACK, now, give_up.get(j))
+                if wait:
                     charged[j] = 0
-                    due[j] = now + max(0.0005, backlog / self.share)
+                    due[j] = now + wait
                     # the share is the TCP's until then: no tokens saved up meanwhile
-                    self.buckets[s].hold(due[j])
+                    self.buckets[s].hold(now, due[j])
                     return
             charged[j] = min(self._batch_rows(size), n - pos[j])
             due[j] = now + self.buckets[s].delay(charged[j] * size, now)
@@ -231,8 +231,7 @@ class WorkerAgent:
             # the N-1 first batches together fit the egress queue
             s, segments = streams[j]
             size = segments[0][1].shape[1]
-            self.buckets[s].delay(0, now)
-            self.buckets[s].hold(now, self._batch_rows(size) * size)
+            self.buckets[s].hold(now, now, self._batch_rows(size) * size)
             take(j, now)
         while due:
             j = min(due, key=due.__getitem__)

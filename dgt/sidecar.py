@@ -598,7 +598,8 @@ class Sidecar:
         report = {
             "rank": self.rank, "host": self.node.host, "tcp_port": self.tcp_port,
             "udp_ports": self.udp_ports, "session": f"{self.session_id:016x}",
-            "pushes": self.pushes, "pulls_held": self.pulls_held, "failed": str(self.failed) if self.failed else None,
+            "pushes": self.pushes, "pulls_held": self.pulls_held,
+            "failed": str(self.failed) if self.failed else None,
             "config": {k: v for k, v in asdict(self.cfg).items() if k != "secret"},
             "deadline_finalised": self.shard.finalised_by_deadline if self.shard else 0,
             "emulated_drops": sum(p.emulated_drops for _, p in self.udp.values()),

@@ -62,12 +62,30 @@ class TokenBucket:
         self.tokens -= nbytes
         return 0.0 if self.tokens >= 0 else -self.tokens / self.rate_bps
 
-    def hold(self, until: float, tokens: float = 0.0) -> None:
-        """Keep at most ``tokens`` (bytes) and add none before ``until`` (s): the time
-        up to then belongs to other bytes of the same share (e.g. the TCP bytes queued
-        ahead of these datagrams), so it must not turn into a burst afterwards."""
+    def hold(self, now: float, until: float, tokens: float = 0.0) -> None:
+        """Refill up to ``now``, keep at most ``tokens`` (bytes) and add none before
+        ``until`` (s): the time up to then belongs to other bytes of the same share (the
+        TCP bytes queued ahead of these datagrams), so it must not become a burst."""
+        self.delay(0, now)
         self.tokens = min(self.tokens, float(tokens))
         self.t = max(self.t, until)
+
+
+def drain_wait(backlog: int, share: float, slack: int, now: float,
+               give_up: float | None) -> tuple[float, float | None]:
+    """The rule for anything that must follow our TCP bytes to a peer (its UDP blocks,
+    its PULL): ``backlog`` unsent bytes at ``share`` bytes/s. Returns ``(seconds to wait,
+    0.0 = go now; the give-up time)``. It goes once the backlog is at most ``slack``
+    (a connection always has bytes in flight), or at the give-up time, set at the first
+    wait to twice the drain time + 1 s, so a peer that stopped reading cannot hold it
+    back for good."""
+    if backlog <= slack or share <= 0:
+        return 0.0, give_up
+    if give_up is None:
+        give_up = now + 2 * backlog / share + 1.0
+    if now >= give_up:
+        return 0.0, give_up
+    return max(0.0005, min(backlog / share, give_up - now)), give_up
 
 
 class HeldPulls:
@@ -78,8 +96,7 @@ class HeldPulls:
     or that worker's port would get two shares from us (incast: its queue overflows into
     retransmissions). Sans-IO: the caller passes the clock and each worker's unsent push
     bytes (``backlog``); :meth:`release` says which PULLs may go now and when to look
-    again. A PULL waits at most twice its backlog's drain time + 1 s, so a worker that
-    stopped reading our push cannot hold back its PULL for good.
+    again, by :func:`drain_wait` (the same rule as the UDP blocks to that peer).
 
     ``share``: bytes per second (> 0); ``slack``: unsent bytes below which the push
     counts as gone (a TCP connection always has some bytes in flight).
@@ -100,17 +117,12 @@ class HeldPulls:
     def release(self, backlog: Callable[[int], int], now: float) -> tuple[list, float | None]:
         """Returns ``(frames to send now as (worker, frame), seconds until the next
         look or None when nothing is held)``."""
-        ready, later, wait = [], [], float("inf")
+        ready, later = [], []
         for item in self.items:
-            worker, frame, give_up = item
-            b = backlog(worker)
-            if b > self.slack:
-                if give_up is None:
-                    item[2] = give_up = now + 2 * b / self.share + 1.0
-                if now < give_up:
-                    later.append(item)
-                    wait = min(wait, b / self.share, give_up - now)
-                    continue
-            ready.append((worker, frame))
-        self.items = later
-        return ready, (max(0.0005, wait) if later else None)
+            w, item[2] = drain_wait(backlog(item[0]), self.share, self.slack, now, item[2])
+            if w:
+                later.append((w, item))
+            else:
+                ready.append((item[0], item[1]))
+        self.items = [item for _, item in later]
+        return ready, (min(w for w, _ in later) if later else None)

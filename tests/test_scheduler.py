@@ -100,12 +100,17 @@ def test_token_bucket_hold_saves_no_tokens_for_time_that_was_not_its_own():
     bucket must not turn that time into a burst (it overflowed the egress queue)."""
     b = TokenBucket(rate_mbit=8.0, burst_bytes=100_000, now=0.0)   # 1 MB/s
     assert b.delay(0, now=10.0) == 0.0 and b.tokens == 100_000      # idle: full
-    b.hold(until=10.05)                                              # TCP's until 10.05
+    b.hold(now=10.0, until=10.05)                                    # TCP's until 10.05
     assert b.delay(1000, now=10.05) == pytest.approx(0.001)          # nothing saved up
     b2 = TokenBucket(rate_mbit=8.0, burst_bytes=100_000, now=0.0)
-    b2.hold(until=5.0, tokens=20_000)                                # start: one batch
+    b2.hold(now=5.0, until=5.0, tokens=20_000)                       # start: one batch
     assert b2.delay(20_000, now=5.0) == 0.0
     assert b2.delay(1000, now=5.0) == pytest.approx(0.001)
+    # a debt from the last push is paid by the idle time before the next one
+    b3 = TokenBucket(rate_mbit=8.0, burst_bytes=100_000, now=0.0)
+    b3.delay(150_000, now=0.0)                                       # 50 kB in debt
+    b3.hold(now=1.0, until=1.0, tokens=20_000)                       # 1 s idle since
+    assert b3.delay(20_000, now=1.0) == 0.0
 
 
 def test_held_pulls_wait_for_their_workers_push_and_not_forever():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -42,6 +43,29 @@ class Job:
         self.own_run_dir = not job.run_dir
         self.run_dir = job.run_dir or tempfile.mkdtemp(prefix="dgt-run-")
         os.makedirs(self.run_dir, exist_ok=True)
+        self._lock = None
+
+    def lock(self) -> None:
+        """Take the run dir for this job (an exclusive flock on ``<run-dir>/lock``, held
+        until we exit): a second job with the same --run-dir would share its socket
+        paths and logs and connect its trainers to our sidecars. Raises RuntimeError
+        naming the other job's pid."""
+        import fcntl
+        path = os.path.join(self.run_dir, "lock")
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            other = f.read().strip() or "?"
+            f.close()
+            raise RuntimeError(f"--run-dir {self.run_dir} is in use by another dgt train "
+                               f"(pid {other}); give each job its own --run-dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._lock = f
 
     def _hosts(self) -> list[tuple[str, list[str]]]:
         """(listen address, argv prefix) per rank."""
@@ -180,14 +204,28 @@ class Job:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+#: a line our own code logged: "<date> <time> dgt.<module> ERROR <message>" (sidecar) or
+#: "dgt ...: <message>" (trainer, CLI)
+_OWN_ERROR = re.compile(r"^(?:\S+ \S+ dgt\.\S+ (?:ERROR|CRITICAL) (?P<msg>.*)|(?P<cli>dgt .*))$")
+
+
 def _last_line(path: str) -> str:
+    """The line of a child's log that says why it stopped: the last error our own code
+    logged; else the last line that looks like an error (a Python exception); never a
+    C++ stack frame that a library printed on its way out."""
     try:
         with open(path, "rb") as f:
-            lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines()
+                     if ln.strip()]
     except OSError:
         return ""
+    own = [m.group("msg") or m.group("cli") for m in map(_OWN_ERROR.match, lines) if m]
+    if own:
+        return own[-1][:300]
+    lines = [ln for ln in lines if not ln.startswith(("frame #", "Exception raised from",
+                                                      "<omitting", "[W", "[E"))]
     errs = [ln for ln in lines if "failed" in ln or "Error" in ln or "error" in ln]
-    return (errs or lines or [""])[-1].strip()[:300]
+    return (errs or lines or [""])[-1][:300]
 
 
 def check_paths(job: JobConfig) -> None:
@@ -230,7 +268,8 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dic
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     j = Job(job, tx, log)
-    try:   # a missing testbed or root is known now: say so before anything starts
+    try:   # a busy run dir, a missing testbed or root: say so before anything starts
+        j.lock()
         j._hosts()
     except RuntimeError as e:
         j.cleanup()

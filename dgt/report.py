@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from dataclasses import asdict
 
@@ -104,3 +105,8 @@ def print_summary(r: dict, log=print) -> None:
     if r["rejected"]:
         extra += ", rejected " + ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items()))
     log(extra)
+    bad = next((h for h in r["history"] if not math.isfinite(h.get("loss", 0.0))), None)
+    if bad is not None:
+        log(f"warning: the training loss is {bad['loss']} from iteration {bad['iteration']} "
+            f"on: training diverged (lower --lr) or a trainer pushed non-finite gradients; "
+            f"the numbers above describe a broken model")

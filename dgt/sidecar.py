@@ -33,7 +33,7 @@ from .config import (PACE_AUTO, OneLineParser, TransmissionConfig, add_arguments
                      from_args)
 from .link_rate import auto_pace_mbit
 from .layout import BlockLayout
-from .rendezvous import Rendezvous
+from .rendezvous import POLL_S, Rendezvous
 from .scheduler.deadline import DeadlinePolicy
 from .scheduler.pacing import HeldPulls, flow_share
 from .shard import ServerShard
@@ -63,6 +63,10 @@ class NodeConfig:
     socket_path: str = ""
     run_dir: str = "."
     seed: int = 0
+
+
+#: rendezvous waits allow --peer-timeout-s plus this for start-up (imports, the dataset)
+STARTUP_GRACE_S = 10.0
 
 
 class Sidecar:
@@ -97,6 +101,7 @@ class Sidecar:
         self.pace_source = "--pace-mbit"
         self.held_pulls: HeldPulls | None = None   # on a paced port, after register
         self._flush_timer: asyncio.TimerHandle | None = None
+        self._published: asyncio.Future | None = None   # failure written to the store
 
     # -- startup ----------------------------------------------------------------------
     async def run(self) -> int:
@@ -106,6 +111,12 @@ class Sidecar:
         await self._bind()
         await self._rendezvous()
         await self.done.wait()
+        if self._published is not None:
+            # the others' rendezvous waits read the failure from the store; rank 0 hosts
+            # it, so it stays up for a few of their polls (they would only see it vanish)
+            await asyncio.wait([self._published], timeout=2.0)
+            if self.rank == 0:
+                await asyncio.sleep(5 * POLL_S)
         await self._drain(5.0)  # let PULL/BYE/ERROR frames reach the kernel
         self._write_report()
         self._close()
@@ -163,7 +174,10 @@ class Sidecar:
 
         def exchange():
             rdv = Rendezvous(self.node.master_addr, self.node.master_port, self.world,
-                             self.rank, self.cfg.peer_timeout_s * 3)
+                             self.rank, self.cfg.peer_timeout_s + STARTUP_GRACE_S)
+            # from here on, a failure is published in the store (the others' waits end
+            # with it, naming the rank) and the store lives until we exit
+            self.rdv = rdv
             if self.rank == 0:
                 rdv.set("dgt/session/0", str(random.SystemRandom().getrandbits(64)))
             rdv.set(f"dgt/ep/{self.rank}", json.dumps(me))
@@ -553,7 +567,7 @@ class Sidecar:
                 conn.send(frame)
         self._to_trainer({"op": "error", "rank": rank, "message": message})
         if self.rdv is not None:  # ranks still in a rendezvous wait learn it there
-            asyncio.get_running_loop().run_in_executor(
+            self._published = asyncio.get_running_loop().run_in_executor(
                 None, self.rdv.publish_failure, message, rank)
         self.done.set()
 
@@ -704,7 +718,14 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                       master_port=ns.master_port, host=ns.host, base_port=ns.base_port,
                       socket_path=ns.socket_path or f"/tmp/dgt-{ns.rank}.sock",
                       run_dir=ns.run_dir, seed=ns.seed)
-    os.makedirs(node.run_dir, exist_ok=True)
+    if os.path.exists(node.run_dir) and not os.path.isdir(node.run_dir):
+        parser.error(f"--run-dir {node.run_dir} is a file; give a folder")
+    try:
+        os.makedirs(node.run_dir, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--run-dir: cannot create {node.run_dir}: {e.strerror}")
+    if not os.access(node.run_dir, os.W_OK):
+        parser.error(f"--run-dir {node.run_dir} is not writable")
     try:
         import uvloop
         return uvloop.run(Sidecar(cfg, node).run())

@@ -96,3 +96,12 @@ def test_paced_port_holds_pulls_behind_the_push_and_delivers_them_all(train):
     assert sum(s["pulls_held"] for s in r["sidecars"]) > 0
     assert all(s["pushes"] == r["iterations"] for s in r["sidecars"])
     assert not r["rejected"] and not r["deadline_finalised"]
+
+
+def test_a_diverged_run_says_so_in_the_summary(train):
+    """A loss that is NaN or inf (here: a learning rate of 1e12) ends with a warning,
+    not with a summary that reads like a result."""
+    p, r = train("--workers", 2, "--epochs", 1, "--lr", "1e12")
+    assert any(h["loss"] != h["loss"] or abs(h["loss"]) == float("inf")
+               for h in r["history"])
+    assert "warning: the training loss is" in p.stdout and "lower --lr" in p.stdout

@@ -171,3 +171,74 @@ def test_missing_testbed_is_reported_first_with_the_prefix_and_leaves_nothing(tm
     assert "logs in" not in p.stdout + p.stderr
     new = set(os.listdir(tempfile.gettempdir())) - before
     assert not [d for d in new if d.startswith("dgt-run-")]
+
+
+def test_a_sidecar_frozen_at_start_up_is_named_not_a_library_stack_frame(tmp_path):
+    """Sidecar 2 is stopped before the rendezvous: every other sidecar's wait ends with
+    rank 2 named (rank 0 publishes the failure in the store and keeps the store up, so
+    nobody reports "store lost" and a C++ frame torch printed on the way out)."""
+    run_dir = tmp_path / "run"
+    p = start_train(run_dir, "--workers", 3, "--epochs", 1, "--peer-timeout-s", 5)
+    wait_for(run_dir / "pids.json", p)
+    pids = json.loads((run_dir / "pids.json").read_text())
+    frozen = next(x for x in pids if x["kind"] == "sidecar" and x["rank"] == 2)
+    os.kill(frozen["pid"], signal.SIGSTOP)
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:
+        try:
+            os.kill(frozen["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    text = out + err
+    assert p.returncode != 0
+    failed = [ln for ln in text.splitlines() if "dgt train: failed:" in ln]
+    assert failed and "rank(s) [2]" in failed[0], text
+    assert "frame #" not in text and "store lost" not in failed[0], text
+    assert not [x for x in pids if alive(x["pid"])]
+
+
+def test_our_own_error_line_is_chosen_over_what_a_library_printed(tmp_path):
+    from dgt.launch import _last_line
+    log = tmp_path / "sidecar-1.log"
+    log.write_text(
+        "[W1130 02:37:12.512359686 TCPStore.cpp:125] [c10d] recvValue failed on ...\n"
+        "Exception raised from recvBytes at Utils.hpp:787 (most recent call first):\n"
+        "frame #2: c10::DistNetworkError::DistNetworkError(c10::SourceLocation) + 0x72\n"
+        "2026-11-30 02:37:12,928 dgt.sidecar ERROR rank 1: rank(s) [2] did not reach "
+        "rendezvous step 'dgt/ep' within 15 s\n"
+        "frame #19: <unknown function> + 0x1098ec (0x7fd6cd3278ec in libc.so.6)\n")
+    assert _last_line(str(log)) == ("rank 1: rank(s) [2] did not reach rendezvous step "
+                                    "'dgt/ep' within 15 s")
+    log.write_text("Traceback (most recent call last):\n  File x\nValueError: bad\n"
+                   "frame #0: c10::Error::Error() + 0x9d\n")
+    assert _last_line(str(log)) == "ValueError: bad"
+
+
+def test_a_second_job_on_the_same_run_dir_is_refused_and_the_first_is_untouched(tmp_path):
+    run_dir = tmp_path / "run"
+    first = start_train(run_dir, "--workers", 2, "--epochs", 2,
+                        "--report", tmp_path / "first.json")
+    wait_for(run_dir / "pids.json", first)
+    second = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--run-dir",
+                             str(run_dir), "--workers", "2", "--epochs", "1"],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2
+    assert f"--run-dir {run_dir} is in use by another dgt train (pid {first.pid})" in \
+        second.stdout + second.stderr, second.stdout + second.stderr
+    assert "Traceback" not in second.stdout + second.stderr
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, out + err
+    assert json.loads((tmp_path / "first.json").read_text())["replicas_identical"]
+
+
+@pytest.mark.parametrize("run_dir, message", [
+    ("/proc/dgt-no-such/run", "--run-dir: cannot create /proc/dgt-no-such/run"),
+    ("/etc/hostname", "--run-dir /etc/hostname is a file; give a folder"),
+])
+def test_sidecar_run_dir_that_cannot_be_used_is_one_line(run_dir, message):
+    p = subprocess.run([sys.executable, "-m", "dgt.sidecar", "--rank", "0", "--world", "1",
+                        "--master-port", "29999", "--run-dir", run_dir],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert message in p.stderr and "Traceback" not in p.stderr, p.stderr

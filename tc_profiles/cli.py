@@ -1,7 +1,9 @@
 """``dgt tc`` and ``dgt testbed``: argparse subcommands for the main ``dgt`` CLI.
 
-``register(subparsers)`` adds both; each leaf parser sets ``func=handler(args) -> int``.
-Errors print one line to stderr and return 2; never a traceback.
+``register(subparsers)`` adds both; each leaf parser sets ``func=handler(args) -> int``
+and ``parser`` (itself). Errors print one line to stderr, ``<prog>: error: <message>``
+(e.g. ``dgt testbed up: error: --hosts must be >= 1, got 0``), and return 2; never a
+traceback. Every ``dgt testbed`` subcommand checks ``--prefix`` before anything else.
 
 Example::
 
@@ -26,20 +28,32 @@ from .schema import ProfileError, list_profiles, load_profile
 NOT_ROOT_TC = "dgt tc needs root (CAP_NET_ADMIN); run as root, or use --dry-run"
 
 
-def _fail(msg: str) -> int:
-    print(msg, file=sys.stderr)
+def _prog(args) -> str:
+    """The subcommand's name as its parser shows it (``dgt testbed up``)."""
+    parser = getattr(args, "parser", None)
+    if parser is not None:
+        return parser.prog
+    words = [getattr(args, k, None) for k in ("command", "tc_command", "testbed_command")]
+    return " ".join(["dgt"] + [w for w in words if w])
+
+
+def _fail(args, msg: str) -> int:
+    """One line on stderr in argparse's form, ``<prog>: error: <msg>``; returns 2."""
+    print(f"{_prog(args)}: error: {msg}", file=sys.stderr)
     return 2
 
 
 def _guard(fn):
     def handler(args) -> int:
         try:
+            if getattr(args, "testbed_command", None) and hasattr(args, "prefix"):
+                testbed.check_prefix(args.prefix, "--prefix")  # before anything is made
             return fn(args)
         except (ProfileError, applier.TcError, testbed.TestbedError, ValueError,
                 IndexError, OSError) as e:
-            return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return _fail(args, str(e).splitlines()[0] if str(e) else type(e).__name__)
         except KeyboardInterrupt:
-            return _fail("interrupted")
+            return _fail(args, "interrupted")
     handler.__name__ = fn.__name__
     return handler
 
@@ -53,7 +67,7 @@ def tc_apply(args) -> int:
         print("\n".join(applier.dry_run(args.profile, args.dev, args.netns, args.rate)))
         return 0
     if os.geteuid() != 0:
-        return _fail(NOT_ROOT_TC)
+        return _fail(args, NOT_ROOT_TC)
     p = applier.apply(args.profile, args.dev, args.netns, args.rate)
     print(f"applied profile '{p.name}' on {args.dev}"
           + (f" (netns {args.netns})" if args.netns else ""))
@@ -70,7 +84,7 @@ def tc_show(args) -> int:
 @_guard
 def tc_clear(args) -> int:
     if os.geteuid() != 0:
-        return _fail(NOT_ROOT_TC)
+        return _fail(args, NOT_ROOT_TC)
     done = applier.clear(args.dev, args.netns, force=args.force)
     print(f"cleared {args.dev}" if done else f"nothing of ours on {args.dev}")
     return 0
@@ -89,19 +103,20 @@ def tc_list(args) -> int:
 # ------------------------------------------------------------------- testbed
 
 
-def _root() -> int | None:
-    return None if os.geteuid() == 0 else _fail(testbed.NOT_ROOT)
+def _root(args) -> int | None:
+    return None if os.geteuid() == 0 else _fail(args, testbed.NOT_ROOT)
 
 
 @_guard
 def tb_up(args) -> int:
     if args.hosts < 1:
-        return _fail(f"--hosts must be >= 1, got {args.hosts}")
+        return _fail(args, f"--hosts must be >= 1, got {args.hosts}")
     if not (math.isfinite(args.loss) and 0 <= args.loss <= 100):
-        return _fail(f"--loss must be a percentage 0..100, got {args.loss}")
+        return _fail(args, f"--loss must be a percentage 0..100, got {args.loss}")
     if args.queue_bytes is not None and args.queue_bytes < 1500:
-        return _fail(f"--queue-bytes must be >= 1500 (one packet), got {args.queue_bytes}")
-    if (rc := _root()) is not None:
+        return _fail(args, f"--queue-bytes must be >= 1500 (one packet), got "
+                           f"{args.queue_bytes}")
+    if (rc := _root(args)) is not None:
         return rc
     dscp = [int(x) for x in args.loss_dscp.split(",")] if args.loss_dscp else None
     tb = testbed.up(args.hosts, rate=args.rate, profile=args.profile,
@@ -116,7 +131,7 @@ def tb_up(args) -> int:
 
 @_guard
 def tb_down(args) -> int:
-    if (rc := _root()) is not None:
+    if (rc := _root(args)) is not None:
         return rc
     gone = testbed.down(args.prefix)
     print(f"removed {len(gone)} namespaces" + (f": {' '.join(gone)}" if gone else ""))
@@ -125,7 +140,7 @@ def tb_down(args) -> int:
 
 @_guard
 def tb_status(args) -> int:
-    if (rc := _root()) is not None:
+    if (rc := _root(args)) is not None:
         return rc
     st = testbed.status(args.prefix)
     if args.json:
@@ -137,14 +152,15 @@ def tb_status(args) -> int:
 
 @_guard
 def tb_exec(args) -> int:
-    if (rc := _root()) is not None:
+    if (rc := _root(args)) is not None:
         return rc
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
-        return _fail("give a command: dgt testbed exec HOST -- CMD ...")
+        return _fail(args, "give a command: dgt testbed exec HOST -- CMD ...")
     tb = testbed.current(args.prefix)
     if tb is None:
-        return _fail(f"no testbed with prefix '{args.prefix}' is up; run `dgt testbed up`")
+        return _fail(args, f"no testbed with prefix '{args.prefix}' is up; run "
+                           f"`dgt testbed up`")
     host = int(args.host) if args.host.isdigit() else args.host
     return subprocess.run(["ip", "netns", "exec", tb._ns(host), *cmd]).returncode
 
@@ -152,12 +168,13 @@ def tb_exec(args) -> int:
 @_guard
 def tb_load(args) -> int:
     if not (math.isfinite(args.seconds) and args.seconds > 0):
-        return _fail(f"--seconds must be a finite number > 0, got {args.seconds}")
-    if (rc := _root()) is not None:
+        return _fail(args, f"--seconds must be a finite number > 0, got {args.seconds}")
+    if (rc := _root(args)) is not None:
         return rc
     tb = testbed.current(args.prefix)
     if tb is None:
-        return _fail(f"no testbed with prefix '{args.prefix}' is up; run `dgt testbed up`")
+        return _fail(args, f"no testbed with prefix '{args.prefix}' is up; run "
+                           f"`dgt testbed up`")
     pairs = None
     if args.pairs:
         pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairs.split(",")]
@@ -182,27 +199,31 @@ def register(subparsers) -> None:
     p.add_argument("--netns", default=None)
     p.add_argument("--rate", default=None, help="link rate override, e.g. 950mbit")
     p.add_argument("--dry-run", action="store_true", help="print the tc commands only")
-    p.set_defaults(func=tc_apply)
+    p.set_defaults(func=tc_apply, parser=p)
     p = tcs.add_parser("show", help="qdiscs, classes, filters and counters of a device")
     p.add_argument("--dev", required=True)
     p.add_argument("--netns", default=None)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=tc_show)
+    p.set_defaults(func=tc_show, parser=p)
     p = tcs.add_parser("clear", help="remove our root qdisc from a device")
     p.add_argument("--dev", required=True)
     p.add_argument("--netns", default=None)
     p.add_argument("--force", action="store_true", help="delete any root qdisc")
-    p.set_defaults(func=tc_clear)
+    p.set_defaults(func=tc_clear, parser=p)
     p = tcs.add_parser("list", help="shipped profiles")
-    p.set_defaults(func=tc_list)
+    p.set_defaults(func=tc_list, parser=p)
 
     tb = subparsers.add_parser("testbed", help="netns star testbed with shaped ports")
     tbs = tb.add_subparsers(dest="testbed_command", required=True)
 
-    def sub(name, help_, func):
+    def sub(name, help_, func, prefix_help=True):
         sp = tbs.add_parser(name, help=help_)
-        sp.add_argument("--prefix", default=testbed.DEFAULT_PREFIX, help=argparse.SUPPRESS)
-        sp.set_defaults(func=func)
+        sp.add_argument("--prefix", default=testbed.DEFAULT_PREFIX,
+                        help=(f"the testbed's name prefix: namespaces <prefix>-sw, "
+                              f"<prefix>-h<i> (default {testbed.DEFAULT_PREFIX}; 1.."
+                              f"{testbed.MAX_PREFIX_LEN} letters, digits, '-', '_')")
+                        if prefix_help else argparse.SUPPRESS)
+        sp.set_defaults(func=func, parser=sp)
         return sp
     p = sub("up", "build N hosts around a router; every port shaped", tb_up)
     p.add_argument("--hosts", type=int, required=True)
@@ -221,7 +242,7 @@ def register(subparsers) -> None:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--pairs", default=None, help="src:dst,... (default i -> i+1)")
     p = sub("priority", "measure EF/CS1 delivery under bulk load (own 3-host testbed)",
-            tb_priority)
+            tb_priority, prefix_help=False)
     from .priority_check import add_arguments
     add_arguments(p)
 

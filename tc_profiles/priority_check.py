@@ -392,6 +392,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dgt.tc_profiles.priority_check",
                                  description=__doc__.splitlines()[0])
     add_arguments(ap)
+    ap.set_defaults(parser=ap)
     return run(ap.parse_args(argv))
 
 
@@ -408,24 +409,29 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
 
 
+def _fail(args, msg: str) -> int:
+    """One line on stderr, ``<prog>: error: <msg>`` (the CLI's form); returns 2."""
+    parser = getattr(args, "parser", None)
+    prog = parser.prog if parser is not None else "dgt testbed priority"
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def run(args) -> int:
     if os.geteuid() != 0:
-        print("dgt testbed needs root (CAP_NET_ADMIN); run as root or use loopback mode",
-              file=sys.stderr)
-        return 2
+        return _fail(args, "dgt testbed needs root (CAP_NET_ADMIN); run as root or use "
+                           "loopback mode")
     from shutil import which
     if not args.no_bulk and which("iperf3") is None:
-        print("the priority check needs iperf3 for the bulk TCP; install it "
-              "(apt-get install iperf3) or use --no-bulk", file=sys.stderr)
-        return 2
+        return _fail(args, "the priority check needs iperf3 for the bulk TCP; install it "
+                           "(apt-get install iperf3) or use --no-bulk")
     try:
         cases = parse_cases(args.cases) if args.cases else DEFAULT_CASES
         res = priority_check(args.rate, args.seconds, args.profile, cases=cases,
                              bulk=not args.no_bulk, queue_bytes=args.queue_bytes,
                              gso=not args.no_gso)
     except (TestbedError, applier.TcError, ValueError) as e:
-        print(str(e), file=sys.stderr)
-        return 2
+        return _fail(args, str(e).splitlines()[0] if str(e) else type(e).__name__)
     print(f"priority check: profile {args.profile}, port rate {args.rate}, "
           f"{'bulk TCP h1->h0' if not args.no_bulk else 'no bulk load'}, "
           f"UDP h2->h0 ({'GSO' if not args.no_gso else 'no GSO'}), "

@@ -61,6 +61,11 @@ class TestbedError(RuntimeError):
     """The testbed could not be built, found or used; the message says what to do."""
 
 
+class PrefixError(TestbedError, ValueError):
+    """A testbed name prefix that cannot name namespaces (also a ValueError, so flag
+    validators that catch ValueError report it as a bad flag)."""
+
+
 def router_netns(prefix: str = DEFAULT_PREFIX) -> str:
     return f"{prefix}-sw"
 
@@ -85,6 +90,35 @@ def router_port(i: int) -> str:
 
 def _state_file(prefix: str) -> Path:
     return STATE_DIR / f"testbed-{prefix}.json"
+
+
+# Every name derived from the prefix is a file name: the namespaces <prefix>-sw and
+# <prefix>-h<i> (bind mounts under /run/netns) and the state file testbed-<prefix>.json.
+# Interface names (eth0, p<i>, t<i>) do not contain it, so IFNAMSIZ does not limit it;
+# NAME_MAX (255 bytes) does. A '/' would make pyroute2 and `ip netns` take the name as a
+# path (relative to the current folder), and a leading '-' reads as an option to `ip`.
+NAME_MAX = 255
+MAX_PREFIX_LEN = NAME_MAX - max(len(_state_file("").name), len(router_netns("")),
+                                len(host_netns(MAX_HOSTS - 1, "")))
+_PREFIX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def check_prefix(prefix, what: str = "testbed prefix") -> str:
+    """Return ``prefix`` if it can name a testbed, else raise :class:`PrefixError`.
+
+    Allowed: 1..MAX_PREFIX_LEN (242) ASCII letters, digits, '-' and '_', starting with
+    a letter or digit. ``what`` names the flag in the message (e.g. ``--prefix``).
+    Call it before anything is created: every public function here that takes a
+    prefix does.
+    """
+    rule = (f"use 1..{MAX_PREFIX_LEN} letters, digits, '-' or '_', starting with a letter "
+            f"or digit (it names the namespaces <prefix>-sw and <prefix>-h<i>)")
+    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
+        raise PrefixError(f"bad {what} {prefix!r}: {rule}")
+    if len(prefix) > MAX_PREFIX_LEN:
+        raise PrefixError(f"bad {what} {prefix[:24]!r}... ({len(prefix)} characters): "
+                          f"too long; {rule}")
+    return prefix
 
 
 def _our_netns(prefix: str) -> list[str]:
@@ -268,6 +302,7 @@ def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
     profile needs: nothing is created then); on a failure half-way, everything built
     is removed before the error is raised.
     """
+    check_prefix(prefix)
     if not is_root():
         raise TestbedError(NOT_ROOT)
     if not 1 <= int(hosts) <= MAX_HOSTS:
@@ -344,8 +379,9 @@ def _sysctl(ns: str, key: str, value: str) -> None:
 
 
 def current(prefix: str = DEFAULT_PREFIX) -> Testbed | None:
-    """The testbed with this prefix that exists now, or None (found by its namespaces)."""
-    nss = _our_netns(prefix)
+    """The testbed with this prefix that exists now, or None (found by its namespaces).
+    Raises PrefixError for a prefix no testbed can have."""
+    nss = _our_netns(check_prefix(prefix))
     if router_netns(prefix) not in nss:
         return None
     hosts = sum(1 for n in nss if n != router_netns(prefix))
@@ -365,7 +401,9 @@ def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
     Works after a crash: the namespaces are found by name (``<prefix>-sw``,
     ``<prefix>-h<i>``). Processes still running inside them are stopped first, so the
     namespaces (and their veths) really go. Returns the namespaces removed.
+    Raises PrefixError for a prefix no testbed can have (nothing is touched).
     """
+    check_prefix(prefix)
     if not is_root():
         raise TestbedError(NOT_ROOT)
     nss = _our_netns(prefix)
@@ -516,5 +554,6 @@ def _py_bulk_pair(src_ns: str, addr: str, port: int, seconds: float) -> float:
     return round(n * 8 / dt / 1e6, 1) if dt > 0 else 0.0
 
 
-__all__ = ["Testbed", "TestbedError", "current", "down", "exec_in", "host_addr",
-           "host_netns", "nft_loss_ruleset", "run_in_netns", "status", "up"]
+__all__ = ["MAX_PREFIX_LEN", "PrefixError", "Testbed", "TestbedError", "check_prefix",
+           "current", "down", "exec_in", "host_addr", "host_netns", "nft_loss_ruleset",
+           "run_in_netns", "status", "up"]

@@ -259,6 +259,26 @@ def test_bench_goodput_checks_flags_before_building_anything(args, msg):
                                            text=True).stdout
 
 
+@pytest.mark.parametrize("argv", [
+    ["-m", "dgt.cli", "bench", "--prefix", "{p}", "--loopback"],
+    ["-m", "dgt.cli", "bench", "--prefix", "{p}", "--estimate"],
+    ["-m", "dgt.cli", "bench", "goodput", "--prefix", "{p}", "--estimate"],
+    ["-m", "dgt.tools.gloo_train", "--testbed", "--testbed-prefix", "{p}"]],
+    ids=["bench-loopback", "bench-estimate", "goodput", "gloo_train"])
+@pytest.mark.parametrize("prefix", ["fixtest/r", "fixtest" + "a" * 236])
+def test_testbed_prefix_flags_follow_the_testbed_rule(tmp_path, argv, prefix):
+    """Every other CLI that takes a testbed prefix applies the testbed's rule up front:
+    one line saying what is allowed, nothing created in the current folder."""
+    flag = "--testbed-prefix" if "gloo_train" in argv[1] else "--prefix"
+    p = subprocess.run([sys.executable, *[a.format(p=prefix) for a in argv]],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    assert f"error: bad {flag} '{prefix[:24]}'" in p.stderr, p.stderr
+    assert "letters, digits, '-' or '_'" in p.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_goodput_estimate_runs_nothing():
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "goodput", "--estimate",
                         "--prefix", "dgtbgpy"], capture_output=True, text=True, timeout=60)

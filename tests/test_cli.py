@@ -54,3 +54,12 @@ def test_help_on_every_command(cmd):
     p = subprocess.run([sys.executable, "-m", "dgt.cli", *cmd.split(), "--help"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "usage:" in p.stdout
+
+
+def test_bad_testbed_prefix_for_train_is_one_line():
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--testbed-prefix", "b/r"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "bad --testbed-prefix 'b/r'" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -1,6 +1,7 @@
 """`dgt tc` / `dgt testbed` through register(subparsers): output and one-line errors."""
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,7 +63,156 @@ def test_bad_profile_is_one_line_exit_2():
 def test_not_root_message():
     r = dgt("testbed", "up", "--hosts", "2", user=65534)
     assert r.returncode == 2
-    assert r.stderr.strip() == ("dgt testbed needs root (CAP_NET_ADMIN); run as root or "
-                                "use loopback mode")
+    assert r.stderr.strip() == ("dgt testbed up: error: dgt testbed needs root "
+                                "(CAP_NET_ADMIN); run as root or use loopback mode")
     r = dgt("tc", "apply", "htb-prio", "--dev", "lo", user=65534)
     assert r.returncode == 2 and "needs root" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------- testbed prefix and errors
+
+def dgt_main(*argv, cwd=None, user=None):
+    """The real ``dgt`` entry point (dgt.cli), as a user runs it."""
+    cmd = [sys.executable, "-m", "dgt.cli", *argv]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def _netns_named(prefix: str, where=None) -> list[str]:
+    """Namespaces that a testbed with this (possibly invalid) prefix would have made:
+    in /run/netns, or, for a prefix with a '/' (pyroute2 takes it as a path), files
+    relative to ``where`` (the command's current folder)."""
+    if "/" in prefix:
+        base = os.path.join(where or os.getcwd(), os.path.dirname(prefix))
+        stem = os.path.basename(prefix)
+    else:
+        base, stem = "/run/netns", prefix
+    pat = re.compile(rf"^{re.escape(stem)}-(sw|h\d+)$")
+    try:
+        names = os.listdir(base)
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    return [os.path.join(base, n) if "/" in prefix else n for n in names if pat.match(n)]
+
+
+def _mounted(path: str) -> bool:
+    """Whether ``path`` is a mount point (also a bind mount on the same file system,
+    which os.path.ismount misses)."""
+    with open("/proc/self/mountinfo") as f:
+        points = {ln.split()[4].encode().decode("unicode_escape") for ln in f}
+    return path in points
+
+
+def _remove_strays(prefix: str, where=None) -> None:
+    """Tear down whatever a broken build left, by exact name (never another prefix):
+    unmount and remove each namespace (pyroute2 takes names with a '/' as paths, and
+    then bind-mounts their folder onto itself: that goes too, if it is ours)."""
+    from pyroute2 import netns as pr_netns
+    for n in _netns_named(prefix, where):
+        try:
+            pr_netns.remove(n)
+        except OSError:
+            pass
+    if "/" in prefix:
+        where = os.path.abspath(where or os.getcwd())
+        folder = os.path.abspath(os.path.join(where, os.path.dirname(prefix)))
+        top = os.path.dirname(where)      # pytest's folder of this run's tmp_paths
+        if folder != top and not folder.startswith(top + os.sep):
+            return    # only this test run's own temporary folders
+        for _ in range(8):   # shared propagation can stack the same mount
+            if not _mounted(folder):
+                break
+            subprocess.run(["umount", "-l", folder], capture_output=True)
+
+
+TB_SUBCOMMANDS = [["up", "--hosts", "2"], ["down"], ["status"], ["exec", "0", "--", "true"],
+                  ["load", "--seconds", "1"], ["priority", "--seconds", "1"]]
+BAD_PREFIXES = ["fixtest/r",            # a path: pyroute2 made files in the current folder
+                "../fixtest",           # a path out of /run/netns
+                "fixtest.x", "fixtest x", "fixtest\u00e9",  # outside [A-Za-z0-9_-]
+                "-fixtest",             # reads as an option to `ip netns exec`
+                "",
+                "fixtest" + "a" * 236]  # 243: testbed-<prefix>.json exceeds NAME_MAX
+
+
+@pytest.mark.parametrize("prefix", BAD_PREFIXES,
+                         ids=["slash", "dotdot", "dot", "space", "non-ascii", "dash-first",
+                              "empty", "too-long"])
+@pytest.mark.parametrize("argv", TB_SUBCOMMANDS, ids=lambda a: a[0])
+def test_bad_prefix_is_one_line_error_before_anything(tmp_path, monkeypatch, capsys, argv,
+                                                      prefix):
+    """Every `dgt testbed` subcommand refuses a prefix that cannot name namespaces, with
+    one line in argparse's form that says what is allowed, before anything is created
+    (no namespace, no file in the current folder), root or not."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        a = parser().parse_args(["testbed", argv[0], f"--prefix={prefix}", *argv[1:]])
+        assert a.func(a) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"dgt testbed {argv[0]}: error: bad --prefix "), err
+        assert "letters, digits, '-' or '_'" in err and "1..242" in err
+        assert list(tmp_path.iterdir()) == []
+        assert _netns_named(prefix) == []
+    finally:
+        _remove_strays(prefix)
+
+
+def test_reported_slash_prefix_through_dgt(tmp_path):
+    """The reported case, as the user ran it (twice: the second try used to fail with
+    'File exists'), and `down` with it: one line each, nothing made."""
+    prefix = "fixtest/r"
+    try:
+        for argv in (["up", "--hosts", "2"], ["up", "--hosts", "2"], ["down"]):
+            r = dgt_main("testbed", argv[0], "--prefix", prefix, *argv[1:], cwd=tmp_path)
+            assert r.returncode == 2, (r.stdout, r.stderr)
+            assert r.stderr.startswith(f"dgt testbed {argv[0]}: error: bad --prefix "
+                                       f"'{prefix}': use 1..242 letters, digits, '-' or "
+                                       f"'_', starting with a letter or digit"), r.stderr
+            assert r.stderr.count("\n") == 1 and r.stdout == ""
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        _remove_strays(prefix, tmp_path)
+
+
+def test_longest_prefix_passes_the_check(tmp_path):
+    """242 characters is allowed (the check is the limit, not below it): the command
+    gets past the prefix to its own next check."""
+    r = dgt_main("testbed", "up", "--prefix", "fixtest" + "a" * 235, "--hosts", "0",
+                 cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr == "dgt testbed up: error: --hosts must be >= 1, got 0\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["up", "--hosts", "0"], "--hosts must be >= 1, got 0"),
+    (["up", "--hosts", "2", "--loss", "101"], "--loss must be a percentage 0..100, got 101.0"),
+    (["up", "--hosts", "2", "--queue-bytes", "10"],
+     "--queue-bytes must be >= 1500 (one packet), got 10"),
+    (["load", "--seconds", "0"], "--seconds must be a finite number > 0, got 0.0"),
+])
+def test_testbed_errors_name_the_subcommand(argv, message):
+    """Testbed errors have the one-line `prog: error: message` form of every other
+    subcommand (dgt train, dgt capture, ...), not a bare line."""
+    r = dgt_main("testbed", *argv)
+    assert r.returncode == 2
+    assert r.stderr == f"dgt testbed {argv[0]}: error: {message}\n"
+    # the same through register() under a plain argparse parser
+    r = dgt("testbed", *argv)
+    assert r.returncode == 2
+    assert r.stderr == f"dgt testbed {argv[0]}: error: {message}\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to get past the root check")
+def test_testbed_runtime_errors_name_the_subcommand():
+    r = dgt_main("testbed", "status", "--prefix", "fixtestnone")
+    assert r.returncode == 2
+    assert r.stderr == ("dgt testbed status: error: no testbed with prefix 'fixtestnone' "
+                        "is up; run `dgt testbed up`\n")
+    r = dgt_main("testbed", "exec", "--prefix", "fixtestnone", "0")
+    assert r.returncode == 2
+    assert r.stderr.startswith("dgt testbed exec: error: give a command")
+    r = dgt_main("tc", "show", "--dev", "fixtestnodev0")
+    assert r.returncode == 2 and r.stderr.startswith("dgt tc show: error: ")
+    assert r.stderr.count("\n") == 1

@@ -214,3 +214,49 @@ def test_priority_under_bulk_load():
                     f"load {cs1['load1']}): CS1 untested; EF held")
     assert cs1["port_drops"] > 0
     assert cs1["delivered_frac"] < 0.5 * ef_frac, cs1
+
+
+# ------------------------------------------------------------------ prefix rule
+
+@pytest.mark.parametrize("prefix", ["fixtest/r", "../fixtest", "fixtest.x", "-fixtest", "",
+                                    "fixtest\u00e9", "fixtest" + "a" * 236])
+def test_bad_prefix_refused_by_every_entry_point(tmp_path, monkeypatch, prefix):
+    """up/down/current/status/exec_in refuse a prefix that cannot name namespaces
+    before touching anything (a '/' made pyroute2 create files in the current folder;
+    243 characters overflow NAME_MAX in testbed-<prefix>.json), root or not. The error
+    is also a ValueError, so flag validators that catch ValueError report it."""
+    from test_tc_cli import _netns_named, _remove_strays
+    monkeypatch.chdir(tmp_path)
+    try:
+        for call in (lambda: testbed.up(2, prefix=prefix), lambda: testbed.down(prefix),
+                     lambda: testbed.current(prefix), lambda: testbed.status(prefix),
+                     lambda: testbed.exec_in(0, ["true"], prefix=prefix)):
+            with pytest.raises(testbed.PrefixError,
+                               match="letters, digits, '-' or '_'") as e:
+                call()
+            assert isinstance(e.value, ValueError)
+            assert isinstance(e.value, testbed.TestbedError)
+        with pytest.raises(ValueError, match=r"bad --testbed-prefix 'fixtest/r'"):
+            testbed.check_prefix("fixtest/r", "--testbed-prefix")
+        assert list(tmp_path.iterdir()) == []
+        assert _netns_named(prefix) == []
+    finally:
+        _remove_strays(prefix, tmp_path)
+
+
+@root_only
+def test_longest_allowed_prefix_builds_and_goes():
+    """The limit is real, not a guess: a 242-character prefix (the longest) builds a
+    testbed, is found, and is removed, state file and all."""
+    prefix = f"fixtest{uuid.uuid4().hex[:6]}".ljust(testbed.MAX_PREFIX_LEN, "a")
+    assert len(prefix) == testbed.MAX_PREFIX_LEN == 242
+    try:
+        tb = testbed.up(1, prefix=prefix)
+        assert testbed.current(prefix).hosts == 1
+        assert tb.exec_in(0, ["true"]).returncode == 0
+        assert testbed._state_file(prefix).exists()
+    finally:
+        removed = testbed.down(prefix)
+    assert sorted(removed) == sorted([f"{prefix}-h0", f"{prefix}-sw"])
+    assert not testbed._state_file(prefix).exists()
+    assert testbed.current(prefix) is None

@@ -184,9 +184,15 @@ def test_bad_output_path_checked_up_front(tmp_path, cmd):
     _one_line_error(r, "is a folder")
 
 
-def test_output_parent_folders_are_created(tmp_path):
+def test_output_missing_folder_is_an_error_not_created(tmp_path):
+    """A missing folder is a typo more often than a wish: it is an error naming the
+    path, and nothing is created (as root that could be anywhere, e.g. /nonexistent)."""
     pcap = _udp_pcap(tmp_path / "u.pcap")
     out = tmp_path / "new" / "sub" / "s.json"
+    r = _cli("pcap", "summary", str(pcap), "--json", str(out))
+    _one_line_error(r, f"cannot write {out} (--json): No such file or directory")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "new" / "sub").mkdir(parents=True)
     r = _cli("pcap", "summary", str(pcap), "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert json.loads(out.read_text())["totals"]["messages"] == 3

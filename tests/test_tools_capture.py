@@ -169,3 +169,148 @@ def test_cli_capture_count_via_subprocess(tmp_path):
     assert "packets" in so and "count" in so
     msgs, _ = dissect.messages_from_pcap(out)
     assert len(msgs) == 10 and {m.dscp for m in msgs} == {18}
+
+
+# ------------------------------------------------ output that cannot be written (-w)
+
+def _dgt_capture(*args, cwd=None, prefix_cmd=()):
+    """`dgt capture` as a user runs it (no -q: a started capture logs 'capturing on')."""
+    return subprocess.run([*prefix_cmd, PY, "-m", "dgt.cli", "capture", *args],
+                          capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+def _assert_refused_up_front(r, path, reason):
+    """Exit 2, no summary, and exactly one stderr line naming the path and the reason:
+    the capture never started (it would have logged 'capturing on' first)."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout == ""
+    assert "Traceback" not in r.stderr and "capturing on" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"dgt capture: error: cannot write {path} (-w): {reason}"), \
+        r.stderr
+
+
+def test_capture_missing_folder_is_refused_and_not_created(tmp_path):
+    """The reported case (-w /nonexistent/x.pcap exited 0): a folder that does not exist
+    is an error before capturing, and it is not created."""
+    out = tmp_path / "nonexistent" / "x.pcap"
+    r = _dgt_capture("--base-port", "5000", "-w", str(out), "--seconds", "1")
+    _assert_refused_up_front(r, out, "No such file or directory")
+    assert not out.parent.exists()
+    # with --file-mb the first file (x.00001.pcap) is the one tried
+    r = _dgt_capture("--base-port", "5000", "-w", str(out), "--seconds", "1",
+                     "--file-mb", "1")
+    _assert_refused_up_front(r, out.parent / "x.00001.pcap", "No such file or directory")
+    assert not out.parent.exists()
+
+
+def test_capture_to_a_folder_is_refused(tmp_path):
+    r = _dgt_capture("--base-port", "5000", "-w", str(tmp_path), "--seconds", "1")
+    _assert_refused_up_front(r, tmp_path, "is a folder")
+
+
+def test_capture_where_no_file_can_be_made_is_refused(tmp_path):
+    """/proc takes no new files, for root either (whose access() says 'writable')."""
+    out = f"/proc/fixtest-{os.getpid()}.pcap"
+    r = _dgt_capture("--base-port", "5000", "-w", out, "--seconds", "1")
+    reason = "No such file or directory" if os.geteuid() == 0 else "Permission denied"
+    _assert_refused_up_front(r, out, reason)
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None,
+                    reason="as root, needs setpriv to run as a user a folder can refuse")
+def test_capture_into_unwritable_folder_is_refused():
+    """A folder the user may not write (mode 555), checked before the root check: a
+    user learns about the path first."""
+    import tempfile
+    base = tempfile.mkdtemp(prefix="fixtest-cap-")   # /tmp: reachable by 'nobody'
+    try:
+        os.chmod(base, 0o755)
+        ro = os.path.join(base, "ro")
+        os.mkdir(ro, 0o555)
+        os.chmod(ro, 0o555)
+        out = os.path.join(ro, "x.pcap")
+        as_user = (["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+                   if os.geteuid() == 0 else [])
+        r = _dgt_capture("--base-port", "5000", "-w", out, "--seconds", "1", cwd="/",
+                         prefix_cmd=as_user)
+        _assert_refused_up_front(r, out, "Permission denied")
+        assert os.listdir(ro) == []
+    finally:
+        os.chmod(os.path.join(base, "ro"), 0o755)
+        shutil.rmtree(base)
+
+
+@root
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+def test_capture_on_read_only_file_system_is_refused(tmp_path):
+    """A read-only mount (a tmpfs mounted ro in a private mount namespace: gone with
+    the process, nothing to tear down)."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    out = mnt / "x.pcap"
+    r = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c",
+         f'mount -t tmpfs -o ro,size=1m fixtest "{mnt}" && exec "{PY}" -m dgt.cli capture '
+         f'--base-port 5000 -w "{out}" --seconds 1'],
+        capture_output=True, text=True, timeout=60)
+    if "mount:" in r.stderr:
+        pytest.skip(reason=f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    _assert_refused_up_front(r, out, "Read-only file system")
+
+
+def _assert_failed_after_start(r, path, reason):
+    """Started (logged 'capturing on'), then the writer failed: exit 2, no summary,
+    the last line names the file and why."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout == "", r.stdout               # never a success summary
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert "capturing on" in lines[0], r.stderr
+    assert lines[-1] == f"dgt capture: error: cannot write {path}: {reason}", r.stderr
+
+
+@root
+def test_capture_write_failure_after_start_is_an_error():
+    """/dev/full opens fine and fails every write: the capture must fail, not print a
+    summary naming a file that holds nothing."""
+    r = _dgt_capture("--base-port", str(synth.free_base_port(1)), "-w", "/dev/full",
+                     "--seconds", "1")
+    _assert_failed_after_start(r, "/dev/full", "No space left on device")
+
+
+@root
+def test_capture_broken_pipe_is_an_error(tmp_path):
+    """Writing into a pipe whose reader went away ([Errno 32] Broken pipe): exit 2
+    naming the pipe, no summary."""
+    fifo = tmp_path / "live.pcap"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # so the writer's open returns
+    try:
+        p = subprocess.Popen([PY, "-m", "dgt.cli", "capture", "--base-port",
+                              str(synth.free_base_port(1)), "-w", str(fifo),
+                              "--seconds", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = p.stderr.readline()       # logged after the pipe was opened
+    finally:
+        os.close(reader)                  # the reader goes away
+    so, se = p.communicate(timeout=60)
+    r = subprocess.CompletedProcess(p.args, p.returncode, so, first + se)
+    _assert_failed_after_start(r, fifo, "Broken pipe")
+
+
+@root
+def test_capture_failing_ring_rotation_is_an_error(tmp_path):
+    """The second ring file cannot be made (a folder has its name): the capture stops
+    with an error naming that file instead of going on or claiming success."""
+    base = synth.free_base_port(1)
+    (tmp_path / "ring.00002.pcap").mkdir()
+    p = subprocess.Popen([PY, "-m", "dgt.cli", "capture", "--ports", str(base + 1),
+                          "--file-mb", "0.02", "--count", "200", "--seconds", "30",
+                          "-w", str(tmp_path / "ring.pcap")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = p.stderr.readline()
+    _blast(base + 1, 200)                 # ~60 KB: past the first 20 KB file
+    so, se = p.communicate(timeout=60)
+    r = subprocess.CompletedProcess(p.args, p.returncode, so, first + se)
+    _assert_failed_after_start(r, tmp_path / "ring.00002.pcap", "Is a directory")

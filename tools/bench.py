@@ -113,6 +113,17 @@ class BenchConfig:
             raise BenchError(f"--loss-pct must be in (0, 100), got {self.loss_pct}")
         for r in self.rates:
             rate_bps(r)
+        check_prefix(self.prefix)
+
+
+def check_prefix(prefix: str) -> None:
+    """``--prefix`` must be able to name the bench's testbed namespaces. Raises
+    BenchError naming the flag (the rule is the testbed's, :func:`testbed.check_prefix`)."""
+    from dgt.tc_profiles.testbed import PrefixError, check_prefix as _check
+    try:
+        _check(prefix, "--prefix")
+    except PrefixError as e:
+        raise BenchError(str(e)) from None
 
 
 def rate_bps(rate: str) -> float:
@@ -817,6 +828,7 @@ def check_goodput_args(a, iterations: int) -> None:
         raise BenchError("goodput always uses 2 testbed hosts; drop --workers")
     if len(_csv(a.rates) if a.rates else []) > 1:
         raise BenchError("goodput takes one --rates value (one port rate)")
+    check_prefix(a.prefix)
 
 
 def cmd_bench(a) -> int:

@@ -50,7 +50,8 @@ _HATYPE_TO_DLT = {ARPHRD_ETHER: 1, ARPHRD_LOOPBACK: 1, ARPHRD_NONE: 101}
 
 
 class CaptureError(RuntimeError):
-    """Capture cannot start; the message says what to do (one line)."""
+    """Capture cannot start, or its pcap file cannot be written; the message says what
+    to do (one line)."""
 
 
 @dataclass
@@ -154,8 +155,18 @@ def validate_config(cfg: CaptureConfig) -> None:
         raise CaptureError(f"--seconds must be a finite number > 0, got {cfg.seconds}")
 
 
+def ring_file(out: str | Path, index: int) -> Path:
+    """The name of rotated file ``index`` (1, 2, ...) of ``out``: ``stem.00001.pcap``."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}.{index:05d}{out.suffix or '.pcap'}")
+
+
 class PcapRing:
-    """Streamed nanosecond-pcap writer with size-based rotation and a file ring."""
+    """Streamed nanosecond-pcap writer with size-based rotation and a file ring.
+
+    Any failure to create, write, flush or close a file raises :class:`CaptureError`
+    ``cannot write PATH: why``: a capture whose file is incomplete never looks
+    successful."""
 
     def __init__(self, out: str, dlt: int, file_mb: float | None, ring: int | None):
         self.out = Path(out)
@@ -172,13 +183,19 @@ class PcapRing:
     def _name(self) -> Path:
         if self.limit is None:
             return self.out
-        return self.out.with_name(f"{self.out.stem}.{self.index:05d}{self.out.suffix or '.pcap'}")
+        return ring_file(self.out, self.index)
+
+    def _failed(self, path, e: OSError) -> CaptureError:
+        return CaptureError(f"cannot write {path}: {e.strerror or e}")
 
     def _open(self) -> None:
         self.index += 1
         path = self._name()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(path, "wb", buffering=1 << 20)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(path, "wb", buffering=1 << 20)
+        except OSError as e:
+            raise self._failed(path, e) from None
         self.f.write(struct.pack("<IHHiIII", 0xA1B23C4D, 2, 4, 0, 0, SNAPLEN, self.dlt))
         self.size = 24
         self.files.append(str(path))
@@ -186,26 +203,39 @@ class PcapRing:
             old = self.files.pop(0)
             try:
                 os.unlink(old)
-            except OSError:
-                pass
-            self.deleted += 1
+                self.deleted += 1
+            except FileNotFoundError:
+                self.deleted += 1
+            except OSError as e:
+                log.warning("cannot remove old ring file %s: %s", old, e.strerror or e)
 
     def write(self, ts_ns: int, data: bytes, wirelen: int) -> None:
         if self.limit is not None and self.size > 24 and self.size + 16 + len(data) > self.limit:
-            self.f.close()
+            self.close()
             self._open()
         sec, ns = divmod(ts_ns, 1_000_000_000)
-        self.f.write(struct.pack("<IIII", sec, ns, len(data), wirelen))
-        self.f.write(data)
+        try:
+            self.f.write(struct.pack("<IIII", sec, ns, len(data), wirelen))
+            self.f.write(data)
+        except OSError as e:
+            raise self._failed(self.files[-1], e) from None
         self.size += 16 + len(data)
 
     def flush(self) -> None:
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as e:
+            raise self._failed(self.files[-1], e) from None
 
     def close(self) -> None:
-        if self.f:
-            self.f.close()
-            self.f = None
+        """Flush and close the current file (closed even when the flush fails).
+        Raises CaptureError when what was written did not reach the file."""
+        f, self.f = self.f, None
+        if f:
+            try:
+                f.close()
+            except OSError as e:
+                raise self._failed(self.files[-1], e) from None
 
 
 class Capture:
@@ -302,7 +332,11 @@ class Capture:
     def run(self) -> CaptureStats:
         cfg, st = self.cfg, self.stats
         sock, dlt, loopback = self._open_socket()
-        writer = PcapRing(cfg.out, dlt, cfg.file_mb, cfg.ring)
+        try:
+            writer = PcapRing(cfg.out, dlt, cfg.file_mb, cfg.ring)
+        except BaseException:
+            sock.close()
+            raise
         chans = set(cfg.channels) if cfg.channels is not None else None
         t0 = time.monotonic()
         deadline = t0 + cfg.seconds if cfg.seconds else None
@@ -359,11 +393,13 @@ class Capture:
         finally:
             st.kernel_drops += self._drops(sock)
             sock.close()
-            writer.close()
-            st.seconds = time.monotonic() - t0
-            st.files = list(writer.files)
-            st.deleted_files = writer.deleted
-            self.ready.set()
+            try:
+                writer.close()   # a failed final flush raises: the capture failed
+            finally:
+                st.seconds = time.monotonic() - t0
+                st.files = list(writer.files)
+                st.deleted_files = writer.deleted
+                self.ready.set()
         return st
 
     @staticmethod
@@ -401,7 +437,9 @@ def _channel_ok(frame: bytes, dlt: int, chans: set[int]) -> bool:
 def run_capture(cfg: CaptureConfig) -> CaptureStats:
     """Capture inline until a bound is hit (or Ctrl-C); returns the stats.
 
-    Raises :class:`CaptureError` (not root, missing interface or netns, bad filter).
+    Raises :class:`CaptureError` (not root, missing interface or netns, bad filter, and
+    a pcap file that cannot be written, also when that happens at the end: stopped by
+    Ctrl-C or not, a capture whose file is incomplete is never returned as a result).
     """
     cap = Capture(cfg)
     try:

@@ -79,28 +79,60 @@ def _positive(flag: str, value, integer: bool = False) -> None:
 
 def check_output(flag: str, path: str | None) -> None:
     """The output-path policy of every command (``-w``, ``--json``, ``--plot``),
-    checked before any work: missing parent folders are created; the path must not be
-    a folder, and its folder (and the file, if it exists) must be writable. Raises
-    ValueError (one line)."""
+    checked before any work: the path must not be a folder, its folder must exist (it
+    is not created: a typo must not make folders, as root anywhere), and the file must
+    really be writable there: it is opened for writing (created and removed again when
+    new; an existing file is neither truncated nor changed), so a read-only file
+    system, a folder the user cannot write, or a place no file can be made (``/proc``)
+    fails here, not after the work. Raises ValueError, one line:
+    ``cannot write PATH (FLAG): why``."""
     if not path:
         return
     p = Path(path)
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"cannot write {path} ({flag}): {why}")
     if p.is_dir():
-        raise ValueError(f"{flag} {path}: is a folder, give a file name")
+        raise bad("is a folder, give a file name")
     parent = p.parent if str(p.parent) else Path(".")
+    if parent.exists() and not parent.is_dir():
+        raise bad(f"{parent} is not a folder")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ValueError(f"{flag} {path}: {parent} is not a folder") from None
+        _probe_writable(p)
+    except FileNotFoundError as e:
+        raise bad(f"{e.strerror} (no folder {parent})") from None
+    except NotADirectoryError as e:
+        raise bad(f"{e.strerror} (a part of {parent} is not a folder)") from None
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot create folder {parent}: "
-                         f"{e.strerror or e}") from None
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: folder {parent} is not writable")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise ValueError(f"{flag} {path}: file is not writable")
+        raise bad(e.strerror or str(e)) from None
+
+
+def _probe_writable(p: Path) -> None:
+    """Open ``p`` for writing the way the command will, and undo it. Raises OSError."""
+    import errno
+    import stat
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # a FIFO or a device: opening may block (a pipe waits for its reader) or have
+        # effects, so only the permission is checked; write errors come later
+        if not os.access(p, os.W_OK):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(p))
+        return
+    if st is not None:
+        os.close(os.open(p, os.O_WRONLY | os.O_APPEND))    # no O_TRUNC: left as it is
+        return
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:   # made meanwhile, or a dangling symlink: the writer decides
+        return
+    os.close(fd)
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
 
 
 _SESSION_RE = re.compile(r"^(0x)?[0-9a-fA-F]{1,16}$")
@@ -159,7 +191,10 @@ def cmd_capture(args) -> int:
     _positive("--count", args.count, integer=True)
     _positive("--ring", args.ring, integer=True)
     spec = _port_spec(args, required=True)
-    check_output("-w", args.write)
+    # the file the capture opens first (with --file-mb: OUT.00001.pcap), tried before
+    # the socket: a path that cannot be written is an error before capturing starts
+    check_output("-w", str(capture.ring_file(args.write, 1)) if args.file_mb
+                 else args.write)
     check_output("--json", args.json)
     cfg = capture.CaptureConfig(
         out=args.write, ports=spec, interface=args.interface, netns=args.netns,

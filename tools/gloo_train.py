@@ -181,7 +181,11 @@ def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
             log("gloo_train: --testbed needs root (network namespaces); run as root, or "
                 "drop --testbed to train over loopback")
             return 2, None
-        tb = testbed.current(job.testbed_prefix)
+        try:
+            tb = testbed.current(job.testbed_prefix)
+        except testbed.PrefixError as e:
+            log(f"gloo_train: {e}")
+            return 2, None
         if tb is None or tb.hosts < n:
             log(f"gloo_train: --testbed needs {n} testbed hosts with prefix "
                 f"'{job.testbed_prefix}'; run 'dgt testbed up --hosts {n}' first")
@@ -299,7 +303,8 @@ def print_summary(r: dict, log=print) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    from dgt.config import OneLineParser
+    p = OneLineParser(
         prog="python -m dgt.tools.gloo_train",
         description="The gloo all_reduce baseline of 'dgt train': the same training loop. "
                     "Without --rank: launch --workers ranks and write --report. With "
@@ -323,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--rank needs --world and --result")
         ns.device = "cpu"
         return rank_main(ns)
+    from dgt.tc_profiles.testbed import PrefixError, check_prefix
+    try:
+        check_prefix(ns.testbed_prefix, "--testbed-prefix")
+    except PrefixError as e:
+        p.error(str(e))
     job = GlooJob(workers=ns.workers, epochs=ns.epochs, iterations=ns.iterations,
                   eval_every=ns.eval_every,
                   batch_size=ns.batch_size, lr=ns.lr, hidden=ns.hidden, seed=ns.seed,

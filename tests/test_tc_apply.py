@@ -72,7 +72,8 @@ def test_missing_qdisc_refused_before_any_change(veth, profile, qdisc):
     r = subprocess.run([sys.executable, "-c", CLI, "tc", "apply", profile, "--dev", dev,
                         "--netns", ns], capture_output=True, text=True)
     assert r.returncode == 2
-    assert r.stderr.strip().startswith(f"qdisc '{qdisc}' is not in this kernel")
+    assert r.stderr.strip().startswith(f"dgt tc apply: error: qdisc '{qdisc}' is not in "
+                                       f"this kernel")
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 

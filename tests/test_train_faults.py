@@ -122,19 +122,26 @@ def _started(tmp_path, *args):
     return p, run_dir, json.loads((run_dir / "pids.json").read_text())
 
 
-def test_frozen_trainer_is_named_and_the_job_ends(tmp_path):
-    p, run_dir, pids = _started(tmp_path, "--epochs", 200, "--peer-timeout-s", 5)
-    frozen = next(x for x in pids if x["kind"] == "trainer" and x["rank"] == 2)
+def _freeze_until_done(p, pids, kind, rank, timeout_s):
+    """SIGSTOP ``kind`` of ``rank`` and wait for the job to end (bounded: a hang fails
+    the test); SIGCONT it afterwards in any case. Returns the launcher's out + err."""
+    frozen = next(x for x in pids if x["kind"] == kind and x["rank"] == rank)
     os.kill(frozen["pid"], signal.SIGSTOP)
     try:
-        out, err = p.communicate(timeout=90)
+        out, err = p.communicate(timeout=timeout_s)
     finally:
         try:
             os.kill(frozen["pid"], signal.SIGCONT)
         except ProcessLookupError:
             pass
+    return out + err
+
+
+def test_frozen_trainer_is_named_and_the_job_ends(tmp_path):
+    p, run_dir, pids = _started(tmp_path, "--epochs", 200, "--peer-timeout-s", 5)
+    text = _freeze_until_done(p, pids, "trainer", 2, timeout_s=90)
     assert p.returncode != 0
-    assert "rank(s) [2]" in out + err, out + err
+    assert "rank(s) [2]" in text, text
     assert not [x for x in pids if alive(x["pid"])]
 
 
@@ -181,16 +188,7 @@ def test_a_sidecar_frozen_at_start_up_is_named_not_a_library_stack_frame(tmp_pat
     p = start_train(run_dir, "--workers", 3, "--epochs", 1, "--peer-timeout-s", 5)
     wait_for(run_dir / "pids.json", p)
     pids = json.loads((run_dir / "pids.json").read_text())
-    frozen = next(x for x in pids if x["kind"] == "sidecar" and x["rank"] == 2)
-    os.kill(frozen["pid"], signal.SIGSTOP)
-    try:
-        out, err = p.communicate(timeout=120)
-    finally:
-        try:
-            os.kill(frozen["pid"], signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    text = out + err
+    text = _freeze_until_done(p, pids, "sidecar", 2, timeout_s=120)
     assert p.returncode != 0
     failed = [ln for ln in text.splitlines() if "dgt train: failed:" in ln]
     assert failed and "rank(s) [2]" in failed[0], text

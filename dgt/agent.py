@@ -42,6 +42,8 @@ class Links:
 
 #: unsent TCP bytes to a node below which its UDP blocks may start (two GSO batches)
 TCP_BACKLOG_SLACK = 128 * 1024
+#: copies of each tail marker (dgt.transport.session: END on a UDP channel)
+TAIL_COPIES = 2
 #: per-node UDP bucket depth: two GSO batches, so a timer that fires late (the event
 #: loop's timers have 1 ms resolution) is made up by the next batch, not lost
 UDP_BURST_BYTES = 2 * 65536
@@ -266,11 +268,26 @@ class WorkerAgent:
                 charged[j], pos[j] = 0, dgrams.shape[0]
             refused_since.pop(j, None)
             if pos[j] == dgrams.shape[0]:
+                if counts is not None:
+                    self._send_tail(c, s, int(counts[s, c]))
                 seg[j], pos[j] = seg[j] + 1, 0
             if seg[j] < len(segments):
                 take(j, now)
             else:
                 del due[j]
+
+    def _send_tail(self, channel: int, shard: int, count: int) -> None:
+        """Channel ``channel``'s tail marker to ``shard``: END on that channel, after its
+        last block and in the same queue, so the shard need not wait out the deadline
+        for blocks that were lost (transport.session). Best effort: a marker that is
+        refused or lost leaves the deadline in charge. Sent ``TAIL_COPIES`` times: one
+        random loss (1 % of 3 markers to each of N-1 nodes) would otherwise cost a whole
+        deadline in a third of the iterations of a 4-node job."""
+        frame = wire.encode(MsgType.END, session=self.session, sender=self.rank,
+                            shard=shard, iteration=self.iteration, channel=channel,
+                            count=count, key=self.key)
+        rows = np.frombuffer(frame, np.uint8)[None].repeat(TAIL_COPIES, axis=0)
+        self.counters.tail_markers += self.links.send_udp(channel, shard, rows)
 
     @staticmethod
     def _batch_rows(datagram_bytes: int) -> int:

@@ -63,9 +63,11 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
         "channel_block_share": shares,
         "blocks_unsent": traffic["blocks_unsent"],
         "blocks_local": traffic["blocks_local"],
+        "tail_markers": traffic["tail_markers"],
         "rejected": traffic["rejected"],
         "emulated_drops": sum(s.get("emulated_drops", 0) for s in sidecars),
         "deadline_finalised": sum(s.get("deadline_finalised", 0) for s in sidecars),
+        "tail_finalised": sum(s.get("tail_finalised", 0) for s in sidecars),
         "conservation_rel_error": conservation_error(run_dir),
         "history": trainers[0]["history"] if trainers else [],
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
@@ -105,6 +107,9 @@ def print_summary(r: dict, log=print) -> None:
     if r["rejected"]:
         extra += ", rejected " + ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items()))
     log(extra)
+    if r.get("deadline_finalised") or r.get("tail_finalised"):
+        log(f"workers finalised with blocks lost: {r.get('tail_finalised', 0)} at their "
+            f"tail markers, {r.get('deadline_finalised', 0)} at the deadline")
     bad = next((h for h in r["history"] if not math.isfinite(h.get("loss", 0.0))), None)
     if bad is not None:
         log(f"warning: the training loss is {bad['loss']} from iteration {bad['iteration']} "

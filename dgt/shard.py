@@ -32,6 +32,7 @@ class ServerShard:
         self.recv = np.zeros((self.n_workers, n, layout.block_elems), np.float32)
         self.bitmaps: list[np.ndarray | None] = [None] * self.n_workers
         self.finalised_by_deadline = 0
+        self.finalised_by_tail = 0   # some blocks lost, known from the tail markers
 
     def handle(self, events: list) -> None:
         """Apply session events: copy blocks, record bitmaps, aggregate when complete."""
@@ -41,6 +42,7 @@ class ServerShard:
             elif isinstance(e, WorkerFinalised):
                 self.bitmaps[e.sender] = e.received
                 self.finalised_by_deadline += e.reason == "deadline"
+                self.finalised_by_tail += e.reason == "tail"
             elif isinstance(e, IterationComplete):
                 self._aggregate(e.iteration)
 

@@ -616,6 +616,7 @@ class Sidecar:
             "failed": str(self.failed) if self.failed else None,
             "config": {k: v for k, v in asdict(self.cfg).items() if k != "secret"},
             "deadline_finalised": self.shard.finalised_by_deadline if self.shard else 0,
+            "tail_finalised": self.shard.finalised_by_tail if self.shard else 0,
             "emulated_drops": sum(p.emulated_drops for _, p in self.udp.values()),
             "udp_gso": all(b.gso for b in self.udp_senders.values()),
             "udp_gro": self.gro,

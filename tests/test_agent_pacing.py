@@ -7,6 +7,7 @@ import numpy as np
 from dgt.agent import TCP_BACKLOG_SLACK, Links, WorkerAgent
 from dgt.config import TransmissionConfig
 from dgt.layout import BlockLayout
+from dgt.transport import wire
 from dgt.transport.counters import Counters
 
 
@@ -66,12 +67,20 @@ def test_udp_waits_for_tcp_backlog_but_not_forever():
 def test_a_band_our_own_queue_keeps_refusing_is_dropped_and_taken_out_of_end():
     """Band 2 to node 1 is refused for good (a starved scavenger queue under bulk
     best-effort traffic): the push still ends, band 2's rest is counted as dropped here
-    and removed from the END counts; every other band goes out whole."""
-    sent = []
+    and removed from the END counts; every other band goes out whole, and then its tail
+    marker with the count the END will carry."""
+    sent, markers = [], []
 
     def send_udp(c, s, rows):
         if (s, c) == (1, 2):
             return 0               # ENOBUFS, every time
+        if rows.shape[1] != 100:   # a tail marker: END on that channel
+            h, payload = wire.decode(rows[0].tobytes())
+            assert len(rows) == 2 and rows[0].tobytes() == rows[1].tobytes() and not payload
+            # after the band's last block: all of them are in `sent` already
+            assert h.count == sum(n for s2, c2, n in sent if (s2, c2) == (s, c))
+            markers.append((s, c, h.type, h.channel, h.shard, h.count))
+            return 2
         sent.append((s, c, len(rows)))
         return len(rows)
 
@@ -87,3 +96,7 @@ def test_a_band_our_own_queue_keeps_refusing_is_dropped_and_taken_out_of_end():
     assert counts[1, 2] == 0 and counts[1, 1] == counts[2, 2] == 300
     ch2 = agent.counters.channels[2]
     assert ch2.blocks_dropped_local == 300 and ch2.blocks_sent == 300
+    END = wire.MsgType.END
+    assert sorted(markers) == [(1, 1, END, 1, 1, 300), (2, 1, END, 1, 2, 300),
+                               (2, 2, END, 2, 2, 300)]   # (1, 2)'s was refused too
+    assert agent.counters.tail_markers == 6   # two copies each

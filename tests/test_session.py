@@ -228,3 +228,101 @@ def test_any_gro_run_equals_one_by_one(runs, split):
     for c in range(wire.MAX_CHANNELS):
         assert a.counters.channels[c] == b.counters.channels[c]
     assert np.array_equal(got_a, got_b)
+
+
+def marker(sender, ch, count, it=0, sess=S, shard=1, payload=b"", key=None):
+    """A UDP channel's tail marker: END on channel ``ch`` after its last block."""
+    return wire.encode(MsgType.END, session=sess, sender=sender, shard=shard, iteration=it,
+                       channel=ch, count=count, payload=payload, key=key)
+
+
+@pytest.mark.parametrize("marker_first", [False, True])
+def test_a_tail_marker_finalises_a_worker_whose_blocks_were_lost(marker_first):
+    """Block 12 of three on channel 1 is lost; once END and channel 1's marker are both
+    in (either order), the worker is final: no deadline, the loss counted."""
+    s = session(n_workers=1)
+    for b in (10, 11):
+        s.receive_datagram(dgram(0, b), now=0)
+    first, second = ((lambda: s.receive_datagram(marker(0, 1, 3), now=0.01)),
+                     (lambda: s.receive_frame(*end(0, [0, 3]), now=0.01)))
+    if not marker_first:
+        first, second = second, first
+    assert first() == []
+    ev = second()
+    assert kinds(ev) == ["WorkerFinalised", "IterationComplete"]
+    assert ev[0].reason == "tail" and ev[0].received.tolist() == [True] * 2 + [False] * 8
+    assert s.next_deadline() is None
+    assert s.counters.channels[1].blocks_lost == 1 and not s.counters.rejected
+
+
+def test_every_short_channel_needs_its_marker_and_a_wrong_count_is_no_marker():
+    s = session(n_workers=1)
+    s.receive_datagram(dgram(0, 10, ch=1), now=0)
+    s.receive_datagram(dgram(0, 11, ch=2), now=0)
+    s.receive_frame(*end(0, [0, 2, 2]), now=0)            # one block lost on each channel
+    assert s.receive_datagram(marker(0, 1, 2), now=0.001) == []
+    assert s.receive_datagram(marker(0, 2, 1), now=0.002) == []   # END said 2: not the tail
+    assert s.next_deadline() == pytest.approx(0.05)
+    ev = s.poll(0.05)
+    assert ev[0].reason == "deadline"
+    assert s.counters.channels[1].blocks_lost == s.counters.channels[2].blocks_lost == 1
+
+
+def test_a_marker_after_its_worker_is_final_is_ignored_quietly():
+    """The clean case: every block came, END finalised the worker, the marker comes
+    last; and a marker of a past iteration. Neither is an error."""
+    s = session(n_workers=1)
+    s.receive_datagram(dgram(0, 10), now=0)
+    assert kinds(s.receive_frame(*end(0, [0, 1]), now=0))[0] == "WorkerFinalised"
+    assert s.receive_datagram(marker(0, 1, 1), now=0.001) == []
+    s.advance()
+    assert s.receive_datagram(marker(0, 1, 1, it=0), now=0.002) == []
+    assert not s.counters.rejected and s.next_deadline() is None
+
+
+@pytest.mark.parametrize("buf,reason", [
+    (marker(0, 1, 1, payload=b"x"), "bad_tail"),
+    (marker(0, 1, 11), "bad_tail"),                       # more than the shard's blocks
+    (marker(0, 1, 1, sess=S + 1), "stray"),
+    (marker(0, 1, 1, shard=2), "wrong_shard"),
+    (marker(9, 1, 1), "bad_sender"),
+    (marker(0, 1, 1, it=3), "future"),
+    (marker(0, 0, 1), "bad_udp_message"),                 # END on UDP names a UDP channel
+])
+def test_bad_tail_markers_are_counted_and_change_nothing(buf, reason):
+    s = session(n_workers=1)
+    s.receive_frame(*end(0, [0, 1]), now=0)
+    assert s.receive_datagram(buf, now=0.001) == [Rejected(reason)]
+    assert s.counters.rejected[reason] == 1
+    assert (s.tail == -1).all() and s.next_deadline() == pytest.approx(0.05)
+
+
+def test_a_marker_s_copy_is_ignored_and_a_contradicting_one_rejected():
+    s = session(n_workers=2)
+    assert s.receive_datagram(marker(0, 1, 2), now=0) == []
+    assert s.receive_datagram(marker(0, 1, 2), now=0) == []       # the second copy
+    assert s.receive_datagram(marker(0, 1, 1), now=0) == [Rejected("bad_tail")]
+    assert s.tail[0, 1] == 2 and s.counters.rejected == {"bad_tail": 1}
+
+
+def test_a_marker_at_the_end_of_a_gro_run_comes_after_the_run_s_blocks():
+    """GRO appends a shorter last datagram to a run: the marker. Its blocks must count
+    before it, or they would be late and the worker short of them."""
+    s = session(n_workers=1)
+    s.receive_frame(*end(0, [0, 3]), now=0)               # block 12 will be lost
+    ev = s.receive_datagram(_rows(0, [10, 11]).tobytes() + marker(0, 1, 3), now=0.01)
+    assert kinds(ev) == ["BlocksArrived", "WorkerFinalised", "IterationComplete"]
+    assert ev[1].reason == "tail" and ev[1].received[:3].tolist() == [True, True, False]
+    assert s.counters.channels[1].blocks_late == 0
+
+
+def test_a_marker_and_its_copy_coalesced_by_gro_are_read_one_by_one():
+    s = session(n_workers=1)
+    s.receive_datagram(dgram(0, 10), now=0)
+    s.receive_frame(*end(0, [0, 2]), now=0)
+    ev = s.receive_datagram(marker(0, 1, 2) * 2, now=0.01)
+    assert kinds(ev) == ["WorkerFinalised", "IterationComplete"] and ev[0].reason == "tail"
+    assert not s.counters.rejected
+    # the same length that is not a run of whole datagrams stays malformed
+    assert s.receive_datagram(marker(0, 1, 2) + b"\x00" * 10, now=0.02) == \
+        [Rejected("bad_length")]

@@ -214,3 +214,16 @@ def test_docs_wire_md_worked_example_matches_code():
         dump = "\n".join(f"{i:04x}  " + " ".join(f"{x:02x}" for x in b[i:i + 16])
                          for i in range(0, len(b), 16))
         assert dump in doc
+
+
+def test_a_tail_marker_is_described_not_called_malformed():
+    """END on a UDP channel (empty payload) is a tail marker; END on TCP without its
+    counts stays malformed."""
+    m = wire.encode(wire.MsgType.END, session=1, sender=0, shard=1, iteration=2,
+                    channel=3, count=17)
+    h, payload = wire.decode(m)
+    assert dissect.describe_payload(h, payload) == {"tail_count": 17}
+    t = wire.encode(wire.MsgType.END, session=1, sender=0, shard=1, iteration=2,
+                    channel=0, count=17)
+    h, payload = wire.decode(t)
+    assert dissect.describe_payload(h, payload)["malformed"]

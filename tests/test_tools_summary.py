@@ -62,6 +62,9 @@ def test_loss_from_end_counts_and_late(run):
     assert s["totals"]["late"] == len(LATE)
     n_keys = cfg.ranks * cfg.ranks * cfg.iterations
     assert s["ends"] == n_keys and s["pulls"] == n_keys and s["pulls_unattributed"] == 0
+    assert s["bad_ends"] == 0   # the UDP channels' tail markers are not ENDs
+    assert s["tail_markers"] == sum(c["tail_markers"] for c in sent["channels"].values()) \
+        == n_keys * 3 * 2
     expected = {name: n * n_keys for name, n in zip(["tcp", "udp1", "udp2", "udp3"], cfg.blocks)}
     for name, n in expected.items():
         assert s["channels"][name]["blocks_expected"] == n

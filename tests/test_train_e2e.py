@@ -68,6 +68,10 @@ def test_loss_is_survived_and_conserved(train):
     assert r["emulated_drops"] > 0
     assert sum(ch["blocks_lost"] for ch in r["channels"].values()) > 0
     assert r["conservation_rel_error"] < 1e-4
+    # lost blocks were known lost at their channel's tail marker, not at the deadline
+    # (a marker is lost too, both copies, for 4 % of the channels: those wait it out)
+    assert r["tail_markers"] > 0 and r["tail_finalised"] > r["deadline_finalised"]
+    assert "at their tail markers" in p.stdout
 
 
 def test_conservation_fails_without_error_feedback(train):

@@ -153,10 +153,13 @@ def describe_payload(h: wire.Header, payload) -> dict:
     """A JSON-able view of a message payload (what the Lua dissector shows too).
 
     BLOCKS (UDP): ``{"blocks": [block]}``; BLOCKS (INDEXED): the ``count`` indices;
-    END: the 8 per-channel counts; ERROR: the text; others: the payload size. Never raises.
+    END: the 8 per-channel counts; END on a UDP channel (a tail marker, empty):
+    ``{"tail_count": count}``; ERROR: the text; others: the payload size. Never raises.
     """
     try:
         mv = memoryview(payload).cast("B")
+        if h.type == wire.MsgType.END and h.channel and not len(mv):
+            return {"tail_count": h.count}
         if h.type == wire.MsgType.BLOCKS:
             if h.flags & wire.Flag.INDEXED:
                 n = min(h.count, len(mv) // 4)

@@ -70,6 +70,7 @@ class Summary:
         self.pulls = 0
         self.pulls_unattributed = 0
         self.bad_end = 0
+        self.tail_markers = 0
         self.iters: dict[int, _Iter] = defaultdict(_Iter)
 
     def add(self, m: Message) -> None:
@@ -101,6 +102,8 @@ class Summary:
             if key in self.pull_ns:
                 self.ch_late[ch] += h.count
                 it.late[ch] += h.count
+        elif h.type == wire.MsgType.END and h.channel:
+            self.tail_markers += 1   # a UDP channel's tail marker: its count is in END
         elif h.type == wire.MsgType.END:
             it.ends += 1
             try:
@@ -192,6 +195,7 @@ class Summary:
                        "blocks_expected": sum(expected.values()),
                        "lost": sum(lost.values()), "late": sum(self.ch_late.values())},
             "ends": len(self.ends), "bad_ends": self.bad_end,
+            "tail_markers": self.tail_markers,
             "pulls": self.pulls, "pulls_unattributed": self.pulls_unattributed,
             "iterations": iterations,
         }
@@ -268,7 +272,8 @@ def format_table(s: dict) -> str:
     lines.append(f"packets {s['packets']}, dgt packets {s['dgt_packets']}, messages "
                  f"{s['messages']}, undecodable {s['undecodable']}"
                  + (f" {s['undecodable_reasons']}" if s["undecodable"] else ""))
-    lines.append(f"iterations {len(s['iterations'])}, ENDs {s['ends']}, PULLs {s['pulls']}"
+    lines.append(f"iterations {len(s['iterations'])}, ENDs {s['ends']} (tail markers "
+                 f"{s.get('tail_markers', 0)}), PULLs {s['pulls']}"
                  f" ({s['pulls_unattributed']} unattributed), duration {s['duration_s']:.3f} s,"
                  f" types {s['types']}")
     for t in s.get("truncated", ()):

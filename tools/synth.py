@@ -3,7 +3,8 @@
 Workers (threads) push BSP iterations to shards with the real wire format: per
 (worker, shard, iteration) a TCP ``BLOCKS`` frame (INDEXED) on channel 0, one UDP
 datagram per block on each unreliable channel (each UDP socket marked with its
-channel's DSCP), then ``END`` with the per-channel counts. The shard answers ``PULL``
+channel's DSCP), each channel followed by its tail marker (``END`` on that channel,
+twice), then ``END`` with the per-channel counts. The shard answers ``PULL``
 on the same TCP connection once every worker's END is in. Ports follow the
 ``--base-port`` layout (rank r: TCP ``B+10r``, UDP channel c ``B+10r+c``).
 
@@ -247,6 +248,14 @@ def _worker(cfg: SynthConfig, rank: int, sent: dict, lock: threading.Lock,
                             d["blocks_sent"] += 1
                             d["bytes_sent"] += dgs.shape[1]
                             d["messages_sent"] += 1
+                    # the channel's tail marker, twice, as the sidecar sends it
+                    tail = wire.encode(wire.MsgType.END, session=cfg.session, sender=rank,
+                                       shard=s, iteration=t, channel=ch, count=n,
+                                       key=cfg.key)
+                    for _ in range(2):
+                        udps[ch - 1].sendto(tail, (cfg.host, cfg.udp_port(s, ch)))
+                    with lock:
+                        sent[channel_name(ch)]["tail_markers"] += 2
                 conn.sendall(wire.encode(wire.MsgType.END, session=cfg.session, sender=rank,
                                          shard=s, iteration=t, count=total_blocks,
                                          payload=wire.pack_end(list(cfg.blocks)), key=cfg.key))
@@ -280,7 +289,7 @@ def run(cfg: SynthConfig) -> dict:
     """
     names = [channel_name(c) for c in range(len(cfg.blocks))]
     sent = {n: {"blocks_sent": 0, "bytes_sent": 0, "messages_sent": 0, "omitted": 0,
-                "late": 0} for n in names}
+                "late": 0, "tail_markers": 0} for n in names}
     shards = _Shards(cfg)
     lock = threading.Lock()
     errors: list = []

@@ -36,18 +36,21 @@ class ChannelCounters:
 class Counters:
     """All channels of one node, plus: ``blocks_unsent`` (dropped by the sender, mode
     topk), ``blocks_local`` (to the colocated shard, in-process), and ``rejected[reason]``
-    (malformed, stray, replayed messages)."""
+    (malformed, stray, replayed messages), ``tail_markers`` (UDP channel tail markers
+    sent: END on a UDP channel after its last block)."""
 
     channels: list[ChannelCounters] = field(
         default_factory=lambda: [ChannelCounters() for _ in range(8)])
     rejected: Counter = field(default_factory=Counter)
     blocks_unsent: int = 0
     blocks_local: int = 0
+    tail_markers: int = 0
 
     def to_dict(self, n_channels: int) -> dict:
         return {
             "blocks_unsent": self.blocks_unsent,
             "blocks_local": self.blocks_local,
+            "tail_markers": self.tail_markers,
             "channels": {channel_name(c): asdict(self.channels[c])
                          for c in range(n_channels + 1)},
             "rejected": dict(self.rejected),
@@ -57,10 +60,10 @@ class Counters:
 def merge(dicts: list[dict]) -> dict:
     """Sum several ``Counters.to_dict`` results (one per node)."""
     out: dict = {"channels": {}, "rejected": Counter(), "blocks_unsent": 0,
-                 "blocks_local": 0}
+                 "blocks_local": 0, "tail_markers": 0}
     for d in dicts:
-        out["blocks_unsent"] += d.get("blocks_unsent", 0)
-        out["blocks_local"] += d.get("blocks_local", 0)
+        for k in ("blocks_unsent", "blocks_local", "tail_markers"):
+            out[k] += d.get(k, 0)
         for name, ch in d["channels"].items():
             acc = out["channels"].setdefault(name, dict.fromkeys(FIELDS, 0))
             for k, v in ch.items():

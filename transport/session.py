@@ -11,6 +11,11 @@ Rules (DESIGN.md, "One synchronous iteration"):
   finalised, is *late*: counted and dropped. A later iteration is ``future``: dropped.
 - After END(t) from worker w the shard finalises w when every counted block has arrived,
   or at ``now + deadline_s``; missing blocks are zero and reported in the bitmap.
+- A UDP channel's tail marker (END on that channel, sent after its last block, in the same
+  queue) says that channel's surviving blocks are all in: a channel whose marker came
+  with the END's count needs no deadline. Queues are FIFO per band (tc-htb(8), one class
+  per DSCP), so only a lost block, never a slow one, is missing when its marker arrives;
+  a marker lost too falls back to the deadline.
 """
 from __future__ import annotations
 
@@ -46,7 +51,8 @@ class BlocksArrived:
 @dataclass(frozen=True, slots=True)
 class WorkerFinalised:
     """``sender``'s contribution to ``iteration`` is final. ``received``: (shard_blocks,)
-    bool. ``reason``: 'complete' or 'deadline'."""
+    bool. ``reason``: 'complete' (every counted block arrived), 'tail' (the rest were
+    lost: every short channel's tail marker came) or 'deadline'."""
 
     sender: int
     iteration: int
@@ -93,6 +99,7 @@ class ShardSession:
         self.received = np.zeros((n_workers, n), bool)
         self.per_channel = np.zeros((n_workers, wire.MAX_CHANNELS), np.int64)
         self.end_counts: list[np.ndarray | None] = [None] * n_workers
+        self.tail = np.full((n_workers, wire.MAX_CHANNELS), -1, np.int64)  # marker counts
         self.deadline: list[float | None] = [None] * n_workers
         self.finalised = np.zeros(n_workers, bool)
         self._scratch = np.zeros(n, np.int64)   # duplicate detection within one GRO run
@@ -102,11 +109,15 @@ class ShardSession:
         """One UDP datagram, or a GRO-coalesced run of equal-size datagrams (UDP_GRO,
         udp(7)). Never raises for bad input."""
         if len(buf) > self.datagram_bytes and self.datagram_bytes:
-            return self._receive_coalesced(buf, now)
+            run = self._receive_small_run(buf, now)
+            return run if run is not None else self._receive_coalesced(buf, now)
         try:
             h, payload = wire.decode(buf, self.key)
         except WireError as e:
-            return [self._reject(e.reason)]
+            run = self._receive_small_run(buf, now)
+            return run if run is not None else [self._reject(e.reason)]
+        if h.type == MsgType.END and h.channel != RELIABLE and not h.flags & Flag.INDEXED:
+            return self._tail_marker(h, len(payload))
         if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
                 or h.flags & Flag.INDEXED:
             return [self._reject("bad_udp_message")]
@@ -172,6 +183,7 @@ class ShardSession:
         self.received[:] = False
         self.per_channel[:] = 0
         self.end_counts = [None] * self.n_workers
+        self.tail[:] = -1
         self.deadline = [None] * self.n_workers
         self.finalised[:] = False
 
@@ -196,10 +208,29 @@ class ShardSession:
         Python work unless a MAC must be checked."""
         size = self.datagram_bytes
         n = len(buf) // size
-        events: list = []
-        if n * size < len(buf):
-            events += self.receive_datagram(memoryview(buf)[n * size:], now)
         rows = np.frombuffer(buf, np.uint8, n * size).reshape(n, size)
+        events = self._receive_run(rows, now)
+        if n * size < len(buf):   # last on the wire, so last here (a tail marker, often)
+            events += self.receive_datagram(memoryview(buf)[n * size:], now)
+        return events
+
+    def _receive_small_run(self, buf, now: float) -> list | None:
+        """A GRO run of equal-size datagrams that are not blocks (a tail marker and its
+        copy): each on its own. None when ``buf`` is not one."""
+        try:
+            size = wire.frame_size(wire.decode_header(buf))
+        except WireError:
+            return None
+        if size in (len(buf), self.datagram_bytes) or size > len(buf) or len(buf) % size:
+            return None
+        mv = memoryview(buf).cast("B")
+        return [e for off in range(0, len(buf), size)
+                for e in self.receive_datagram(mv[off:off + size], now)]
+
+    def _receive_run(self, rows: np.ndarray, now: float) -> list:
+        """``rows``: (n, datagram_bytes) uint8, n datagrams of one GRO run."""
+        n, size = rows.shape
+        events: list = []
         head = rows[:, :wire.HEADER_BYTES]
         if self.key is None and not (head != head[0]).any(axis=0)[_NOT_BLOCK].any():
             return events + self._receive_uniform(rows, now)
@@ -391,8 +422,30 @@ class ShardSession:
         self.deadline[w] = now + self.deadline_s
         return []
 
+    def _tail_marker(self, h: wire.Header, payload_bytes: int) -> list:
+        """A UDP channel's tail marker: ``h.count`` blocks were sent on ``h.channel``."""
+        bad = self._check_addressing(h)
+        if bad:
+            return [self._reject(bad)]
+        w, c = h.sender, h.channel
+        if payload_bytes or h.count > self.hi - self.lo:
+            return [self._reject("bad_tail")]
+        if h.iteration > self.iteration:
+            return [self._reject("future")]
+        if h.iteration < self.iteration or self.finalised[w]:
+            return []   # its worker is final already (all blocks in, or the deadline)
+        if self.tail[w, c] >= 0:   # the sender sends it twice (one may be lost)
+            return [] if self.tail[w, c] == h.count else [self._reject("bad_tail")]
+        self.tail[w, c] = h.count
+        if self.end_counts[w] is not None and self._complete(w):
+            return self._finalise(w, "complete")
+        return []
+
     def _complete(self, w: int) -> bool:
-        return bool((self.per_channel[w] >= self.end_counts[w]).all())
+        """Every counted block of ``w`` arrived, or the rest is known lost: its channel's
+        tail marker came, with the count the END gave."""
+        counts = self.end_counts[w]
+        return bool(((self.per_channel[w] >= counts) | (self.tail[w] == counts)).all())
 
     def _finalise(self, w: int, reason: str) -> list:
         self.finalised[w] = True
@@ -402,6 +455,8 @@ class ShardSession:
             lost = np.maximum(counts - self.per_channel[w], 0)
             for c in np.nonzero(lost)[0]:
                 self.counters.channels[c].blocks_lost += int(lost[c])
+            if reason == "complete" and lost.any():
+                reason = "tail"   # complete thanks to tail markers: the rest was lost
         events: list = [WorkerFinalised(w, self.iteration, self.received[w].copy(), reason)]
         if self.finalised.all():
             events.append(IterationComplete(self.iteration))

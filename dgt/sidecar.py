@@ -35,7 +35,7 @@ from .link_rate import auto_pace_mbit
 from .layout import BlockLayout
 from .rendezvous import POLL_S, Rendezvous
 from .scheduler.deadline import DeadlinePolicy
-from .scheduler.pacing import HeldPulls, flow_share
+from .scheduler.pacing import HeldPulls, OwnQueueGate, flow_share
 from .shard import ServerShard
 from .transport import sockopts, wire
 from .transport.aio import DatagramProtocol, FrameProtocol
@@ -100,6 +100,7 @@ class Sidecar:
         self.pulls_held = 0   # PULLs that waited for our push to their worker
         self.pace_source = "--pace-mbit"
         self.held_pulls: HeldPulls | None = None   # on a paced port, after register
+        self.own_udp: OwnQueueGate | None = None   # PULLs after our queued UDP, too
         self._flush_timer: asyncio.TimerHandle | None = None
         self._published: asyncio.Future | None = None   # failure written to the store
 
@@ -296,6 +297,7 @@ class Sidecar:
         if self.cfg.pace_mbit > 0 and self.world > 1:
             self.held_pulls = HeldPulls(flow_share(self.cfg.pace_mbit, self.world - 1),
                                         TCP_BACKLOG_SLACK)
+            self.own_udp = OwnQueueGate(flow_share(self.cfg.pace_mbit, 1))
         await self._connect_peers()
 
         def barrier():
@@ -390,13 +392,24 @@ class Sidecar:
         return conn.transport.get_write_buffer_size() + (sockopts.tcp_unsent(sock)
                                                          if sock is not None else 0)
 
+    def _own_udp_wait(self, iteration: int, now: float) -> float:
+        """Seconds the PULLs of ``iteration`` wait for our queued UDP blocks to leave
+        this host (scheduler.pacing.OwnQueueGate)."""
+        backlog = sum(sockopts.udp_unsent(b.sock) for b in self.udp_senders.values())
+        return self.own_udp.wait(backlog, iteration, now)
+
     def _flush_pulls(self) -> None:
         """Send the held PULLs whose worker's share of our port is free again (our push
         to it has left); look again when the others' backlog should have drained."""
         self._flush_timer = None
         if self.held_pulls is None or self.agent is None or self.agent.sending:
             return   # push_sent() calls again when our push has left
-        ready, wait = self.held_pulls.release(self._tcp_backlog, time.monotonic())
+        now = time.monotonic()
+        wait = self._own_udp_wait(self.agent.iteration, now)
+        if wait:
+            self._flush_timer = asyncio.get_running_loop().call_later(wait, self._flush_pulls)
+            return
+        ready, wait = self.held_pulls.release(self._tcp_backlog, now)
         for worker, frame in ready:
             conn = self.in_conns.get(worker)
             if conn is not None and not conn.transport.is_closing():
@@ -447,9 +460,11 @@ class Sidecar:
             key=self.key)
         self._pace(conn)
         if self.held_pulls is not None and (
-                self.agent.sending or self._tcp_backlog(worker) > TCP_BACKLOG_SLACK):
-            # our push is still on the port (other shards wait for it) or on that
-            # worker's share of it: the push goes first (scheduler.pacing.HeldPulls)
+                self.agent.sending or self._tcp_backlog(worker) > TCP_BACKLOG_SLACK
+                or self._own_udp_wait(iteration, time.monotonic())):
+            # our push is still on the port (other shards wait for it), on that
+            # worker's share of it, or in our own egress queue: the push goes first
+            # (scheduler.pacing.HeldPulls, OwnQueueGate)
             self.held_pulls.hold(worker, frame)
             self.pulls_held += 1
             if not self.agent.sending and self._flush_timer is None:

@@ -1,4 +1,6 @@
 
+import os
+
 import pytest
 import torch
 
@@ -134,3 +136,56 @@ def test_held_pulls_wait_for_their_workers_push_and_not_forever():
     assert ready == [(3, "pull-3")] and wait is None and len(q) == 0
     with pytest.raises(ValueError):
         HeldPulls(share=0.0, slack=1)
+
+
+def test_own_queue_gate_waits_for_our_queued_udp_but_not_for_a_starved_band():
+    """PULLs wait while our UDP blocks are still in our egress queue; a queue that does
+    not drain (a starved band) holds them at most twice its drain time + the grace, once
+    per iteration; the next iteration waits again."""
+    from dgt.scheduler.pacing import OwnQueueGate
+    g = OwnQueueGate(port_rate=100_000_000.0, grace_s=0.002)   # 100 MB/s
+    assert g.wait(0, iteration=0, now=0.0) == 0.0
+    assert g.wait(200_000, iteration=0, now=1.0) == pytest.approx(0.002)   # 200 kB drain
+    # it does not drain: give up at 1.0 + 2 * 2 ms + 2 ms
+    assert g.wait(200_000, iteration=0, now=1.005) == pytest.approx(0.001)
+    assert g.wait(200_000, iteration=0, now=1.006) == 0.0
+    assert g.wait(200_000, iteration=0, now=1.5) == 0.0    # given up for this iteration
+    assert g.wait(200_000, iteration=1, now=2.0) > 0.0     # a new iteration waits again
+    with pytest.raises(ValueError):
+        OwnQueueGate(port_rate=0.0)
+
+
+_UNSENT_PROBE = """
+import socket, time
+from dgt.transport import sockopts
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setblocking(False)
+idle = sockopts.udp_unsent(s)
+for _ in range(20):   # 28 kB at 1 Mbit/s: 0.2 s in the qdisc
+    s.sendto(b"x" * 1400, ("10.98.0.3", 9))
+held = sockopts.udp_unsent(s)
+time.sleep(0.6)
+print(idle, held, sockopts.udp_unsent(s))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, tc)")
+def test_udp_unsent_sees_datagrams_held_in_our_own_qdisc(veth):
+    """What OwnQueueGate reads: datagrams the socket handed over that a slow qdisc still
+    holds count in SIOCOUTQ; once they left, nothing does."""
+    import subprocess
+    import sys
+
+    from dgt.tc_profiles._nl import open_ipr
+    ns, dev = veth
+    with open_ipr(ns) as ipr:
+        idx = ipr.link_lookup(ifname=dev)[0]
+        ipr.addr("add", index=idx, address="10.98.0.1", prefixlen=24)
+        ipr.neigh("add", dst="10.98.0.3", lladdr="02:00:00:00:00:03", ifindex=idx,
+                  state="permanent")
+        ipr.tc("add", "tbf", index=idx, handle="1:", rate="1mbit", burst=1600,
+               latency="2s")
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _UNSENT_PROBE],
+                         capture_output=True, text=True, timeout=60, check=True)
+    idle, held, left = map(int, out.stdout.split())
+    assert idle == 0 and held >= 10 * 1400 and left == 0, (idle, held, left)

@@ -133,3 +133,17 @@ def tcp_unsent(sock) -> int:
                                               b"\0\0\0\0"))[0]
     except (OSError, ValueError):
         return 0
+
+
+SIOCOUTQ = 0x5411   # linux/sockios.h (= TIOCOUTQ): bytes in a socket's send queue
+
+
+def udp_unsent(sock) -> int:
+    """Bytes of UDP socket ``sock`` still on this host: handed to the kernel and not yet
+    passed on by the device (udp(7) SIOCOUTQ: the socket's write memory, so queued
+    datagrams in our egress qdisc count, with their buffer overhead). 0 where
+    unsupported."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0

@@ -129,7 +129,7 @@ def test_bench_estimate_prints_plan():
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.count(" ~") == 24   # 4 systems x 3 scenarios x 2 rates
+    assert p.stdout.count(" ~") == 32   # 4 systems x 4 scenarios x 2 rates
     assert "estimate:" in p.stdout
 
 
@@ -145,7 +145,7 @@ def test_scoring_bench_reports_throughput():
 @pytest.mark.slow
 @pytest.mark.skipif(not __import__("shutil").which("iperf3"), reason="needs iperf3")
 def test_bench_on_testbed_every_scenario(tmp_path):
-    """The real matrix, tiny: 2 hosts, gloo + dgt, clean/tenant/lossy at one rate; the
+    """The real matrix, tiny: 2 hosts, gloo + dgt, every scenario at one rate; the
     testbed is removed afterwards."""
     from dgt.tc_profiles import testbed
     out = tmp_path / "bench"
@@ -159,7 +159,7 @@ def test_bench_on_testbed_every_scenario(tmp_path):
     doc = json.loads((out / "results.json").read_text())
     assert [(c["scenario"], c["system"]) for c in doc["cells"]] == [
         ("clean", "gloo"), ("clean", "dgt"), ("tenant", "gloo"), ("tenant", "dgt"),
-        ("lossy", "gloo"), ("lossy", "dgt")]
+        ("lossy", "gloo"), ("lossy", "dgt"), ("lossy-link", "gloo"), ("lossy-link", "dgt")]
     for c in doc["cells"]:
         assert c["error"] is None
         assert 0 < c["goodput_frac"]

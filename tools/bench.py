@@ -2,7 +2,7 @@
 
 The matrix (root; builds the netns testbed itself and always tears it down)::
 
-    dgt bench [--systems gloo,tcp,topk,dgt] [--scenarios clean,tenant,lossy]
+    dgt bench [--systems gloo,tcp,topk,dgt] [--scenarios clean,tenant,lossy,lossy-link]
               [--rates 1gbit,100mbit] [--workers 4] [--hidden 2500] [--iterations N]
               [--out docs/bench]
 
@@ -15,7 +15,10 @@ by one gloo ``all_reduce``), and ``dgt train --mode tcp|topk|dgt``. Scenarios:
   per run, bounded to a little more than the run's expected length, stopped when it ends;
 - ``lossy``: ``--loss-pct`` random loss in the router (nftables numgen) on the DSCPs of
   dgt's unreliable channels only (34, 18, 8): TCP (gloo, dgt's reliable channel) loses
-  nothing.
+  nothing;
+- ``lossy-link``: the same random loss on every packet (what a lossy link does): TCP
+  loses too, so ``--mode tcp`` and gloo pay for retransmissions and timeouts, and dgt's
+  reliable channel does as well.
 
 Per cell: median and p95 communication time per iteration (trainer rank 0: from the
 push to the applied aggregate), time to target accuracy, final accuracy, bytes per
@@ -49,12 +52,14 @@ import numpy as np
 log = logging.getLogger("dgt.tools.bench")
 
 SYSTEMS = ("gloo", "tcp", "topk", "dgt")
-SCENARIOS = ("clean", "tenant", "lossy")
+SCENARIOS = ("clean", "tenant", "lossy", "lossy-link")
+#: the router's random drop per scenario: None (no loss), or the DSCPs it drops (() = all)
+LOSS_DSCP = {"lossy": (34, 18, 8), "lossy-link": ()}
 SYSTEM_LABEL = {"gloo": "gloo all_reduce", "tcp": "dgt --mode tcp",
                 "topk": "dgt --mode topk", "dgt": "dgt --mode dgt"}
 SYSTEM_COLOR = {"gloo": "tab:blue", "tcp": "tab:orange", "topk": "tab:green",
                 "dgt": "tab:red"}
-UNRELIABLE_DSCP = (34, 18, 8)
+UNRELIABLE_DSCP = LOSS_DSCP["lossy"]
 NOT_ROOT = ("needs root (network namespaces, tc, nftables); run as root, or use "
             "'dgt bench --loopback'")
 #: Seconds a cell spends outside its iterations (process start, imports, rendezvous,
@@ -175,7 +180,8 @@ def plan(cfg: BenchConfig) -> list[dict]:
 
 def estimate_s(cfg: BenchConfig) -> float:
     return sum(estimate_cell_s(cfg, c["rate"]) for c in plan(cfg)) + \
-        (0 if cfg.loopback else 4.0 * len(cfg.rates) * (1 + ("lossy" in cfg.scenarios)))
+        (0 if cfg.loopback else 4.0 * len(cfg.rates) * (1 + len(LOSS_DSCP.keys()
+                                                                 & set(cfg.scenarios))))
 
 
 # ------------------------------------------------------------------------ tenant load
@@ -456,15 +462,15 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
     try:
         for i, cell in enumerate(cells):
             if not cfg.loopback:
-                key = (cell["rate"], cell["scenario"] == "lossy")
+                loss = LOSS_DSCP.get(cell["scenario"])
+                key = (cell["rate"], loss)
                 if key != tb_key:
-                    log_fn(f"testbed: {cfg.workers} hosts at {cell['rate']}"
-                           + (f", {cfg.loss_pct:g} % loss on DSCP "
-                              f"{','.join(map(str, UNRELIABLE_DSCP))}" if key[1] else ""))
+                    log_fn(f"testbed: {cfg.workers} hosts at {cell['rate']}" + (
+                        "" if loss is None else f", {cfg.loss_pct:g} % loss on "
+                        + (f"DSCP {','.join(map(str, loss))}" if loss else "every packet")))
                     tb = testbed.up(cfg.workers, rate=cell["rate"], profile=cfg.profile,
-                                    loss_pct=cfg.loss_pct if key[1] else 0.0,
-                                    loss_dscp=UNRELIABLE_DSCP if key[1] else None,
-                                    prefix=cfg.prefix)
+                                    loss_pct=0.0 if loss is None else cfg.loss_pct,
+                                    loss_dscp=loss or None, prefix=cfg.prefix)
                     tb_key = key
             where = "loopback" if cfg.loopback else f"{cell['rate']} {cell['scenario']}"
             tag = f"[{i + 1}/{len(cells)}] {where} {SYSTEM_LABEL[cell['system']]}"
@@ -516,7 +522,8 @@ def markdown(doc: dict, loopback: bool = False) -> str:
              f"{'loopback, no shaping' if loopback else 'netns star testbed, every port ' + cfg['profile'] + ' at the rate shown'}; "
              f"target accuracy {cfg['target_accuracy']}."
              + ("" if loopback else f" Lossy: {cfg['loss_pct']:g} % random drop in the "
-                f"router on DSCP 34, 18, 8 (dgt's UDP channels) only. Tenant: one iperf3 "
+                f"router on DSCP 34, 18, 8 (dgt's UDP channels) only; lossy-link: the same "
+                f"on every packet. Tenant: one iperf3 "
                 f"bulk TCP flow (DSCP 0) from host i to host i+1 for the whole run."), "",
              "comm = trainer rank 0's time from the gradient push to the applied aggregate, "
              "per iteration. MB/it/node = payload each node sends per iteration "
@@ -780,7 +787,8 @@ def add_arguments(p) -> None:
                    help="measure test accuracy every this many iterations")
     p.add_argument("--target-accuracy", type=float, default=d.target_accuracy)
     p.add_argument("--loss-pct", type=float, default=d.loss_pct,
-                   help="lossy scenario: random drop, percent, on DSCP 34,18,8")
+                   help="lossy scenarios: random drop, percent (lossy: on DSCP 34,18,8; "
+                        "lossy-link: on every packet)")
     p.add_argument("--profile", default=d.profile, help="tc profile of every port")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--prefix", default=d.prefix,

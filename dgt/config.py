@@ -56,6 +56,10 @@ class TransmissionConfig:
     deadline_ms: float = _f(50.0, "minimum wait after END before a shard finalises a "
                             "worker")
     peer_timeout_s: float = _f(20.0, "a peer silent this long is declared dead")
+    tcp_rto_min_ms: float = _f(10.0, "reliable channel's minimum TCP retransmission "
+                               "timeout, ms (Linux 6.15+ TCP_RTO_MIN_US; 5..200, 0 = the "
+                               "kernel's 200 ms): a lost segment on a sub-ms-RTT network "
+                               "then costs ms, not 200 ms")
     drop_udp: float = _f(0.0, "receive-side loss emulation: fraction of UDP datagrams "
                          "dropped on arrival (0..1; for tests on hosts without netem)")
     secret: str = _f("", "job secret: when set, every message carries a keyed BLAKE2b "
@@ -83,6 +87,9 @@ class TransmissionConfig:
             raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon}")
         if not 0.0 <= self.drop_udp < 1.0:
             raise ValueError(f"--drop-udp must be in [0, 1), got {self.drop_udp}")
+        if self.tcp_rto_min_ms and not 5.0 <= self.tcp_rto_min_ms <= 200.0:
+            raise ValueError(f"--tcp-rto-min-ms must be 0 (the kernel's 200 ms) or in "
+                             f"5..200, got {self.tcp_rto_min_ms:g}")
         if (self.pace_mbit < 0 and self.pace_mbit != PACE_AUTO) or self.deadline_ms < 0 \
                 or self.peer_timeout_s <= 0:
             raise ValueError("--pace-mbit must be auto or >= 0, --deadline-ms >= 0, "

@@ -353,7 +353,7 @@ class Sidecar:
 
     def _protocol(self, outgoing_to: int | None = None) -> FrameProtocol:
         p = FrameProtocol(self._on_frame, self._on_lost, self._on_bad, key=self.key,
-                          dscp=self.dscp[0])
+                          dscp=self.dscp[0], rto_min_ms=self.cfg.tcp_rto_min_ms)
         p.peer_rank = outgoing_to
         p.outgoing = outgoing_to is not None
         return p

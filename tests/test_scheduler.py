@@ -189,3 +189,59 @@ def test_udp_unsent_sees_datagrams_held_in_our_own_qdisc(veth):
                          capture_output=True, text=True, timeout=60, check=True)
     idle, held, left = map(int, out.stdout.split())
     assert idle == 0 and held >= 10 * 1400 and left == 0, (idle, held, left)
+
+
+def _kernel_has_rto_min() -> bool:
+    import socket
+
+    from dgt.transport import sockopts
+    with socket.socket() as s:
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, sockopts.TCP_RTO_MIN_US, 200_000)
+            return True
+        except OSError:
+            return False
+
+
+@pytest.mark.skipif(not _kernel_has_rto_min(), reason="kernel < 6.15: no TCP_RTO_MIN_US")
+def test_both_ends_of_a_reliable_connection_get_the_lower_rto_floor():
+    """The sidecar's FrameProtocol lowers the minimum RTO on the connections it makes
+    and on those it accepts (PULLs flow on those): read back from the kernel."""
+    import asyncio
+    import socket
+
+    from dgt.transport import sockopts
+    from dgt.transport.aio import FrameProtocol
+
+    def proto():
+        return FrameProtocol(lambda *a: None, lambda *a: None, lambda *a: None, dscp=46,
+                             rto_min_ms=10.0)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        accepted = []
+
+        def on_accept():
+            p = proto()
+            accepted.append(p)
+            return p
+
+        server = await loop.create_server(on_accept, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        tr, client = await loop.create_connection(proto, "127.0.0.1", port)
+        for _ in range(100):
+            if accepted and accepted[0].transport is not None:
+                break
+            await asyncio.sleep(0.01)
+        got = [p.transport.get_extra_info("socket").getsockopt(
+            socket.IPPROTO_TCP, sockopts.TCP_RTO_MIN_US) for p in (client, accepted[0])]
+        tr.close()
+        server.close()
+        return got
+
+    for us in asyncio.run(main()):
+        assert 10_000 <= us < 20_000   # 10 ms, rounded up to jiffies; default 200,000
+    with socket.socket() as s:
+        assert sockopts.set_rto_min(s, 0)                 # 0: the kernel's default
+        assert s.getsockopt(socket.IPPROTO_TCP, sockopts.TCP_RTO_MIN_US) == 200_000
+        assert not sockopts.set_rto_min(s, 1.0)           # below 2 jiffies: refused

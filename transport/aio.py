@@ -39,12 +39,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
     UNAUTHENTICATED_MAX = 1 << 16
 
     def __init__(self, on_frame: Callable, on_lost: Callable, on_bad: Callable,
-                 key: bytes | None = None, dscp: int | None = None):
+                 key: bytes | None = None, dscp: int | None = None,
+                 rto_min_ms: float = 0.0):
         self.on_frame, self.on_lost, self.on_bad = on_frame, on_lost, on_bad
         self.key = key
         self.buf = bytearray(self.INITIAL_BYTES)
         self.have = 0           # bytes in buf
         self.dscp = dscp
+        self.rto_min_ms = rto_min_ms   # sockopts.set_rto_min, both ends
         self.transport: asyncio.Transport | None = None
         self.peer_rank: int | None = None  # learned from HELLO
         self.outgoing = False
@@ -59,6 +61,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError as e:  # pragma: no cover - depends on socket kind
                 log.debug("could not set DSCP on accepted socket: %s", e)
+        if sock is not None:
+            sockopts.set_rto_min(sock, self.rto_min_ms)
 
     def get_buffer(self, sizehint):
         if self.have == len(self.buf):  # full with one partial frame: grow

@@ -87,6 +87,10 @@ class TransmissionConfig:
             raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon}")
         if not 0.0 <= self.drop_udp < 1.0:
             raise ValueError(f"--drop-udp must be in [0, 1), got {self.drop_udp}")
+        if len(self.secret.encode()) > 64:
+            raise ValueError(f"--secret must be at most 64 bytes (it keys BLAKE2b, RFC "
+                             f"7693), got {len(self.secret.encode())}; use e.g. 32 random "
+                             f"hex characters")
         if self.tcp_rto_min_ms and not 5.0 <= self.tcp_rto_min_ms <= 200.0:
             raise ValueError(f"--tcp-rto-min-ms must be 0 (the kernel's 200 ms) or in "
                              f"5..200, got {self.tcp_rto_min_ms:g}")

@@ -574,17 +574,22 @@ class Sidecar:
             return
         self.failed = PeerFailure(message, rank)
         log.error("rank %d: %s", self.rank, message)
-        if propagate:
-            frame = wire.encode(MsgType.ERROR, session=self.session_id, sender=self.rank,
-                                block=rank if rank is not None else 0xFFFFFFFF,
-                                payload=message.encode()[:1000], key=self.key)
-            for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
-                conn.send(frame)
-        self._to_trainer({"op": "error", "rank": rank, "message": message})
-        if self.rdv is not None:  # ranks still in a rendezvous wait learn it there
-            self._published = asyncio.get_running_loop().run_in_executor(
-                None, self.rdv.publish_failure, message, rank)
-        self.done.set()
+        try:   # telling the others is best effort; stopping is not
+            if propagate:
+                frame = wire.encode(MsgType.ERROR, session=self.session_id,
+                                    sender=self.rank,
+                                    block=rank if rank is not None else 0xFFFFFFFF,
+                                    payload=message.encode()[:1000], key=self.key)
+                for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
+                    conn.send(frame)
+            self._to_trainer({"op": "error", "rank": rank, "message": message})
+            if self.rdv is not None:  # ranks still in a rendezvous wait learn it there
+                self._published = asyncio.get_running_loop().run_in_executor(
+                    None, self.rdv.publish_failure, message, rank)
+        except Exception as e:   # a bug of ours must not keep a failed sidecar alive
+            log.error("rank %d: could not tell the others: %r", self.rank, e)
+        finally:
+            self.done.set()
 
     def finish(self) -> None:
         """Orderly end: BYE to every peer, then stop once every peer has said BYE too.

@@ -23,6 +23,13 @@ BAD = [
      "--socket"),
     (["sidecar", "--rank", "0", "--world", "1", "--host", "10.255.255.1"],
      "not an address of this host"),
+    # a BLAKE2b key is at most 64 bytes: refused before any process starts
+    (["train", "--secret", "x" * 65], "--secret must be at most 64 bytes"),
+    (["sidecar", "--rank", "0", "--world", "1", "--secret", "x" * 100],
+     "--secret must be at most 64 bytes"),
+    (["train", "--tcp-rto-min-ms", "3"], "--tcp-rto-min-ms must be 0"),
+    (["bench", "--profile", "nope", "--estimate"], "--profile: unknown profile 'nope'"),
+    (["bench", "--cell-timeout-s", "-1", "--estimate"], "--cell-timeout-s must be >= 0"),
 ]
 
 

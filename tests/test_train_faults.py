@@ -240,3 +240,26 @@ def test_sidecar_run_dir_that_cannot_be_used_is_one_line(run_dir, message):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_failing_sidecar_stops_even_when_telling_the_others_fails(tmp_path):
+    """fail() must end the sidecar whatever goes wrong while it tells its peers: here
+    the ERROR frame cannot be encoded (a key BLAKE2b refuses, which the CLI no longer
+    lets through); before, the exception escaped and the sidecar kept running."""
+    import asyncio
+    import dataclasses
+
+    from dgt.config import TransmissionConfig
+    from dgt.sidecar import NodeConfig, Sidecar
+
+    cfg = dataclasses.replace(TransmissionConfig(), secret="x" * 100)
+    node = NodeConfig(rank=0, world=1, run_dir=str(tmp_path),
+                      socket_path=str(tmp_path / "s.sock"))
+
+    async def main():
+        sc = Sidecar(cfg, node)
+        sc.fail("stopped by signal", None)
+        return sc.done.is_set(), sc.failed
+
+    done, failed = asyncio.run(main())
+    assert done and "stopped by signal" in str(failed)

@@ -119,6 +119,15 @@ class BenchConfig:
         for r in self.rates:
             rate_bps(r)
         check_prefix(self.prefix)
+        if self.cell_timeout_s < 0:
+            raise BenchError(f"--cell-timeout-s must be >= 0 (0: from the estimate), got "
+                             f"{self.cell_timeout_s:g}")
+        if not self.loopback:
+            from dgt.tc_profiles.schema import ProfileError, load_profile
+            try:
+                load_profile(self.profile)
+            except ProfileError as e:
+                raise BenchError(f"--profile: {e}") from None
 
 
 def check_prefix(prefix: str) -> None:

@@ -123,19 +123,21 @@ def set_pacing_rate(sock, bytes_per_s: float) -> bool:
 
 
 SIOCOUTQNSD = 0x894B   # linux/sockios.h: bytes in a TCP socket not yet sent
+SIOCOUTQ = 0x5411      # linux/sockios.h (= TIOCOUTQ): bytes in a socket's send queue
+
+
+def _ioctl_int(sock, request: int) -> int:
+    """An int-valued socket ioctl; 0 where unsupported or the socket is closed."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
 
 
 def tcp_unsent(sock) -> int:
     """Bytes queued in TCP socket ``sock`` that the kernel has not sent yet (tcp(7)
     SIOCOUTQNSD; in-flight unacknowledged bytes are not counted). 0 where unsupported."""
-    try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD,
-                                              b"\0\0\0\0"))[0]
-    except (OSError, ValueError):
-        return 0
-
-
-SIOCOUTQ = 0x5411   # linux/sockios.h (= TIOCOUTQ): bytes in a socket's send queue
+    return _ioctl_int(sock, SIOCOUTQNSD)
 
 
 def udp_unsent(sock) -> int:
@@ -143,10 +145,7 @@ def udp_unsent(sock) -> int:
     passed on by the device (udp(7) SIOCOUTQ: the socket's write memory, so queued
     datagrams in our egress qdisc count, with their buffer overhead). 0 where
     unsupported."""
-    try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQ, b"\0\0\0\0"))[0]
-    except (OSError, ValueError):
-        return 0
+    return _ioctl_int(sock, SIOCOUTQ)
 
 
 #: tcp(7) TCP_RTO_MIN_US (Linux 6.15+): this socket's minimum retransmission timeout

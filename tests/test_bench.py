@@ -133,6 +133,69 @@ def test_bench_estimate_prints_plan():
     assert "estimate:" in p.stdout
 
 
+def test_bench_estimate_plans_a_loss_sweep():
+    """--loss-pct 1,5: each lossy scenario once per loss rate, clean and tenant once."""
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate",
+                        "--systems", "gloo,dgt", "--rates", "1gbit", "--loss-pct", "1,5,1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    rows = [ln.split()[1:-2] for ln in p.stdout.splitlines() if " ~" in ln]
+    assert rows == [["clean", "gloo"], ["clean", "dgt"], ["tenant", "gloo"],
+                    ["tenant", "dgt"], ["lossy", "1", "%", "gloo"], ["lossy", "1", "%", "dgt"],
+                    ["lossy", "5", "%", "gloo"], ["lossy", "5", "%", "dgt"],
+                    ["lossy-link", "1", "%", "gloo"], ["lossy-link", "1", "%", "dgt"],
+                    ["lossy-link", "5", "%", "gloo"], ["lossy-link", "5", "%", "dgt"]]
+
+
+@pytest.mark.parametrize("value, msg", [
+    ("abc", "is not a percentage"), ("1,,3", "is not a percentage"),
+    ("0", "in (0, 100)"), ("100", "in (0, 100)"), ("1,nan", "got nan"),
+    ("-1", "in (0, 100)")])
+def test_bench_loss_pct_is_checked_in_one_line(value, msg):
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate",
+                        f"--loss-pct={value}"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and msg in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_loss_sweep_table_gives_growth_over_the_clean_cell(tmp_path):
+    """The sweep table and plot come from the cells' own medians: each lossy cell's
+    change against the same system's clean cell at that rate; a failed cell is '–'."""
+    from dgt.tools import bench
+    cfg = bench.BenchConfig(systems=("tcp", "dgt"), scenarios=("clean", "lossy-link"),
+                            rates=("1gbit",), loss_pct=(1.0, 5.0))
+    medians = {("clean", None, "tcp"): 100.0, ("clean", None, "dgt"): 200.0,
+               ("lossy-link", 1.0, "tcp"): 110.0, ("lossy-link", 1.0, "dgt"): 150.0,
+               ("lossy-link", 5.0, "tcp"): 300.0}
+    cells = []
+    for c in bench.plan(cfg):
+        m = medians.get((c["scenario"], c["loss_pct"], c["system"]))
+        cells.append(dict(c, label=bench.SYSTEM_LABEL[c["system"]],
+                          error=None if m else "exit status 1",
+                          **(dict(comm_ms_median=m, comm_ms_p95=m, iterations=1,
+                                  target_reached=None, final_test_accuracy=0.5,
+                                  bytes_per_iteration_node=1e6, gradient_bytes=1e6,
+                                  history=[dict(iteration=0, seconds=1.0,
+                                                test_accuracy=0.5, loss=1.0)])
+                             if m else {})))
+    doc = dict(command="dgt bench --loss-pct 1,5", date="2026-12-01T00:00:00+00:00",
+               host=dict(cpus=2, kernel="k", load_before=[0.0]), estimate_s=60,
+               config=__import__("dataclasses").asdict(cfg), cells=cells)
+    sweep = bench.loss_sweep(doc)
+    assert sweep["loss_pct"] == [1.0, 5.0]
+    assert [(r["system"], r["clean_ms"], r["ms"]) for r in sweep["rows"]] == [
+        ("tcp", 100.0, [110.0, 300.0]), ("dgt", 200.0, [150.0, None])]
+    md = bench.markdown(doc)
+    assert "| 1gbit | lossy-link | dgt --mode tcp | 100.0 | 110.0 (+10 %) | 300.0 (+200 %) |" in md
+    assert "| 1gbit | lossy-link | dgt --mode dgt | 200.0 | 150.0 (-25 %) | – |" in md
+    assert "| 1gbit | lossy-link 5 % | dgt --mode dgt | failed: exit status 1" in md
+    paths = bench.write_outputs(doc, str(tmp_path))
+    assert (tmp_path / "loss_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(tmp_path / "loss_sweep.png") in paths
+    doc["cells"] = [c for c in cells if c["loss_pct"] in (None, 1.0)]
+    assert bench.loss_sweep(doc) is None   # one loss rate: no sweep
+
+
 def test_scoring_bench_reports_throughput():
     from dgt.tools.bench_scoring import bench
     r = bench(mb=1.0, repeat=2)
@@ -163,6 +226,8 @@ def test_bench_on_testbed_every_scenario(tmp_path):
     for c in doc["cells"]:
         assert c["error"] is None
         assert 0 < c["goodput_frac"]
+        # not under the tenant, whose own flows share the hosts' TCP counters
+        assert (c.get("tcp_retrans_per_iteration") is None) == (c["scenario"] == "tenant")
     tenant = [c for c in doc["cells"] if c["scenario"] == "tenant"]
     assert all(len(c["tenant"]) == 2 for c in tenant)
     assert doc["cells"][1]["channels"]["udp1"]["bytes_sent"] > 0
@@ -170,6 +235,36 @@ def test_bench_on_testbed_every_scenario(tmp_path):
     assert doc["command"] in md
     for name in ("comm_time.png", "time_to_accuracy.png"):
         assert (out / name).stat().st_size > 1000
+
+
+@root_only
+@pytest.mark.slow
+def test_bench_loss_sweep_on_testbed(tmp_path):
+    """A real sweep, tiny: one testbed per loss rate (the router's rule is rebuilt),
+    every cell runs, the table and plot are written, the testbed is removed."""
+    from dgt.tc_profiles import testbed
+    out = tmp_path / "sweep"
+    prefix = f"dgtbs{os.getpid() % 10000}"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--workers", "2",
+                        "--hidden", "32", "--iterations", "2", "--systems", "dgt",
+                        "--scenarios", "clean,lossy-link", "--loss-pct", "2,10",
+                        "--rates", "1gbit", "--prefix", prefix, "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert testbed.current(prefix) is None, "testbed left behind"
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "testbed: 2 hosts at 1gbit, 2 % loss on every packet" in p.stdout
+    assert "testbed: 2 hosts at 1gbit, 10 % loss on every packet" in p.stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert [(c["scenario"], c["loss_pct"]) for c in doc["cells"]] == [
+        ("clean", None), ("lossy-link", 2.0), ("lossy-link", 10.0)]
+    assert all(c["error"] is None for c in doc["cells"])
+    # the hosts' own TCP counters: 10 % loss on every packet retransmits (the start-up's
+    # rendezvous, registration and PULL frames: ~100+ segments, so P(none lost) < 1e-4)
+    assert doc["cells"][0]["tcp_retrans_per_iteration"] >= 0
+    assert doc["cells"][2]["tcp_retrans_per_iteration"] > 0
+    md = (out / "README.md").read_text()
+    assert "Comm time against loss" in md and "| 1gbit | lossy-link | dgt --mode dgt |" in md
+    assert (out / "loss_sweep.png").stat().st_size > 1000
 
 
 def _goodput(*args, timeout=120):

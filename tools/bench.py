@@ -3,8 +3,8 @@
 The matrix (root; builds the netns testbed itself and always tears it down)::
 
     dgt bench [--systems gloo,tcp,topk,dgt] [--scenarios clean,tenant,lossy,lossy-link]
-              [--rates 1gbit,100mbit] [--workers 4] [--hidden 2500] [--iterations N]
-              [--out docs/bench]
+              [--rates 1gbit,100mbit] [--loss-pct 1[,3,5]] [--workers 4] [--hidden 2500]
+              [--iterations N] [--out docs/bench]
 
 Systems: ``gloo`` (``dgt.tools.gloo_train``: the same training loop, gradients averaged
 by one gloo ``all_reduce``), and ``dgt train --mode tcp|topk|dgt``. Scenarios:
@@ -19,6 +19,10 @@ by one gloo ``all_reduce``), and ``dgt train --mode tcp|topk|dgt``. Scenarios:
 - ``lossy-link``: the same random loss on every packet (what a lossy link does): TCP
   loses too, so ``--mode tcp`` and gloo pay for retransmissions and timeouts, and dgt's
   reliable channel does as well.
+
+``--loss-pct`` takes one rate or a comma list: with several, each lossy scenario runs
+at each of them (a loss sweep), and the outputs add a table of comm time against loss
+(growth over the same system's clean cell) and ``loss_sweep.png``.
 
 Per cell: median and p95 communication time per iteration (trainer rank 0: from the
 push to the applied aggregate), time to target accuracy, final accuracy, bytes per
@@ -89,7 +93,7 @@ class BenchConfig:
     iterations: int = 11
     eval_every: int = 2
     target_accuracy: float = 0.8
-    loss_pct: float = 1.0
+    loss_pct: tuple[float, ...] = (1.0,)   # one lossy cell per rate and lossy scenario
     profile: str = "htb-prio"
     prefix: str = "dgtbench"   # own testbed namespaces: never touches a 'dgt' testbed
     seed: int = 0
@@ -114,8 +118,12 @@ class BenchConfig:
             raise BenchError(f"--workers must be 2..64, got {self.workers}")
         if self.hidden < 1 or self.epochs < 1 or self.iterations < 0:
             raise BenchError("--hidden and --epochs must be >= 1, --iterations >= 0")
-        if not 0 < self.loss_pct < 100:
-            raise BenchError(f"--loss-pct must be in (0, 100), got {self.loss_pct}")
+        if not self.loss_pct:
+            raise BenchError("--loss-pct must name at least one rate, e.g. 1 or 1,3,5")
+        for p in self.loss_pct:
+            if not 0 < p < 100:   # also false for nan
+                raise BenchError(f"--loss-pct: each rate must be in (0, 100) percent, "
+                                 f"got {p:g}")
         for r in self.rates:
             rate_bps(r)
         check_prefix(self.prefix)
@@ -180,17 +188,34 @@ def estimate_cell_s(cfg: BenchConfig, rate: str | None) -> float:
 
 
 def plan(cfg: BenchConfig) -> list[dict]:
-    """The cells, in run order (one testbed build per rate x loss setting)."""
+    """The cells, in run order (one testbed build per rate x loss setting). A cell's
+    ``loss_pct`` is its router's random drop, percent (None: no loss)."""
     if cfg.loopback:
-        return [dict(rate=None, scenario="loopback", system=s) for s in cfg.systems]
-    return [dict(rate=r, scenario=sc, system=s) for r in cfg.rates
-            for sc in cfg.scenarios for s in cfg.systems]
+        return [dict(rate=None, scenario="loopback", system=s, loss_pct=None)
+                for s in cfg.systems]
+    return [dict(rate=r, scenario=sc, system=s, loss_pct=p) for r in cfg.rates
+            for sc in cfg.scenarios
+            for p in (cfg.loss_pct if sc in LOSS_DSCP else (None,))
+            for s in cfg.systems]
+
+
+def testbed_settings(cells: list[dict]) -> int:
+    """How many testbeds a plan builds: one per run of cells with the same rate, loss
+    DSCPs and loss rate."""
+    keys = [(c["rate"], LOSS_DSCP.get(c["scenario"]), c.get("loss_pct")) for c in cells]
+    return sum(1 for i, k in enumerate(keys) if i == 0 or k != keys[i - 1])
 
 
 def estimate_s(cfg: BenchConfig) -> float:
-    return sum(estimate_cell_s(cfg, c["rate"]) for c in plan(cfg)) + \
-        (0 if cfg.loopback else 4.0 * len(cfg.rates) * (1 + len(LOSS_DSCP.keys()
-                                                                 & set(cfg.scenarios))))
+    cells = plan(cfg)
+    return sum(estimate_cell_s(cfg, c["rate"]) for c in cells) + \
+        (0 if cfg.loopback else 4.0 * testbed_settings(cells))
+
+
+def scenario_label(cell: dict) -> str:
+    """``lossy 3 %`` for a lossy cell, the scenario's name otherwise."""
+    p = cell.get("loss_pct")
+    return cell["scenario"] if p is None else f"{cell['scenario']} {p:g} %"
 
 
 # ------------------------------------------------------------------------ tenant load
@@ -252,15 +277,32 @@ class TenantLoad:
 # ---------------------------------------------------------------------------- one cell
 
 
-def _tx_bytes(tb, hosts: int) -> list[int] | None:
+def _snmp(text: str, table: str, name: str) -> int:
+    """One counter of /proc/net/snmp or /proc/net/netstat (``Tcp:`` / ``TcpExt:``
+    header line, then the values line). Raises ValueError when it is not there."""
+    rows = [ln.split() for ln in text.splitlines() if ln.startswith(table + ":")]
+    for head, vals in zip(rows[::2], rows[1::2]):
+        if name in head:
+            return int(vals[head.index(name)])
+    raise ValueError(f"{table}:{name} not found")
+
+
+def host_counters(tb, hosts: int) -> dict | None:
+    """Per-host counters of the testbed, read inside each host's namespace: eth0's
+    tx_bytes (list, bytes), and the sums over hosts of TCP segments retransmitted
+    (``Tcp: RetransSegs``, RFC 4022) and of retransmission timeouts (``TcpExt:
+    TCPTimeouts``, Linux). None without a testbed or when a file cannot be read."""
     if tb is None:
         return None
-    out = []
+    out = dict(tx_bytes=[], retrans_segs=0, rto_timeouts=0)
     for i in range(hosts):
-        r = tb.exec_in(i, ["cat", "/sys/class/net/eth0/statistics/tx_bytes"],
+        r = tb.exec_in(i, ["sh", "-c", "cat /sys/class/net/eth0/statistics/tx_bytes; "
+                           "cat /proc/net/snmp /proc/net/netstat"],
                        capture_output=True, text=True)
         try:
-            out.append(int(r.stdout))
+            out["tx_bytes"].append(int(r.stdout.split("\n", 1)[0]))
+            out["retrans_segs"] += _snmp(r.stdout, "Tcp", "RetransSegs")
+            out["rto_timeouts"] += _snmp(r.stdout, "TcpExt", "TCPTimeouts")
         except ValueError:
             return None
     return out
@@ -288,7 +330,8 @@ def cell_argv(cfg: BenchConfig, system: str, rate: str | None, report: str,
 def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> dict:
     """Run one cell; return its result row (``error`` set when it failed)."""
     system, rate, scenario = cell["system"], cell["rate"], cell["scenario"]
-    name = f"{rate or 'loopback'}-{scenario}-{system}"
+    name = f"{rate or 'loopback'}-{scenario}" + (
+        "" if cell.get("loss_pct") is None else f"-{cell['loss_pct']:g}pct") + f"-{system}"
     run_dir = os.path.join(work_dir, name)
     os.makedirs(run_dir, exist_ok=True)
     report_path = os.path.join(run_dir, "report.json")
@@ -306,7 +349,7 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
         row["tenant_seconds_bound"] = round(timeout_s + 5)
         tenant.start(row["tenant_seconds_bound"])
         time.sleep(1.0)   # let the tenant flows leave slow start
-    tx0 = _tx_bytes(tb, cfg.workers)
+    n0 = host_counters(tb, cfg.workers)
     t0 = time.monotonic()
     with open(os.path.join(run_dir, "stdout.log"), "wb") as out:
         p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
@@ -326,7 +369,7 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     row["cell_seconds"] = round(time.monotonic() - t0, 1)
-    tx1 = _tx_bytes(tb, cfg.workers)
+    n1 = host_counters(tb, cfg.workers)
     if tenant is not None:
         row["tenant"] = tenant.stop()
     rep = None
@@ -343,9 +386,14 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
         # are real; the row says what failed.
         row["shutdown_failure"], row["error"] = row["error"], None
     row.update(_summarise(cfg, system, rate, rep))
-    if tx0 and tx1 and rep.get("iterations") and scenario != "tenant":
-        row["wire_tx_bytes_per_iteration"] = float(np.mean(
-            [b - a for a, b in zip(tx0, tx1)])) / rep["iterations"]
+    if n0 and n1 and rep.get("iterations"):
+        its = rep["iterations"]
+        if scenario != "tenant":   # the tenant's own flows share eth0 and its TCP
+            row["wire_tx_bytes_per_iteration"] = float(np.mean(
+                [b - a for a, b in zip(n0["tx_bytes"], n1["tx_bytes"])])) / its
+            # every host together, start-up and evaluation included: what loss costs TCP
+            row["tcp_retrans_per_iteration"] = (n1["retrans_segs"] - n0["retrans_segs"]) / its
+            row["tcp_rto_per_iteration"] = (n1["rto_timeouts"] - n0["rto_timeouts"]) / its
     if row.get("wire_tx_bytes_per_iteration") and row.get("comm_ms_median") and rate:
         row["wire_goodput_frac"] = (row["wire_tx_bytes_per_iteration"] * 8
                                     / (row["comm_ms_median"] / 1e3) / rate_bps(rate))
@@ -471,17 +519,17 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
     try:
         for i, cell in enumerate(cells):
             if not cfg.loopback:
-                loss = LOSS_DSCP.get(cell["scenario"])
-                key = (cell["rate"], loss)
+                loss, pct = LOSS_DSCP.get(cell["scenario"]), cell["loss_pct"]
+                key = (cell["rate"], loss, pct)
                 if key != tb_key:
                     log_fn(f"testbed: {cfg.workers} hosts at {cell['rate']}" + (
-                        "" if loss is None else f", {cfg.loss_pct:g} % loss on "
+                        "" if loss is None else f", {pct:g} % loss on "
                         + (f"DSCP {','.join(map(str, loss))}" if loss else "every packet")))
                     tb = testbed.up(cfg.workers, rate=cell["rate"], profile=cfg.profile,
-                                    loss_pct=0.0 if loss is None else cfg.loss_pct,
+                                    loss_pct=0.0 if loss is None else pct,
                                     loss_dscp=loss or None, prefix=cfg.prefix)
                     tb_key = key
-            where = "loopback" if cfg.loopback else f"{cell['rate']} {cell['scenario']}"
+            where = "loopback" if cfg.loopback else f"{cell['rate']} {scenario_label(cell)}"
             tag = f"[{i + 1}/{len(cells)}] {where} {SYSTEM_LABEL[cell['system']]}"
             log_fn(f"{tag} ...")
             row = run_cell(cfg, cell, tb, work_dir, log_fn)
@@ -530,24 +578,27 @@ def markdown(doc: dict, loopback: bool = False) -> str:
              f"per iteration) on the scikit-learn digits, batch 32 per worker, Adam; "
              f"{'loopback, no shaping' if loopback else 'netns star testbed, every port ' + cfg['profile'] + ' at the rate shown'}; "
              f"target accuracy {cfg['target_accuracy']}."
-             + ("" if loopback else f" Lossy: {cfg['loss_pct']:g} % random drop in the "
-                f"router on DSCP 34, 18, 8 (dgt's UDP channels) only; lossy-link: the same "
-                f"on every packet. Tenant: one iperf3 "
+             + ("" if loopback else f" Lossy: {_loss_list(cfg['loss_pct'])} % random "
+                f"drop in the router on DSCP 34, 18, 8 (dgt's UDP channels) only; "
+                f"lossy-link: the same on every packet. Tenant: one iperf3 "
                 f"bulk TCP flow (DSCP 0) from host i to host i+1 for the whole run."), "",
              "comm = trainer rank 0's time from the gradient push to the applied aggregate, "
              "per iteration. MB/it/node = payload each node sends per iteration "
              "(gloo: ring all-reduce 2(N-1)/N of the gradient; dgt: BLOCKS bytes its "
              "sidecars counted + PULL payload). goodput = MB/it/node / median comm / "
-             "line rate; wire = eth0 tx bytes per iteration (headers, ACKs, END; not "
-             "measured under the tenant, whose flows share eth0).", ""]
+             "line rate; wire = eth0 tx bytes per iteration (headers, ACKs, END); "
+             "retrans (RTOs) = TCP segments retransmitted (retransmission timeouts) per "
+             "iteration, all hosts together, start-up and evaluation included (neither "
+             "is measured under the tenant, whose flows share eth0 and the hosts' TCP).",
+             ""]
     hdr = ("| rate | scenario | system | iters | comm median ms | comm p95 ms | "
            "to target (it / s) | final acc | MB/it/node | goodput | wire MB/it | "
-           "tcp MB | udp MB (1/2/3) | lost blocks |")
+           "retrans (RTOs) /it | tcp MB | udp MB (1/2/3) | lost blocks |")
     lines += [hdr, "|" + "|".join(["---"] * (hdr.count("|") - 1)) + "|"]
     for c in doc["cells"]:
-        head = f"| {c['rate'] or 'loopback'} | {c['scenario']} | {c['label']} |"
+        head = f"| {c['rate'] or 'loopback'} | {scenario_label(c)} | {c['label']} |"
         if c.get("error"):
-            lines.append(head + f" failed: {c['error'][:120]} |" + " |" * 10)
+            lines.append(head + f" failed: {c['error'][:120]} |" + " |" * 11)
             continue
         tr = c.get("target_reached")
         ch = c.get("channels") or {}
@@ -561,13 +612,15 @@ def markdown(doc: dict, loopback: bool = False) -> str:
             + f" | {c['final_test_accuracy']:.3f} | {c['bytes_per_iteration_node'] / 1e6:.1f} | "
             + (f"{c['goodput_frac']:.0%}" if c.get("goodput_frac") is not None else "–")
             + f" | {_fmt(c.get('wire_tx_bytes_per_iteration') and c['wire_tx_bytes_per_iteration'] / 1e6)}"
+            + (f" | {c['tcp_retrans_per_iteration']:.0f} ({c['tcp_rto_per_iteration']:.1f})"
+               if c.get("tcp_retrans_per_iteration") is not None else " | –")
             + f" | {_fmt(ch['tcp']['bytes_sent'] / 1e6 if 'tcp' in ch else None)}"
             + f" | {'/'.join(f'{u:.1f}' for u in udp) if udp else '–'}"
             + f" | {_fmt(lost, 'd')} |")
     if any(c.get("shutdown_failure") for c in doc["cells"]):
         lines += ["", "† the job failed after trainer rank 0 had run every iteration "
                   "(the numbers are rank 0's and the sidecars' own records): "]
-        lines += [f"- {c['rate'] or 'loopback'} {c['scenario']} {c['label']}: "
+        lines += [f"- {c['rate'] or 'loopback'} {scenario_label(c)} {c['label']}: "
                   f"{c['shutdown_failure'].split(': ', 1)[-1][:200]}"
                   for c in doc["cells"] if c.get("shutdown_failure")]
     tenants = [c for c in doc["cells"] if c.get("tenant")]
@@ -577,11 +630,81 @@ def markdown(doc: dict, loopback: bool = False) -> str:
             lines.append(f"- {c['rate']} {c['label']}: "
                          + ", ".join(f"h{t['src']}→h{t['dst']} {_fmt(t['mbit_s'])}"
                                      for t in c["tenant"]))
+    sweep = loss_sweep(doc)
+    if sweep:
+        lines += ["", "Comm time against loss (median ms per iteration; in brackets the "
+                  "change against the same system's clean cell at that rate):", ""]
+        hdr = "| rate | scenario | system | clean | " + " | ".join(
+            f"{p:g} %" for p in sweep["loss_pct"]) + " |"
+        lines += [hdr, "|" + "|".join(["---"] * (hdr.count("|") - 1)) + "|"]
+        for r in sweep["rows"]:
+            base = r["clean_ms"]
+            cells = [_fmt(base)] + [
+                "–" if v is None else f"{v:.1f}" + (
+                    "" if base is None else f" ({(v / base - 1) * 100:+.0f} %)")
+                for v in r["ms"]]
+            lines.append(f"| {r['rate']} | {r['scenario']} | {SYSTEM_LABEL[r['system']]} | "
+                         + " | ".join(cells) + " |")
     lines += ["", "Plots: " + ("`loopback_comm_time.png`" if loopback else
                                "`comm_time.png` (median, whisker to p95), "
-                               "`time_to_accuracy.png`") + ". Raw numbers: `"
+                               "`time_to_accuracy.png`"
+                               + (", `loss_sweep.png`" if sweep else "")) + ". Raw numbers: `"
               + ("loopback.json" if loopback else "results.json") + "`.", ""]
     return "\n".join(lines)
+
+
+def _loss_list(v) -> str:
+    """``1`` or ``1, 3, 5`` from a results.json ``loss_pct`` (a number in older files)."""
+    return ", ".join(f"{p:g}" for p in (v if isinstance(v, (list, tuple)) else [v]))
+
+
+def loss_sweep(doc: dict) -> dict | None:
+    """The loss sweep in a matrix: for each rate, lossy scenario and system, the median
+    comm time (ms) of its clean cell and of its cell at each loss rate, or None when the
+    matrix ran fewer than two loss rates. Returns {loss_pct: [...], rows: [{rate,
+    scenario, system, clean_ms, ms: [...]}]} (None where a cell is missing or failed)."""
+    cells = [c for c in doc["cells"] if not c.get("error")]
+    pcts = sorted({c["loss_pct"] for c in cells if c.get("loss_pct") is not None})
+    if len(pcts) < 2:
+        return None
+    med = {(c["rate"], c["scenario"], c["system"], c.get("loss_pct")): c["comm_ms_median"]
+           for c in cells}
+    rows = []
+    for rate, scenario, system in dict.fromkeys(
+            (c["rate"], c["scenario"], c["system"]) for c in cells
+            if c.get("loss_pct") is not None):
+        rows.append(dict(rate=rate, scenario=scenario, system=system,
+                         clean_ms=med.get((rate, "clean", system, None)),
+                         ms=[med.get((rate, scenario, system, p)) for p in pcts]))
+    return dict(loss_pct=pcts, rows=rows)
+
+
+def plot_loss_sweep(doc: dict, path: str) -> None:
+    """One panel per rate and lossy scenario: median comm time against loss rate, a line
+    per system, the clean cell at 0 %."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sweep = loss_sweep(doc)
+    panels = list(dict.fromkeys((r["rate"], r["scenario"]) for r in sweep["rows"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False,
+                             sharey=True)
+    for ax, (rate, sc) in zip(axes[0], panels):
+        for r in sweep["rows"]:
+            if (r["rate"], r["scenario"]) != (rate, sc):
+                continue
+            pts = [(0.0, r["clean_ms"])] + list(zip(sweep["loss_pct"], r["ms"]))
+            pts = [(x, y) for x, y in pts if y is not None]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o",
+                    label=SYSTEM_LABEL[r["system"]], color=SYSTEM_COLOR[r["system"]])
+        ax.set_title(f"{rate} {sc}")
+        ax.set_xlabel("random loss, % (0 = clean)")
+        ax.set_ylabel("comm time per iteration, ms (median)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_comm(doc: dict, path: str) -> None:
@@ -593,14 +716,14 @@ def plot_comm(doc: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4), squeeze=False)
     for ax, rate in zip(axes[0], rates):
         sub = [c for c in cells if (c["rate"] or "loopback") == rate]
-        scen = list(dict.fromkeys(c["scenario"] for c in sub))
+        scen = list(dict.fromkeys(scenario_label(c) for c in sub))
         systems = [s for s in SYSTEMS if any(c["system"] == s for c in sub)]
         w = 0.8 / max(1, len(systems))
         for j, s in enumerate(systems):
             xs, med, up = [], [], []
             for i, sc in enumerate(scen):
                 for c in sub:
-                    if c["system"] == s and c["scenario"] == sc:
+                    if c["system"] == s and scenario_label(c) == sc:
                         xs.append(i + (j - (len(systems) - 1) / 2) * w)
                         med.append(c["comm_ms_median"])
                         up.append(max(0.0, c["comm_ms_p95"] - c["comm_ms_median"]))
@@ -620,7 +743,7 @@ def plot_accuracy(doc: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     cells = [c for c in doc["cells"] if not c.get("error") and c.get("history")]
-    panels = list(dict.fromkeys((c["rate"] or "loopback", c["scenario"]) for c in cells))
+    panels = list(dict.fromkeys((c["rate"] or "loopback", scenario_label(c)) for c in cells))
     if not panels:
         panels = [("loopback", "loopback")]
     cols = min(3, len(panels))
@@ -629,7 +752,7 @@ def plot_accuracy(doc: dict, path: str) -> None:
     target = doc["config"]["target_accuracy"]
     for ax, (rate, sc) in zip(axes.flat, panels):
         for c in cells:
-            if (c["rate"] or "loopback", c["scenario"]) == (rate, sc):
+            if (c["rate"] or "loopback", scenario_label(c)) == (rate, sc):
                 h = c["history"]
                 ax.plot([x["seconds"] for x in h], [x["test_accuracy"] for x in h],
                         marker="o", ms=3, label=SYSTEM_LABEL[c["system"]],
@@ -660,7 +783,10 @@ def write_outputs(doc: dict, out: str, loopback: bool = False) -> list[str]:
     plot_comm(doc, paths[2])
     if not loopback:
         paths.append(os.path.join(out, "time_to_accuracy.png"))
-        plot_accuracy(doc, paths[3])
+        plot_accuracy(doc, paths[-1])
+        if loss_sweep(doc):
+            paths.append(os.path.join(out, "loss_sweep.png"))
+            plot_loss_sweep(doc, paths[-1])
     return paths
 
 
@@ -772,6 +898,18 @@ def _csv(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
 
 
+def loss_list(s: str) -> tuple[float, ...]:
+    """``--loss-pct``: one number or a comma list (``1,3,5``), duplicates dropped (the
+    range is BenchConfig.validate's rule). Raises argparse.ArgumentTypeError (a one-line
+    usage error) when a part is not a number."""
+    import argparse
+    try:
+        return tuple(dict.fromkeys(float(x) for x in s.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{s!r} is not a percentage or a comma list of them, e.g. 1 or 1,3,5") from None
+
+
 def add_arguments(p) -> None:
     d = BenchConfig()
     p.add_argument("what", nargs="?", choices=("matrix", "goodput"), default="matrix",
@@ -795,9 +933,10 @@ def add_arguments(p) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="measure test accuracy every this many iterations")
     p.add_argument("--target-accuracy", type=float, default=d.target_accuracy)
-    p.add_argument("--loss-pct", type=float, default=d.loss_pct,
+    p.add_argument("--loss-pct", type=loss_list, default=d.loss_pct,
                    help="lossy scenarios: random drop, percent (lossy: on DSCP 34,18,8; "
-                        "lossy-link: on every packet)")
+                        "lossy-link: on every packet); a comma list (1,3,5) runs each "
+                        "lossy scenario at each rate: a loss sweep (default 1)")
     p.add_argument("--profile", default=d.profile, help="tc profile of every port")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--prefix", default=d.prefix,
@@ -874,7 +1013,7 @@ def cmd_bench(a) -> int:
         cfg.validate()
         if a.estimate:
             for c in plan(cfg):
-                print(f"{c['rate'] or 'loopback':>8} {c['scenario']:<8} {c['system']:<5} "
+                print(f"{c['rate'] or 'loopback':>8} {scenario_label(c):<16} {c['system']:<5} "
                       f"~{estimate_cell_s(cfg, c['rate']):.0f} s")
             print(f"estimate: {estimate_s(cfg) / 60:.1f} min")
             print("(a dgt job that fails at shutdown adds up to its peer timeout, "

@@ -58,13 +58,39 @@ class ServerShard:
         for w in range(self.n_workers):  # a block that did not arrive counts as zero
             if not bitmaps[w].all():
                 recv[w][~bitmaps[w]] = 0
-        # a new array every iteration: PULL frames send views of it without copying
-        acc = np.add(recv[0], recv[1]) if self.n_workers > 1 else recv[0].copy()
-        for w in range(2, self.n_workers):  # rank order: bitwise reproducible
-            acc += recv[w]
+        acc = self._sum(recv)
+        # a NaN/inf in any worker's block makes that block's sum non-finite: one pass
+        # over the sum (1/N of the data) finds them; only those blocks are looked at
+        bad = np.flatnonzero(~np.isfinite(acc.sum(axis=1)))
+        if bad.size:
+            self._exclude_non_finite(bad, acc)
         acc /= np.float32(self.n_workers)
         flat = acc.reshape(-1)
         self.bitmaps = [None] * self.n_workers
         self.session.advance()
         for w in range(self.n_workers):
             self.on_pull(w, iteration, flat, bitmaps[w])
+
+    def _sum(self, recv: np.ndarray, rows=slice(None)) -> np.ndarray:
+        """Sum of the workers' blocks ``rows`` in rank order (bitwise reproducible), as a
+        new array: PULL frames send views of it without copying."""
+        acc = np.add(recv[0, rows], recv[1, rows]) if self.n_workers > 1 \
+            else recv[0, rows].copy()
+        for w in range(2, self.n_workers):
+            acc += recv[w, rows]
+        return acc
+
+    def _exclude_non_finite(self, rows: np.ndarray, acc: np.ndarray) -> None:
+        """Blocks ``rows`` summed to NaN/inf: every worker block among them that holds a
+        NaN or inf is excluded like a lost block (zero in the sum, "missing" in that
+        worker's bitmap, so its sender keeps its own gradient in the residual) and
+        counted as ``rejected["non_finite"]``. A forged datagram cannot poison the model
+        this way, nor can one worker's overflow (cf. torch.amp.GradScaler, which skips
+        a step whose gradients are not finite)."""
+        sub = self.recv[:, rows]                       # (workers, len(rows), block_elems)
+        bad = ~np.isfinite(sub).all(axis=2)            # (workers, len(rows))
+        for w in np.flatnonzero(bad.any(axis=1)):
+            self.recv[w, rows[bad[w]]] = 0
+            self.bitmaps[w][rows[bad[w]]] = False
+        self.session.counters.rejected["non_finite"] += int(bad.sum())
+        acc[rows] = self._sum(self.recv, rows)

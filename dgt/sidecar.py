@@ -50,6 +50,27 @@ log = logging.getLogger("dgt.sidecar")
 EXIT_PEER_FAILURE = 3
 
 
+def udp_sources(peers: dict[int, dict], me: int) -> dict[tuple[str, int], int] | None:
+    """(numeric address, port) -> rank of every peer's UDP channel sockets. A peer sends
+    channel c's datagrams from its own channel-c socket (bound to its endpoint), so a
+    datagram from any other source is no peer's: counted as ``unknown_source`` and
+    dropped before it is decoded. This keeps out what merely reaches our ports (replays,
+    scans, a stranger who learnt the session id); a sender that forges source addresses
+    needs ``--secret`` (a MAC on every message). None when a peer's host is a wildcard
+    (its source address is then the route's, not known here). Resolves host names
+    (blocking: call it off the event loop)."""
+    out: dict[tuple[str, int], int] = {}
+    for r, ep in peers.items():
+        if r == me:
+            continue
+        if ep["host"] in ("", "0.0.0.0", "::"):
+            return None
+        for port in ep["udp_ports"]:
+            for *_, sa in socket.getaddrinfo(ep["host"], port, type=socket.SOCK_DGRAM):
+                out[tuple(sa[:2])] = r
+    return out
+
+
 @dataclass
 class NodeConfig:
     """Where this node is and how it finds the others."""
@@ -83,6 +104,8 @@ class Sidecar:
         self.udp_senders: dict[int, BatchSender] = {}
         self.gro = False
         self.peers: dict[int, dict] = {}
+        # (address, port) of every peer's UDP sockets; None: a peer's address is a wildcard
+        self.udp_sources: dict[tuple[str, int], int] | None = None
         self.session_id = 0
         self.rdv: Rendezvous | None = None
         self.agent: WorkerAgent | None = None
@@ -147,7 +170,7 @@ class Sidecar:
             self.gro = enable_gro(s) if not self.cfg.drop_udp else False
             self.udp_senders[c] = BatchSender(s)
             tr, proto = await loop.create_datagram_endpoint(
-                lambda c=c: DatagramProtocol(lambda d, a, now, c=c: self._on_datagram(c, d, now),
+                lambda c=c: DatagramProtocol(lambda d, a, now, c=c: self._on_datagram(c, d, a, now),
                                              self.cfg.drop_udp,
                                              seed=self.node.seed * 131 + self.rank * 7 + c),
                 sock=s)
@@ -185,10 +208,11 @@ class Sidecar:
             rdv.wait(["dgt/session/0"])
             session = int(rdv.store.get("dgt/session/0"))
             peers = {r: json.loads(v) for r, v in rdv.gather("dgt/ep").items()}
-            return rdv, session, peers
+            return rdv, session, peers, udp_sources(peers, self.rank)
 
         try:
-            self.rdv, self.session_id, self.peers = await loop.run_in_executor(None, exchange)
+            self.rdv, self.session_id, self.peers, self.udp_sources = \
+                await loop.run_in_executor(None, exchange)
         except PeerFailure as e:
             self.fail(str(e), e.rank)
             return
@@ -473,9 +497,12 @@ class Sidecar:
         conn.send(frame)
 
     # -- input ------------------------------------------------------------------------
-    def _on_datagram(self, channel: int, data: bytes, now: float) -> None:
+    def _on_datagram(self, channel: int, data: bytes, addr, now: float) -> None:
         if self.shard is None:
             self.counters.rejected["not_ready"] += 1
+            return
+        if self.udp_sources is not None and addr[:2] not in self.udp_sources:
+            self.counters.rejected["unknown_source"] += 1
             return
         self.shard.handle(self.shard.session.receive_datagram(data, now))
         self._arm_timer()

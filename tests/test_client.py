@@ -137,3 +137,13 @@ def test_a_parameter_no_worker_has_a_gradient_for_keeps_none(sidecar):
         assert all(torch.equal(p.grad, w) for p, w in zip(used.parameters(), want))
     c.close()
     assert proc.wait(timeout=30) == 0
+
+
+def test_udp_sources_name_every_peer_socket_and_give_up_on_wildcards():
+    from dgt.sidecar import udp_sources
+    peers = {0: {"host": "127.0.0.1", "udp_ports": [5001, 5002]},
+             1: {"host": "localhost", "udp_ports": [5011, 5012]}}
+    src = udp_sources(peers, me=0)
+    assert src[("127.0.0.1", 5011)] == 1 and src[("127.0.0.1", 5012)] == 1
+    assert ("127.0.0.1", 5001) not in src            # our own sockets are no peer's
+    assert udp_sources({**peers, 2: {"host": "0.0.0.0", "udp_ports": [1]}}, me=0) is None

@@ -158,3 +158,31 @@ def test_push_reports_the_k_it_used(k):
         return await asyncio.gather(*(a.push(0, None, 5.0) for a in fab.agents
                                       if not fab.grads[a.rank].__setitem__(slice(0, 3000), g)))
     assert asyncio.run(main()) == [k] * 4
+
+
+def test_non_finite_blocks_never_reach_the_model():
+    """A NaN or inf in a worker's block (its own overflow, or a forged datagram that
+    got in first) is excluded at the shard like a lost block: the aggregate stays finite
+    and identical on every replica, the block is counted as rejected 'non_finite', and
+    its sender keeps its own copy in the residual (error feedback)."""
+    cfg = TransmissionConfig(k=0.5)
+    fab = Fabric(cfg, 5000, 4)
+    lay = fab.lay
+    gen = np.random.default_rng(7)
+    grads = [gen.standard_normal(5000).astype(np.float32) for _ in range(4)]
+    bad = [3, lay.shard_lo(2) + 1]            # two blocks of worker 1, on two shards
+    for b in bad:
+        grads[1][b * lay.block_elems + 5] = np.nan if b == 3 else np.inf
+    asyncio.run(fab.step(0, grads))
+    agg = fab.aggs[0]
+    assert np.isfinite(agg).all()
+    assert len({a.tobytes() for a in fab.aggs}) == 1
+    e = lay.block_elems
+    for b in bad:   # the other three workers' mean over N, worker 1 counted as zero
+        want = (grads[0] + grads[2] + grads[3])[b * e:(b + 1) * e] / np.float32(4)
+        np.testing.assert_allclose(agg[b * e:(b + 1) * e], want, rtol=1e-6)
+    assert sum(s.session.counters.rejected["non_finite"] for s in fab.shards) == 2
+    res = fab.agents[1].residual.residual.numpy()
+    for b in bad:
+        assert not np.isfinite(res[b * e:(b + 1) * e]).all()   # kept, not dropped
+    assert not res[7 * e:8 * e].any()          # a delivered block leaves no residual

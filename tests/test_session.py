@@ -326,3 +326,35 @@ def test_a_marker_and_its_copy_coalesced_by_gro_are_read_one_by_one():
     # the same length that is not a run of whole datagrams stays malformed
     assert s.receive_datagram(marker(0, 1, 2) + b"\x00" * 10, now=0.02) == \
         [Rejected("bad_length")]
+
+
+def test_a_tcp_frame_drops_only_the_rows_already_received():
+    """A stray copy of one block (here a UDP datagram for a row the worker sends over
+    TCP) costs that row only, not the whole reliable frame."""
+    s = session(n_workers=1)
+    s.receive_datagram(dgram(0, 11, ch=1), now=0)
+    ev = s.receive_frame(*tcp_blocks(0, [10, 11, 12]), now=0)
+    assert kinds(ev) == ["Rejected", "BlocksArrived"]
+    assert ev[1].rows.tolist() == [0, 2] and ev[1].data[:, 0].tolist() == [0.0, 2.0]
+    assert s.counters.channels[0].blocks_duplicate == 1
+    assert s.counters.channels[0].blocks_delivered == 2
+
+
+def test_a_tcp_frame_naming_a_block_twice_is_rejected():
+    s = session(n_workers=1)
+    assert s.receive_frame(*tcp_blocks(0, [10, 11, 10]), now=0) == [Rejected("bad_block")]
+    assert not s.received.any()
+
+
+def test_end_completes_the_reliable_channel_without_a_deadline():
+    """TCP is in order and END follows the reliable blocks on the same connection: a
+    reliable block that is not in when END is read (rejected) will not come, so END
+    finalises at once, counting it lost, instead of waiting for the deadline."""
+    s = session(n_workers=1)
+    s.receive_datagram(dgram(0, 11, ch=1), now=0)            # a stray copy of row 11
+    s.receive_frame(*tcp_blocks(0, [10, 11]), now=0)          # row 11 dropped as duplicate
+    ev = s.receive_frame(*end(0, [2, 0]), now=0)
+    assert kinds(ev) == ["WorkerFinalised", "IterationComplete"]
+    assert ev[0].reason == "tail"
+    assert s.counters.channels[0].blocks_lost == 1
+    assert s.next_deadline() is None

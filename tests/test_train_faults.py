@@ -84,6 +84,8 @@ def test_bad_input_during_training_is_counted_and_dropped(tmp_path):
     rejected = sum(r["rejected"].values())
     # every UDP mutant and every TCP connection that got through is counted
     assert rejected >= sent["udp"] * 0.95 + 1, (sent, r["rejected"])
+    # the mutants come from no peer's UDP socket: dropped before they are decoded
+    assert r["rejected"].get("unknown_source", 0) >= sent["udp"] * 0.95, r["rejected"]
     logs = logs_of(run_dir) + err
     assert "Traceback" not in logs
 

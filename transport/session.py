@@ -396,15 +396,22 @@ class ShardSession:
             return [Rejected("late")]
         if h.iteration > self.iteration:
             return [self._reject("future")]
+        if np.unique(rows).size != rows.size:   # a sender never repeats a block in a frame
+            return [self._reject("bad_block")]
         seen = self.received[w, rows]
-        if seen.any() or np.unique(rows).size != rows.size:
-            ch.blocks_duplicate += rows.size
-            return [Rejected("duplicate")]
+        events: list = []
+        if seen.any():   # only those rows: a stray copy must not cost the whole frame
+            ch.blocks_duplicate += int(seen.sum())
+            rows, data = rows[~seen], data[~seen]
+            nbytes = nbytes * rows.size // seen.size
+            events.append(Rejected("duplicate"))
+        if not rows.size:
+            return events
         self.received[w, rows] = True
         self.per_channel[w, h.channel] += rows.size
         ch.blocks_delivered += rows.size
         ch.bytes_delivered += nbytes
-        events: list = [BlocksArrived(w, h.iteration, h.channel, rows, data)]
+        events.append(BlocksArrived(w, h.iteration, h.channel, rows, data))
         if self.end_counts[w] is not None and self._complete(w):
             events += self._finalise(w, "complete")
         return events
@@ -446,9 +453,13 @@ class ShardSession:
 
     def _complete(self, w: int) -> bool:
         """Every counted block of ``w`` arrived, or the rest is known lost: its channel's
-        tail marker came, with the count the END gave."""
+        tail marker came, with the count the END gave. The reliable channel is complete
+        once END is in: TCP is in order and END follows the sender's reliable blocks on
+        the same connection, so one not in by then (rejected) will not come."""
         counts = self.end_counts[w]
-        return bool(((self.per_channel[w] >= counts) | (self.tail[w] == counts)).all())
+        done = (self.per_channel[w] >= counts) | (self.tail[w] == counts)
+        done[RELIABLE] = True
+        return bool(done.all())
 
     def _finalise(self, w: int, reason: str) -> list:
         self.finalised[w] = True

@@ -15,9 +15,13 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         tx = from_args(TransmissionConfig, ns)
     except ValueError as e:
         parser.error(str(e))
-    from .launch import check_paths, run_job
+    if ns.k_min is not None and not tx.adaptive_k:
+        parser.error("--k-min only applies with --adaptive-k; add --adaptive-k or drop "
+                     "--k-min")
+    from .launch import check_memory, check_paths, run_job
     try:
         check_paths(job)
+        check_memory(job)
     except ValueError as e:
         parser.error(str(e))
     code, _ = run_job(job, tx)

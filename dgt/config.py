@@ -126,6 +126,12 @@ class JobConfig:
     target_accuracy: float = _f(0.95, "report the iteration and time when test accuracy "
                                 "first reaches this")
 
+    def n_params(self) -> int:
+        """Parameters of the job's model (``dgt.job.make_model``): a 64-H-H-10 MLP with
+        biases, H = ``hidden``."""
+        h = self.hidden
+        return 64 * h + h + h * h + h + 10 * h + 10
+
     def validate(self) -> None:
         if not 1 <= self.workers <= 64:
             raise ValueError(f"--workers must be 1..64, got {self.workers}")
@@ -133,6 +139,8 @@ class JobConfig:
             raise ValueError("--iterations and --eval-every must be >= 0")
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or self.hidden < 1:
             raise ValueError("--epochs, --batch-size, --hidden must be >= 1 and --lr > 0")
+        if not 0 <= self.seed <= 2**32 - 1:   # numpy/scikit-learn random_state's range
+            raise ValueError(f"--seed must be in 0..4294967295, got {self.seed}")
         if not 0.0 < self.target_accuracy <= 1.0:
             raise ValueError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -11,6 +11,7 @@ The launcher names the failed rank, and leaves no process behind.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -25,9 +26,31 @@ import time
 
 
 from .config import JobConfig, TransmissionConfig, to_argv
-from .report import build_report, print_summary
+from .report import build_report, diverged, print_summary
 
 GRACE_S = 5.0
+#: anonymous + shared memory of one dgt process (Python, torch, numpy) before the
+#: model's own arrays: peak RssAnon+RssShmem of a sidecar and a trainer, --hidden 32,
+#: 155 and 265 MiB (2-core VM, 2026-12-01); half their sum
+PROCESS_BASE_BYTES = 210 * 2**20
+#: fp32 model-sized arrays per worker (trainer: parameters, gradient, Adam's moments,
+#: autograd buffers; sidecar: shared gradient buffer, work copy, residual, scores, its
+#: shard's receive buffers and aggregate, PULL frames): --hidden 2500 (24.6 MiB of fp32)
+#: peaked at 421 + 513 MiB, 514 MiB over --hidden 32, i.e. 20.9 copies
+MODEL_COPIES_PER_WORKER = 21
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a child, before exec: SIGTERM us when the launcher dies (prctl(2)
+    PR_SET_PDEATHSIG), so a launcher killed with SIGKILL leaves no job running;
+    exec keeps the setting. Exits at once if the launcher is already gone."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -123,7 +146,8 @@ class Job:
                to_terminal: bool = False) -> None:
         logf = open(os.path.join(self.run_dir, f"{kind}-{rank}.log"), "wb")
         out = None if to_terminal else logf
-        p = subprocess.Popen(argv, stdout=out, stderr=logf, env=env, start_new_session=True)
+        p = subprocess.Popen(argv, stdout=out, stderr=logf, env=env, start_new_session=True,
+                             preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         logf.close()
         self.procs.append((kind, rank, p))
 
@@ -170,9 +194,17 @@ class Job:
 
     def _describe_failure(self, kind: str, rank: int, code: int) -> str:
         if code < 0:
-            return f"{kind} of rank {rank} was killed by signal {-code}"
+            hint = (" (SIGKILL from outside the job: the kernel's OOM killer if memory ran "
+                    "out, see 'dmesg'; try fewer --workers or a smaller --hidden)"
+                    if -code == signal.SIGKILL else "")
+            return f"{kind} of rank {rank} was killed by signal {-code}{hint}"
         tail = _last_line(os.path.join(self.run_dir, f"{kind}-{rank}.log"))
-        return f"{kind} of rank {rank} exited with status {code}" + (f": {tail}" if tail else "")
+        what = f"{kind} of rank {rank} exited with status {code}" + (f": {tail}" if tail
+                                                                     else "")
+        blamed = [r for r in _blamed_ranks(tail) if r != rank]
+        # a rank that hung is named first, not the rank whose wait for it ran out
+        return f"rank(s) {blamed} stopped answering (dead or frozen); {what}" if blamed \
+            else what
 
     def kill(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -209,6 +241,16 @@ class Job:
 _OWN_ERROR = re.compile(r"^(?:\S+ \S+ dgt\.\S+ (?:ERROR|CRITICAL) (?P<msg>.*)|(?P<cli>dgt .*))$")
 
 
+#: how a sidecar names the ranks it waited on in vain (dgt.sidecar, PULL wait)
+_BLAMED = re.compile(r"from rank\(s\) \[([0-9, ]+)\] \(dead or frozen\)")
+
+
+def _blamed_ranks(line: str) -> list[int]:
+    """The ranks a sidecar's error line says it waited on in vain, or []."""
+    m = _BLAMED.search(line)
+    return [int(x) for x in m.group(1).split(",")] if m else []
+
+
 def _last_line(path: str) -> str:
     """The line of a child's log that says why it stopped: the last error our own code
     logged; else the last line that looks like an error (a Python exception); never a
@@ -228,6 +270,30 @@ def _last_line(path: str) -> str:
     return (errs or lines or [""])[-1][:300]
 
 
+def check_memory(job: JobConfig, meminfo: str = "/proc/meminfo") -> None:
+    """Refuse a job that would not fit in this machine's memory: every sidecar and
+    trainer runs here (on loopback and on the testbed alike), about
+    ``PROCESS_BASE_BYTES`` each plus ``MODEL_COPIES_PER_WORKER`` fp32 copies of the model
+    per worker; the kernel's OOM killer would otherwise end the run, and maybe other
+    programs, minutes in. Raises ValueError naming --workers/--hidden. No check where
+    /proc/meminfo has no MemAvailable (proc(5))."""
+    try:
+        with open(meminfo) as f:
+            avail = next(int(ln.split()[1]) * 1024 for ln in f
+                         if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return
+    per_worker = 2 * PROCESS_BASE_BYTES + MODEL_COPIES_PER_WORKER * 4 * job.n_params()
+    need = job.workers * per_worker
+    if need > 0.9 * avail:
+        fit = max(1, int(0.9 * avail // per_worker))
+        raise ValueError(f"--workers {job.workers} --hidden {job.hidden} needs about "
+                         f"{need / 2**30:.1f} GiB of memory here (a sidecar and a trainer "
+                         f"per worker, {per_worker / 2**30:.2f} GiB together), but "
+                         f"{avail / 2**30:.1f} GiB is available; use --workers {fit} or "
+                         f"fewer, or a smaller --hidden")
+
+
 def check_paths(job: JobConfig) -> None:
     """Fail before training, not after: --report's folder and --run-dir must be usable.
     Raises ValueError with a message that names the flag."""
@@ -239,8 +305,13 @@ def check_paths(job: JobConfig) -> None:
             raise ValueError(f"--report: cannot create folder {folder}: {e.strerror}") from None
         if os.path.isdir(job.report):
             raise ValueError(f"--report {job.report} is a directory; give a file path")
-        if not os.access(folder, os.W_OK):
-            raise ValueError(f"--report: folder {folder} is not writable")
+        try:   # create a file there, as the report will be (os.access says yes to root
+            # on /proc and on a read-only mount's permission bits)
+            with tempfile.TemporaryFile(dir=folder, prefix=".dgt-report-"):
+                pass
+        except OSError as e:
+            raise ValueError(f"--report: cannot create a file in {folder}: "
+                             f"{e.strerror or e}") from None
     if job.run_dir:
         if os.path.exists(job.run_dir) and not os.path.isdir(job.run_dir):
             raise ValueError(f"--run-dir {job.run_dir} is a file; give a folder")
@@ -303,8 +374,32 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dic
     report = build_report(j.run_dir, job, tx, wall_s)
     print_summary(report, log)
     if job.report:
-        with open(job.report, "w") as f:
-            json.dump(report, f, indent=1)
+        try:
+            write_report(job.report, report)
+        except OSError as e:
+            log(f"dgt train: cannot write --report {job.report}: {e.strerror or e}; the "
+                f"summary above has its numbers; logs kept in {j.run_dir}")
+            return 1, report
         log(f"report: {job.report}")
     j.cleanup()
-    return 0, report
+    return (1 if diverged(report) else 0), report
+
+
+def write_report(path: str, report: dict) -> None:
+    """Write the JSON report atomically: a temporary file in the same folder, then
+    rename(2), so a full disk or a failed write never leaves a truncated report (the
+    temporary file is removed). Raises OSError."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=".dgt-report-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -110,8 +110,15 @@ def print_summary(r: dict, log=print) -> None:
     if r.get("deadline_finalised") or r.get("tail_finalised"):
         log(f"workers finalised with blocks lost: {r.get('tail_finalised', 0)} at their "
             f"tail markers, {r.get('deadline_finalised', 0)} at the deadline")
-    bad = next((h for h in r["history"] if not math.isfinite(h.get("loss", 0.0))), None)
+    bad = diverged(r)
     if bad is not None:
         log(f"warning: the training loss is {bad['loss']} from iteration {bad['iteration']} "
-            f"on: training diverged (lower --lr) or a trainer pushed non-finite gradients; "
-            f"the numbers above describe a broken model")
+            f"on: training diverged (lower --lr) or a trainer pushed non-finite gradients "
+            f"({r['rejected'].get('non_finite', 0)} non-finite blocks were kept out of the "
+            f"aggregate); the numbers above describe a broken model")
+
+
+def diverged(r: dict) -> dict | None:
+    """The first history entry whose training loss is NaN or inf, or None. A run that
+    diverged ends with a warning and exit status 1 (``dgt train``)."""
+    return next((h for h in r["history"] if not math.isfinite(h.get("loss", 0.0))), None)

@@ -402,7 +402,7 @@ class Sidecar:
         if need_s > self.cfg.peer_timeout_s:
             raise PeerFailure(
                 f"--pace-mbit {self.cfg.pace_mbit:g} moves one iteration of this model "
-                f"({4 * lay.padded / 1e6:.1f} MB of gradient, {self.world} nodes) in about "
+                f"({4 * lay.padded / 1e6:.3g} MB of gradient, {self.world} nodes) in about "
                 f"{need_s:.0f} s, more than --peer-timeout-s {self.cfg.peer_timeout_s:g}; "
                 f"raise --pace-mbit (or auto) or --peer-timeout-s", self.rank)
 

@@ -78,6 +78,7 @@ def _bench_as_nobody() -> tuple[int, str]:
     import dgt.tools.cli  # noqa: F401
     import dgt.tc_profiles.testbed  # noqa: F401
     import dgt.tc_profiles.cli  # noqa: F401
+    import importlib.readers  # noqa: F401  (the tc profiles are package data)
     parser = dgt.cli.build_parser()
     r, w = os.pipe()
     pid = os.fork()

@@ -30,6 +30,15 @@ BAD = [
     (["train", "--tcp-rto-min-ms", "3"], "--tcp-rto-min-ms must be 0"),
     (["bench", "--profile", "nope", "--estimate"], "--profile: unknown profile 'nope'"),
     (["bench", "--cell-timeout-s", "-1", "--estimate"], "--cell-timeout-s must be >= 0"),
+    # breaker round 2026-12-01: each of these was accepted, then failed later or silently
+    (["train", "--seed", "-1"], "--seed must be in 0..4294967295"),
+    (["train", "--seed", str(2**32)], "--seed must be in 0..4294967295"),
+    (["train", "--k-min", "0.1"], "--k-min only applies with --adaptive-k"),
+    (["train", "--report", "/proc/x.json"], "--report: cannot create a file in /proc"),
+    (["train", "--workers", "64", "--hidden", "20000"], "GiB of memory here"),
+    (["bench", "--out", "/proc/nope", "--estimate"], "--out /proc/nope: cannot write"),
+    (["bench", "--eval-every", "-1", "--estimate"], "--eval-every >= 0"),
+    (["bench", "--target-accuracy", "2", "--estimate"], "--target-accuracy must be in"),
 ]
 
 
@@ -70,3 +79,21 @@ def test_bad_testbed_prefix_for_train_is_one_line():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert "bad --testbed-prefix 'b/r'" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_memory_check_reads_memavailable_and_names_a_job_that_fits(tmp_path):
+    """The job's memory estimate against /proc/meminfo's MemAvailable (a file of that
+    format here): refused with a --workers that fits; no check without the field."""
+    from dgt.config import JobConfig
+    from dgt.launch import PROCESS_BASE_BYTES, check_memory
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    job = JobConfig(workers=64, hidden=1024)
+    with pytest.raises(ValueError, match=r"--workers 64 --hidden 1024 needs about") as e:
+        check_memory(job, str(info))
+    fit = int(str(e.value).split("use --workers ")[1].split()[0])
+    assert 1 <= fit < 64
+    check_memory(JobConfig(workers=fit, hidden=1024), str(info))   # the advice holds
+    assert 2 * PROCESS_BASE_BYTES * 64 > 0.9 * 4000000 * 1024      # premise of the case
+    info.write_text("MemTotal: 8000000 kB\n")
+    check_memory(job, str(info))                                   # no field: no check

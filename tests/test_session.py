@@ -358,3 +358,21 @@ def test_end_completes_the_reliable_channel_without_a_deadline():
     assert ev[0].reason == "tail"
     assert s.counters.channels[0].blocks_lost == 1
     assert s.next_deadline() is None
+
+
+@pytest.mark.parametrize("key", [None, b"k"])
+def test_a_block_two_iterations_behind_is_stale_not_late(key):
+    """One iteration behind is lateness (counted per channel); two or more is a replay
+    or a datagram that sat out a whole iteration: rejected as 'stale', so a replay
+    flood does not read as network lateness, one by one and in a GRO run alike."""
+    s = session(n_workers=1, key=key)
+    for _ in range(3):
+        s.advance()                                   # current iteration: 3
+    assert s.receive_datagram(dgram(0, 10, it=2, key=key), now=0) == [Rejected("late")]
+    assert s.receive_datagram(dgram(0, 11, it=1, key=key), now=0) == [Rejected("stale")]
+    run = b"".join(dgram(0, b, it=0, key=key) for b in (12, 13, 14))
+    assert Rejected("stale") in s.receive_datagram(run, now=0)
+    h, p = tcp_blocks(0, [15, 16], it=1)
+    assert s.receive_frame(h, p, now=0) == [Rejected("stale")]
+    assert s.counters.rejected["stale"] == 5
+    assert s.counters.channels[1].blocks_late == 1 and not s.received.any()

@@ -1,6 +1,7 @@
 """Fault injection against a real 'dgt train' run: malformed input, dead peers."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -265,3 +266,47 @@ def test_a_failing_sidecar_stops_even_when_telling_the_others_fails(tmp_path):
 
     done, failed = asyncio.run(main())
     assert done and "stopped by signal" in str(failed)
+
+
+def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
+    """SIGKILL cannot be caught, so the launcher cannot stop its children then: they
+    hold PR_SET_PDEATHSIG and get SIGTERM from the kernel, and clean up as on Ctrl-C."""
+    p, run_dir, pids = _started(tmp_path, "--epochs", 200)
+    p.kill()
+    p.communicate(timeout=30)
+    t_end = time.monotonic() + 60   # bounded: a child that outlives this fails the test
+    while [x for x in pids if alive(x["pid"])] and time.monotonic() < t_end:
+        time.sleep(0.2)
+    assert not [x for x in pids if alive(x["pid"])], pids
+    mine = {str(x["pid"]) for x in pids}
+    assert not [f for f in os.listdir("/dev/shm") if f.split("-")[1:2] and
+                f.split("-")[1] in mine]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a small tmpfs)")
+def test_a_report_that_cannot_be_written_is_one_line_and_leaves_no_partial_file(tmp_path):
+    """A full disk at the end of a run: one line naming --report and why, exit 1, no
+    truncated report, no temporary file, and the run's logs kept and named."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mnt)], check=True)
+    try:
+        with open(mnt / "fill", "wb") as f:   # fill it: the report's write must fail
+            try:
+                f.write(b"x" * 65536)
+            except OSError:
+                pass
+        report = mnt / "r.json"
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                            "--iterations", "2", "--hidden", "32", "--report", str(report)],
+                           capture_output=True, text=True, timeout=180)
+        out = p.stdout + p.stderr
+        assert p.returncode == 1, out
+        assert f"dgt train: cannot write --report {report}" in out, out
+        assert "Traceback" not in out
+        assert sorted(x.name for x in mnt.iterdir()) == ["fill"]
+        kept = out.split("logs kept in ")[-1].split()[0]
+        assert os.path.isdir(kept)
+        shutil.rmtree(kept, ignore_errors=True)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

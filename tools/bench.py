@@ -116,8 +116,12 @@ class BenchConfig:
             raise BenchError("--systems, --scenarios and --rates must each name at least one")
         if not 2 <= self.workers <= 64:
             raise BenchError(f"--workers must be 2..64, got {self.workers}")
-        if self.hidden < 1 or self.epochs < 1 or self.iterations < 0:
-            raise BenchError("--hidden and --epochs must be >= 1, --iterations >= 0")
+        if self.hidden < 1 or self.epochs < 1 or self.iterations < 0 or self.eval_every < 0:
+            raise BenchError("--hidden and --epochs must be >= 1, --iterations and "
+                             "--eval-every >= 0")
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise BenchError(f"--target-accuracy must be in (0, 1], got "
+                             f"{self.target_accuracy:g}")
         if not self.loss_pct:
             raise BenchError("--loss-pct must name at least one rate, e.g. 1 or 1,3,5")
         for p in self.loss_pct:
@@ -136,6 +140,25 @@ class BenchConfig:
                 load_profile(self.profile)
             except ProfileError as e:
                 raise BenchError(f"--profile: {e}") from None
+
+
+def check_out_dir(out: str) -> None:
+    """``--out`` must be a folder we can write, or creatable in one: checked before any
+    cell runs (a matrix takes most of an hour), without creating anything. Raises
+    BenchError naming the flag."""
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise BenchError(f"--out {out} is a file; give a folder")
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise BenchError(f"--out {out}: {probe} is a file, not a folder")
+    try:   # root passes os.access everywhere; only creating a file tells (/proc, ro)
+        with tempfile.TemporaryFile(dir=probe, prefix=".dgt-bench-"):
+            pass
+    except OSError as e:
+        raise BenchError(f"--out {out}: cannot write in {probe}: {e.strerror or e}") from None
 
 
 def check_prefix(prefix: str) -> None:
@@ -158,8 +181,9 @@ def rate_bps(rate: str) -> float:
 
 
 def n_params(hidden: int) -> int:
-    """Parameters of ``dgt.job.make_model(hidden)``: 64-H-H-10 MLP with biases."""
-    return 64 * hidden + hidden + hidden * hidden + hidden + 10 * hidden + 10
+    """Parameters of ``dgt.job.make_model(hidden)`` (``JobConfig.n_params``)."""
+    from dgt.config import JobConfig
+    return JobConfig(hidden=hidden).n_params()
 
 
 def iterations_of(cfg: BenchConfig) -> int:
@@ -494,6 +518,7 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
     cfg.validate()
     if not cfg.loopback and os.geteuid() != 0:
         raise BenchError(NOT_ROOT)
+    check_out_dir(cfg.out)
     cells = plan(cfg)
     est = estimate_s(cfg)
     log_fn(f"dgt bench: {len(cells)} cells ({', '.join(cfg.systems)} x "
@@ -1012,6 +1037,7 @@ def cmd_bench(a) -> int:
         cfg = config_from_args(a)
         cfg.validate()
         if a.estimate:
+            check_out_dir(cfg.out)   # the run it plans would write there
             for c in plan(cfg):
                 print(f"{c['rate'] or 'loopback':>8} {scenario_label(c):<16} {c['system']:<5} "
                       f"~{estimate_cell_s(cfg, c['rate']):.0f} s")

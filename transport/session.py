@@ -7,8 +7,12 @@ time when :meth:`next_deadline` passes. Tests drive it with scripted packet sequ
 
 Rules (DESIGN.md, "One synchronous iteration"):
 - A message with another session id is ``stray`` (replays of other runs land here).
-- A BLOCKS message for an iteration before the current one, or for a worker already
-  finalised, is *late*: counted and dropped. A later iteration is ``future``: dropped.
+- A BLOCKS message for the iteration before the current one, or for a worker already
+  finalised, is *late*: counted per channel and dropped. One for an older iteration is
+  ``stale`` (rejected): under BSP a datagram that trails by two iterations sat in a
+  queue through a whole iteration of its sender's, or is a replay (the MAC cannot tell
+  a replay within the session); the per-channel ``late`` counter stays a measure of the
+  network's lateness. A later iteration is ``future``: dropped.
 - After END(t) from worker w the shard finalises w when every counted block has arrived,
   or at ``now + deadline_s``; missing blocks are zero and reported in the bitmap.
 - A UDP channel's tail marker (END on that channel, sent after its last block, in the same
@@ -273,6 +277,11 @@ class ShardSession:
             self.counters.rejected["future"] += int(future.sum())
             events.append(Rejected("future"))
         w_safe = np.where(ok, w_all, 0)
+        stale = ok & (it < self.iteration - 1)
+        if stale.any():
+            self.counters.rejected["stale"] += int(stale.sum())
+            events.append(Rejected("stale"))
+            ok &= ~stale
         late = ok & ((it < self.iteration) | ((it == self.iteration) & self.finalised[w_safe]))
         if late.any():
             for c, k in zip(*np.unique(ch_all[late], return_counts=True)):
@@ -314,6 +323,8 @@ class ShardSession:
             if not r.size:
                 return events
         w, ch = h.sender, h.channel
+        if h.iteration < self.iteration - 1:
+            return events + [self._reject("stale", r.size)]
         if h.iteration < self.iteration or (h.iteration == self.iteration
                                             and self.finalised[w]):
             self.counters.channels[ch].blocks_late += r.size
@@ -362,6 +373,8 @@ class ShardSession:
             return [self._reject("bad_block")]
         w = h.sender
         ch = self.counters.channels[h.channel]
+        if h.iteration < self.iteration - 1:
+            return [self._reject("stale")]
         if h.iteration < self.iteration or (h.iteration == self.iteration
                                             and self.finalised[w]):
             ch.blocks_late += 1
@@ -390,6 +403,8 @@ class ShardSession:
             return [self._reject("bad_block")]
         ch = self.counters.channels[h.channel]
         w = h.sender
+        if h.iteration < self.iteration - 1:
+            return [self._reject("stale")]
         if h.iteration < self.iteration or (h.iteration == self.iteration
                                             and self.finalised[w]):
             ch.blocks_late += rows.size

@@ -28,7 +28,9 @@ MAX_LINE = 1 << 16
 class ShmBuffer:
     """A float32 vector of ``n`` values in a /dev/shm file, mapped into this process.
 
-    ``create=True`` makes (or truncates) the file; the creator unlinks it in close().
+    ``create=True`` makes (or truncates) the file; the creator unlinks it, in unlink()
+    once the other side has mapped it (the mappings outlive the name, so nothing is left
+    in /dev/shm whatever kills either process later), or at the latest in close().
     ``array``: (n,) float32 numpy view over the mapping (no copy).
     """
 
@@ -52,7 +54,12 @@ class ShmBuffer:
             self.map.close()
         except BufferError:  # a view is still alive elsewhere; the OS frees it at exit
             pass
+        self.unlink()
+
+    def unlink(self) -> None:
+        """Remove the file's name (the creator only; once); the mappings stay valid."""
         if self.owner:
+            self.owner = False
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

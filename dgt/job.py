@@ -9,6 +9,7 @@ shuffle and pushes its gradient; all replicas apply the same aggregate.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import logging
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=JobConfig.device)
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    faulthandler.enable()   # a crash in native code leaves its Python stack in the log
     try:
         result = train(ns)
     except PeerFailure as e:

@@ -196,7 +196,11 @@ class Job:
         if code < 0:
             hint = (" (SIGKILL from outside the job: the kernel's OOM killer if memory ran "
                     "out, see 'dmesg'; try fewer --workers or a smaller --hidden)"
-                    if -code == signal.SIGKILL else "")
+                    if -code == signal.SIGKILL else
+                    f" (a crash in native code: its stack is in "
+                    f"{os.path.join(self.run_dir, f'{kind}-{rank}.log')})"
+                    if -code in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT,
+                                 signal.SIGFPE, signal.SIGILL) else "")
             return f"{kind} of rank {rank} was killed by signal {-code}{hint}"
         tail = _last_line(os.path.join(self.run_dir, f"{kind}-{rank}.log"))
         what = f"{kind} of rank {rank} exited with status {code}" + (f": {tail}" if tail

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import dataclasses
 import errno
+import faulthandler
 import json
 import logging
 import os
@@ -342,6 +343,9 @@ class Sidecar:
         if t != expected:
             raise PeerFailure(f"rank {self.rank} pushed iteration {t!r}, expected "
                               f"{expected}", self.rank)
+        if not self.pushes:   # the trainer mapped the buffer before it could push
+            for b in self.buffers:
+                b.unlink()
         loss = msg.get("loss")
         if loss is not None and not isinstance(loss, (int, float)):
             loss = None
@@ -741,6 +745,7 @@ def main(argv: list[str] | None = None, prog: str = "dgt sidecar") -> int:
 def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=getattr(logging, str(ns.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    faulthandler.enable()   # a crash in native code leaves its Python stack in the log
     try:
         cfg = from_args(TransmissionConfig, ns)
     except ValueError as e:

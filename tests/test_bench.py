@@ -205,6 +205,19 @@ def test_scoring_bench_reports_throughput():
     assert r["gb_per_s_per_core"] > 0 and r["total_s"] > 0
 
 
+def test_udp_send_bench_runs_and_refuses_bad_flags(tmp_path, capsys):
+    from dgt.tools import bench_udp_send
+    out = tmp_path / "u.json"
+    assert bench_udp_send.main(["--rows", "4", "--size", "200", "--repeat", "20",
+                                "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["rows"] == 4 and r["send_s"] > 0 and r["send_without_toggle_s"] > 0
+    assert "µs/call" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        bench_udp_send.main(["--size", "70000"])
+    assert e.value.code == 2 and "--size 1..65000" in capsys.readouterr().err
+
+
 @root_only
 @pytest.mark.slow
 @pytest.mark.skipif(not __import__("shutil").which("iperf3"), reason="needs iperf3")

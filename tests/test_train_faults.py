@@ -91,8 +91,10 @@ def test_bad_input_during_training_is_counted_and_dropped(tmp_path):
     assert "Traceback" not in logs
 
 
-@pytest.mark.parametrize("victim", ["trainer", "sidecar"])
-def test_dead_peer_ends_the_job_with_its_rank_named(tmp_path, victim):
+@pytest.mark.parametrize("victim,sig", [("trainer", signal.SIGKILL),
+                                        ("sidecar", signal.SIGKILL),
+                                        ("sidecar", signal.SIGSEGV)])
+def test_dead_peer_ends_the_job_with_its_rank_named(tmp_path, victim, sig):
     run_dir = tmp_path / "run"
     p = start_train(run_dir, "--epochs", 200)
     wait_for(run_dir / "pids.json", p)
@@ -101,7 +103,7 @@ def test_dead_peer_ends_the_job_with_its_rank_named(tmp_path, victim):
             break
     pids = json.loads((run_dir / "pids.json").read_text())
     dead = next(x for x in pids if x["kind"] == victim and x["rank"] == 2)
-    os.kill(dead["pid"], signal.SIGKILL)
+    os.kill(dead["pid"], sig)
     out, err = p.communicate(timeout=60)  # bounded: a hang fails the test
     assert p.returncode != 0
     text = out + err
@@ -110,6 +112,17 @@ def test_dead_peer_ends_the_job_with_its_rank_named(tmp_path, victim):
     assert not [x for x in pids if alive(x["pid"])]
     logs = logs_of(run_dir)
     assert "Traceback" not in logs
+    if sig == signal.SIGSEGV:   # a crash points at the stack that faulthandler logged
+        assert f"a crash in native code: its stack is in {run_dir}/{victim}-2.log" \
+            in text, text
+        assert "Fatal Python error: Segmentation fault" in \
+            (run_dir / f"{victim}-2.log").read_text()
+    # the survivors saw ICMP port unreachable from the dead rank's closed UDP ports;
+    # they must end cleanly, not crash (uvloop did, reading the socket's error queue)
+    survivors = [x["rank"] for x in pids if x["kind"] == "sidecar" and x["rank"] != 2]
+    for r in survivors:
+        assert "Fatal Python error" not in (run_dir / f"sidecar-{r}.log").read_text()
+        assert (run_dir / f"sidecar-{r}.json").exists(), logs   # it got to its end
     # the survivors named the dead rank themselves
     assert "rank 2" in (run_dir / "trainer-0.log").read_text()
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dgt-{dead['pid']}")]
@@ -281,6 +294,12 @@ def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
     mine = {str(x["pid"]) for x in pids}
     assert not [f for f in os.listdir("/dev/shm") if f.split("-")[1:2] and
                 f.split("-")[1] in mine]
+    # each sidecar got to its end (a crash writes no report): uvloop used to die of
+    # SIGSEGV here on the ICMP errors from the peers that had closed first
+    sidecars = [x["rank"] for x in pids if x["kind"] == "sidecar"]
+    assert [r for r in sidecars if not (run_dir / f"sidecar-{r}.json").exists()] == [], \
+        logs_of(run_dir)
+    assert "Fatal Python error" not in logs_of(run_dir)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a small tmpfs)")

@@ -15,13 +15,13 @@ Prints the median time of each step and of the whole, and gradient GB/s per core
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import numpy as np
 import torch
 
+from dgt.launch import write_report
 from dgt.contribution import ContributionScores
 from dgt.scheduler.assign import assign_channels, rank_blocks, reliable_count
 
@@ -91,9 +91,7 @@ def main(argv=None) -> int:
     print(f"  {r['gb_per_s_per_core']:.2f} GB/s of gradient per core "
           f"(scoring alone {r['score_gb_per_s']:.2f} GB/s)")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=1)
-            f.write("\n")
+        write_report(a.json, r)
     return 0
 
 

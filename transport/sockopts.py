@@ -65,9 +65,8 @@ def udp_socket(host: str, port: int, dscp: int, rcvbuf: int = 4 << 20,
     try:
         # never fragment: a datagram over the path MTU fails with EMSGSIZE (ip(7))
         s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
-        # a datagram our own egress qdisc drops fails with ENOBUFS rather than silently:
-        # the sender backs off and resends (transport.udp_batch.BatchSender.send)
-        s.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
+        # IP_RECVERR stays off here: BatchSender.send turns it on only for its own
+        # sendmsg calls (see transport.udp_batch.recverr_during)
         set_dscp(s, dscp)
         set_buffers(s, rcvbuf, sndbuf, need_bytes=rcvbuf // 2)
         s.bind((host, port))

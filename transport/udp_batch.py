@@ -7,6 +7,15 @@ large buffer into equal-size datagrams, so the wire still carries MTU-sized data
 
 The socket is the plain, non-blocking socket the sidecar made; uvloop keeps using the
 same fd for receiving (and for nothing else on the send side).
+
+``IP_RECVERR`` is on only while this module's own sends run (``recverr_during``). Left on,
+an ICMP error (a peer's port closed: a peer that died or ended first) queues on the
+socket and raises POLLERR; libuv (1.48+, in uvloop 0.23.0) then reads the error queue
+and hands uvloop ``UV__ERR(serr->ee_errno)``, an unsigned negation, as a length of
+about 4 GiB, and uvloop's ``__uv_udp_on_receive`` copies that much: SIGSEGV (seen in
+``tests/test_train_faults.py::test_a_killed_launcher_takes_its_children_with_it``,
+core dump: ``uv__udp_recvmsg_errqueue`` -> ``PyBytes_FromStringAndSize(size=4294967185)``,
+that is ECONNREFUSED).
 """
 from __future__ import annotations
 
@@ -17,6 +26,8 @@ import struct
 
 import numpy as np
 
+from .sockopts import IP_RECVERR
+
 log = logging.getLogger(__name__)
 
 SOL_UDP = 17
@@ -26,6 +37,29 @@ MAX_SEGMENTS = 64          # UDP_MAX_SEGMENTS in the kernel
 MAX_GSO_BYTES = 65000      # one UDP payload of at most 65,507 bytes
 _ICMP_ERRNOS = frozenset((errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
                           errno.EHOSTDOWN))
+
+
+class recverr_during:
+    """``with recverr_during(sock):`` turns ``IP_RECVERR`` on for the block, then off.
+
+    On: a datagram this host's egress qdisc drops fails its send with ENOBUFS (ip(7);
+    the kernel's ``udp_send_skb`` swallows that error otherwise). Off again: the kernel
+    purges the error queue (``do_ip_setsockopt``), and ``SO_ERROR`` is read to clear a
+    pending ``sk_err``, so the event loop never sees POLLERR (module docstring: why).
+    An unconnected UDP socket without ``IP_RECVERR`` queues no ICMP errors at all.
+    Costs three setsockopt/getsockopt calls per batch of sends."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def __enter__(self):
+        self.sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 0)
+        self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        return False
 
 
 def enable_gro(sock: socket.socket) -> bool:
@@ -51,11 +85,15 @@ class BatchSender:
         """Send as many rows as the socket buffer takes; return how many were sent
         (fewer than ``len(rows)`` when the send buffer is full: retry later).
 
-        With ``IP_RECVERR`` on the socket (``sockopts.udp_socket`` sets it) a datagram
+        With ``IP_RECVERR`` on for these sends (``recverr_during``) a datagram
         that this host's own egress qdisc drops fails with ENOBUFS instead of vanishing
         (ip(7); the kernel's udp_send_skb): that is backpressure, so it also returns
         early for a retry. An ICMP error queued by an earlier datagram (ECONNREFUSED
         and kin) is counted and the batch retried. Raises OSError for anything else."""
+        with recverr_during(self.sock):
+            return self._send(rows, addr)
+
+    def _send(self, rows: np.ndarray, addr) -> int:
         n, size = rows.shape
         per = max(1, min(MAX_SEGMENTS, MAX_GSO_BYTES // size)) if self.gso else 1
         sent = 0

@@ -200,6 +200,22 @@ class ShardSession:
         self.counters.rejected[reason] += n
         return Rejected(reason)
 
+    def _untimely(self, h: wire.Header, messages: int, blocks: int) -> Rejected | None:
+        """The event for ``messages`` messages (``blocks`` blocks) under header ``h``
+        that are not for the open iteration, None when they are: ``stale`` (two or more
+        behind: messages rejected), ``late`` (the last iteration, or this one once
+        finalised for the sender: blocks counted per channel), ``future`` (messages
+        rejected). The module docstring says why stale is not late."""
+        if h.iteration < self.iteration - 1:
+            return self._reject("stale", messages)
+        if h.iteration < self.iteration or (h.iteration == self.iteration
+                                            and self.finalised[h.sender]):
+            self.counters.channels[h.channel].blocks_late += blocks
+            return Rejected("late")
+        if h.iteration > self.iteration:
+            return self._reject("future", messages)
+        return None
+
     def _check_addressing(self, h: wire.Header) -> str | None:
         if h.session != self.session:
             return "stray"
@@ -323,14 +339,9 @@ class ShardSession:
             if not r.size:
                 return events
         w, ch = h.sender, h.channel
-        if h.iteration < self.iteration - 1:
-            return events + [self._reject("stale", r.size)]
-        if h.iteration < self.iteration or (h.iteration == self.iteration
-                                            and self.finalised[w]):
-            self.counters.channels[ch].blocks_late += r.size
-            return events + [Rejected("late")]
-        if h.iteration > self.iteration:
-            return events + [self._reject("future", r.size)]
+        untimely = self._untimely(h, r.size, r.size)
+        if untimely is not None:
+            return events + [untimely]
         return events + self._deliver(w, r, np.full(r.size, ch, np.int64), rows)
 
     def _deliver(self, w: int, r: np.ndarray, chs: np.ndarray, rows: np.ndarray) -> list:
@@ -373,14 +384,9 @@ class ShardSession:
             return [self._reject("bad_block")]
         w = h.sender
         ch = self.counters.channels[h.channel]
-        if h.iteration < self.iteration - 1:
-            return [self._reject("stale")]
-        if h.iteration < self.iteration or (h.iteration == self.iteration
-                                            and self.finalised[w]):
-            ch.blocks_late += 1
-            return [Rejected("late")]
-        if h.iteration > self.iteration:
-            return [self._reject("future")]
+        untimely = self._untimely(h, 1, 1)
+        if untimely is not None:
+            return [untimely]
         if self.received[w, row]:
             ch.blocks_duplicate += 1
             return [Rejected("duplicate")]
@@ -403,14 +409,9 @@ class ShardSession:
             return [self._reject("bad_block")]
         ch = self.counters.channels[h.channel]
         w = h.sender
-        if h.iteration < self.iteration - 1:
-            return [self._reject("stale")]
-        if h.iteration < self.iteration or (h.iteration == self.iteration
-                                            and self.finalised[w]):
-            ch.blocks_late += rows.size
-            return [Rejected("late")]
-        if h.iteration > self.iteration:
-            return [self._reject("future")]
+        untimely = self._untimely(h, 1, rows.size)
+        if untimely is not None:
+            return [untimely]
         if np.unique(rows).size != rows.size:   # a sender never repeats a block in a frame
             return [self._reject("bad_block")]
         seen = self.received[w, rows]

@@ -95,9 +95,16 @@ class TransmissionConfig:
             raise ValueError(f"--tcp-rto-min-ms must be 0 (the kernel's 200 ms) or in "
                              f"5..200, got {self.tcp_rto_min_ms:g}")
         if (self.pace_mbit < 0 and self.pace_mbit != PACE_AUTO) or self.deadline_ms < 0 \
-                or self.peer_timeout_s <= 0:
-            raise ValueError("--pace-mbit must be auto or >= 0, --deadline-ms >= 0, "
-                             "--peer-timeout-s > 0")
+                or not 0 < self.peer_timeout_s <= MAX_PEER_TIMEOUT_S:
+            raise ValueError(f"--pace-mbit must be auto or >= 0, --deadline-ms >= 0, "
+                             f"--peer-timeout-s in (0, {MAX_PEER_TIMEOUT_S:g}] s")
+
+
+#: a peer silent for an hour is dead; larger values overflow the store's timeouts
+MAX_PEER_TIMEOUT_S = 3600.0
+#: training samples of the digits split (dgt.job.load_digits_split: 1,797 images, 20 %
+#: held out); every worker's batch of an iteration is a disjoint slice of them
+DIGITS_TRAIN_SAMPLES = 1437
 
 
 @dataclass
@@ -139,6 +146,11 @@ class JobConfig:
             raise ValueError("--iterations and --eval-every must be >= 0")
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or self.hidden < 1:
             raise ValueError("--epochs, --batch-size, --hidden must be >= 1 and --lr > 0")
+        if self.workers * self.batch_size > DIGITS_TRAIN_SAMPLES:
+            raise ValueError(f"--workers {self.workers} x --batch-size {self.batch_size} "
+                             f"exceeds the {DIGITS_TRAIN_SAMPLES} training samples (some "
+                             f"ranks would get empty batches); use --batch-size <= "
+                             f"{DIGITS_TRAIN_SAMPLES // self.workers}")
         if not 0 <= self.seed <= 2**32 - 1:   # numpy/scikit-learn random_state's range
             raise ValueError(f"--seed must be in 0..4294967295, got {self.seed}")
         if not 0.0 < self.target_accuracy <= 1.0:

@@ -117,7 +117,9 @@ class Job:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         if self.tx.secret:
             env["DGT_SECRET"] = self.tx.secret
-        tx_argv = [a for a in to_argv(self.tx) if a not in ("--secret", self.tx.secret)]
+        tx_argv = to_argv(self.tx)   # the secret goes by environment, never by argv
+        at = tx_argv.index("--secret")
+        del tx_argv[at:at + 2]
         py = sys.executable
         for r in range(n):
             host, prefix = hosts[r]
@@ -182,9 +184,12 @@ class Job:
         """Tell the surviving sidecars why they stop (they relay it to their trainers,
         which exit naming the failed rank): write failure.json, then SIGTERM."""
         tmp = os.path.join(self.run_dir, "failure.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"message": message, "rank": rank}, f)
-        os.replace(tmp, os.path.join(self.run_dir, "failure.json"))
+        try:   # a run dir gone or full must not keep the sidecars running
+            with open(tmp, "w") as f:
+                json.dump({"message": message, "rank": rank}, f)
+            os.replace(tmp, os.path.join(self.run_dir, "failure.json"))
+        except OSError:
+            pass   # they stop anyway, saying "stopped by signal"
         for kind, _, p in self.procs:
             if kind == "sidecar" and p.poll() is None:
                 try:
@@ -350,6 +355,10 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dic
         j.cleanup()
         log(f"dgt train: {e}")
         return 2, None
+    except OSError as e:   # e.g. a full disk: making the folder needed no data block
+        j.cleanup()
+        log(f"dgt train: --run-dir {j.run_dir}: {e.strerror or e}")
+        return 2, None
     log(f"dgt train: {job.workers} workers, mode {tx.mode}, k {tx.k}, {tx.channels} UDP "
         f"channels, block {tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}; "
         f"logs in {j.run_dir}")
@@ -361,6 +370,11 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dic
         j.cleanup()
         log(f"dgt train: {e}")
         return 2, None
+    except OSError as e:   # the run dir removed or full while the job ran
+        j.kill()
+        log(f"dgt train: failed: {e.filename or j.run_dir}: {e.strerror or e}; "
+            f"children stopped (is --run-dir {j.run_dir} still there, with free space?)")
+        return 1, None
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -89,6 +89,10 @@ class NodeConfig:
 
 #: rendezvous waits allow --peer-timeout-s plus this for start-up (imports, the dataset)
 STARTUP_GRACE_S = 10.0
+#: an accepted TCP connection must send HELLO within this; peers send it on connect
+HELLO_TIMEOUT_S = 10.0
+#: accepted connections without HELLO at once (a job has at most world - 1 <= 63 peers)
+MAX_PENDING_HELLO = 128
 
 
 class Sidecar:
@@ -100,6 +104,7 @@ class Sidecar:
         self.counters = Counters()
         self.out_conns: dict[int, FrameProtocol] = {}   # to peer shards (we are worker)
         self.in_conns: dict[int, FrameProtocol] = {}    # from peer workers (we are shard)
+        self.pending_hello: list[FrameProtocol] = []    # accepted, no HELLO yet
         self.left: set[int] = set()
         self.udp: dict[int, tuple[asyncio.DatagramTransport, DatagramProtocol]] = {}
         self.udp_senders: dict[int, BatchSender] = {}
@@ -387,7 +392,30 @@ class Sidecar:
         return p
 
     def _accepted_protocol(self) -> FrameProtocol:
-        return self._protocol(None)
+        """An accepted connection must say HELLO within HELLO_TIMEOUT_S, and at most
+        MAX_PENDING_HELLO may be waiting at once; others are aborted and counted
+        (``rejected["no_hello"]``, ``["too_many_pending"]``), so strangers' idle
+        connections cannot pile up."""
+        p = self._protocol(None)
+        pending = [c for c in self.pending_hello if c.transport is not None
+                   and not c.transport.is_closing() and c.peer_rank is None]
+        self.pending_hello = pending + [p]
+        if len(pending) >= MAX_PENDING_HELLO:
+            p.connection_made = lambda tr, p=p: self._refuse(p, tr, "too_many_pending")
+            return p
+        asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._hello_deadline, p)
+        return p
+
+    def _refuse(self, proto: FrameProtocol, transport, reason: str) -> None:
+        proto.transport = transport
+        self.counters.rejected[reason] += 1
+        transport.abort()
+
+    def _hello_deadline(self, proto: FrameProtocol) -> None:
+        if proto.peer_rank is None and proto.transport is not None \
+                and not proto.transport.is_closing():
+            self.counters.rejected["no_hello"] += 1
+            proto.transport.abort()
 
     def _send_tcp(self, shard: int, frame: bytes) -> None:
         conn = self.out_conns.get(shard)

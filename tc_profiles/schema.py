@@ -10,6 +10,7 @@ DSCP: RFC 2474 (field), RFC 3246 (EF), RFC 2597 (AF), RFC 3662/8622 (LE, scaveng
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -52,6 +53,8 @@ def parse_rate(rate: str | int | float) -> int:
         value, unit = float(m.group(1)), (m.group(2).lower() or "bit")
     if unit not in _RATE_UNITS:
         raise ValueError(f"rate {rate!r}: unit {unit!r} is not one of {', '.join(_RATE_UNITS)}")
+    if not math.isfinite(value * _RATE_UNITS[unit]) or value * _RATE_UNITS[unit] >= 2**64:
+        raise ValueError(f"rate {rate!r} is too large: tc rates stop below 2^64 bit/s")
     bits = int(value * _RATE_UNITS[unit])
     if bits <= 0:
         raise ValueError(f"rate {rate!r} must be > 0")

@@ -35,10 +35,20 @@ BAD = [
     (["train", "--seed", str(2**32)], "--seed must be in 0..4294967295"),
     (["train", "--k-min", "0.1"], "--k-min only applies with --adaptive-k"),
     (["train", "--report", "/proc/x.json"], "--report: cannot create a file in /proc"),
-    (["train", "--workers", "64", "--hidden", "20000"], "GiB of memory here"),
+    (["train", "--workers", "64", "--batch-size", "8", "--hidden", "20000"],
+     "GiB of memory here"),
     (["bench", "--out", "/proc/nope", "--estimate"], "--out /proc/nope: cannot write"),
     (["bench", "--eval-every", "-1", "--estimate"], "--eval-every >= 0"),
     (["bench", "--target-accuracy", "2", "--estimate"], "--target-accuracy must be in"),
+    # breaker round 2, 2026-12-01: tracebacks, or accepted and wrong later
+    (["bench", "--estimate", "--rates", "9" * 320 + "gbit"], "is too large"),
+    (["bench", "goodput", "--estimate", "--rates", "9" * 320 + "gbit"], "is too large"),
+    (["testbed", "up", "--hosts", "2", "--prefix", "dgtq", "--rate", "9" * 320 + "gbit"],
+     "is too large"),
+    (["train", "--peer-timeout-s", "1e10"], "--peer-timeout-s in (0, 3600] s"),
+    (["train", "--batch-size", "500"], "exceeds the 1437 training samples"),
+    (["bench", "--cell-timeout-s", "nan", "--estimate"], "--cell-timeout-s must be >= 0"),
+    (["bench", "--hidden", "1000000000", "--estimate"], "GiB of memory here"),
 ]
 
 
@@ -97,3 +107,9 @@ def test_memory_check_reads_memavailable_and_names_a_job_that_fits(tmp_path):
     assert 2 * PROCESS_BASE_BYTES * 64 > 0.9 * 4000000 * 1024      # premise of the case
     info.write_text("MemTotal: 8000000 kB\n")
     check_memory(job, str(info))                                   # no field: no check
+
+
+def test_the_digits_split_has_the_samples_that_batch_sizes_are_checked_against():
+    from dgt.config import DIGITS_TRAIN_SAMPLES
+    from dgt.job import load_digits_split
+    assert len(load_digits_split(0)[0]) == DIGITS_TRAIN_SAMPLES

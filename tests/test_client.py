@@ -152,3 +152,46 @@ def test_udp_sources_name_every_peer_socket_and_give_up_on_wildcards():
     assert src[("127.0.0.1", 5011)] == 1 and src[("127.0.0.1", 5012)] == 1
     assert ("127.0.0.1", 5001) not in src            # our own sockets are no peer's
     assert udp_sources({**peers, 2: {"host": "0.0.0.0", "udp_ports": [1]}}, me=0) is None
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_strangers_idle_tcp_connections_are_capped_and_timed_out(sidecar, tmp_path):
+    """Connections that never say HELLO: at most MAX_PENDING_HELLO wait, each on a
+    64 KiB buffer (it was 1 MiB each, with no limit and no timeout: a breaker held
+    1,000 of them for 1.3 GB), the rest are refused at once, and every one is closed
+    after HELLO_TIMEOUT_S. The report counts both."""
+    import json
+    import time
+
+    from dgt.sidecar import HELLO_TIMEOUT_S, MAX_PENDING_HELLO
+    path, proc = sidecar
+    ep = tmp_path / "endpoints-0.json"
+    t_end = time.monotonic() + 60
+    while not ep.exists():
+        assert proc.poll() is None and time.monotonic() < t_end
+        time.sleep(0.1)
+    port = json.loads(ep.read_text())["tcp_port"]
+    before = _rss_kib(proc.pid)
+    n = MAX_PENDING_HELLO + 40
+    conns = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(n)]
+    time.sleep(1.0)
+    grown_mib = (_rss_kib(proc.pid) - before) / 1024
+    assert grown_mib < 0.25 * n, grown_mib     # 1 MiB per connection before
+    closed = 0
+    for c in conns:   # every one ends: refused now or timed out later (bounded wait)
+        c.settimeout(HELLO_TIMEOUT_S + 20)
+        try:
+            closed += c.recv(1) == b""
+        except ConnectionResetError:
+            closed += 1
+        c.close()
+    assert closed == n
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    rejected = json.loads((tmp_path / "sidecar-0.json").read_text())["rejected"]
+    assert rejected.get("too_many_pending") == n - MAX_PENDING_HELLO, rejected
+    assert rejected.get("no_hello") == MAX_PENDING_HELLO, rejected

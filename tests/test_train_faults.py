@@ -329,3 +329,35 @@ def test_a_report_that_cannot_be_written_is_one_line_and_leaves_no_partial_file(
         shutil.rmtree(kept, ignore_errors=True)
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a small tmpfs)")
+def test_a_run_dir_on_a_full_disk_is_one_line(tmp_path):
+    """Making the folder needs no data block, so the up-front checks pass; the lock
+    file's write then fails. One line naming --run-dir and why, exit 2, nothing runs."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mnt)], check=True)
+    try:
+        with open(mnt / "fill", "wb") as f:
+            try:
+                f.write(b"x" * 65536)
+            except OSError:
+                pass
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                            "--iterations", "1", "--hidden", "32", "--run-dir",
+                            str(mnt / "run")], capture_output=True, text=True, timeout=120)
+        out = p.stdout + p.stderr
+        assert p.returncode == 2, out
+        assert f"dgt train: --run-dir {mnt / 'run'}: No space left on device" in out, out
+        assert "Traceback" not in out
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("secret", ["dgt", "3", "auto"])
+def test_a_secret_equal_to_another_flags_value_is_only_the_secret(train, secret):
+    """The launcher used to drop every argv item equal to the secret, so --secret dgt
+    removed '--mode dgt''s value and the sidecars refused their arguments."""
+    p, report = train("--workers", 2, "--iterations", 2, "--hidden", 32, "--secret", secret)
+    assert report["iterations"] == 2, p.stderr

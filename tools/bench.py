@@ -130,8 +130,19 @@ class BenchConfig:
                                  f"got {p:g}")
         for r in self.rates:
             rate_bps(r)
+        from dgt.config import MAX_PEER_TIMEOUT_S, JobConfig
+        from dgt.launch import check_memory
+        try:   # every cell's processes run on this machine
+            check_memory(JobConfig(workers=self.workers, hidden=self.hidden))
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+        for r in self.rates:
+            if peer_timeout_s(self, r) > MAX_PEER_TIMEOUT_S:
+                raise BenchError(f"--hidden {self.hidden} at {r}: one iteration would take "
+                                 f"over {MAX_PEER_TIMEOUT_S / 10:.0f} s; use a smaller "
+                                 f"--hidden or faster --rates")
         check_prefix(self.prefix)
-        if self.cell_timeout_s < 0:
+        if not self.cell_timeout_s >= 0:   # also true for nan
             raise BenchError(f"--cell-timeout-s must be >= 0 (0: from the estimate), got "
                              f"{self.cell_timeout_s:g}")
         if not self.loopback:

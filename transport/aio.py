@@ -32,7 +32,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
     Receives straight into one preallocated buffer (``get_buffer``/``buffer_updated``,
     i.e. ``recv_into``): a frame's payload is a view into it, valid only during
     ``on_frame`` (consumers copy what they keep). The buffer grows to the largest frame
-    seen, and a partial frame is moved to the front once per read.
+    seen, and a partial frame is moved to the front once per read. An accepted
+    connection starts with ``UNAUTHENTICATED_MAX`` bytes and gets ``INITIAL_BYTES``
+    once it knows its peer (``peer_rank``, set from HELLO): a stranger's idle
+    connection costs 64 KiB, not 1 MiB.
     """
 
     INITIAL_BYTES = 1 << 20
@@ -43,7 +46,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                  rto_min_ms: float = 0.0):
         self.on_frame, self.on_lost, self.on_bad = on_frame, on_lost, on_bad
         self.key = key
-        self.buf = bytearray(self.INITIAL_BYTES)
+        self.buf = bytearray(self.UNAUTHENTICATED_MAX)
         self.have = 0           # bytes in buf
         self.dscp = dscp
         self.rto_min_ms = rto_min_ms   # sockopts.set_rto_min, both ends
@@ -67,6 +70,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint):
         if self.have == len(self.buf):  # full with one partial frame: grow
             self._grow(2 * len(self.buf))
+        elif len(self.buf) < self.INITIAL_BYTES and self.peer_rank is not None:
+            self._grow(self.INITIAL_BYTES)
         return memoryview(self.buf)[self.have:]
 
     def _grow(self, size: int) -> None:

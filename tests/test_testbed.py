@@ -107,7 +107,11 @@ def test_each_channel_dscp_lands_in_its_band(bed):
     prof = load_profile(bed.profile)
     dscps = sorted(set(channels.channel_dscp(7)) | {0})
     ports = [(bed.host_netns(1), "eth0"), (bed.router, "p0")]
+    def direct(p):   # packets HTB sent unshaped, classified into no band
+        return applier.show(p[1], p[0])["qdiscs"][0]["direct_packets_stat"]
+
     before = {p: applier.class_counters(applier.show(p[1], p[0])) for p in ports}
+    direct_before = {p: direct(p) for p in ports}
     count = 50
     for d in dscps:
         bed.run_in(1, _send_udp, bed.host_addr(0), 9, [d], count)
@@ -118,8 +122,11 @@ def test_each_channel_dscp_lands_in_its_band(bed):
             i = [b.name for b in prof.bands].index(prof.band_for_dscp(d).name)
             cid = fmt_handle(band_classid(prof, i))
             assert delta[cid] >= count, (p, d, cid, delta)
-        # nothing went to the unshaped direct queue
-        assert applier.show(p[1], p[0])["qdiscs"][0]["direct_packets_stat"] == 0
+        # none of our DSCPs went to the unshaped direct queue: an unclassified one would
+        # put all its `count` packets there. A packet that is not ours (the link's own
+        # non-IPv4 control traffic, which no DSCP filter matches; not identified) went
+        # there once in CI on 2026-12-01, so the bound is below one DSCP's count, not 0.
+        assert direct(p) - direct_before[p] < count, (p, direct(p), direct_before[p])
 
 
 @root_only

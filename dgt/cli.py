@@ -33,6 +33,18 @@ def _sidecar(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run_from_args(ns, parser)
 
 
+#: entry-point group through which the tc/testbed and tools layers add their
+#: subcommands: ``dgt`` itself never imports ``dgt.tools`` (the layer rule), the tools
+#: register themselves (setup.cfg, ``[options.entry_points]``)
+COMMAND_GROUP = "dgt.commands"
+
+
+def _command_plugins():
+    """The ``dgt.commands`` entry points, each a ``register(subparsers)`` callable."""
+    from importlib.metadata import entry_points
+    return sorted(entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="dgt", description="Contribution-aware differential "
                                 "gradient transmission for data-parallel training.")
@@ -53,12 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sidecar_arguments(s)
     s.set_defaults(func=lambda ns: _sidecar(ns, s), parser=s)
 
-    for mod in ("dgt.tc_profiles.cli", "dgt.tools.cli"):
-        try:
-            module = __import__(mod, fromlist=["register"])
-        except ImportError:
-            continue
-        module.register(sub)
+    for ep in _command_plugins():
+        ep.load()(sub)
     return p
 
 

@@ -159,7 +159,7 @@ class JobConfig:
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
         if not 0 <= self.base_port <= 65535 - 10 * self.workers - 8:
             raise ValueError(f"--base-port must leave room for {self.workers} nodes")
-        from .tc_profiles.testbed import check_prefix   # pyroute2: only when validating
+        from .tc_profiles.names import check_prefix   # pure string rule, no pyroute2
         check_prefix(self.testbed_prefix, "--testbed-prefix")
 
 

@@ -44,81 +44,23 @@ from pyroute2 import netns as _netns
 from . import applier
 from ._nl import is_root, open_ipr
 from .plan import compile_profile
+from .names import (DEFAULT_PREFIX, MAX_HOSTS, MAX_PREFIX_LEN, NAME_MAX, SUBNET,  # noqa: F401
+                    PrefixError, TestbedError, check_prefix, host_addr, host_netns,
+                    router_addr, router_netns, router_port, state_name)
 from .schema import Profile, load_profile, parse_rate
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFIX = "dgt"
-SUBNET = "10.77"
 STATE_DIR = Path("/run/dgt")
 HOST_DEV = "eth0"
-MAX_HOSTS = 250
 NFT_TABLE = "dgt_testbed"
 NOT_ROOT = "dgt testbed needs root (CAP_NET_ADMIN); run as root or use loopback mode"
 
 
-class TestbedError(RuntimeError):
-    """The testbed could not be built, found or used; the message says what to do."""
-
-
-class PrefixError(TestbedError, ValueError):
-    """A testbed name prefix that cannot name namespaces (also a ValueError, so flag
-    validators that catch ValueError report it as a bad flag)."""
-
-
-def router_netns(prefix: str = DEFAULT_PREFIX) -> str:
-    return f"{prefix}-sw"
-
-
-def host_netns(i: int, prefix: str = DEFAULT_PREFIX) -> str:
-    """Netns name of host ``i`` (``dgt-h<i>``)."""
-    return f"{prefix}-h{int(i)}"
-
-
-def host_addr(i: int) -> str:
-    """IPv4 address of host ``i`` (``10.77.<i>.2``); the same in every testbed."""
-    return f"{SUBNET}.{int(i)}.2"
-
-
-def router_addr(i: int) -> str:
-    return f"{SUBNET}.{int(i)}.1"
-
-
-def router_port(i: int) -> str:
-    return f"p{int(i)}"
 
 
 def _state_file(prefix: str) -> Path:
-    return STATE_DIR / f"testbed-{prefix}.json"
-
-
-# Every name derived from the prefix is a file name: the namespaces <prefix>-sw and
-# <prefix>-h<i> (bind mounts under /run/netns) and the state file testbed-<prefix>.json.
-# Interface names (eth0, p<i>, t<i>) do not contain it, so IFNAMSIZ does not limit it;
-# NAME_MAX (255 bytes) does. A '/' would make pyroute2 and `ip netns` take the name as a
-# path (relative to the current folder), and a leading '-' reads as an option to `ip`.
-NAME_MAX = 255
-MAX_PREFIX_LEN = NAME_MAX - max(len(_state_file("").name), len(router_netns("")),
-                                len(host_netns(MAX_HOSTS - 1, "")))
-_PREFIX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
-
-
-def check_prefix(prefix, what: str = "testbed prefix") -> str:
-    """Return ``prefix`` if it can name a testbed, else raise :class:`PrefixError`.
-
-    Allowed: 1..MAX_PREFIX_LEN (242) ASCII letters, digits, '-' and '_', starting with
-    a letter or digit. ``what`` names the flag in the message (e.g. ``--prefix``).
-    Call it before anything is created: every public function here that takes a
-    prefix does.
-    """
-    rule = (f"use 1..{MAX_PREFIX_LEN} letters, digits, '-' or '_', starting with a letter "
-            f"or digit (it names the namespaces <prefix>-sw and <prefix>-h<i>)")
-    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
-        raise PrefixError(f"bad {what} {prefix!r}: {rule}")
-    if len(prefix) > MAX_PREFIX_LEN:
-        raise PrefixError(f"bad {what} {prefix[:24]!r}... ({len(prefix)} characters): "
-                          f"too long; {rule}")
-    return prefix
+    return STATE_DIR / state_name(prefix)
 
 
 def _our_netns(prefix: str) -> list[str]:

@@ -308,10 +308,9 @@ def check_paths(job: JobConfig) -> None:
     Raises ValueError with a message that names the flag."""
     if job.report:
         folder = os.path.dirname(os.path.abspath(job.report))
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"--report: cannot create folder {folder}: {e.strerror}") from None
+        if not os.path.isdir(folder):   # a typo must not leave a tree of new folders
+            raise ValueError(f"--report {job.report}: folder {folder} does not exist; "
+                             f"create it first or give another path")
         if os.path.isdir(job.report):
             raise ValueError(f"--report {job.report} is a directory; give a file path")
         try:   # create a file there, as the report will be (os.access says yes to root

@@ -23,15 +23,15 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 
-from . import ipc
+from . import ipc, unixsock
 from .agent import TCP_BACKLOG_SLACK, Links, WorkerAgent
 from .errors import PeerFailure
-from .config import (PACE_AUTO, OneLineParser, TransmissionConfig, add_arguments,
-                     from_args)
+from .config import (PACE_AUTO, NodeConfig, OneLineParser, TransmissionConfig,
+                     add_arguments, from_args)
 from .link_rate import auto_pace_mbit
 from .layout import BlockLayout
 from .rendezvous import POLL_S, Rendezvous
@@ -72,21 +72,6 @@ def udp_sources(peers: dict[int, dict], me: int) -> dict[tuple[str, int], int] |
     return out
 
 
-@dataclass
-class NodeConfig:
-    """Where this node is and how it finds the others."""
-
-    rank: int
-    world: int
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    host: str = "127.0.0.1"
-    base_port: int = 0
-    socket_path: str = ""
-    run_dir: str = "."
-    seed: int = 0
-
-
 #: rendezvous waits allow --peer-timeout-s plus this for start-up (imports, the dataset)
 STARTUP_GRACE_S = 10.0
 #: an accepted TCP connection must send HELLO within this; peers send it on connect
@@ -106,6 +91,8 @@ class Sidecar:
         self.in_conns: dict[int, FrameProtocol] = {}    # from peer workers (we are shard)
         self.pending_hello: list[FrameProtocol] = []    # accepted, no HELLO yet
         self.left: set[int] = set()
+        self.closed_after: dict[int, int] = {}   # rank -> iterations it pushed (its BYE)
+        self.pushing: int | None = None          # the iteration our push is in
         self.udp: dict[int, tuple[asyncio.DatagramTransport, DatagramProtocol]] = {}
         self.udp_senders: dict[int, BatchSender] = {}
         self.gro = False
@@ -132,6 +119,7 @@ class Sidecar:
         self.own_udp: OwnQueueGate | None = None   # PULLs after our queued UDP, too
         self._flush_timer: asyncio.TimerHandle | None = None
         self._published: asyncio.Future | None = None   # failure written to the store
+        self.socket_owned: tuple[int, int] | None = None   # (dev, inode) we bound
 
     # -- startup ----------------------------------------------------------------------
     async def run(self) -> int:
@@ -159,9 +147,11 @@ class Sidecar:
         try:
             with open(os.path.join(self.node.run_dir, "failure.json")) as f:
                 info = json.load(f)
-            self.fail(f"job stopped: {info['message']}", info.get("rank"), propagate=False)
+            self.fail(f"job stopped: {info['message']}", info.get("rank"), propagate=False,
+                      level=logging.WARNING)
         except (OSError, ValueError, KeyError):
-            self.fail("stopped by signal", None)
+            # a normal stop (the launcher, systemd, Ctrl-C): not an error of ours
+            self.fail("stopped by signal", None, level=logging.WARNING)
 
     async def _bind(self) -> None:
         loop = asyncio.get_running_loop()
@@ -181,10 +171,9 @@ class Sidecar:
                                              seed=self.node.seed * 131 + self.rank * 7 + c),
                 sock=s)
             self.udp[c] = (tr, proto)
-        path = self.node.socket_path
-        if os.path.exists(path):
-            os.unlink(path)
-        self.unix_server = await asyncio.start_unix_server(self._serve_trainer, path=path)
+        path = self.node.socket
+        usock, self.socket_owned = unixsock.claim(path)   # refuses a live socket
+        self.unix_server = await asyncio.start_unix_server(self._serve_trainer, sock=usock)
         log.info("rank %d listening: tcp %d, udp %s, unix %s", self.rank, self.tcp_port,
                  self.udp_ports, path)
 
@@ -225,20 +214,30 @@ class Sidecar:
         with open(os.path.join(self.node.run_dir, f"endpoints-{self.rank}.json"), "w") as f:
             json.dump(me, f)
         self.rendezvoused.set()
+        print(f"dgt sidecar: rank {self.rank}/{self.world} ready: tcp {self.tcp_port}, "
+              f"udp {self.udp_ports}, socket {self.node.socket}, run dir "
+              f"{self.node.run_dir}", flush=True)
 
     # -- trainer ----------------------------------------------------------------------
     async def _serve_trainer(self, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:
-        if self.trainer_writer is not None:
-            writer.write(ipc.encode_msg({"op": "error", "rank": None,
-                                         "message": "this sidecar already has a trainer"}))
+        try:   # a connection that closes before its first line is a probe (another
+            # sidecar checking whether this socket is live: dgt.unixsock), not a trainer
+            line = await reader.readline()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            line = b""
+        if not line or self.trainer_writer is not None:
+            if line:
+                writer.write(ipc.encode_msg({"op": "error", "rank": None,
+                                             "message": "this sidecar already has a trainer"}))
             writer.close()
             return
         self.trainer_writer = writer
         clean = False
         try:
             while not self.done.is_set():
-                line = await reader.readline()
+                if line is None:
+                    line = await reader.readline()
                 if not line:
                     break
                 try:
@@ -247,6 +246,7 @@ class Sidecar:
                     self._to_trainer({"op": "error", "rank": self.rank,
                                       "message": f"bad control message: {e}"})
                     break
+                line = None
                 op = msg["op"]
                 if op == "register":
                     await self._register(msg)
@@ -354,10 +354,27 @@ class Sidecar:
         loss = msg.get("loss")
         if loss is not None and not isinstance(loss, (int, float)):
             loss = None
+        self._check_closed(t)
+        self.pushing = t
         k = await self.agent.push(t, float(loss) if loss is not None else None,
                                   self.cfg.peer_timeout_s)
+        self.pushing = None
         self.pushes += 1
         self._to_trainer({"op": "pulled", "t": t, "k": k})
+
+    def _check_closed(self, t: int) -> None:
+        """Fail at once when a peer's trainer closed before iteration ``t`` (its BYE
+        carries how many iterations it pushed): it will never push ``t``, and waiting
+        for it would end --peer-timeout-s later blaming it as dead or frozen."""
+        early = sorted(r for r, n in self.closed_after.items() if n <= t)
+        if early:
+            r, n = early[0], self.closed_after[early[0]]
+            when = f"after step {n - 1}" if n else "before its first step"
+            msg = (f"rank {r} closed {when}; rank {self.rank} is at step {t}: every rank "
+                   f"must run the same number of steps")
+            if self.pushing is None:   # before our push: the push fails
+                raise PeerFailure(msg, r)
+            self.fail(msg, r)          # a BYE during our push: fail now
 
     # -- peers ------------------------------------------------------------------------
     async def _connect_peers(self) -> None:
@@ -563,6 +580,9 @@ class Sidecar:
                       else h.sender, propagate=False)
         elif h.type == MsgType.BYE:
             self.left.add(h.sender)
+            self.closed_after[h.sender] = h.count
+            if self.pushing is not None:
+                self._check_closed(self.pushing)
             self._check_finished()
         elif h.type == MsgType.PULL and proto.outgoing:
             self._on_pull_frame(h, payload)
@@ -627,12 +647,14 @@ class Sidecar:
             self._arm_timer()
 
     # -- shutdown ---------------------------------------------------------------------
-    def fail(self, message: str, rank: int | None, propagate: bool = True) -> None:
-        """Fail the job: tell peers (ERROR, block = failed rank) and the trainer; stop."""
+    def fail(self, message: str, rank: int | None, propagate: bool = True,
+             level: int = logging.ERROR) -> None:
+        """Fail the job: tell peers (ERROR, block = failed rank) and the trainer; stop.
+        ``level``: how the line is logged (a signal's stop is WARNING, not ERROR)."""
         if self.done.is_set():
             return
         self.failed = PeerFailure(message, rank)
-        log.error("rank %d: %s", self.rank, message)
+        log.log(level, "rank %d: %s", self.rank, message)
         try:   # telling the others is best effort; stopping is not
             if propagate:
                 frame = wire.encode(MsgType.ERROR, session=self.session_id,
@@ -659,8 +681,9 @@ class Sidecar:
         if self.done.is_set() or self.finishing:
             return
         self.finishing = True
+        # count: the iterations we pushed, so a peer still pushing knows at once
         bye = wire.encode(MsgType.BYE, session=self.session_id, sender=self.rank,
-                          key=self.key)
+                          count=self.pushes, key=self.key)
         for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
             conn.send(bye)
         self._check_finished()
@@ -732,32 +755,12 @@ class Sidecar:
             self.trainer_writer.close()
         for b in self.buffers:
             b.close()
-        try:
-            os.unlink(self.node.socket_path)
-        except OSError:
-            pass
-
-
-def add_node_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("node")
-    g.add_argument("--rank", type=int, required=True, help="this node's rank (0..world-1)")
-    g.add_argument("--world", type=int, required=True, help="number of nodes")
-    g.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                   help="TCPStore host (env MASTER_ADDR)")
-    g.add_argument("--master-port", type=int, default=None,
-                   help="TCPStore port; rank 0 hosts it (env MASTER_PORT, default 29500)")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--base-port", type=int, default=0,
-                   help="TCP port base+10*rank, UDP channel c on base+10*rank+c (0 = free)")
-    g.add_argument("--socket", dest="socket_path", default="",
-                   help="Unix socket for the trainer (default: /tmp/dgt-<rank>.sock)")
-    g.add_argument("--run-dir", default=".", help="where to write sidecar-<rank>.json")
-    g.add_argument("--seed", type=int, default=0, help="seed for ranking ties/exploration")
+        unixsock.release(self.node.socket, self.socket_owned)
 
 
 def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of ``dgt sidecar``."""
-    add_node_arguments(p)
+    add_arguments(p, NodeConfig)
     add_arguments(p, TransmissionConfig)
     p.add_argument("--log-level", default="WARNING", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
@@ -776,33 +779,20 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     faulthandler.enable()   # a crash in native code leaves its Python stack in the log
     try:
         cfg = from_args(TransmissionConfig, ns)
+        node = from_args(NodeConfig, ns)
     except ValueError as e:
         parser.error(str(e))
-    if ns.world < 1:
-        parser.error(f"--world must be >= 1, got {ns.world}")
-    if not 0 <= ns.rank < ns.world:
-        parser.error(f"--rank must be in 0..{ns.world - 1}, got {ns.rank}")
-    if ns.master_port is None:
-        env = os.environ.get("MASTER_PORT", "29500")
-        if not env.isdigit():
-            parser.error(f"MASTER_PORT={env!r} is not a port number")
-        ns.master_port = int(env)
-    if not 1 <= ns.master_port <= 65535:
-        parser.error(f"--master-port must be 1..65535, got {ns.master_port}")
-    if ns.base_port < 0 or (ns.base_port and ns.base_port + 10 * ns.rank + cfg.channels > 65535):
-        parser.error(f"--base-port {ns.base_port} leaves no room for rank {ns.rank}'s ports "
-                     f"(base + 10*rank + {cfg.channels} must be <= 65535)")
-    sock_dir = os.path.dirname(os.path.abspath(ns.socket_path or "/tmp/x"))
+    if node.base_port < 0 or (node.base_port and
+                              node.base_port + 10 * node.rank + cfg.channels > 65535):
+        parser.error(f"--base-port {node.base_port} leaves no room for rank {node.rank}'s "
+                     f"ports (base + 10*rank + {cfg.channels} must be <= 65535)")
+    sock_dir = os.path.dirname(os.path.abspath(node.socket))
     if not os.path.isdir(sock_dir):
         parser.error(f"--socket: directory {sock_dir} does not exist")
-    node = NodeConfig(rank=ns.rank, world=ns.world, master_addr=ns.master_addr,
-                      master_port=ns.master_port, host=ns.host, base_port=ns.base_port,
-                      socket_path=ns.socket_path or f"/tmp/dgt-{ns.rank}.sock",
-                      run_dir=ns.run_dir, seed=ns.seed)
     if os.path.exists(node.run_dir) and not os.path.isdir(node.run_dir):
         parser.error(f"--run-dir {node.run_dir} is a file; give a folder")
     try:
-        os.makedirs(node.run_dir, exist_ok=True)
+        os.makedirs(node.run_dir, mode=0o700, exist_ok=True)
     except OSError as e:
         parser.error(f"--run-dir: cannot create {node.run_dir}: {e.strerror}")
     if not os.access(node.run_dir, os.W_OK):

@@ -1,0 +1,136 @@
+"""One node's sidecar as a user runs it: its socket, its files, its flags, its peers."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import dgt
+from dgt.errors import PeerFailure
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sidecar(rank, world, port, sock, run_dir, *extra, env=None):
+    argv = [sys.executable, "-m", "dgt.cli", "sidecar", "--rank", str(rank), "--world",
+            str(world), "--master-port", str(port), "--socket", str(sock)]
+    if run_dir is not None:
+        argv += ["--run-dir", str(run_dir)]
+    return subprocess.Popen(argv + [str(a) for a in extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _ready(p, run_dir, rank=0, timeout_s=60):
+    """Wait until the sidecar has rendezvoused (its endpoints file is written)."""
+    path = os.path.join(run_dir, f"endpoints-{rank}.json")
+    t_end = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < t_end, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _stop(*procs):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(8, 4)
+
+
+def test_a_second_sidecar_refuses_a_live_socket_and_never_unlinks_it(tmp_path):
+    sock = tmp_path / "s.sock"
+    a = _sidecar(0, 1, _free_port(), sock, tmp_path / "a")
+    try:
+        _ready(a, tmp_path / "a")
+        ino = os.stat(sock).st_ino
+        b = _sidecar(0, 1, _free_port(), sock, tmp_path / "b")
+        out, err = b.communicate(timeout=60)
+        assert b.returncode == 2, err
+        assert f"socket {sock} in use by pid {a.pid}" in err
+        assert len(err.strip().splitlines()) == 1, err
+        assert os.stat(sock).st_ino == ino   # still the first one's socket
+        c = dgt.Client(str(sock), connect_timeout_s=5)   # and it still answers
+        c.register(_model())
+        c.close()
+    finally:
+        _stop(a)
+    a.wait(timeout=30)
+
+
+def test_a_stale_socket_is_reclaimed_and_a_foreign_one_is_not_unlinked(tmp_path):
+    sock = tmp_path / "s.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock))   # bound, never listening, then closed: a dead process's file
+    stale.close()
+    a = _sidecar(0, 1, _free_port(), sock, tmp_path)
+    try:
+        _ready(a, tmp_path)
+        # someone replaces the path while we run: on exit we must leave theirs alone
+        os.unlink(sock)
+        other = socket.socket(socket.AF_UNIX)
+        other.bind(str(sock))
+        other.listen(1)
+        ino = os.stat(sock).st_ino
+    finally:
+        _stop(a)
+    assert os.path.exists(sock) and os.stat(sock).st_ino == ino
+    other.close()
+
+
+def _train_steps(path, steps, out, key, seed=0):
+    try:
+        c = dgt.Client(str(path), timeout_s=120, connect_timeout_s=30)
+        m = _model(seed)
+        c.register(m)
+        for t in range(steps):
+            m.zero_grad()
+            m(torch.ones(2, 8)).sum().backward()
+            c.push_pull(t)
+        c.close()
+        out[key] = "ok"
+    except PeerFailure as e:
+        out[key] = e
+
+
+def test_a_rank_that_closes_early_is_named_at_once_with_its_last_step(tmp_path):
+    port = _free_port()
+    socks = [tmp_path / f"s{r}.sock" for r in range(2)]
+    procs = [_sidecar(r, 2, port, socks[r], tmp_path, "--peer-timeout-s", "600")
+             for r in range(2)]
+    try:
+        for r, p in enumerate(procs):
+            _ready(p, tmp_path, r)
+        out = {}
+        th = [threading.Thread(target=_train_steps, args=(socks[0], 6, out, 0)),
+              threading.Thread(target=_train_steps, args=(socks[1], 3, out, 1))]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(timeout=300)   # without the fix: the 600 s peer timeout
+        assert not any(t.is_alive() for t in th), "rank 0 still waits for rank 1"
+        assert out[1] == "ok"
+        assert isinstance(out[0], PeerFailure), out
+        assert "rank 1 closed after step 2" in str(out[0])
+        assert "dead or frozen" not in str(out[0])
+    finally:
+        _stop(*procs)

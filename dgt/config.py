@@ -300,6 +300,14 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
 _PARSERS = {"pace": parse_pace}
 
 
+def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``dgt sidecar``."""
+    add_arguments(p, NodeConfig)
+    add_arguments(p, TransmissionConfig)
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
+
+
 def to_argv(cfg) -> list[str]:
     """The flags that reproduce ``cfg`` (used by the launcher to start processes)."""
     out = []

@@ -26,6 +26,7 @@ import time
 
 
 from .config import JobConfig, TransmissionConfig, to_argv
+from .rendezvous import QUIET_TORCH_ENV
 from .report import build_report, diverged, print_summary
 
 GRACE_S = 5.0
@@ -114,7 +115,8 @@ class Job:
         hosts = self._hosts()
         master_addr = hosts[0][0]
         master_port = free_port() if not j.testbed else 29400 + (os.getpid() % 500)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        # torch's C++ log lines and stack frames never reach the user (our line does)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **QUIET_TORCH_ENV)
         if self.tx.secret:
             env["DGT_SECRET"] = self.tx.secret
         tx_argv = to_argv(self.tx)   # the secret goes by environment, never by argv

@@ -31,10 +31,10 @@ from . import ipc, unixsock
 from .agent import TCP_BACKLOG_SLACK, Links, WorkerAgent
 from .errors import PeerFailure
 from .config import (PACE_AUTO, NodeConfig, OneLineParser, TransmissionConfig,
-                     add_arguments, from_args)
+                     add_sidecar_arguments, from_args)
 from .link_rate import auto_pace_mbit
 from .layout import BlockLayout
-from .rendezvous import POLL_S, Rendezvous
+from .rendezvous import POLL_S, Rendezvous, check_resolves
 from .scheduler.deadline import DeadlinePolicy
 from .scheduler.pacing import HeldPulls, OwnQueueGate, flow_share
 from .shard import ServerShard
@@ -758,14 +758,6 @@ class Sidecar:
         unixsock.release(self.node.socket, self.socket_owned)
 
 
-def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
-    """Every flag of ``dgt sidecar``."""
-    add_arguments(p, NodeConfig)
-    add_arguments(p, TransmissionConfig)
-    p.add_argument("--log-level", default="WARNING", type=str.upper,
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
-
-
 def main(argv: list[str] | None = None, prog: str = "dgt sidecar") -> int:
     p = OneLineParser(prog=prog, description="Run one node's sidecar "
                       "(worker agent + colocated server shard).")
@@ -780,6 +772,10 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     try:
         cfg = from_args(TransmissionConfig, ns)
         node = from_args(NodeConfig, ns)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        check_resolves(node.master_addr)
     except ValueError as e:
         parser.error(str(e))
     if node.base_port < 0 or (node.base_port and

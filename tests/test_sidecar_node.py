@@ -134,3 +134,38 @@ def test_a_rank_that_closes_early_is_named_at_once_with_its_last_step(tmp_path):
         assert "dead or frozen" not in str(out[0])
     finally:
         _stop(*procs)
+
+
+def test_a_master_that_never_comes_up_is_one_line_without_cpp_frames(tmp_path):
+    p = _sidecar(1, 2, _free_port(), tmp_path / "s.sock", tmp_path, "--peer-timeout-s", "1")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 3, err
+    assert "did not come up within 11 s of start-up" in err
+    assert "frame #" not in err and "socket.cpp" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_torchrun_variables_a_runtime_run_dir_a_ready_line_and_a_quiet_sigterm(tmp_path):
+    cwd, xdg = tmp_path / "cwd", tmp_path / "xdg"
+    cwd.mkdir()
+    xdg.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DGT_")}
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), XDG_RUNTIME_DIR=str(xdg),
+               DGT_SOCKET=str(tmp_path / "s.sock"))
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar"], cwd=cwd, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert "rank 0/1 ready: tcp " in line and str(tmp_path / "s.sock") in line, \
+            (line, p.stderr.read() if p.poll() is not None else "")
+        assert (xdg / "dgt" / "endpoints-0.json").exists()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert (xdg / "dgt" / "sidecar-0.json").exists()
+    assert os.listdir(cwd) == []          # nothing in the current directory
+    assert " ERROR " not in err and "stopped by signal" in err, err

@@ -62,6 +62,10 @@ class TransmissionConfig:
                                "timeout, ms (Linux 6.15+ TCP_RTO_MIN_US; 5..200, 0 = the "
                                "kernel's 200 ms): a lost segment on a sub-ms-RTT network "
                                "then costs ms, not 200 ms")
+    udp_buffer_bytes: int = _f(4 << 20, "SO_RCVBUF/SO_SNDBUF asked for each UDP "
+                               "channel socket (the kernel caps it at net.core.rmem_max / "
+                               "wmem_max; a result below 2 MiB is warned about in the "
+                               "summary)")
     drop_udp: float = _f(0.0, "receive-side loss emulation: fraction of UDP datagrams "
                          "dropped on arrival (0..1; for tests on hosts without netem)")
     secret: str = _f("", "job secret: when set, every message carries a keyed BLAKE2b "
@@ -89,6 +93,9 @@ class TransmissionConfig:
             raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon}")
         if not 0.0 <= self.drop_udp < 1.0:
             raise ValueError(f"--drop-udp must be in [0, 1), got {self.drop_udp}")
+        if not 4096 <= self.udp_buffer_bytes <= 1 << 30:
+            raise ValueError(f"--udp-buffer-bytes must be in 4096..{1 << 30}, got "
+                             f"{self.udp_buffer_bytes}")
         if len(self.secret.encode()) > 64:
             raise ValueError(f"--secret must be at most 64 bytes (it keys BLAKE2b, RFC "
                              f"7693), got {len(self.secret.encode())}; use e.g. 32 random "

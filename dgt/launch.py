@@ -362,7 +362,9 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dic
         return 2, None
     log(f"dgt train: {job.workers} workers, mode {tx.mode}, k {tx.k}, {tx.channels} UDP "
         f"channels, block {tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}; "
-        f"logs in {j.run_dir}")
+        f"logs in {j.run_dir}" + (" (a temporary folder: removed after a successful run, "
+                                  "kept on failure; --run-dir keeps it)"
+                                  if j.own_run_dir else ""))
     try:
         j.start()
         code, failure = j.wait()

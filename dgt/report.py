@@ -47,6 +47,7 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
               for name, ch in traffic["channels"].items()}
     shas = [t["param_sha256"] for t in trainers]
     return {
+        "warnings": _warnings(sidecars),
         "mode": tx.mode,
         "workers": job.workers,
         "iterations": trainers[0]["iterations"] if trainers else 0,
@@ -77,6 +78,15 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
         "config": {"job": asdict(job),
                    "transmission": {k: v for k, v in asdict(tx).items() if k != "secret"}},
     }
+
+
+def _warnings(sidecars: list[dict]) -> list[str]:
+    """The sidecars' warnings, each once, with the ranks that gave it."""
+    ranks: dict[str, list[int]] = {}
+    for s in sidecars:
+        for w in s.get("warnings", []):
+            ranks.setdefault(w, []).append(s["rank"])
+    return [f"rank(s) {rs}: {w}" for w, rs in ranks.items()]
 
 
 def print_summary(r: dict, log=print) -> None:
@@ -110,6 +120,8 @@ def print_summary(r: dict, log=print) -> None:
     if r.get("deadline_finalised") or r.get("tail_finalised"):
         log(f"workers finalised with blocks lost: {r.get('tail_finalised', 0)} at their "
             f"tail markers, {r.get('deadline_finalised', 0)} at the deadline")
+    for w in r.get("warnings", []):
+        log(f"warning: {w}")
     bad = diverged(r)
     if bad is not None:
         log(f"warning: the training loss is {bad['loss']} from iteration {bad['iteration']} "

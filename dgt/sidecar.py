@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from . import ipc, unixsock
+from . import buffers, ipc, unixsock
 from .agent import TCP_BACKLOG_SLACK, Links, WorkerAgent
 from .errors import PeerFailure
 from .config import (PACE_AUTO, NodeConfig, OneLineParser, TransmissionConfig,
@@ -120,6 +120,7 @@ class Sidecar:
         self._flush_timer: asyncio.TimerHandle | None = None
         self._published: asyncio.Future | None = None   # failure written to the store
         self.socket_owned: tuple[int, int] | None = None   # (dev, inode) we bound
+        self.warnings: list[str] = []   # for the summary and report (dgt.buffers)
 
     # -- startup ----------------------------------------------------------------------
     async def run(self) -> int:
@@ -160,7 +161,12 @@ class Sidecar:
         self.tcp_server = await loop.create_server(self._accepted_protocol,
                                                    sock=self.tcp_sock)
         for c in range(1, self.cfg.channels + 1):
-            s = sockopts.udp_socket(self.node.host, base + c if base else 0, self.dscp[c])
+            s = sockopts.udp_socket(self.node.host, base + c if base else 0, self.dscp[c],
+                                    self.cfg.udp_buffer_bytes, self.cfg.udp_buffer_bytes)
+            for w in buffers.check(s, self.cfg.udp_buffer_bytes):
+                if w not in self.warnings:   # the same on every channel: once
+                    self.warnings.append(w)
+                    log.warning("rank %d: %s", self.rank, w)
             # GRO hands us coalesced runs of datagrams; receive-side loss emulation
             # must drop single datagrams, so it runs without GRO
             self.gro = enable_gro(s) if not self.cfg.drop_udp else False
@@ -716,6 +722,7 @@ class Sidecar:
             "udp_ports": self.udp_ports, "session": f"{self.session_id:016x}",
             "pushes": self.pushes, "pulls_held": self.pulls_held,
             "failed": str(self.failed) if self.failed else None,
+            "warnings": self.warnings,
             "config": {k: v for k, v in asdict(self.cfg).items() if k != "secret"},
             "deadline_finalised": self.shard.finalised_by_deadline if self.shard else 0,
             "tail_finalised": self.shard.finalised_by_tail if self.shard else 0,

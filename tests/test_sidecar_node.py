@@ -169,3 +169,21 @@ def test_torchrun_variables_a_runtime_run_dir_a_ready_line_and_a_quiet_sigterm(t
     assert (xdg / "dgt" / "sidecar-0.json").exists()
     assert os.listdir(cwd) == []          # nothing in the current directory
     assert " ERROR " not in err and "stopped by signal" in err, err
+
+
+def test_a_small_udp_buffer_is_in_the_summary_and_the_report(tmp_path):
+    """The kernel caps SO_RCVBUF at net.core.rmem_max; shrinking what the sidecar asks
+    for (--udp-buffer-bytes) shows the same shortfall without touching the sysctl."""
+    import json
+    report = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                        "--iterations", "2", "--hidden", "16", "--udp-buffer-bytes", "65536",
+                        "--report", str(report)], capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    warned = [w for w in json.loads(report.read_text())["warnings"] if "SO_RCVBUF" in w]
+    assert len(warned) == 1 and "rank(s) [0, 1]" in warned[0]
+    assert "sysctl -w net.core.rmem_max=" in warned[0] and "is 131072 B" in warned[0]
+    assert f"warning: {warned[0]}" in p.stdout
+    # the logs live in a temporary folder that is removed: the console says so
+    assert "removed after a successful run" in p.stdout

@@ -38,7 +38,7 @@ from .rendezvous import POLL_S, Rendezvous, check_resolves
 from .scheduler.deadline import DeadlinePolicy
 from .scheduler.pacing import HeldPulls, OwnQueueGate, flow_share
 from .shard import ServerShard
-from .transport import sockopts, wire
+from .transport import pmtu, sockopts, wire
 from .transport.aio import DatagramProtocol, FrameProtocol
 from .transport.channels import channel_dscp
 from .transport.counters import Counters
@@ -512,13 +512,27 @@ class Sidecar:
             return self.udp_senders[channel].send(rows, (ep["host"],
                                                          ep["udp_ports"][channel - 1]))
         except OSError as e:
-            if e.errno == errno.EMSGSIZE:
-                raise PeerFailure(
-                    f"a {rows.shape[1]} B datagram exceeds the path MTU to rank {shard} "
-                    f"(--block-bytes {self.cfg.block_bytes}); use --block-bytes "
-                    f"{(1500 - 28 - 34 - 16) // 4 * 4} or less for a 1500 B MTU", self.rank) \
-                    from None
+            if e.errno in (errno.EMSGSIZE, errno.EINVAL):   # EINVAL: a GSO segment
+                too_big = self._mtu_advice(rows.shape[1], shard, ep)
+                if too_big is not None:
+                    raise PeerFailure(too_big, self.rank) from None
             raise PeerFailure(f"UDP send to rank {shard} failed: {e}", shard) from None
+
+    def _mtu_advice(self, size: int, shard: int, ep: dict) -> str | None:
+        """The line for a ``size`` B datagram to ``shard`` that the kernel refused: the
+        --block-bytes that fits the path MTU it reports now (transport.pmtu), or None
+        when the datagram fits that MTU (the error had another cause)."""
+        found = pmtu.path_mtu(ep["host"], ep["udp_ports"][0])
+        mtu, ip_udp = found if found else (1500, pmtu.IPV4_UDP_BYTES)
+        if found and size + ip_udp <= mtu:
+            return None
+        fit = pmtu.max_block_bytes(mtu, ip_udp, mac=self.key is not None)
+        where = f"the path MTU to rank {shard} is {mtu} B" if found else \
+            "the path MTU is unknown (assumed 1500 B)"
+        return (f"a {size} B datagram (--block-bytes {self.cfg.block_bytes}"
+                f"{' + MAC' if self.key else ''}) does not fit: {where}; use --block-bytes "
+                f"{fit} or less (IP+UDP {ip_udp} B + header {wire.HEADER_BYTES} B"
+                f"{f' + MAC {wire.MAC_BYTES} B' if self.key else ''} + block <= {mtu} B)")
 
     def _send_pull(self, worker: int, iteration: int, aggregate: np.ndarray,
                    received: np.ndarray) -> None:

@@ -294,14 +294,26 @@ class Sidecar:
         await self.rendezvoused.wait()
         rank = self.rank
 
-        def agree():
-            self.rdv.set(f"dgt/n_params/{rank}", str(n_params))
-            return {r: int(v) for r, v in self.rdv.gather("dgt/n_params").items()}
+        sha = msg.get("param_sha256")
+        sha = sha if isinstance(sha, str) else ""   # "": a client that sends none
 
-        sizes = await loop.run_in_executor(None, agree)
+        def agree():
+            self.rdv.set(f"dgt/n_params/{rank}", f"{n_params} {sha}")
+            return {r: v.split(" ") for r, v in self.rdv.gather("dgt/n_params").items()}
+
+        agreed = await loop.run_in_executor(None, agree)
+        sizes = {r: int(v[0]) for r, v in agreed.items()}
         if len(set(sizes.values())) != 1:
             raise PeerFailure(f"trainers registered different model sizes: {sizes}; every "
                               f"rank must train the same model", None)
+        shas = {r: v[1] if len(v) > 1 else "" for r, v in agreed.items()}
+        apart = [r for r, h in sorted(shas.items()) if h and shas[0] and h != shas[0]]
+        if apart:
+            raise PeerFailure(f"rank(s) {apart} start from different parameters than rank "
+                              f"0 (SHA-256 {shas[apart[0]][:12]}… vs {shas[0][:12]}…); the "
+                              f"replicas would never agree: seed the model alike on every "
+                              f"rank (torch.manual_seed) or load the same checkpoint before "
+                              f"register()", apart[0])
         if self.cfg.pace_mbit == PACE_AUTO:
             hosts = [ep["host"] for r, ep in sorted(self.peers.items()) if r != rank]
             # pyroute2's sync API cannot run inside a running event loop: use a thread

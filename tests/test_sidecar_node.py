@@ -187,3 +187,23 @@ def test_a_small_udp_buffer_is_in_the_summary_and_the_report(tmp_path):
     assert f"warning: {warned[0]}" in p.stdout
     # the logs live in a temporary folder that is removed: the console says so
     assert "removed after a successful run" in p.stdout
+
+
+def test_replicas_that_start_from_different_weights_are_refused_with_the_ranks_named(
+        tmp_path):
+    port = _free_port()
+    socks = [tmp_path / f"s{r}.sock" for r in range(3)]
+    procs = [_sidecar(r, 3, port, socks[r], tmp_path) for r in range(3)]
+    try:
+        out = {}
+        th = [threading.Thread(target=_train_steps, args=(socks[r], 2, out, r, seed))
+              for r, seed in enumerate((0, 0, 5))]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(timeout=300)
+        for r in range(3):
+            assert isinstance(out[r], PeerFailure), out
+            assert "rank(s) [2] start from different parameters than rank 0" in str(out[r])
+    finally:
+        _stop(*procs)

@@ -57,6 +57,11 @@ class TransmissionConfig:
                           "loopback), or a number (0 = unpaced)", parse="pace")
     deadline_ms: float = _f(50.0, "minimum wait after END before a shard finalises a "
                             "worker")
+    adaptive_deadline: bool = _f(True, "adapt the wait after END to the measured "
+                                 "arrival spread: max(--deadline-ms, 1.5 x the largest "
+                                 "spread of the last 64 worker-iterations), at most "
+                                 "--deadline-max-ms")
+    deadline_max_ms: float = _f(1000.0, "ceiling of the adaptive wait after END, ms")
     peer_timeout_s: float = _f(20.0, "a peer silent this long is declared dead")
     tcp_rto_min_ms: float = _f(10.0, "reliable channel's minimum TCP retransmission "
                                "timeout, ms (Linux 6.15+ TCP_RTO_MIN_US; 5..200, 0 = the "
@@ -103,6 +108,9 @@ class TransmissionConfig:
         if self.tcp_rto_min_ms and not 5.0 <= self.tcp_rto_min_ms <= 200.0:
             raise ValueError(f"--tcp-rto-min-ms must be 0 (the kernel's 200 ms) or in "
                              f"5..200, got {self.tcp_rto_min_ms:g}")
+        if not 0.0 <= self.deadline_max_ms <= 1000.0 * self.peer_timeout_s:
+            raise ValueError(f"--deadline-max-ms must be in 0..--peer-timeout-s x 1000, got "
+                             f"{self.deadline_max_ms:g}")
         if (self.pace_mbit < 0 and self.pace_mbit != PACE_AUTO) or self.deadline_ms < 0 \
                 or not 0 < self.peer_timeout_s <= MAX_PEER_TIMEOUT_S:
             raise ValueError(f"--pace-mbit must be auto or >= 0, --deadline-ms >= 0, "

@@ -69,6 +69,8 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
         "emulated_drops": sum(s.get("emulated_drops", 0) for s in sidecars),
         "deadline_finalised": sum(s.get("deadline_finalised", 0) for s in sidecars),
         "tail_finalised": sum(s.get("tail_finalised", 0) for s in sidecars),
+        "deadline_ms_highest": max((s.get("deadline_ms_highest", 0.0) for s in sidecars),
+                                   default=None),
         "conservation_rel_error": conservation_error(run_dir),
         "history": trainers[0]["history"] if trainers else [],
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
@@ -120,6 +122,8 @@ def print_summary(r: dict, log=print) -> None:
     if r.get("deadline_finalised") or r.get("tail_finalised"):
         log(f"workers finalised with blocks lost: {r.get('tail_finalised', 0)} at their "
             f"tail markers, {r.get('deadline_finalised', 0)} at the deadline")
+    if r.get("deadline_ms_highest"):
+        log(f"{'deadline after END':<22}at most {r['deadline_ms_highest']:.0f} ms")
     for w in r.get("warnings", []):
         log(f"warning: {w}")
     bad = diverged(r)

@@ -35,7 +35,7 @@ from .config import (PACE_AUTO, NodeConfig, OneLineParser, TransmissionConfig,
 from .link_rate import auto_pace_mbit
 from .layout import BlockLayout
 from .rendezvous import POLL_S, Rendezvous, check_resolves
-from .scheduler.deadline import DeadlinePolicy
+from .scheduler.deadline import AdaptiveDeadline, DeadlinePolicy
 from .scheduler.pacing import HeldPulls, OwnQueueGate, flow_share
 from .shard import ServerShard
 from .transport import pmtu, sockopts, wire
@@ -121,6 +121,8 @@ class Sidecar:
         self._published: asyncio.Future | None = None   # failure written to the store
         self.socket_owned: tuple[int, int] | None = None   # (dev, inode) we bound
         self.warnings: list[str] = []   # for the summary and report (dgt.buffers)
+        self.adaptive: AdaptiveDeadline | None = None   # the shard's wait after END
+        self.deadline_floor_s = self.cfg.deadline_ms / 1000.0
 
     # -- startup ----------------------------------------------------------------------
     async def run(self) -> int:
@@ -331,10 +333,14 @@ class Sidecar:
         self.buffers = [grad]
         policy = DeadlinePolicy(min_s=self.cfg.deadline_ms / 1000.0,
                                 rate_mbit=self.cfg.pace_mbit or 1000.0)
+        floor = self.deadline_floor_s = policy.after_end_s()
+        self.adaptive = AdaptiveDeadline(floor, self.cfg.deadline_max_ms / 1000.0) \
+            if self.cfg.adaptive_deadline else None
         session = ShardSession(session=self.session_id, shard=rank, lo=lay.shard_lo(rank),
                                hi=lay.shard_hi(rank), block_elems=lay.block_elems,
-                               n_workers=self.world, deadline_s=policy.after_end_s(),
-                               key=self.key, counters=self.counters)
+                               n_workers=self.world, deadline_s=floor,
+                               key=self.key, counters=self.counters,
+                               deadline_policy=self.adaptive)
         self.shard = ServerShard(lay, rank, session, self._send_pull)
         links = Links(send_tcp=self._send_tcp, send_udp=self._send_udp,
                       local_push=self.shard.local_push,
@@ -752,6 +758,8 @@ class Sidecar:
             "config": {k: v for k, v in asdict(self.cfg).items() if k != "secret"},
             "deadline_finalised": self.shard.finalised_by_deadline if self.shard else 0,
             "tail_finalised": self.shard.finalised_by_tail if self.shard else 0,
+            "deadline_ms_highest": 1000.0 * (self.adaptive.highest_s if self.adaptive
+                                             else self.deadline_floor_s),
             "emulated_drops": sum(p.emulated_drops for _, p in self.udp.values()),
             "udp_gso": all(b.gso for b in self.udp_senders.values()),
             "udp_gro": self.gro,

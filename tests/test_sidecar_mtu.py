@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import dgt
+from conftest import stop_procs
 from dgt.errors import PeerFailure
 from dgt.transport import pmtu
 
@@ -91,12 +92,7 @@ def _run(ns, tmp_path, block_bytes, secret=""):
         for t in th:
             t.join(timeout=120)
     finally:
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_procs(*procs)
     return out.get(0) or out.get(1)
 
 

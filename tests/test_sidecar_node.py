@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import dgt
+from conftest import stop_procs
 from dgt.errors import PeerFailure
 
 
@@ -40,18 +41,6 @@ def _ready(p, run_dir, rank=0, timeout_s=60):
         time.sleep(0.05)
 
 
-def _stop(*procs):
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def _model(seed=0):
     torch.manual_seed(seed)
     return nn.Linear(8, 4)
@@ -73,7 +62,7 @@ def test_a_second_sidecar_refuses_a_live_socket_and_never_unlinks_it(tmp_path):
         c.register(_model())
         c.close()
     finally:
-        _stop(a)
+        stop_procs(a)
     a.wait(timeout=30)
 
 
@@ -92,7 +81,7 @@ def test_a_stale_socket_is_reclaimed_and_a_foreign_one_is_not_unlinked(tmp_path)
         other.listen(1)
         ino = os.stat(sock).st_ino
     finally:
-        _stop(a)
+        stop_procs(a)
     assert os.path.exists(sock) and os.stat(sock).st_ino == ino
     other.close()
 
@@ -133,7 +122,7 @@ def test_a_rank_that_closes_early_is_named_at_once_with_its_last_step(tmp_path):
         assert "rank 1 closed after step 2" in str(out[0])
         assert "dead or frozen" not in str(out[0])
     finally:
-        _stop(*procs)
+        stop_procs(*procs)
 
 
 def test_a_master_that_never_comes_up_is_one_line_without_cpp_frames(tmp_path):
@@ -206,4 +195,4 @@ def test_replicas_that_start_from_different_weights_are_refused_with_the_ranks_n
             assert isinstance(out[r], PeerFailure), out
             assert "rank(s) [2] start from different parameters than rank 0" in str(out[r])
     finally:
-        _stop(*procs)
+        stop_procs(*procs)

@@ -71,6 +71,7 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
         "tail_finalised": sum(s.get("tail_finalised", 0) for s in sidecars),
         "deadline_ms_highest": max((s.get("deadline_ms_highest", 0.0) for s in sidecars),
                                    default=None),
+        "deadline_beyond_floor": sum(s.get("deadline_beyond_floor", 0) for s in sidecars),
         "conservation_rel_error": conservation_error(run_dir),
         "history": trainers[0]["history"] if trainers else [],
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
@@ -123,7 +124,9 @@ def print_summary(r: dict, log=print) -> None:
         log(f"workers finalised with blocks lost: {r.get('tail_finalised', 0)} at their "
             f"tail markers, {r.get('deadline_finalised', 0)} at the deadline")
     if r.get("deadline_ms_highest"):
-        log(f"{'deadline after END':<22}at most {r['deadline_ms_highest']:.0f} ms")
+        log(f"{'deadline after END':<22}at most {r['deadline_ms_highest']:.0f} ms; "
+            f"{r.get('deadline_beyond_floor', 0)} worker-iterations complete only past "
+            f"the floor")
     for w in r.get("warnings", []):
         log(f"warning: {w}")
     bad = diverged(r)

@@ -760,6 +760,7 @@ class Sidecar:
             "tail_finalised": self.shard.finalised_by_tail if self.shard else 0,
             "deadline_ms_highest": 1000.0 * (self.adaptive.highest_s if self.adaptive
                                              else self.deadline_floor_s),
+            "deadline_beyond_floor": self.adaptive.beyond_floor if self.adaptive else 0,
             "emulated_drops": sum(p.emulated_drops for _, p in self.udp.values()),
             "udp_gso": all(b.gso for b in self.udp_senders.values()),
             "udp_gro": self.gro,

@@ -66,11 +66,17 @@ class AdaptiveDeadline:
         self.margin = margin
         self.spreads: deque[float] = deque(maxlen=window)
         self.highest_s = floor_s   # the longest deadline handed out (for the report)
+        # worker-iterations complete only after floor_s: each would have lost blocks
+        # under the fixed deadline (for the report)
+        self.beyond_floor = 0
 
-    def observe(self, spread_s: float) -> None:
-        """One arrival spread (s); negative or NaN values are ignored."""
+    def observe(self, spread_s: float, late: bool = False) -> None:
+        """One arrival spread (s): a worker's END to its last block, or with ``late``
+        its END to a block that came after it was finalised. Negative or NaN values
+        are ignored."""
         if spread_s == spread_s and spread_s >= 0:
             self.spreads.append(min(spread_s, self.ceiling_s))
+            self.beyond_floor += not late and spread_s > self.floor_s
 
     def deadline_s(self) -> float:
         """Seconds to wait after the next END."""

@@ -421,5 +421,5 @@ def test_the_adaptive_deadline_has_a_floor_and_a_ceiling():
     assert p.deadline_s() == 0.2 and p.highest_s == 0.2
     p.observe(float("nan"))
     p.observe(-1.0)
-    assert len(p.spreads) == 2
+    assert len(p.spreads) == 2 and p.beyond_floor == 1
     assert AdaptiveDeadline(floor_s=0.05, ceiling_s=0.0).deadline_s() == 0.05   # fixed

@@ -83,7 +83,7 @@ class ShardSession:
     """Receive side of shard ``shard`` (blocks ``[lo, hi)``) for ``n_workers`` workers.
 
     ``deadline_s``: wait after END (see ``dgt.scheduler.deadline``). ``deadline_policy``:
-    optional object with ``observe(spread_s)`` and ``deadline_s()`` (e.g.
+    optional object with ``observe(spread_s, late)`` and ``deadline_s()`` (e.g.
     ``dgt.scheduler.deadline.AdaptiveDeadline``): the session feeds it each worker's
     arrival spread (END to last block; END to a late block) and takes each deadline
     from it instead of ``deadline_s``. ``key``: the job's MAC key, or None. Counters are in ``self.counters`` (per channel, plus
@@ -500,7 +500,7 @@ class ShardSession:
         lateness (now minus that iteration's END) is an arrival spread."""
         if self.deadline_policy is not None:
             end = self.end_at[w] if iteration == self.iteration else self.prev_end_at[w]
-            self.deadline_policy.observe(self.clock - float(end))   # NaN: ignored
+            self.deadline_policy.observe(self.clock - float(end), late=True)   # NaN: ignored
 
     def _finalise(self, w: int, reason: str) -> list:
         if self.deadline_policy is not None and reason == "complete" \

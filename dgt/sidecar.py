@@ -234,6 +234,10 @@ class Sidecar:
             line = await reader.readline()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             line = b""
+        except ValueError:   # a first line over the reader's limit: no trainer of ours
+            writer.write(ipc.encode_msg({"op": "error", "rank": None,
+                                         "message": "control line too long"}))
+            line = b""
         if not line or self.trainer_writer is not None:
             if line:
                 writer.write(ipc.encode_msg({"op": "error", "rank": None,
@@ -814,9 +818,6 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     try:
         cfg = from_args(TransmissionConfig, ns)
         node = from_args(NodeConfig, ns)
-    except ValueError as e:
-        parser.error(str(e))
-    try:
         check_resolves(node.master_addr)
     except ValueError as e:
         parser.error(str(e))

@@ -104,7 +104,7 @@ def _train_steps(path, steps, out, key, seed=0):
 def test_a_rank_that_closes_early_is_named_at_once_with_its_last_step(tmp_path):
     port = _free_port()
     socks = [tmp_path / f"s{r}.sock" for r in range(2)]
-    procs = [_sidecar(r, 2, port, socks[r], tmp_path, "--peer-timeout-s", "600")
+    procs = [_sidecar(r, 2, port, socks[r], tmp_path, "--peer-timeout-s", "60")
              for r in range(2)]
     try:
         for r, p in enumerate(procs):
@@ -115,7 +115,7 @@ def test_a_rank_that_closes_early_is_named_at_once_with_its_last_step(tmp_path):
         for t in th:
             t.start()
         for t in th:
-            t.join(timeout=300)   # without the fix: the 600 s peer timeout
+            t.join(timeout=200)   # without the fix: "dead or frozen" after 60 s
         assert not any(t.is_alive() for t in th), "rank 0 still waits for rank 1"
         assert out[1] == "ok"
         assert isinstance(out[0], PeerFailure), out

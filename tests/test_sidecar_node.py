@@ -53,7 +53,10 @@ def test_a_second_sidecar_refuses_a_live_socket_and_never_unlinks_it(tmp_path):
         _ready(a, tmp_path / "a")
         ino = os.stat(sock).st_ino
         b = _sidecar(0, 1, _free_port(), sock, tmp_path / "b")
-        out, err = b.communicate(timeout=60)
+        try:
+            out, err = b.communicate(timeout=60)
+        finally:
+            stop_procs(b)
         assert b.returncode == 2, err
         assert f"socket {sock} in use by pid {a.pid}" in err
         assert len(err.strip().splitlines()) == 1, err

@@ -5,8 +5,8 @@ import argparse
 import sys
 
 from . import __version__
-from .config import (JobConfig, OneLineParser, TransmissionConfig, add_arguments,
-                     from_args)
+from .config import (JobConfig, NodeConfig, OneLineParser, TransmissionConfig,
+                     add_arguments, add_sidecar_arguments, from_args)
 
 
 def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -29,6 +29,15 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _sidecar(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import os
+
+    from .rendezvous import QUIET_TORCH_ENV, check_resolves
+    for k, v in QUIET_TORCH_ENV.items():   # before torch is imported
+        os.environ.setdefault(k, v)
+    try:   # a name that does not resolve fails now, before the slow imports
+        check_resolves(from_args(NodeConfig, ns).master_addr)
+    except ValueError as e:
+        parser.error(str(e))
     from .sidecar import run_from_args
     return run_from_args(ns, parser)
 
@@ -59,7 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(t, TransmissionConfig)
     t.set_defaults(func=lambda ns: _train(ns, t), parser=t)
 
-    from .sidecar import add_sidecar_arguments
     s = sub.add_parser("sidecar", help="run one node's sidecar",
                        description="Run one node's sidecar (worker agent + server shard).")
     add_sidecar_arguments(s)

@@ -106,9 +106,13 @@ class Client:
         """Lay out ``model``'s trainable parameters (float32, any memory format) as one
         flat vector, in ``model.parameters()`` order. Call once per client.
 
+        Every rank must start from the same parameters (as with DDP, but checked rather
+        than broadcast): the sidecars compare a SHA-256 of them, and refuse the job,
+        naming the ranks that differ from rank 0, when they are not bitwise equal.
+
         Raises TypeError for non-float32 parameters, ValueError for a model without
         trainable parameters, RuntimeError when already registered or closed, and
-        PeerFailure when the sidecar refuses.
+        PeerFailure when the sidecar refuses (different model sizes or parameters).
         """
         self._check_open()
         if self.grad is not None:
@@ -120,7 +124,9 @@ class Client:
             if p.dtype != torch.float32:
                 raise TypeError(f"dgt moves float32 gradients; got {p.dtype}")
         n = sum(p.numel() for p in params)
-        self._send({"op": "register", "n_params": n, "dtype": "float32"})
+        # the sidecars compare it across ranks: replicas that start apart stay apart
+        self._send({"op": "register", "n_params": n, "dtype": "float32",
+                    "param_sha256": param_sha256(params)})
         msg = self._recv("registered")
         self._maps = [ipc.ShmBuffer(msg["grad"], msg["padded"])]
         if msg["aggregate"] != msg["grad"]:
@@ -214,6 +220,17 @@ class Client:
             m.close()
         self.file.close()
         self.sock.close()
+
+
+def param_sha256(params: list[torch.Tensor]) -> str:
+    """SHA-256 (hex) of the parameters' float32 values, in order and in their logical
+    (row-major) layout, whatever their device or memory format."""
+    import hashlib
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for p in params:
+            h.update(p.detach().reshape(-1).cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

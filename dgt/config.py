@@ -1,7 +1,9 @@
 """Typed configuration. Defaults live here and only here.
 
 Each field maps to one CLI flag (``--block-bytes``) and one env var (``DGT_BLOCK_BYTES``).
-Precedence: flag > env var > default. Sources of the defaults: DESIGN.md, "Defaults".
+Precedence: flag > env var > default. A few node fields also read torchrun's variable
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) after their ``DGT_*`` one:
+flag > ``DGT_*`` > torchrun's > default.
 """
 from __future__ import annotations
 
@@ -55,11 +57,20 @@ class TransmissionConfig:
                           "loopback), or a number (0 = unpaced)", parse="pace")
     deadline_ms: float = _f(50.0, "minimum wait after END before a shard finalises a "
                             "worker")
+    adaptive_deadline: bool = _f(True, "adapt the wait after END to the measured "
+                                 "arrival spread: max(--deadline-ms, 1.5 x the largest "
+                                 "spread of the last 64 worker-iterations), at most "
+                                 "--deadline-max-ms")
+    deadline_max_ms: float = _f(1000.0, "ceiling of the adaptive wait after END, ms")
     peer_timeout_s: float = _f(20.0, "a peer silent this long is declared dead")
     tcp_rto_min_ms: float = _f(10.0, "reliable channel's minimum TCP retransmission "
                                "timeout, ms (Linux 6.15+ TCP_RTO_MIN_US; 5..200, 0 = the "
                                "kernel's 200 ms): a lost segment on a sub-ms-RTT network "
                                "then costs ms, not 200 ms")
+    udp_buffer_bytes: int = _f(4 << 20, "SO_RCVBUF/SO_SNDBUF asked for each UDP "
+                               "channel socket (the kernel caps it at net.core.rmem_max / "
+                               "wmem_max; a result below 2 MiB is warned about in the "
+                               "summary)")
     drop_udp: float = _f(0.0, "receive-side loss emulation: fraction of UDP datagrams "
                          "dropped on arrival (0..1; for tests on hosts without netem)")
     secret: str = _f("", "job secret: when set, every message carries a keyed BLAKE2b "
@@ -87,6 +98,9 @@ class TransmissionConfig:
             raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon}")
         if not 0.0 <= self.drop_udp < 1.0:
             raise ValueError(f"--drop-udp must be in [0, 1), got {self.drop_udp}")
+        if not 4096 <= self.udp_buffer_bytes <= 1 << 30:
+            raise ValueError(f"--udp-buffer-bytes must be in 4096..{1 << 30}, got "
+                             f"{self.udp_buffer_bytes}")
         if len(self.secret.encode()) > 64:
             raise ValueError(f"--secret must be at most 64 bytes (it keys BLAKE2b, RFC "
                              f"7693), got {len(self.secret.encode())}; use e.g. 32 random "
@@ -94,6 +108,9 @@ class TransmissionConfig:
         if self.tcp_rto_min_ms and not 5.0 <= self.tcp_rto_min_ms <= 200.0:
             raise ValueError(f"--tcp-rto-min-ms must be 0 (the kernel's 200 ms) or in "
                              f"5..200, got {self.tcp_rto_min_ms:g}")
+        if not 0.0 <= self.deadline_max_ms <= 1000.0 * self.peer_timeout_s:
+            raise ValueError(f"--deadline-max-ms must be in 0..--peer-timeout-s x 1000, got "
+                             f"{self.deadline_max_ms:g}")
         if (self.pace_mbit < 0 and self.pace_mbit != PACE_AUTO) or self.deadline_ms < 0 \
                 or not 0 < self.peer_timeout_s <= MAX_PEER_TIMEOUT_S:
             raise ValueError(f"--pace-mbit must be auto or >= 0, --deadline-ms >= 0, "
@@ -105,6 +122,55 @@ MAX_PEER_TIMEOUT_S = 3600.0
 #: training samples of the digits split (dgt.job.load_digits_split: 1,797 images, 20 %
 #: held out); every worker's batch of an iteration is a disjoint slice of them
 DIGITS_TRAIN_SAMPLES = 1437
+
+
+def default_run_dir() -> str:
+    """Where ``dgt sidecar`` writes its files when --run-dir is not given: a per-user
+    runtime folder, ``$XDG_RUNTIME_DIR/dgt`` when that variable names a folder, else
+    ``/tmp/dgt-<uid>`` (never the current directory)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "dgt")
+    return f"/tmp/dgt-{os.getuid()}"
+
+
+@dataclass
+class NodeConfig:
+    """Where this node is and how it finds the others (``dgt sidecar``)."""
+
+    rank: int = _f(-1, "this node's rank, 0..world-1", torchrun="RANK",
+                   shown="required")
+    world: int = _f(0, "number of nodes", torchrun="WORLD_SIZE", shown="required")
+    master_addr: str = _f("127.0.0.1", "rendezvous (TCPStore) host; rank 0 hosts it",
+                          torchrun="MASTER_ADDR")
+    master_port: int = _f(29500, "rendezvous (TCPStore) port", torchrun="MASTER_PORT")
+    host: str = _f("127.0.0.1", "address to listen on")
+    base_port: int = _f(0, "TCP port base+10*rank, UDP channel c on base+10*rank+c "
+                        "(0 = free ports)")
+    socket: str = _f("", "Unix socket for the trainer", shown="/tmp/dgt-<rank>.sock")
+    run_dir: str = _f("", "where to write endpoints-<rank>.json and sidecar-<rank>.json",
+                      shown="$XDG_RUNTIME_DIR/dgt, else /tmp/dgt-<uid>")
+    seed: int = _f(0, "seed for ranking ties and exploration")
+
+    def __post_init__(self):
+        if not self.socket and self.rank >= 0:
+            self.socket = f"/tmp/dgt-{self.rank}.sock"
+        if not self.run_dir:
+            self.run_dir = default_run_dir()
+
+    def validate(self) -> None:
+        """Raise ValueError with a message that says what to do."""
+        if self.world < 1:
+            raise ValueError(f"--world must be >= 1, got {self.world} (the flag, env "
+                             f"DGT_WORLD or torchrun's WORLD_SIZE is required)")
+        if not 0 <= self.rank < self.world:
+            what = "is required (env DGT_RANK or torchrun's RANK)" if self.rank < 0 else \
+                f"must be in 0..{self.world - 1}, got {self.rank}"
+            raise ValueError(f"--rank {what}")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port must be 1..65535, got {self.master_port}")
+        if not self.master_addr:
+            raise ValueError("--master-addr must not be empty")
 
 
 @dataclass
@@ -205,7 +271,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         shown = f.default if f.default != "" else "none"
         if f.metadata.get("parse") == "pace" and f.default == PACE_AUTO:
             shown = "auto"
-        help_ = f"{f.metadata['help']} (default: {shown}; env {_env(f.name)})"
+        shown = f.metadata.get("shown", shown)
+        env = _env(f.name) + (f", then {f.metadata['torchrun']}" if "torchrun" in f.metadata
+                              else "")
+        help_ = f"{f.metadata['help']} (default: {shown}; env {env})"
         if f.type in ("bool", bool):
             group.add_argument(_flag(f.name), dest=f.name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_)
@@ -217,22 +286,25 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
 
 
 def from_args(cls, ns: argparse.Namespace, environ=os.environ):
-    """Build ``cls`` from parsed flags, then env vars, then defaults; validate it.
+    """Build ``cls`` from parsed flags, then ``DGT_*`` env vars, then torchrun's variable
+    (the field's ``torchrun`` metadata), then defaults; validate it.
 
     Raises ValueError naming the flag or env var at fault.
     """
     kw = {}
     for f in dataclasses.fields(cls):
         v = getattr(ns, f.name, None)
-        if v is None and _env(f.name) in environ:
-            raw = environ[_env(f.name)]
+        name = next((n for n in (_env(f.name), f.metadata.get("torchrun")) if n and
+                     n in environ), None)
+        if v is None and name is not None:
+            raw = environ[name]
             try:
                 v = (_parse_bool(raw) if f.type in ("bool", bool)
                      else _PARSERS.get(f.metadata.get("parse"), None)(raw)
                      if f.metadata.get("parse") else
                      {"int": int, "float": finite(float)}.get(f.type, str)(raw))
             except (ValueError, argparse.ArgumentTypeError) as e:
-                raise ValueError(f"{_env(f.name)}={raw!r}: {e}") from None
+                raise ValueError(f"{name}={raw!r}: {e}") from None
         if v is not None:
             kw[f.name] = v
     cfg = cls(**kw)
@@ -241,6 +313,14 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
 
 
 _PARSERS = {"pace": parse_pace}
+
+
+def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``dgt sidecar``."""
+    add_arguments(p, NodeConfig)
+    add_arguments(p, TransmissionConfig)
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
 
 
 def to_argv(cfg) -> list[str]:

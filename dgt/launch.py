@@ -26,6 +26,7 @@ import time
 
 
 from .config import JobConfig, TransmissionConfig, to_argv
+from .rendezvous import QUIET_TORCH_ENV
 from .report import build_report, diverged, print_summary
 
 GRACE_S = 5.0
@@ -114,7 +115,8 @@ class Job:
         hosts = self._hosts()
         master_addr = hosts[0][0]
         master_port = free_port() if not j.testbed else 29400 + (os.getpid() % 500)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        # torch's C++ log lines and stack frames never reach the user (our line does)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **QUIET_TORCH_ENV)
         if self.tx.secret:
             env["DGT_SECRET"] = self.tx.secret
         tx_argv = to_argv(self.tx)   # the secret goes by environment, never by argv
@@ -308,10 +310,9 @@ def check_paths(job: JobConfig) -> None:
     Raises ValueError with a message that names the flag."""
     if job.report:
         folder = os.path.dirname(os.path.abspath(job.report))
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"--report: cannot create folder {folder}: {e.strerror}") from None
+        if not os.path.isdir(folder):   # a typo must not leave a tree of new folders
+            raise ValueError(f"--report {job.report}: folder {folder} does not exist; "
+                             f"create it first or give another path")
         if os.path.isdir(job.report):
             raise ValueError(f"--report {job.report} is a directory; give a file path")
         try:   # create a file there, as the report will be (os.access says yes to root
@@ -361,7 +362,9 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dic
         return 2, None
     log(f"dgt train: {job.workers} workers, mode {tx.mode}, k {tx.k}, {tx.channels} UDP "
         f"channels, block {tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}; "
-        f"logs in {j.run_dir}")
+        f"logs in {j.run_dir}" + (" (a temporary folder: removed after a successful run, "
+                                  "kept on failure; --run-dir keeps it)"
+                                  if j.own_run_dir else ""))
     try:
         j.start()
         code, failure = j.wait()

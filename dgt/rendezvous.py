@@ -8,6 +8,8 @@ and so that no wait outlives ``timeout_s``. All methods block: call them from a 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from datetime import timedelta
 
@@ -15,6 +17,53 @@ from .errors import PeerFailure
 
 FAILED = "dgt/failed"
 POLL_S = 0.05
+#: torch's C++ logging is ERROR-only in our processes, and never prints C++ stack frames
+#: (set before torch is imported: the launcher puts it in its children's environment)
+QUIET_TORCH_ENV = {"TORCH_CPP_LOG_LEVEL": "FATAL", "TORCH_SHOW_CPP_STACKTRACES": "0"}
+
+
+def check_resolves(host: str) -> None:
+    """Raise ValueError at once when ``host`` (--master-addr) does not resolve, instead
+    of letting the store retry a name that will never connect (getaddrinfo(3))."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise ValueError(f"--master-addr {host} does not resolve ({why}); give the name "
+                         f"or address of rank 0's node") from None
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (proc(5): /proc/self/stat starttime against
+    /proc/uptime); 0.0 where /proc is not readable."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+        return max(0.0, up - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def wait_for_listener(host: str, port: int, timeout_s: float,
+                      bound_s: float | None = None) -> None:
+    """Poll until ``host:port`` accepts a TCP connection; raise PeerFailure (rank 0)
+    after ``timeout_s`` (the message names ``bound_s``, the whole wait since start-up). A plain connect, so that a store that is not up yet costs no
+    TCPStore retry loop (which overshoots its timeout and prints C++ frames)."""
+    t_end = time.monotonic() + timeout_s
+    while True:
+        left = t_end - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
+                return
+        except OSError as e:
+            if time.monotonic() >= t_end:
+                raise PeerFailure(f"rendezvous store at {host}:{port} did not come up within "
+                                  f"{bound_s or timeout_s:.0f} s of start-up ({e.strerror or e}); start rank 0's "
+                                  f"sidecar, with the same --master-addr/--master-port", 0) \
+                    from None
+        time.sleep(min(4 * POLL_S, max(0.0, t_end - time.monotonic())))
 
 
 class Rendezvous:
@@ -25,6 +74,10 @@ class Rendezvous:
 
     def _connect(self, is_master: bool):
         from torch.distributed import TCPStore
+        if not is_master:   # bounded by timeout_s from our start (imports included),
+            # whatever TCPStore's own retries would do
+            wait_for_listener(self.host, self.port,
+                              max(1.0, self.timeout_s - process_age_s()), self.timeout_s)
         try:
             return TCPStore(self.host, self.port, self.world, is_master=is_master,
                             timeout=timedelta(seconds=self.timeout_s),

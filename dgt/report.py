@@ -47,6 +47,7 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
               for name, ch in traffic["channels"].items()}
     shas = [t["param_sha256"] for t in trainers]
     return {
+        "warnings": _warnings(sidecars),
         "mode": tx.mode,
         "workers": job.workers,
         "iterations": trainers[0]["iterations"] if trainers else 0,
@@ -68,6 +69,9 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
         "emulated_drops": sum(s.get("emulated_drops", 0) for s in sidecars),
         "deadline_finalised": sum(s.get("deadline_finalised", 0) for s in sidecars),
         "tail_finalised": sum(s.get("tail_finalised", 0) for s in sidecars),
+        "deadline_ms_highest": max((s.get("deadline_ms_highest", 0.0) for s in sidecars),
+                                   default=None),
+        "deadline_beyond_floor": sum(s.get("deadline_beyond_floor", 0) for s in sidecars),
         "conservation_rel_error": conservation_error(run_dir),
         "history": trainers[0]["history"] if trainers else [],
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
@@ -77,6 +81,15 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
         "config": {"job": asdict(job),
                    "transmission": {k: v for k, v in asdict(tx).items() if k != "secret"}},
     }
+
+
+def _warnings(sidecars: list[dict]) -> list[str]:
+    """The sidecars' warnings, each once, with the ranks that gave it."""
+    ranks: dict[str, list[int]] = {}
+    for s in sidecars:
+        for w in s.get("warnings", []):
+            ranks.setdefault(w, []).append(s["rank"])
+    return [f"rank(s) {rs}: {w}" for w, rs in ranks.items()]
 
 
 def print_summary(r: dict, log=print) -> None:
@@ -110,6 +123,12 @@ def print_summary(r: dict, log=print) -> None:
     if r.get("deadline_finalised") or r.get("tail_finalised"):
         log(f"workers finalised with blocks lost: {r.get('tail_finalised', 0)} at their "
             f"tail markers, {r.get('deadline_finalised', 0)} at the deadline")
+    if r.get("deadline_ms_highest"):
+        log(f"{'deadline after END':<22}at most {r['deadline_ms_highest']:.0f} ms; "
+            f"{r.get('deadline_beyond_floor', 0)} worker-iterations complete only past "
+            f"the floor")
+    for w in r.get("warnings", []):
+        log(f"warning: {w}")
     bad = diverged(r)
     if bad is not None:
         log(f"warning: the training loss is {bad['loss']} from iteration {bad['iteration']} "

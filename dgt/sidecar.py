@@ -23,22 +23,22 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 
-from . import ipc
+from . import buffers, ipc, unixsock
 from .agent import TCP_BACKLOG_SLACK, Links, WorkerAgent
 from .errors import PeerFailure
-from .config import (PACE_AUTO, OneLineParser, TransmissionConfig, add_arguments,
-                     from_args)
+from .config import (PACE_AUTO, NodeConfig, OneLineParser, TransmissionConfig,
+                     add_sidecar_arguments, from_args)
 from .link_rate import auto_pace_mbit
 from .layout import BlockLayout
-from .rendezvous import POLL_S, Rendezvous
-from .scheduler.deadline import DeadlinePolicy
+from .rendezvous import POLL_S, Rendezvous, check_resolves
+from .scheduler.deadline import AdaptiveDeadline, DeadlinePolicy
 from .scheduler.pacing import HeldPulls, OwnQueueGate, flow_share
 from .shard import ServerShard
-from .transport import sockopts, wire
+from .transport import pmtu, sockopts, wire
 from .transport.aio import DatagramProtocol, FrameProtocol
 from .transport.channels import channel_dscp
 from .transport.counters import Counters
@@ -72,21 +72,6 @@ def udp_sources(peers: dict[int, dict], me: int) -> dict[tuple[str, int], int] |
     return out
 
 
-@dataclass
-class NodeConfig:
-    """Where this node is and how it finds the others."""
-
-    rank: int
-    world: int
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    host: str = "127.0.0.1"
-    base_port: int = 0
-    socket_path: str = ""
-    run_dir: str = "."
-    seed: int = 0
-
-
 #: rendezvous waits allow --peer-timeout-s plus this for start-up (imports, the dataset)
 STARTUP_GRACE_S = 10.0
 #: an accepted TCP connection must send HELLO within this; peers send it on connect
@@ -106,6 +91,8 @@ class Sidecar:
         self.in_conns: dict[int, FrameProtocol] = {}    # from peer workers (we are shard)
         self.pending_hello: list[FrameProtocol] = []    # accepted, no HELLO yet
         self.left: set[int] = set()
+        self.closed_after: dict[int, int] = {}   # rank -> iterations it pushed (its BYE)
+        self.pushing: int | None = None          # the iteration our push is in
         self.udp: dict[int, tuple[asyncio.DatagramTransport, DatagramProtocol]] = {}
         self.udp_senders: dict[int, BatchSender] = {}
         self.gro = False
@@ -132,6 +119,10 @@ class Sidecar:
         self.own_udp: OwnQueueGate | None = None   # PULLs after our queued UDP, too
         self._flush_timer: asyncio.TimerHandle | None = None
         self._published: asyncio.Future | None = None   # failure written to the store
+        self.socket_owned: tuple[int, int] | None = None   # (dev, inode) we bound
+        self.warnings: list[str] = []   # for the summary and report (dgt.buffers)
+        self.adaptive: AdaptiveDeadline | None = None   # the shard's wait after END
+        self.deadline_floor_s = self.cfg.deadline_ms / 1000.0
 
     # -- startup ----------------------------------------------------------------------
     async def run(self) -> int:
@@ -159,9 +150,11 @@ class Sidecar:
         try:
             with open(os.path.join(self.node.run_dir, "failure.json")) as f:
                 info = json.load(f)
-            self.fail(f"job stopped: {info['message']}", info.get("rank"), propagate=False)
+            self.fail(f"job stopped: {info['message']}", info.get("rank"), propagate=False,
+                      level=logging.WARNING)
         except (OSError, ValueError, KeyError):
-            self.fail("stopped by signal", None)
+            # a normal stop (the launcher, systemd, Ctrl-C): not an error of ours
+            self.fail("stopped by signal", None, level=logging.WARNING)
 
     async def _bind(self) -> None:
         loop = asyncio.get_running_loop()
@@ -170,7 +163,12 @@ class Sidecar:
         self.tcp_server = await loop.create_server(self._accepted_protocol,
                                                    sock=self.tcp_sock)
         for c in range(1, self.cfg.channels + 1):
-            s = sockopts.udp_socket(self.node.host, base + c if base else 0, self.dscp[c])
+            s = sockopts.udp_socket(self.node.host, base + c if base else 0, self.dscp[c],
+                                    self.cfg.udp_buffer_bytes, self.cfg.udp_buffer_bytes)
+            for w in buffers.check(s, self.cfg.udp_buffer_bytes):
+                if w not in self.warnings:   # the same on every channel: once
+                    self.warnings.append(w)
+                    log.warning("rank %d: %s", self.rank, w)
             # GRO hands us coalesced runs of datagrams; receive-side loss emulation
             # must drop single datagrams, so it runs without GRO
             self.gro = enable_gro(s) if not self.cfg.drop_udp else False
@@ -181,10 +179,9 @@ class Sidecar:
                                              seed=self.node.seed * 131 + self.rank * 7 + c),
                 sock=s)
             self.udp[c] = (tr, proto)
-        path = self.node.socket_path
-        if os.path.exists(path):
-            os.unlink(path)
-        self.unix_server = await asyncio.start_unix_server(self._serve_trainer, path=path)
+        path = self.node.socket
+        usock, self.socket_owned = unixsock.claim(path)   # refuses a live socket
+        self.unix_server = await asyncio.start_unix_server(self._serve_trainer, sock=usock)
         log.info("rank %d listening: tcp %d, udp %s, unix %s", self.rank, self.tcp_port,
                  self.udp_ports, path)
 
@@ -225,20 +222,34 @@ class Sidecar:
         with open(os.path.join(self.node.run_dir, f"endpoints-{self.rank}.json"), "w") as f:
             json.dump(me, f)
         self.rendezvoused.set()
+        print(f"dgt sidecar: rank {self.rank}/{self.world} ready: tcp {self.tcp_port}, "
+              f"udp {self.udp_ports}, socket {self.node.socket}, run dir "
+              f"{self.node.run_dir}", flush=True)
 
     # -- trainer ----------------------------------------------------------------------
     async def _serve_trainer(self, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:
-        if self.trainer_writer is not None:
+        try:   # a connection that closes before its first line is a probe (another
+            # sidecar checking whether this socket is live: dgt.unixsock), not a trainer
+            line = await reader.readline()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            line = b""
+        except ValueError:   # a first line over the reader's limit: no trainer of ours
             writer.write(ipc.encode_msg({"op": "error", "rank": None,
-                                         "message": "this sidecar already has a trainer"}))
+                                         "message": "control line too long"}))
+            line = b""
+        if not line or self.trainer_writer is not None:
+            if line:
+                writer.write(ipc.encode_msg({"op": "error", "rank": None,
+                                             "message": "this sidecar already has a trainer"}))
             writer.close()
             return
         self.trainer_writer = writer
         clean = False
         try:
             while not self.done.is_set():
-                line = await reader.readline()
+                if line is None:
+                    line = await reader.readline()
                 if not line:
                     break
                 try:
@@ -247,6 +258,7 @@ class Sidecar:
                     self._to_trainer({"op": "error", "rank": self.rank,
                                       "message": f"bad control message: {e}"})
                     break
+                line = None
                 op = msg["op"]
                 if op == "register":
                     await self._register(msg)
@@ -288,14 +300,26 @@ class Sidecar:
         await self.rendezvoused.wait()
         rank = self.rank
 
-        def agree():
-            self.rdv.set(f"dgt/n_params/{rank}", str(n_params))
-            return {r: int(v) for r, v in self.rdv.gather("dgt/n_params").items()}
+        sha = msg.get("param_sha256")
+        sha = sha if isinstance(sha, str) else ""   # "": a client that sends none
 
-        sizes = await loop.run_in_executor(None, agree)
+        def agree():
+            self.rdv.set(f"dgt/n_params/{rank}", f"{n_params} {sha}")
+            return {r: v.split(" ") for r, v in self.rdv.gather("dgt/n_params").items()}
+
+        agreed = await loop.run_in_executor(None, agree)
+        sizes = {r: int(v[0]) for r, v in agreed.items()}
         if len(set(sizes.values())) != 1:
             raise PeerFailure(f"trainers registered different model sizes: {sizes}; every "
                               f"rank must train the same model", None)
+        shas = {r: v[1] if len(v) > 1 else "" for r, v in agreed.items()}
+        apart = [r for r, h in sorted(shas.items()) if h and shas[0] and h != shas[0]]
+        if apart:
+            raise PeerFailure(f"rank(s) {apart} start from different parameters than rank "
+                              f"0 (SHA-256 {shas[apart[0]][:12]}… vs {shas[0][:12]}…); the "
+                              f"replicas would never agree: seed the model alike on every "
+                              f"rank (torch.manual_seed) or load the same checkpoint before "
+                              f"register()", apart[0])
         if self.cfg.pace_mbit == PACE_AUTO:
             hosts = [ep["host"] for r, ep in sorted(self.peers.items()) if r != rank]
             # pyroute2's sync API cannot run inside a running event loop: use a thread
@@ -313,10 +337,14 @@ class Sidecar:
         self.buffers = [grad]
         policy = DeadlinePolicy(min_s=self.cfg.deadline_ms / 1000.0,
                                 rate_mbit=self.cfg.pace_mbit or 1000.0)
+        floor = self.deadline_floor_s = policy.after_end_s()
+        self.adaptive = AdaptiveDeadline(floor, self.cfg.deadline_max_ms / 1000.0) \
+            if self.cfg.adaptive_deadline else None
         session = ShardSession(session=self.session_id, shard=rank, lo=lay.shard_lo(rank),
                                hi=lay.shard_hi(rank), block_elems=lay.block_elems,
-                               n_workers=self.world, deadline_s=policy.after_end_s(),
-                               key=self.key, counters=self.counters)
+                               n_workers=self.world, deadline_s=floor,
+                               key=self.key, counters=self.counters,
+                               deadline_policy=self.adaptive)
         self.shard = ServerShard(lay, rank, session, self._send_pull)
         links = Links(send_tcp=self._send_tcp, send_udp=self._send_udp,
                       local_push=self.shard.local_push,
@@ -354,10 +382,27 @@ class Sidecar:
         loss = msg.get("loss")
         if loss is not None and not isinstance(loss, (int, float)):
             loss = None
+        self._check_closed(t)
+        self.pushing = t
         k = await self.agent.push(t, float(loss) if loss is not None else None,
                                   self.cfg.peer_timeout_s)
+        self.pushing = None
         self.pushes += 1
         self._to_trainer({"op": "pulled", "t": t, "k": k})
+
+    def _check_closed(self, t: int) -> None:
+        """Fail at once when a peer's trainer closed before iteration ``t`` (its BYE
+        carries how many iterations it pushed): it will never push ``t``, and waiting
+        for it would end --peer-timeout-s later blaming it as dead or frozen."""
+        early = sorted(r for r, n in self.closed_after.items() if n <= t)
+        if early:
+            r, n = early[0], self.closed_after[early[0]]
+            when = f"after step {n - 1}" if n else "before its first step"
+            msg = (f"rank {r} closed {when}; rank {self.rank} is at step {t}: every rank "
+                   f"must run the same number of steps")
+            if self.pushing is None:   # before our push: the push fails
+                raise PeerFailure(msg, r)
+            self.fail(msg, r)          # a BYE during our push: fail now
 
     # -- peers ------------------------------------------------------------------------
     async def _connect_peers(self) -> None:
@@ -489,13 +534,27 @@ class Sidecar:
             return self.udp_senders[channel].send(rows, (ep["host"],
                                                          ep["udp_ports"][channel - 1]))
         except OSError as e:
-            if e.errno == errno.EMSGSIZE:
-                raise PeerFailure(
-                    f"a {rows.shape[1]} B datagram exceeds the path MTU to rank {shard} "
-                    f"(--block-bytes {self.cfg.block_bytes}); use --block-bytes "
-                    f"{(1500 - 28 - 34 - 16) // 4 * 4} or less for a 1500 B MTU", self.rank) \
-                    from None
+            if e.errno in (errno.EMSGSIZE, errno.EINVAL):   # EINVAL: a GSO segment
+                too_big = self._mtu_advice(rows.shape[1], shard, ep)
+                if too_big is not None:
+                    raise PeerFailure(too_big, self.rank) from None
             raise PeerFailure(f"UDP send to rank {shard} failed: {e}", shard) from None
+
+    def _mtu_advice(self, size: int, shard: int, ep: dict) -> str | None:
+        """The line for a ``size`` B datagram to ``shard`` that the kernel refused: the
+        --block-bytes that fits the path MTU it reports now (transport.pmtu), or None
+        when the datagram fits that MTU (the error had another cause)."""
+        found = pmtu.path_mtu(ep["host"], ep["udp_ports"][0])
+        mtu, ip_udp = found if found else (1500, pmtu.IPV4_UDP_BYTES)
+        if found and size + ip_udp <= mtu:
+            return None
+        fit = pmtu.max_block_bytes(mtu, ip_udp, mac=self.key is not None)
+        where = f"the path MTU to rank {shard} is {mtu} B" if found else \
+            "the path MTU is unknown (assumed 1500 B)"
+        return (f"a {size} B datagram (--block-bytes {self.cfg.block_bytes}"
+                f"{' + MAC' if self.key else ''}) does not fit: {where}; use --block-bytes "
+                f"{fit} or less (IP+UDP {ip_udp} B + header {wire.HEADER_BYTES} B"
+                f"{f' + MAC {wire.MAC_BYTES} B' if self.key else ''} + block <= {mtu} B)")
 
     def _send_pull(self, worker: int, iteration: int, aggregate: np.ndarray,
                    received: np.ndarray) -> None:
@@ -563,6 +622,9 @@ class Sidecar:
                       else h.sender, propagate=False)
         elif h.type == MsgType.BYE:
             self.left.add(h.sender)
+            self.closed_after[h.sender] = h.count
+            if self.pushing is not None:
+                self._check_closed(self.pushing)
             self._check_finished()
         elif h.type == MsgType.PULL and proto.outgoing:
             self._on_pull_frame(h, payload)
@@ -627,12 +689,14 @@ class Sidecar:
             self._arm_timer()
 
     # -- shutdown ---------------------------------------------------------------------
-    def fail(self, message: str, rank: int | None, propagate: bool = True) -> None:
-        """Fail the job: tell peers (ERROR, block = failed rank) and the trainer; stop."""
+    def fail(self, message: str, rank: int | None, propagate: bool = True,
+             level: int = logging.ERROR) -> None:
+        """Fail the job: tell peers (ERROR, block = failed rank) and the trainer; stop.
+        ``level``: how the line is logged (a signal's stop is WARNING, not ERROR)."""
         if self.done.is_set():
             return
         self.failed = PeerFailure(message, rank)
-        log.error("rank %d: %s", self.rank, message)
+        log.log(level, "rank %d: %s", self.rank, message)
         try:   # telling the others is best effort; stopping is not
             if propagate:
                 frame = wire.encode(MsgType.ERROR, session=self.session_id,
@@ -659,8 +723,9 @@ class Sidecar:
         if self.done.is_set() or self.finishing:
             return
         self.finishing = True
+        # count: the iterations we pushed, so a peer still pushing knows at once
         bye = wire.encode(MsgType.BYE, session=self.session_id, sender=self.rank,
-                          key=self.key)
+                          count=self.pushes, key=self.key)
         for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
             conn.send(bye)
         self._check_finished()
@@ -693,9 +758,13 @@ class Sidecar:
             "udp_ports": self.udp_ports, "session": f"{self.session_id:016x}",
             "pushes": self.pushes, "pulls_held": self.pulls_held,
             "failed": str(self.failed) if self.failed else None,
+            "warnings": self.warnings,
             "config": {k: v for k, v in asdict(self.cfg).items() if k != "secret"},
             "deadline_finalised": self.shard.finalised_by_deadline if self.shard else 0,
             "tail_finalised": self.shard.finalised_by_tail if self.shard else 0,
+            "deadline_ms_highest": 1000.0 * (self.adaptive.highest_s if self.adaptive
+                                             else self.deadline_floor_s),
+            "deadline_beyond_floor": self.adaptive.beyond_floor if self.adaptive else 0,
             "emulated_drops": sum(p.emulated_drops for _, p in self.udp.values()),
             "udp_gso": all(b.gso for b in self.udp_senders.values()),
             "udp_gro": self.gro,
@@ -732,35 +801,7 @@ class Sidecar:
             self.trainer_writer.close()
         for b in self.buffers:
             b.close()
-        try:
-            os.unlink(self.node.socket_path)
-        except OSError:
-            pass
-
-
-def add_node_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("node")
-    g.add_argument("--rank", type=int, required=True, help="this node's rank (0..world-1)")
-    g.add_argument("--world", type=int, required=True, help="number of nodes")
-    g.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                   help="TCPStore host (env MASTER_ADDR)")
-    g.add_argument("--master-port", type=int, default=None,
-                   help="TCPStore port; rank 0 hosts it (env MASTER_PORT, default 29500)")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--base-port", type=int, default=0,
-                   help="TCP port base+10*rank, UDP channel c on base+10*rank+c (0 = free)")
-    g.add_argument("--socket", dest="socket_path", default="",
-                   help="Unix socket for the trainer (default: /tmp/dgt-<rank>.sock)")
-    g.add_argument("--run-dir", default=".", help="where to write sidecar-<rank>.json")
-    g.add_argument("--seed", type=int, default=0, help="seed for ranking ties/exploration")
-
-
-def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
-    """Every flag of ``dgt sidecar``."""
-    add_node_arguments(p)
-    add_arguments(p, TransmissionConfig)
-    p.add_argument("--log-level", default="WARNING", type=str.upper,
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
+        unixsock.release(self.node.socket, self.socket_owned)
 
 
 def main(argv: list[str] | None = None, prog: str = "dgt sidecar") -> int:
@@ -776,33 +817,21 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     faulthandler.enable()   # a crash in native code leaves its Python stack in the log
     try:
         cfg = from_args(TransmissionConfig, ns)
+        node = from_args(NodeConfig, ns)
+        check_resolves(node.master_addr)
     except ValueError as e:
         parser.error(str(e))
-    if ns.world < 1:
-        parser.error(f"--world must be >= 1, got {ns.world}")
-    if not 0 <= ns.rank < ns.world:
-        parser.error(f"--rank must be in 0..{ns.world - 1}, got {ns.rank}")
-    if ns.master_port is None:
-        env = os.environ.get("MASTER_PORT", "29500")
-        if not env.isdigit():
-            parser.error(f"MASTER_PORT={env!r} is not a port number")
-        ns.master_port = int(env)
-    if not 1 <= ns.master_port <= 65535:
-        parser.error(f"--master-port must be 1..65535, got {ns.master_port}")
-    if ns.base_port < 0 or (ns.base_port and ns.base_port + 10 * ns.rank + cfg.channels > 65535):
-        parser.error(f"--base-port {ns.base_port} leaves no room for rank {ns.rank}'s ports "
-                     f"(base + 10*rank + {cfg.channels} must be <= 65535)")
-    sock_dir = os.path.dirname(os.path.abspath(ns.socket_path or "/tmp/x"))
+    if node.base_port < 0 or (node.base_port and
+                              node.base_port + 10 * node.rank + cfg.channels > 65535):
+        parser.error(f"--base-port {node.base_port} leaves no room for rank {node.rank}'s "
+                     f"ports (base + 10*rank + {cfg.channels} must be <= 65535)")
+    sock_dir = os.path.dirname(os.path.abspath(node.socket))
     if not os.path.isdir(sock_dir):
         parser.error(f"--socket: directory {sock_dir} does not exist")
-    node = NodeConfig(rank=ns.rank, world=ns.world, master_addr=ns.master_addr,
-                      master_port=ns.master_port, host=ns.host, base_port=ns.base_port,
-                      socket_path=ns.socket_path or f"/tmp/dgt-{ns.rank}.sock",
-                      run_dir=ns.run_dir, seed=ns.seed)
     if os.path.exists(node.run_dir) and not os.path.isdir(node.run_dir):
         parser.error(f"--run-dir {node.run_dir} is a file; give a folder")
     try:
-        os.makedirs(node.run_dir, exist_ok=True)
+        os.makedirs(node.run_dir, mode=0o700, exist_ok=True)
     except OSError as e:
         parser.error(f"--run-dir: cannot create {node.run_dir}: {e.strerror}")
     if not os.access(node.run_dir, os.W_OK):

@@ -34,3 +34,54 @@ class DeadlinePolicy:
         """Seconds to wait after END before finalising a worker."""
         drain = self.queue_bytes * 8 / (self.rate_mbit * 1e6) if self.rate_mbit > 0 else 0.0
         return max(self.min_s, drain * self.slack)
+
+
+class AdaptiveDeadline:
+    """The wait after END, adapted to the arrival spread the shard measures (sans-IO).
+
+    Reference: OptiReduce (Warraich et al., NSDI 2025), whose receivers time out
+    adaptively from the completion times they observed rather than with a fixed bound.
+    Here the shard reports, per worker and iteration, the **arrival spread**: seconds
+    from that worker's END to its last block (0 when every block came before END), and,
+    for a block that came after its worker was finalised (*late*), seconds from that
+    END to the late block. The deadline is
+
+        deadline_s = min(ceiling_s, max(floor_s, margin * max(last ``window`` spreads)))
+
+    so it never drops below the fixed policy (``floor_s``: :meth:`DeadlinePolicy.
+    after_end_s`, 50 ms by default), and one late block lifts it to ``margin`` times
+    its lateness for the next ``window`` observations (about ``window / workers``
+    iterations), then it decays back. A block that never comes (a real loss) is no
+    observation, so loss does not inflate the wait. ``floor_s`` >= ``ceiling_s`` gives
+    the fixed deadline ``floor_s``. Units: seconds. Raises ValueError for a negative
+    floor, a margin < 1 or a window < 1.
+    """
+
+    def __init__(self, floor_s: float, ceiling_s: float, margin: float = 1.5,
+                 window: int = 64):
+        if floor_s < 0 or margin < 1 or window < 1:
+            raise ValueError("floor_s >= 0, margin >= 1 and window >= 1 are required")
+        from collections import deque
+        self.floor_s, self.ceiling_s = floor_s, max(floor_s, ceiling_s)
+        self.margin = margin
+        self.spreads: deque[float] = deque(maxlen=window)
+        self.highest_s = floor_s   # the longest deadline handed out (for the report)
+        # worker-iterations complete only after floor_s: each would have lost blocks
+        # under the fixed deadline (for the report)
+        self.beyond_floor = 0
+
+    def observe(self, spread_s: float, late: bool = False) -> None:
+        """One arrival spread (s): a worker's END to its last block, or with ``late``
+        its END to a block that came after it was finalised. Negative or NaN values
+        are ignored."""
+        if spread_s == spread_s and spread_s >= 0:
+            self.spreads.append(min(spread_s, self.ceiling_s))
+            self.beyond_floor += not late and spread_s > self.floor_s
+
+    def deadline_s(self) -> float:
+        """Seconds to wait after the next END."""
+        d = self.floor_s
+        if self.spreads:
+            d = min(self.ceiling_s, max(d, self.margin * max(self.spreads)))
+        self.highest_s = max(self.highest_s, d)
+        return d

@@ -29,6 +29,20 @@ def logs_of(run_dir) -> str:
     return "\n".join(out)
 
 
+def stop_procs(*procs, timeout_s=30):
+    """SIGTERM what is still running, wait for it, SIGKILL what does not stop."""
+    import signal
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 @pytest.fixture
 def train(tmp_path):
     return lambda *a, **kw: run_train(tmp_path, *a, **kw)

@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from dgt.config import OneLineParser
+
 BAD = [
     (["train", "--k", "2"], "--k must be in [0, 1]"),
     (["train", "--workers", "0"], "--workers must be"),
@@ -49,6 +51,11 @@ BAD = [
     (["train", "--batch-size", "500"], "exceeds the 1437 training samples"),
     (["bench", "--cell-timeout-s", "nan", "--estimate"], "--cell-timeout-s must be >= 0"),
     (["bench", "--hidden", "1000000000", "--estimate"], "GiB of memory here"),
+    # field faults, issue 12
+    (["sidecar", "--rank", "1", "--world", "2", "--master-addr", "no-such-host.invalid"],
+     "--master-addr no-such-host.invalid does not resolve"),
+    (["sidecar", "--world", "2"], "--rank is required"),
+    (["train", "--report", "/nonexistent-dgt-dir/sub/r.json"], "does not exist"),
 ]
 
 
@@ -113,3 +120,29 @@ def test_the_digits_split_has_the_samples_that_batch_sizes_are_checked_against()
     from dgt.config import DIGITS_TRAIN_SAMPLES
     from dgt.job import load_digits_split
     assert len(load_digits_split(0)[0]) == DIGITS_TRAIN_SAMPLES
+
+
+def test_a_report_in_a_missing_folder_creates_no_folder(tmp_path):
+    target = tmp_path / "missing" / "deeper" / "r.json"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--report", str(target)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "does not exist" in p.stderr
+    assert not (tmp_path / "missing").exists()
+
+
+def test_node_flags_read_dgt_then_torchrun_variables():
+    """Precedence: flag > DGT_* > torchrun's variable > default."""
+    from dgt.config import NodeConfig, add_sidecar_arguments, from_args
+    p = OneLineParser(prog="t")
+    add_sidecar_arguments(p)
+    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.9",
+                "MASTER_PORT": "1234"}
+    node = from_args(NodeConfig, p.parse_args([]), environ=torchrun)
+    assert (node.rank, node.world, node.master_addr, node.master_port) == \
+        (1, 4, "10.0.0.9", 1234)
+    assert node.socket == "/tmp/dgt-1.sock" and node.run_dir != "."
+    env = {**torchrun, "DGT_RANK": "2", "DGT_MASTER_PORT": "2000", "DGT_SEED": "7"}
+    node = from_args(NodeConfig, p.parse_args(["--master-port", "3000"]), environ=env)
+    assert (node.rank, node.world, node.master_port, node.seed) == (2, 4, 3000, 7)
+    node = from_args(NodeConfig, p.parse_args(["--rank", "0", "--world", "1"]), environ={})
+    assert (node.master_addr, node.master_port) == ("127.0.0.1", 29500)

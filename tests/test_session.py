@@ -376,3 +376,50 @@ def test_a_block_two_iterations_behind_is_stale_not_late(key):
     assert s.receive_frame(h, p, now=0) == [Rejected("stale")]
     assert s.counters.rejected["stale"] == 5
     assert s.counters.channels[1].blocks_late == 1 and not s.received.any()
+
+
+def _run_iteration(s, it, late_at=None):
+    """Worker 0 sends 2 UDP blocks + END at t = it; block 19 is lost, or arrives at
+    ``late_at`` (after the deadline: late, one iteration on)."""
+    t0 = float(it)
+    s.receive_datagram(dgram(0, 13, it=it), now=t0)
+    s.receive_frame(*end(0, [0, 2], it=it), now=t0 + 0.001)
+    deadline = s.next_deadline()
+    ev = s.poll(deadline)
+    assert [e.reason for e in ev if type(e).__name__ == "WorkerFinalised"] == ["deadline"]
+    s.advance()
+    if late_at is not None:
+        assert kinds(s.receive_datagram(dgram(0, 19, it=it), now=t0 + late_at)) == \
+            ["Rejected"]
+    return deadline - (t0 + 0.001)
+
+
+def test_the_adaptive_deadline_learns_from_a_late_block_and_not_from_a_lost_one():
+    from dgt.scheduler.deadline import AdaptiveDeadline
+    policy = AdaptiveDeadline(floor_s=0.05, ceiling_s=1.0, margin=1.5, window=4)
+    s = ShardSession(session=S, shard=1, lo=10, hi=20, block_elems=ELEMS, n_workers=1,
+                     deadline_s=0.05, deadline_policy=policy)
+    # a block that never comes (real loss) leaves the deadline at its floor
+    assert _run_iteration(s, 0) == pytest.approx(0.05)
+    assert _run_iteration(s, 1, late_at=0.081) == pytest.approx(0.05)
+    assert s.counters.channels[1].blocks_late == 1
+    # the late block came 80 ms after END: the next wait is 1.5 x 80 ms
+    assert _run_iteration(s, 2) == pytest.approx(0.12)
+    for it in range(3, 7):   # complete iterations (spread 0) push it out of the window
+        s.receive_frame(*end(0, [0, 0], it=it), now=float(it))
+        s.advance()
+    assert _run_iteration(s, 7) == pytest.approx(0.05)
+
+
+def test_the_adaptive_deadline_has_a_floor_and_a_ceiling():
+    from dgt.scheduler.deadline import AdaptiveDeadline
+    p = AdaptiveDeadline(floor_s=0.05, ceiling_s=0.2)
+    assert p.deadline_s() == 0.05
+    p.observe(0.01)
+    assert p.deadline_s() == 0.05
+    p.observe(5.0)
+    assert p.deadline_s() == 0.2 and p.highest_s == 0.2
+    p.observe(float("nan"))
+    p.observe(-1.0)
+    assert len(p.spreads) == 2 and p.beyond_floor == 1
+    assert AdaptiveDeadline(floor_s=0.05, ceiling_s=0.0).deadline_s() == 0.05   # fixed

@@ -270,7 +270,7 @@ def test_a_failing_sidecar_stops_even_when_telling_the_others_fails(tmp_path):
 
     cfg = dataclasses.replace(TransmissionConfig(), secret="x" * 100)
     node = NodeConfig(rank=0, world=1, run_dir=str(tmp_path),
-                      socket_path=str(tmp_path / "s.sock"))
+                      socket=str(tmp_path / "s.sock"))
 
     async def main():
         sc = Sidecar(cfg, node)

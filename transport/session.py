@@ -82,14 +82,17 @@ class Rejected:
 class ShardSession:
     """Receive side of shard ``shard`` (blocks ``[lo, hi)``) for ``n_workers`` workers.
 
-    ``deadline_s``: wait after END (see ``dgt.scheduler.deadline``). ``key``: the job's
-    MAC key, or None. Counters are in ``self.counters`` (per channel, plus
+    ``deadline_s``: wait after END (see ``dgt.scheduler.deadline``). ``deadline_policy``:
+    optional object with ``observe(spread_s, late)`` and ``deadline_s()`` (e.g.
+    ``dgt.scheduler.deadline.AdaptiveDeadline``): the session feeds it each worker's
+    arrival spread (END to last block; END to a late block) and takes each deadline
+    from it instead of ``deadline_s``. ``key``: the job's MAC key, or None. Counters are in ``self.counters`` (per channel, plus
     ``rejected[reason]``).
     """
 
     def __init__(self, *, session: int, shard: int, lo: int, hi: int, block_elems: int,
                  n_workers: int, deadline_s: float, key: bytes | None = None,
-                 counters: Counters | None = None):
+                 counters: Counters | None = None, deadline_policy=None):
         self.session, self.shard, self.lo, self.hi = session, shard, lo, hi
         self.block_elems = block_elems
         self.block_payload = block_elems * 4
@@ -97,6 +100,7 @@ class ShardSession:
                                + (wire.MAC_BYTES if key else 0))
         self.n_workers = n_workers
         self.deadline_s = deadline_s
+        self.deadline_policy = deadline_policy
         self.key = key
         self.counters = counters or Counters()
         self.iteration = 0
@@ -107,12 +111,17 @@ class ShardSession:
         self.tail = np.full((n_workers, wire.MAX_CHANNELS), -1, np.int64)  # marker counts
         self.deadline: list[float | None] = [None] * n_workers
         self.finalised = np.zeros(n_workers, bool)
+        # END arrival times (s) of this iteration and the last one; the current time
+        self.end_at = np.full(n_workers, np.nan)
+        self.prev_end_at = np.full(n_workers, np.nan)
+        self.clock = 0.0
         self._scratch = np.zeros(n, np.int64)   # duplicate detection within one GRO run
 
     # -- input ------------------------------------------------------------------------
     def receive_datagram(self, buf, now: float) -> list:
         """One UDP datagram, or a GRO-coalesced run of equal-size datagrams (UDP_GRO,
         udp(7)). Never raises for bad input."""
+        self.clock = now
         if len(buf) > self.datagram_bytes and self.datagram_bytes:
             # a run of blocks (the hot path) goes straight to the vectorised reader
             run = None if buf[_TYPE_OFFSET] == MsgType.BLOCKS else \
@@ -136,6 +145,7 @@ class ShardSession:
         """One TCP frame already split by :class:`~dgt.transport.framing.Deframer`
         (header checked, MAC verified). Handles BLOCKS and END; other types are the
         adapter's business and are rejected here."""
+        self.clock = now
         if h.type == MsgType.BLOCKS:
             if h.channel != RELIABLE or not h.flags & Flag.INDEXED:
                 return [self._reject("bad_tcp_blocks")]
@@ -177,6 +187,7 @@ class ShardSession:
 
     def poll(self, now: float) -> list:
         """Finalise every worker whose post-END deadline has passed."""
+        self.clock = now
         events: list = []
         for w in range(self.n_workers):
             d = self.deadline[w]
@@ -193,6 +204,8 @@ class ShardSession:
         self.tail[:] = -1
         self.deadline = [None] * self.n_workers
         self.finalised[:] = False
+        self.prev_end_at, self.end_at = self.end_at, self.prev_end_at
+        self.end_at[:] = np.nan
 
     # -- internals --------------------------------------------------------------------
     def _reject(self, reason: str, n: int = 1) -> Rejected:
@@ -211,6 +224,7 @@ class ShardSession:
         if h.iteration < self.iteration or (h.iteration == self.iteration
                                             and self.finalised[h.sender]):
             self.counters.channels[h.channel].blocks_late += blocks
+            self._observe_late(h.sender, h.iteration)
             return Rejected("late")
         if h.iteration > self.iteration:
             return self._reject("future", messages)
@@ -302,6 +316,8 @@ class ShardSession:
         if late.any():
             for c, k in zip(*np.unique(ch_all[late], return_counts=True)):
                 self.counters.channels[c].blocks_late += int(k)
+            for wk, itk in {(int(a), int(b)) for a, b in zip(w_all[late], it[late])}:
+                self._observe_late(wk, itk)
             events.append(Rejected("late"))
         cur = ok & ~future & ~late
         row_all = hdr["block"].astype(np.int64) - self.lo
@@ -443,9 +459,11 @@ class ShardSession:
         if counts.sum() > self.hi - self.lo or int(counts.sum()) != h.count:
             return [self._reject("bad_end")]
         self.end_counts[w] = counts
+        self.end_at[w] = now
         if self._complete(w):
             return self._finalise(w, "complete")
-        self.deadline[w] = now + self.deadline_s
+        p = self.deadline_policy
+        self.deadline[w] = now + (p.deadline_s() if p is not None else self.deadline_s)
         return []
 
     def _tail_marker(self, h: wire.Header, payload_bytes: int) -> list:
@@ -477,7 +495,18 @@ class ShardSession:
         done[RELIABLE] = True
         return bool(done.all())
 
+    def _observe_late(self, w: int, iteration: int) -> None:
+        """A block of ``w`` for ``iteration`` came after ``w`` was finalised: its
+        lateness (now minus that iteration's END) is an arrival spread."""
+        if self.deadline_policy is not None:
+            end = self.end_at[w] if iteration == self.iteration else self.prev_end_at[w]
+            self.deadline_policy.observe(self.clock - float(end), late=True)   # NaN: ignored
+
     def _finalise(self, w: int, reason: str) -> list:
+        if self.deadline_policy is not None and reason == "complete" \
+                and not np.isnan(self.end_at[w]):   # (NaN: the colocated worker)
+            # every counted block in (or known lost by its tail marker): the spread
+            self.deadline_policy.observe(max(0.0, self.clock - float(self.end_at[w])))
         self.finalised[w] = True
         self.deadline[w] = None
         counts = self.end_counts[w]

@@ -1,0 +1,107 @@
+"""A path MTU below 1500 B: the EMSGSIZE advice comes from the MTU the kernel reports,
+with and without --secret, and the advised --block-bytes then works (two network
+namespaces joined by a veth pair with MTU 1450; root)."""
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+
+import pytest
+import torch
+from torch import nn
+
+import dgt
+from conftest import stop_procs
+from dgt.errors import PeerFailure
+from dgt.transport import pmtu
+
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth)"),
+              pytest.mark.skipif(shutil.which("ip") is None,
+                                 reason="needs 'ip' (Debian package iproute2)")]
+
+MTU = 1450
+
+
+def test_max_block_bytes_subtracts_the_headers_and_the_mac():
+    assert pmtu.max_block_bytes(1500) == 1436
+    assert pmtu.max_block_bytes(1500, mac=True) == 1420
+    assert pmtu.max_block_bytes(MTU) == 1388
+    assert pmtu.max_block_bytes(MTU, mac=True) == 1372
+    assert pmtu.max_block_bytes(MTU, pmtu.IPV6_UDP_BYTES) == 1368
+
+
+@pytest.fixture
+def two_hosts():
+    """(netns a, netns b): 10.77.0.1 and 10.77.0.2 over a veth pair with MTU 1450."""
+    tag = uuid.uuid4().hex[:6]
+    ns = [f"dgtmtu-{tag}-a", f"dgtmtu-{tag}-b"]
+
+    def ip(*a):
+        subprocess.run(["ip", *a], check=True, capture_output=True)
+    try:
+        for n in ns:
+            ip("netns", "add", n)
+        ip("link", "add", f"m{tag}a", "netns", ns[0], "type", "veth", "peer", "name",
+           f"m{tag}b", "netns", ns[1])
+        for i, n in enumerate(ns):
+            dev = f"m{tag}{'ab'[i]}"
+            ip("-n", n, "link", "set", "lo", "up")
+            ip("-n", n, "link", "set", dev, "mtu", str(MTU), "up")
+            ip("-n", n, "addr", "add", f"10.77.0.{i + 1}/24", "dev", dev)
+        yield ns
+    finally:
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def _run(ns, tmp_path, block_bytes, secret=""):
+    """Two sidecars (rank r in ns[r]) and their trainers push one step; returns rank 0's
+    PeerFailure or None."""
+    tmp = tmp_path / f"{block_bytes}-{bool(secret)}"
+    tmp.mkdir()
+    env = dict(os.environ, DGT_SECRET=secret) if secret else dict(os.environ)
+    procs = []
+    for r in range(2):
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns[r], sys.executable, "-m", "dgt.cli", "sidecar",
+             "--rank", str(r), "--world", "2", "--master-addr", "10.77.0.1",
+             "--master-port", "29533", "--host", f"10.77.0.{r + 1}", "--socket",
+             str(tmp / f"{r}.sock"), "--run-dir", str(tmp), "--block-bytes",
+             str(block_bytes), "--peer-timeout-s", "20", "--pace-mbit", "0"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    out = {}
+
+    def trainer(r):
+        try:
+            c = dgt.Client(str(tmp / f"{r}.sock"), timeout_s=60, connect_timeout_s=60)
+            torch.manual_seed(0)
+            m = nn.Linear(64, 64)
+            c.register(m)
+            m(torch.ones(1, 64)).sum().backward()
+            c.push_pull(0)
+            c.close()
+            out[r] = None
+        except PeerFailure as e:
+            out[r] = e
+    try:
+        th = [threading.Thread(target=trainer, args=(r,)) for r in range(2)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(timeout=120)
+    finally:
+        stop_procs(*procs)
+    return out.get(0) or out.get(1)
+
+
+@pytest.mark.slow
+def test_the_mtu_advice_fits_the_path_and_then_works(two_hosts, tmp_path):
+    failed = _run(two_hosts, tmp_path, 1408)
+    assert failed is not None and "path MTU to rank" in str(failed), failed
+    assert "is 1450 B; use --block-bytes 1388 or less" in str(failed)
+    assert _run(two_hosts, tmp_path, 1388) is None
+    failed = _run(two_hosts, tmp_path, 1388, secret="s3cret")
+    assert failed is not None and "use --block-bytes 1372 or less" in str(failed), failed
+    assert _run(two_hosts, tmp_path, 1372, secret="s3cret") is None

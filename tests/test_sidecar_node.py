@@ -1,0 +1,201 @@
+"""One node's sidecar as a user runs it: its socket, its files, its flags, its peers."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import dgt
+from conftest import stop_procs
+from dgt.errors import PeerFailure
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sidecar(rank, world, port, sock, run_dir, *extra, env=None):
+    argv = [sys.executable, "-m", "dgt.cli", "sidecar", "--rank", str(rank), "--world",
+            str(world), "--master-port", str(port), "--socket", str(sock)]
+    if run_dir is not None:
+        argv += ["--run-dir", str(run_dir)]
+    return subprocess.Popen(argv + [str(a) for a in extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _ready(p, run_dir, rank=0, timeout_s=60):
+    """Wait until the sidecar has rendezvoused (its endpoints file is written)."""
+    path = os.path.join(run_dir, f"endpoints-{rank}.json")
+    t_end = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < t_end, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(8, 4)
+
+
+def test_a_second_sidecar_refuses_a_live_socket_and_never_unlinks_it(tmp_path):
+    sock = tmp_path / "s.sock"
+    a = _sidecar(0, 1, _free_port(), sock, tmp_path / "a")
+    try:
+        _ready(a, tmp_path / "a")
+        ino = os.stat(sock).st_ino
+        b = _sidecar(0, 1, _free_port(), sock, tmp_path / "b")
+        try:
+            out, err = b.communicate(timeout=60)
+        finally:
+            stop_procs(b)
+        assert b.returncode == 2, err
+        assert f"socket {sock} in use by pid {a.pid}" in err
+        assert len(err.strip().splitlines()) == 1, err
+        assert os.stat(sock).st_ino == ino   # still the first one's socket
+        c = dgt.Client(str(sock), connect_timeout_s=5)   # and it still answers
+        c.register(_model())
+        c.close()
+    finally:
+        stop_procs(a)
+    a.wait(timeout=30)
+
+
+def test_a_stale_socket_is_reclaimed_and_a_foreign_one_is_not_unlinked(tmp_path):
+    sock = tmp_path / "s.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock))   # bound, never listening, then closed: a dead process's file
+    stale.close()
+    a = _sidecar(0, 1, _free_port(), sock, tmp_path)
+    try:
+        _ready(a, tmp_path)
+        # someone replaces the path while we run: on exit we must leave theirs alone
+        os.unlink(sock)
+        other = socket.socket(socket.AF_UNIX)
+        other.bind(str(sock))
+        other.listen(1)
+        ino = os.stat(sock).st_ino
+    finally:
+        stop_procs(a)
+    assert os.path.exists(sock) and os.stat(sock).st_ino == ino
+    other.close()
+
+
+def _train_steps(path, steps, out, key, seed=0):
+    try:
+        c = dgt.Client(str(path), timeout_s=120, connect_timeout_s=30)
+        m = _model(seed)
+        c.register(m)
+        for t in range(steps):
+            m.zero_grad()
+            m(torch.ones(2, 8)).sum().backward()
+            c.push_pull(t)
+        c.close()
+        out[key] = "ok"
+    except PeerFailure as e:
+        out[key] = e
+
+
+def test_a_rank_that_closes_early_is_named_at_once_with_its_last_step(tmp_path):
+    port = _free_port()
+    socks = [tmp_path / f"s{r}.sock" for r in range(2)]
+    procs = [_sidecar(r, 2, port, socks[r], tmp_path, "--peer-timeout-s", "60")
+             for r in range(2)]
+    try:
+        for r, p in enumerate(procs):
+            _ready(p, tmp_path, r)
+        out = {}
+        th = [threading.Thread(target=_train_steps, args=(socks[0], 6, out, 0)),
+              threading.Thread(target=_train_steps, args=(socks[1], 3, out, 1))]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(timeout=200)   # without the fix: "dead or frozen" after 60 s
+        assert not any(t.is_alive() for t in th), "rank 0 still waits for rank 1"
+        assert out[1] == "ok"
+        assert isinstance(out[0], PeerFailure), out
+        assert "rank 1 closed after step 2" in str(out[0])
+        assert "dead or frozen" not in str(out[0])
+    finally:
+        stop_procs(*procs)
+
+
+def test_a_master_that_never_comes_up_is_one_line_without_cpp_frames(tmp_path):
+    p = _sidecar(1, 2, _free_port(), tmp_path / "s.sock", tmp_path, "--peer-timeout-s", "1")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 3, err
+    assert "did not come up within 11 s of start-up" in err
+    assert "frame #" not in err and "socket.cpp" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_torchrun_variables_a_runtime_run_dir_a_ready_line_and_a_quiet_sigterm(tmp_path):
+    cwd, xdg = tmp_path / "cwd", tmp_path / "xdg"
+    cwd.mkdir()
+    xdg.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DGT_")}
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), XDG_RUNTIME_DIR=str(xdg),
+               DGT_SOCKET=str(tmp_path / "s.sock"))
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar"], cwd=cwd, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert "rank 0/1 ready: tcp " in line and str(tmp_path / "s.sock") in line, \
+            (line, p.stderr.read() if p.poll() is not None else "")
+        assert (xdg / "dgt" / "endpoints-0.json").exists()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert (xdg / "dgt" / "sidecar-0.json").exists()
+    assert os.listdir(cwd) == []          # nothing in the current directory
+    assert " ERROR " not in err and "stopped by signal" in err, err
+
+
+def test_a_small_udp_buffer_is_in_the_summary_and_the_report(tmp_path):
+    """The kernel caps SO_RCVBUF at net.core.rmem_max; shrinking what the sidecar asks
+    for (--udp-buffer-bytes) shows the same shortfall without touching the sysctl."""
+    import json
+    report = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                        "--iterations", "2", "--hidden", "16", "--udp-buffer-bytes", "65536",
+                        "--report", str(report)], capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    warned = [w for w in json.loads(report.read_text())["warnings"] if "SO_RCVBUF" in w]
+    assert len(warned) == 1 and "rank(s) [0, 1]" in warned[0]
+    assert "sysctl -w net.core.rmem_max=" in warned[0] and "is 131072 B" in warned[0]
+    assert f"warning: {warned[0]}" in p.stdout
+    # the logs live in a temporary folder that is removed: the console says so
+    assert "removed after a successful run" in p.stdout
+
+
+def test_replicas_that_start_from_different_weights_are_refused_with_the_ranks_named(
+        tmp_path):
+    port = _free_port()
+    socks = [tmp_path / f"s{r}.sock" for r in range(3)]
+    procs = [_sidecar(r, 3, port, socks[r], tmp_path) for r in range(3)]
+    try:
+        out = {}
+        th = [threading.Thread(target=_train_steps, args=(socks[r], 2, out, r, seed))
+              for r, seed in enumerate((0, 0, 5))]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(timeout=300)
+        for r in range(3):
+            assert isinstance(out[r], PeerFailure), out
+            assert "rank(s) [2] start from different parameters than rank 0" in str(out[r])
+    finally:
+        stop_procs(*procs)

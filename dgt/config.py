@@ -1,7 +1,8 @@
 """Typed configuration. Defaults live here and only here.
 
 Each field maps to one CLI flag (``--block-bytes``) and one env var (``DGT_BLOCK_BYTES``).
-Precedence: flag > env var > default. Sources of the defaults: DESIGN.md, "Defaults".
+Precedence: flag > env var > default. Sources of the defaults: docs/architecture.md,
+"Defaults and where they come from".
 """
 from __future__ import annotations
 

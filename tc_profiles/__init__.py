@@ -1,6 +1,6 @@
 """dgt.tc_profiles: YAML tc profiles, the pyroute2 applier, and the netns testbed.
 
-Stands alone: imports nothing else from ``dgt`` (DESIGN.md, "Layers").
+Stands alone: imports nothing else from ``dgt`` (docs/architecture.md, "Layers").
 
 - :mod:`.schema`: load and validate profiles (``list_profiles``, ``load_profile``).
 - :mod:`.applier`: ``apply``, ``show``, ``clear``, ``dry_run``, ``render_table``.

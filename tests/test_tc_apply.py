@@ -14,7 +14,7 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, vet
 
 @root_only
 def test_kernel_probe_matches_design():
-    # DESIGN.md, "This machine's kernel": htb/bfifo/pfifo present, prio/netem missing.
+    # docs/architecture.md, kernel facts: htb/bfifo/pfifo present, prio/netem missing.
     assert missing_qdiscs(["htb", "bfifo", "pfifo"]) == []
 
 

@@ -10,7 +10,7 @@ flow, concatenated, and cut into messages with :func:`wire.decode_header` and
 
 Decoding never raises out of this module: a malformed datagram or stream chunk is
 counted under ``Dissector.undecodable`` (with the :class:`wire.WireError` reason) and
-dropped. Source: DESIGN.md, "Wire".
+dropped. Source: docs/wire.md.
 
 Example::
 
@@ -323,7 +323,7 @@ def parse_packet(linktype: int, rec: RawRecord) -> L4 | None:
             vihl, tos, total = struct.unpack_from("!BBH", d, off)
             ihl = (vihl & 0x0F) * 4
             frag = struct.unpack_from("!H", d, off + 6)[0]
-            if frag & 0x3FFF:  # fragments: dgt never fragments (DESIGN, "MTU")
+            if frag & 0x3FFF:  # dgt never fragments (docs/architecture.md, kernel facts)
                 return None
             proto = d[off + 9]
             src, dst = _ip4(d[off + 12:off + 16]), _ip4(d[off + 16:off + 20])

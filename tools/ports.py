@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: Port stride between ranks under ``--base-port`` (DESIGN: rank r uses B + 10 r).
+#: Port stride between ranks under ``--base-port`` (rank r uses B + 10 r; docs/tools.md).
 RANK_STRIDE = 10
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from pyroute2 import netns as _netns
 
-from . import applier
+from . import applier, system
 from ._nl import is_root, open_ipr
 from .plan import compile_profile
 from .schema import Profile, load_profile, parse_rate
@@ -169,16 +169,22 @@ class Testbed:
         return self.host_netns(int(host))
 
     # ------------------------------------------------------------- running
+    def _need_ip(self) -> None:
+        if not system.have("ip"):
+            raise TestbedError(system.missing_message("ip", "running a command in a host"))
+
     def exec_in(self, host: int | str, argv: list[str], timeout_s: float | None = None,
                 check: bool = False, **kw) -> subprocess.CompletedProcess:
         """Run ``argv`` in host ``host`` (index or netns name), wait, capture text output."""
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
+        self._need_ip()
         return subprocess.run(["ip", "netns", "exec", self._ns(host), *argv],
                               timeout=timeout_s, check=check, **kw)
 
     def popen_in(self, host: int | str, argv: list[str], **kw) -> subprocess.Popen:
         """Start ``argv`` in host ``host`` without waiting (the caller reaps it)."""
+        self._need_ip()
         return subprocess.Popen(["ip", "netns", "exec", self._ns(host), *argv], **kw)
 
     def run_in(self, host: int | str, fn, *args, timeout_s: float = 60, **kwargs):
@@ -357,6 +363,8 @@ def _build(tb: Testbed, prof: Profile) -> None:
     for ns, dev in tb.ports():
         applier.apply(prof, dev, ns, rate=tb.rate)
     if tb.loss_pct > 0:
+        if not system.have("nft"):
+            raise TestbedError(system.missing_message("nft", "--loss (an nftables drop rule)"))
         r = subprocess.run(["ip", "netns", "exec", tb.router, "nft", "-f", "-"],
                            input=nft_loss_ruleset(tb.loss_pct, tb.loss_dscp), text=True,
                            capture_output=True)

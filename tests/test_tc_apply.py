@@ -4,12 +4,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import needs, requires_tool
 from pyroute2 import netns as pr_netns
 
 from dgt.tc_profiles import applier
 from dgt.tc_profiles.kernel import missing_qdiscs
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, tc)")
+root_only = needs("ip", root="netns, veth, tc")
 
 
 @root_only

@@ -86,7 +86,7 @@ def test_bpf_filter_text():
     spec = ports.from_base_port(47000, 2, 3)
     f = ports.bpf_filter(spec, [0, 1])
     assert f == ("(tcp and (port 47000 or port 47010)) or ((udp and (port 47001 or "
-                 "port 47011)) and (udp[12] = 1))")
+                 "port 47011)) and (udp[12] = 1 or ip6[52] = 1))")
     assert ports.bpf_filter(ports.from_ports("5-9")) == (
         "(tcp and (portrange 5-9)) or (udp and (portrange 5-9))")
 

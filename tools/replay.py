@@ -33,6 +33,7 @@ from typing import Iterable, Iterator
 
 from dgt.transport import wire
 from dgt.transport.channels import channel_name
+from dgt.transport.sockopts import set_dscp
 from dgt.tools.dissect import Dissector, parse_packet, read_pcap
 from dgt.tools.ports import PortSpec, PortSpecError
 
@@ -438,7 +439,7 @@ def replay(cfg: ReplayConfig, items: Iterable[Item] | None = None, progress=None
                                           socket.SOCK_DGRAM)
                         ent = udp_socks[it.src] = [s, None]
                     if cfg.keep_dscp and ent[1] != tos:
-                        ent[0].setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+                        set_dscp(ent[0], it.dscp)   # IPV6_TCLASS on an IPv6 socket
                         ent[1] = tos
                     ent[0].sendto(it.data, (it.dst, it.dport))
                 else:
@@ -451,7 +452,7 @@ def replay(cfg: ReplayConfig, items: Iterable[Item] | None = None, progress=None
                         s = socket.socket(socket.AF_INET6 if ":" in it.dst else socket.AF_INET,
                                           socket.SOCK_STREAM)
                         if cfg.keep_dscp:  # before connect, so the SYN carries it too
-                            s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+                            set_dscp(s, it.dscp)
                         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                         s.settimeout(cfg.connect_timeout_s)
                         try:

@@ -315,6 +315,8 @@ def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
         raise TestbedError(f"hosts must be 1..{MAX_HOSTS}, got {hosts}")
     if not 0 <= float(loss_pct) <= 100:
         raise TestbedError(f"loss_pct must be 0..100, got {loss_pct}")
+    if float(loss_pct) > 0 and not system.have("nft"):   # before anything is built
+        raise TestbedError(system.missing_message("nft", "--loss (an nftables drop rule)"))
     try:
         rate_bit = parse_rate(rate)
         prof = _profile_with_queue(load_profile(profile), queue_bytes)

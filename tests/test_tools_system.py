@@ -129,3 +129,22 @@ def test_capture_without_libpcap_filters_in_user_space(tmp_path):
     msgs, _ = dissect.messages_from_pcap(out)
     assert len(msgs) == 5 and {m.dport for m in msgs} == {base + 1}
     assert "(in user space)" in so
+
+
+@requires_root("the testbed checks root first")
+def test_testbed_loss_without_nft_is_one_line_naming_nftables():
+    """'dgt testbed up --loss' on a PATH without nft: refused before anything is
+    built, in one line that names the package (before: 'exec of "nft" failed' after
+    the namespaces were made)."""
+    from dgt.tc_profiles import testbed
+    prefix = f"dgtn{os.getpid() % 10000}"
+    r = subprocess.run([PY, "-m", "dgt.cli", "testbed", "up", "--hosts", "1", "--loss", "5",
+                        "--prefix", prefix], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PATH=os.path.dirname(PY)))
+    try:
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+        assert "'nft', which is not installed (Debian package nftables" in r.stderr
+        assert testbed.current(prefix) is None
+    finally:
+        testbed.down(prefix)

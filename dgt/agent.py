@@ -1,9 +1,10 @@
 """Worker agent: turns one push into blocks on channels, and the PULLs into the aggregate.
 
-Per push (DESIGN.md, steps 2 and 4): ``g = grad + residual``; update contribution
-scores; rank; assign channels; send reliable blocks (TCP), local blocks (in-process to the
-colocated shard), unreliable blocks (UDP, paced, one DSCP per channel), then END per
-shard; wait for every shard's PULL; ``residual_b = g_b`` where the block did not arrive.
+Per push (docs/architecture.md, "One BSP iteration", steps 2 and 4): ``g = grad +
+residual``; update contribution scores; rank; assign channels; send reliable blocks
+(TCP), local blocks (in-process to the colocated shard), unreliable blocks (UDP, paced,
+one DSCP per channel), then END per shard; wait for every shard's PULL;
+``residual_b = g_b`` where the block did not arrive.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ class WorkerAgent:
         self.iteration = 0
         self.sending = False   # between plan() and END: our push is on the port
         self.k_history: list[float] = []
-        # conservation invariant (DESIGN.md): float64 running sums
+        # conservation invariant (docs/architecture.md): float64 running sums
         self.raw_sum = torch.zeros(layout.padded, dtype=torch.float64) \
             if cfg.check_conservation else None
         self.applied_sum = torch.zeros_like(self.raw_sum) if self.raw_sum is not None else None

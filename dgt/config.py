@@ -3,7 +3,8 @@
 Each field maps to one CLI flag (``--block-bytes``) and one env var (``DGT_BLOCK_BYTES``).
 Precedence: flag > env var > default. A few node fields also read torchrun's variable
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) after their ``DGT_*`` one:
-flag > ``DGT_*`` > torchrun's > default.
+flag > ``DGT_*`` > torchrun's > default. Sources of the defaults: docs/architecture.md,
+"Defaults and where they come from".
 """
 from __future__ import annotations
 

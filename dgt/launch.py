@@ -107,6 +107,7 @@ class Job:
                                f"'{self.job.testbed_prefix}', found {have}; run "
                                f"'dgt testbed up --hosts {n} --prefix "
                                f"{self.job.testbed_prefix}' first")
+        tb._need_ip()
         return [(tb.host_addr(i), ["ip", "netns", "exec", tb.host_netns(i)])
                 for i in range(n)]
 

@@ -1,7 +1,7 @@
 """``--pace-mbit auto``: the UDP pacing rate from the link the peers are reached over.
 
 Pacing exists so the unreliable channels do not burst past the port's rate into its
-queues (DESIGN.md, data flow step 2). The right rate is the egress port's:
+queues (docs/architecture.md, step 2). The right rate is the egress port's:
 
 1. the route to a remote peer (``ip route get``, rtnetlink) names the egress device;
 2. ``lo`` (every peer on this host): no line rate, so no pacing;

@@ -21,7 +21,7 @@ def _load(pattern: str) -> list[dict]:
 
 
 def conservation_error(run_dir: str) -> float | None:
-    """Relative error of the conservation invariant (DESIGN.md):
+    """Relative error of the conservation invariant (docs/architecture.md):
     ``||sum(aggregate * N) + sum_w residual_w - sum_w,t g_w,t|| / ||sum_w,t g_w,t||``,
     from the float64 sums the sidecars saved (``--check-conservation``)."""
     files = sorted(glob.glob(os.path.join(run_dir, "conservation-*.npz")))

@@ -6,7 +6,7 @@ The transport-level bookkeeping (validation, bitmaps, END, deadlines) is the san
 
 Determinism: arriving blocks are written into a per-worker buffer and summed in rank
 order once every worker is finalised, never in arrival order, so the aggregate's bits
-do not depend on timing (DESIGN.md, step 3). Missing blocks are zero (DGT, OptiReduce).
+do not depend on timing (docs/architecture.md, step 3). Missing blocks are zero (DGT, OptiReduce).
 """
 from __future__ import annotations
 

@@ -69,6 +69,8 @@ def udp_sources(peers: dict[int, dict], me: int) -> dict[tuple[str, int], int] |
         for port in ep["udp_ports"]:
             for *_, sa in socket.getaddrinfo(ep["host"], port, type=socket.SOCK_DGRAM):
                 out[tuple(sa[:2])] = r
+                if ":" not in sa[0]:   # as a dual-stack (::) socket sees an IPv4 peer
+                    out[(f"::ffff:{sa[0]}", sa[1])] = r
     return out
 
 
@@ -412,7 +414,7 @@ class Sidecar:
             if r == self.rank:
                 continue
             while True:
-                sock = sockopts.tcp_client(self.dscp[0])
+                sock = sockopts.tcp_client(self.dscp[0], sockopts.family_of(ep["host"]))
                 try:
                     await loop.sock_connect(sock, (ep["host"], ep["tcp_port"]))
                     break
@@ -843,7 +845,10 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         what = {errno.EADDRINUSE: f"a port of rank {node.rank} is in use (--base-port "
                                   f"{node.base_port}: TCP base+10*rank, UDP base+10*rank+c); "
                                   f"pick another --base-port or 0 for free ports",
-                errno.EADDRNOTAVAIL: f"--host {node.host} is not an address of this host"}
+                errno.EADDRNOTAVAIL: f"--host {node.host} is not an address of this host",
+                errno.EAFNOSUPPORT: f"--host {node.host}: this host has IPv6 turned off "
+                                    f"(sysctl net.ipv6.conf.all.disable_ipv6=1); give an "
+                                    f"IPv4 address"}
         msg = what.get(e.errno) or (f"--host {node.host}: {e.strerror}" if isinstance(
             e, socket.gaierror) else str(e))
         print(f"dgt sidecar: error: {msg}", file=sys.stderr)

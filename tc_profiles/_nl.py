@@ -1,6 +1,6 @@
 """Small pyroute2 helpers shared by the applier, the kernel probe and the testbed.
 
-All synchronous: pyroute2 netlink must not run inside a uvloop loop (DESIGN.md).
+All synchronous: pyroute2 netlink must not run inside a uvloop loop (docs/architecture.md).
 """
 from __future__ import annotations
 

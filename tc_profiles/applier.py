@@ -1,7 +1,7 @@
 """Apply, show and clear tc profiles on a device, over netlink (pyroute2).
 
 Never shells out to ``tc``. Synchronous on purpose: pyroute2 netlink must not run inside
-a uvloop loop (DESIGN.md), so call these from a thread or outside the event loop.
+a uvloop loop (docs/architecture.md), so call these from a thread or outside the event loop.
 
 Example::
 

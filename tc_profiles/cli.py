@@ -162,6 +162,7 @@ def tb_exec(args) -> int:
         return _fail(args, f"no testbed with prefix '{args.prefix}' is up; run "
                            f"`dgt testbed up`")
     host = int(args.host) if args.host.isdigit() else args.host
+    tb._need_ip()
     return subprocess.run(["ip", "netns", "exec", tb._ns(host), *cmd]).returncode
 
 

@@ -19,7 +19,7 @@ Run it: ``python -m dgt.tc_profiles.priority_check [--rate 1gbit] [--seconds 3]`
 (or ``dgt testbed priority``). Prints a table and, with ``--json``, a JSON report.
 Needs root; iperf3 for the bulk TCP.
 
-Expected on htb-prio (DESIGN.md): EF keeps >= 90 % of what it offers up to the link
+Expected on htb-prio (docs/tc_profiles.md): EF keeps >= 90 % of what it offers up to the link
 rate; CS1 (scavenger, below best effort) gets only the leftover.
 """
 from __future__ import annotations

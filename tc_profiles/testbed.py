@@ -41,7 +41,7 @@ from pathlib import Path
 
 from pyroute2 import netns as _netns
 
-from . import applier
+from . import applier, system
 from ._nl import is_root, open_ipr
 from .plan import compile_profile
 from .names import (DEFAULT_PREFIX, MAX_HOSTS, MAX_PREFIX_LEN, NAME_MAX, SUBNET,  # noqa: F401
@@ -111,16 +111,22 @@ class Testbed:
         return self.host_netns(int(host))
 
     # ------------------------------------------------------------- running
+    def _need_ip(self) -> None:
+        if not system.have("ip"):
+            raise TestbedError(system.missing_message("ip", "running a command in a host"))
+
     def exec_in(self, host: int | str, argv: list[str], timeout_s: float | None = None,
                 check: bool = False, **kw) -> subprocess.CompletedProcess:
         """Run ``argv`` in host ``host`` (index or netns name), wait, capture text output."""
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
+        self._need_ip()
         return subprocess.run(["ip", "netns", "exec", self._ns(host), *argv],
                               timeout=timeout_s, check=check, **kw)
 
     def popen_in(self, host: int | str, argv: list[str], **kw) -> subprocess.Popen:
         """Start ``argv`` in host ``host`` without waiting (the caller reaps it)."""
+        self._need_ip()
         return subprocess.Popen(["ip", "netns", "exec", self._ns(host), *argv], **kw)
 
     def run_in(self, host: int | str, fn, *args, timeout_s: float = 60, **kwargs):
@@ -251,6 +257,8 @@ def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
         raise TestbedError(f"hosts must be 1..{MAX_HOSTS}, got {hosts}")
     if not 0 <= float(loss_pct) <= 100:
         raise TestbedError(f"loss_pct must be 0..100, got {loss_pct}")
+    if float(loss_pct) > 0 and not system.have("nft"):   # before anything is built
+        raise TestbedError(system.missing_message("nft", "--loss (an nftables drop rule)"))
     try:
         rate_bit = parse_rate(rate)
         prof = _profile_with_queue(load_profile(profile), queue_bytes)
@@ -299,6 +307,8 @@ def _build(tb: Testbed, prof: Profile) -> None:
     for ns, dev in tb.ports():
         applier.apply(prof, dev, ns, rate=tb.rate)
     if tb.loss_pct > 0:
+        if not system.have("nft"):
+            raise TestbedError(system.missing_message("nft", "--loss (an nftables drop rule)"))
         r = subprocess.run(["ip", "netns", "exec", tb.router, "nft", "-f", "-"],
                            input=nft_loss_ruleset(tb.loss_pct, tb.loss_dscp), text=True,
                            capture_output=True)

@@ -6,6 +6,31 @@ import uuid
 
 import pytest
 
+from dgt.tc_profiles import system
+
+
+def requires_tool(tool: str, why: str = ""):
+    """A skip mark for a test that needs system tool ``tool`` (``"libpcap"`` for the
+    library): the reason names the tool and the Debian package to install. Checked
+    against ``PATH`` (libpcap: loaded the way scapy loads it), never assumed from root."""
+    return pytest.mark.skipif(not system.have(tool),
+                              reason=system.missing_message(tool, why or "this test"))
+
+
+def needs(*tools: str, root: str = ""):
+    """Decorator: :func:`requires_tool` for each of ``tools``, and :func:`requires_root`
+    (``root`` says what root is for) when given."""
+    def deco(fn):
+        for tool in tools:
+            fn = requires_tool(tool)(fn)
+        return requires_root(root)(fn) if root else fn
+    return deco
+
+
+def requires_root(why: str):
+    """Skip without root, saying what root is for."""
+    return pytest.mark.skipif(os.geteuid() != 0, reason=f"needs root ({why})")
+
 
 def run_train(tmp_path, *args, timeout=240, check=True):
     """Run 'dgt train' as a user would; return (CompletedProcess, report dict or None)."""

@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import needs, requires_tool
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, tc)")
+root_only = needs("ip", root="netns, veth, tc")
 
 REPORT_KEYS = ("comm_ms_median", "comm_ms_p95", "target_reached", "final_test_accuracy",
                "iterations", "wall_seconds", "bytes_per_iteration", "history",
@@ -220,7 +221,7 @@ def test_udp_send_bench_runs_and_refuses_bad_flags(tmp_path, capsys):
 
 @root_only
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("shutil").which("iperf3"), reason="needs iperf3")
+@requires_tool("iperf3")
 def test_bench_on_testbed_every_scenario(tmp_path):
     """The real matrix, tiny: 2 hosts, gloo + dgt, every scenario at one rate; the
     testbed is removed afterwards."""
@@ -252,6 +253,7 @@ def test_bench_on_testbed_every_scenario(tmp_path):
 
 
 @root_only
+@requires_tool("nft")
 @pytest.mark.slow
 def test_bench_loss_sweep_on_testbed(tmp_path):
     """A real sweep, tiny: one testbed per loss rate (the router's rule is rebuilt),
@@ -405,6 +407,7 @@ def _free_port():
 
 
 @root_only
+@requires_tool("iperf3")
 def test_bench_goodput_on_testbed(tmp_path):
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "goodput", "--mb", "20",
                         "--seconds", "1", "--iterations", "2", "--hidden", "200",

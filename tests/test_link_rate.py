@@ -5,13 +5,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import needs, requires_tool
 from pyroute2 import IPRoute
 
 from dgt.config import PACE_AUTO, TransmissionConfig, parse_pace, to_argv
 from dgt.link_rate import auto_pace_mbit
 from dgt.tc_profiles import applier
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, tc)")
+root_only = needs("ip", root="netns, veth, tc")
 
 
 def test_loopback_peers_are_unpaced():

@@ -4,17 +4,18 @@ import subprocess
 import sys
 
 import pytest
+from conftest import needs, requires_tool
 from pyroute2 import netns as pr_netns
 
 from dgt.tc_profiles import applier
 from dgt.tc_profiles.kernel import missing_qdiscs
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, tc)")
+root_only = needs("ip", root="netns, veth, tc")
 
 
 @root_only
 def test_kernel_probe_matches_design():
-    # DESIGN.md, "This machine's kernel": htb/bfifo/pfifo present, prio/netem missing.
+    # docs/architecture.md, kernel facts: htb/bfifo/pfifo present, prio/netem missing.
     assert missing_qdiscs(["htb", "bfifo", "pfifo"]) == []
 
 

@@ -5,11 +5,12 @@ import subprocess
 import sys
 
 import pytest
+from conftest import needs, requires_tool
 
 from dgt.tc_profiles import applier, plan
 from dgt.tc_profiles.schema import load_profile
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, tc)")
+root_only = needs("ip", root="netns, veth, tc")
 
 
 def _cli(*args):

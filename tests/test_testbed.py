@@ -5,13 +5,14 @@ import subprocess
 import uuid
 
 import pytest
+from conftest import needs, requires_tool
 
 from dgt.tc_profiles import applier, testbed
 from dgt.tc_profiles.plan import band_classid, fmt_handle
 from dgt.tc_profiles.schema import load_profile
 from dgt.transport import channels
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, veth, tc)")
+root_only = needs("ip", root="netns, veth, tc")
 
 
 def _links_and_netns():
@@ -130,6 +131,7 @@ def test_each_channel_dscp_lands_in_its_band(bed):
 
 
 @root_only
+@requires_tool("nft")
 @pytest.mark.parametrize("bed", [{"loss_pct": 100, "loss_dscp": (8,)}], indirect=True)
 def test_nft_loss_only_for_given_dscp(bed):
     r = bed.exec_in(bed.router, ["nft", "list", "table", "ip", testbed.NFT_TABLE])
@@ -187,7 +189,7 @@ def test_udp_offer_gso_generator():
 
 
 @root_only
-@pytest.mark.skipif(not shutil.which("iperf3"), reason="needs iperf3")
+@requires_tool("iperf3")
 def test_priority_under_bulk_load():
     """EF keeps >= 90 % of what it offers through a 1 Gbit/s htb-prio port saturated by
     bulk best-effort TCP; CS1 (below best effort) keeps much less. Behaviour, not

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import requires_tool
 
 from dgt.transport import wire
 from dgt.tools import capture, dissect, ports, synth
@@ -85,13 +86,13 @@ def test_bpf_filter_text():
     spec = ports.from_base_port(47000, 2, 3)
     f = ports.bpf_filter(spec, [0, 1])
     assert f == ("(tcp and (port 47000 or port 47010)) or ((udp and (port 47001 or "
-                 "port 47011)) and (udp[12] = 1))")
+                 "port 47011)) and (udp[12] = 1 or ip6[52] = 1))")
     assert ports.bpf_filter(ports.from_ports("5-9")) == (
         "(tcp and (portrange 5-9)) or (udp and (portrange 5-9))")
 
 
 @root
-@pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2 'ip' not installed")
+@requires_tool("ip")
 def test_capture_inside_netns(tmp_path):
     ns = f"dgtcap{os.getpid()}"
     r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
@@ -242,7 +243,7 @@ def test_capture_into_unwritable_folder_is_refused():
 
 
 @root
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+@requires_tool("unshare")
 def test_capture_on_read_only_file_system_is_refused(tmp_path):
     """A read-only mount (a tmpfs mounted ro in a private mount namespace: gone with
     the process, nothing to tear down)."""

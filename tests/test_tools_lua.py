@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from scapy.utils import PcapReader
 
+from conftest import requires_tool
 from dgt.transport import wire
 from dgt.tools import dissect, synth
 from dgt.tools.dissect import DGT
 
 pytestmark = [
-    pytest.mark.skipif(shutil.which("tshark") is None, reason="tshark not installed"),
+    requires_tool("tshark"),
     pytest.mark.skipif(os.geteuid() != 0, reason="capture needs root (AF_PACKET)"),
 ]
 

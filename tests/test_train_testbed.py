@@ -2,8 +2,9 @@
 import os
 
 import pytest
+from conftest import requires_tool
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, requires_tool("ip"),
               pytest.mark.skipif(os.geteuid() != 0, reason="the testbed needs root (netns)")]
 
 

@@ -6,7 +6,7 @@ capturing again, and compares first-to-last durations measured on the capture ta
 
     sudo python -m dgt.tools.bench_replay --packets 1000 [--speed 1 --speed 2] [--json out.json]
 
-The target (DESIGN: timing belongs in benchmarks) is a duration ratio within 10 %.
+The target (timing belongs in benchmarks, never in tests) is a duration ratio within 10 %.
 """
 from __future__ import annotations
 

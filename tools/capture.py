@@ -1,5 +1,5 @@
-"""Record dgt traffic to pcap: an AF_PACKET socket with a libpcap-compiled BPF filter,
-streamed straight to disk (memory stays bounded), optionally inside a network
+"""Record dgt traffic to pcap: an AF_PACKET socket with a libpcap-compiled BPF filter
+(without libpcap, the same filter in user space), streamed straight to disk (memory stays bounded), optionally inside a network
 namespace, bounded by time and/or packet count, with an optional ring of files.
 
 On loopback every packet passes the tap twice (out, then in); like libpcap we keep
@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dgt.tc_profiles import system
 from dgt.tools.ports import PortSpec, bpf_filter
 
 log = logging.getLogger("dgt.capture")
@@ -88,6 +89,7 @@ class CaptureStats:
     files: list[str] = field(default_factory=list)
     deleted_files: int = 0
     filter: str = ""
+    filter_in: str = "kernel"   # "kernel" (libpcap-compiled BPF) or "user space"
     interface: str = ""
     netns: str | None = None
     stopped_by: str = ""
@@ -254,6 +256,7 @@ class Capture:
         self.stats = CaptureStats(interface=cfg.interface, netns=cfg.netns)
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._match = None   # the user-space filter, when libpcap is missing
 
     def stop(self) -> None:
         self._stop.set()
@@ -314,7 +317,15 @@ class Capture:
                                f"which capture does not support")
         dlt = _HATYPE_TO_DLT[hatype]
         self.stats.filter = bpf_filter(cfg.ports, cfg.channels)
-        _attach_bpf(sock, self.stats.filter, dlt)
+        if system.have("libpcap"):
+            _attach_bpf(sock, self.stats.filter, dlt)
+        else:
+            log.warning("libpcap is not installed (Debian package libpcap0.8: %s): "
+                        "filtering in user space, which copies every packet of %s; "
+                        "watch the kernel drops", system.install_hint("libpcap"),
+                        cfg.interface)
+            self._match = user_filter(cfg.ports, cfg.channels)
+            self.stats.filter_in = "user space"
         # drain what arrived before the filter was attached
         sock.setblocking(False)
         try:
@@ -377,6 +388,8 @@ class Capture:
                             break
                         if loopback and addr[2] == PACKET_OUTGOING:
                             continue  # lo: keep the incoming copy only
+                        if self._match is not None and not self._match(data, dlt):
+                            continue
                         if chans is not None and not _channel_ok(data, dlt, chans):
                             st.filtered_out += 1
                             continue
@@ -409,6 +422,36 @@ class Capture:
             return drops
         except OSError:
             return 0
+
+
+def user_filter(spec: PortSpec, channels=None):
+    """``match(frame, dlt) -> bool``: what :func:`dgt.tools.ports.bpf_filter` selects,
+    decided in Python (IPv4 and IPv6; used when libpcap is missing). Never raises."""
+    from dgt.tools.dissect import RawRecord, parse_packet
+    want = None if channels is None else set(channels)
+    udp_ch = None if want is None else {c for c in want if c > 0}
+
+    def match(frame: bytes, dlt: int) -> bool:
+        pkt = parse_packet(dlt, RawRecord(0, 0, frame))
+        if pkt is None:
+            return False
+        if pkt.proto == "tcp":
+            if want is not None and 0 not in want:
+                return False
+            return spec.tcp is None or pkt.sport in spec.tcp or pkt.dport in spec.tcp
+        if udp_ch is not None and not udp_ch:
+            return False
+        if spec.udp is not None:
+            ports = spec.udp
+            if udp_ch is not None and spec.udp_channel:
+                ports = {p for p, c in spec.udp_channel.items() if c in udp_ch}
+            if pkt.sport not in ports and pkt.dport not in ports:
+                return False
+        if udp_ch is not None:
+            return len(pkt.payload) > 4 and pkt.payload[4] in udp_ch
+        return True
+
+    return match
 
 
 def _channel_ok(frame: bytes, dlt: int, chans: set[int]) -> bool:
@@ -452,7 +495,8 @@ def run_capture(cfg: CaptureConfig) -> CaptureStats:
 def format_stats(st: CaptureStats) -> str:
     """A short summary table of a finished capture."""
     rows = [("interface", st.interface + (f" (netns {st.netns})" if st.netns else "")),
-            ("filter", st.filter), ("packets", st.packets),
+            ("filter", st.filter + ("" if st.filter_in == "kernel" else
+                                    f" (in {st.filter_in})")), ("packets", st.packets),
             ("bytes", st.bytes), ("kernel drops", st.kernel_drops),
             ("channel post-filtered", st.filtered_out),
             ("seconds", f"{st.seconds:.2f}"), ("stopped by", st.stopped_by or "-"),

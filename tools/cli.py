@@ -269,24 +269,25 @@ def cmd_replay(args) -> int:
         channels=set(ports.parse_channels(args.channels)) if args.channels else None,
         control=not args.no_control, speed=args.speed, rate_pps=rate_pps,
         rate_mbit=rate_mbit, keep_dscp=not args.no_dscp)
-    items, info = replay.plan(cfg)
-    if not items:
+    sc = replay.scan(cfg)   # a first streaming pass: nothing is held in memory
+    info = sc.info
+    if not sc.messages:
         raise replay.ReplayError("nothing to send: no dgt messages pass the filters "
                                  f"(skipped {info['skipped']}); check --ports/--iterations/--channels")
     for t in info.get("truncated", ()):
         from dgt.tools.summary import truncation_text
         log.warning("%s; replaying the records before it", truncation_text(t))
-    offs = replay.schedule(items, speed=cfg.speed, rate_pps=rate_pps, rate_mbit=rate_mbit)
-    replay.check_schedule(offs)
+    replay.check_schedule([sc.last_offset(cfg.speed, rate_pps, rate_mbit)])
     if args.dry_run:
-        for it, off in zip(items, offs):
+        offs = replay.Offsets(speed=cfg.speed, rate_pps=rate_pps, rate_mbit=rate_mbit)
+        for it in replay.iter_items(cfg, sc.from_base_port):
             h = it.header
-            print(f"{off:10.6f}  {it.proto}  {it.dst}:{it.dport}  {h.type!s:>2} "
+            print(f"{offs.next(it):10.6f}  {it.proto}  {it.dst}:{it.dport}  {h.type!s:>2} "
                   f"ch={h.channel} it={h.iteration} {len(it.data)} B")
         return 0
-    log.info("replaying %d messages from %s", len(items), ", ".join(args.files))
-    rep = replay.replay(cfg, items,
-                        progress=lambda i, n: log.info("sent %d / %d", i, n))
+    log.info("replaying %d messages from %s", sc.messages, ", ".join(args.files))
+    rep = replay.replay(cfg, progress=lambda i, n: log.info("sent %d / %d", i, n),
+                        scanned=sc)
     rep.update(info)
     print(replay.format_report(rep))
     if args.json:

@@ -10,7 +10,7 @@ flow, concatenated, and cut into messages with :func:`wire.decode_header` and
 
 Decoding never raises out of this module: a malformed datagram or stream chunk is
 counted under ``Dissector.undecodable`` (with the :class:`wire.WireError` reason) and
-dropped. Source: DESIGN.md, "Wire".
+dropped. Source: docs/wire.md.
 
 Example::
 
@@ -208,7 +208,7 @@ _MAX_RECORD = 1 << 18  # no link layer we read has frames above 256 KiB
 
 def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord]]:
     """Yield ``(linktype, RawRecord)`` from a classic pcap file (µs or ns, either byte
-    order). Streams; memory stays bounded. Raises :class:`PcapError` for a missing file,
+    order) or a pcapng file (scapy's ``RawPcapNgReader``). Streams; memory stays bounded. Raises :class:`PcapError` for a missing file,
     a bad global header or a link type :func:`parse_packet` cannot read.
 
     A record that is cut off (end of file mid-record) or not a plausible record
@@ -233,8 +233,8 @@ def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord
                  b"\x4d\x3c\xb2\xa1": ("<", 1), b"\xa1\xb2\x3c\x4d": (">", 1)}
         if magic not in table:
             if magic == b"\x0a\x0d\x0d\x0a":
-                raise PcapError(f"{path}: pcapng is not supported; convert with "
-                                f"'editcap -F pcap {path} out.pcap'")
+                yield from _read_pcapng(path, status)
+                return
             raise PcapError(f"{path}: not a pcap file (magic {magic.hex()})")
         endian, frac_ns = table[magic]
         snaplen = struct.unpack(endian + "I", gh[16:20])[0]
@@ -272,6 +272,34 @@ def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord
             if status is not None:
                 status["records"] += 1
             yield linktype, RawRecord(frame, sec * 1_000_000_000 + frac * frac_ns, data)
+
+
+def _read_pcapng(path, status: dict | None) -> Iterator[tuple[int, RawRecord]]:
+    """:func:`read_pcap` for pcapng, streamed with scapy's ``RawPcapNgReader`` (one
+    block at a time). Each packet carries its interface's link type; one that
+    :func:`parse_packet` cannot read raises :class:`PcapError`. A cut-off or garbled
+    block ends the iteration (scapy logs a warning), like a cut-off pcap record."""
+    from scapy.utils import RawPcapNgReader
+    try:
+        reader = RawPcapNgReader(str(path))
+    except Exception as e:  # scapy raises Scapy_Exception for a bad section header
+        raise PcapError(f"{path}: not a readable pcapng file ({e})") from None
+    frame = 0
+    with reader:
+        while True:
+            try:
+                data, meta = reader._read_packet(size=_MAX_RECORD)
+            except EOFError:
+                return
+            if meta.linktype not in SUPPORTED_LINKTYPES:
+                names = ", ".join(f"{k} ({v})" for k, v in sorted(SUPPORTED_LINKTYPES.items()))
+                raise PcapError(f"{path}: link type {meta.linktype} is not supported; "
+                                f"supported: {names}")
+            frame += 1
+            if status is not None:
+                status["records"] += 1
+            ts = (meta.tshigh << 32) + meta.tslow
+            yield meta.linktype, RawRecord(frame, ts * 1_000_000_000 // meta.tsresol, data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +351,7 @@ def parse_packet(linktype: int, rec: RawRecord) -> L4 | None:
             vihl, tos, total = struct.unpack_from("!BBH", d, off)
             ihl = (vihl & 0x0F) * 4
             frag = struct.unpack_from("!H", d, off + 6)[0]
-            if frag & 0x3FFF:  # fragments: dgt never fragments (DESIGN, "MTU")
+            if frag & 0x3FFF:  # dgt never fragments (docs/architecture.md, kernel facts)
                 return None
             proto = d[off + 9]
             src, dst = _ip4(d[off + 12:off + 16]), _ip4(d[off + 16:off + 20])

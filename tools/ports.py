@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: Port stride between ranks under ``--base-port`` (DESIGN: rank r uses B + 10 r).
+#: Port stride between ranks under ``--base-port`` (rank r uses B + 10 r; docs/tools.md).
 RANK_STRIDE = 10
 
 
@@ -173,11 +173,18 @@ def _port_expr(ports) -> str:
     return " or ".join(parts)
 
 
+def _channel_byte(c: int) -> str:
+    """The dgt header's channel byte equals ``c``: ``udp[12]`` (libpcap's ``udp[]`` is
+    IPv4 only) or, on IPv6 without extension headers, byte 40 + 8 + 4 of the packet."""
+    return f"udp[12] = {c} or ip6[52] = {c}"
+
+
 def bpf_filter(spec: PortSpec, channels=None) -> str:
     """A libpcap filter for ``spec``, optionally limited to ``channels``.
 
     Channel 0 is TCP. UDP channels are selected by port when the layout is known, and
-    otherwise by the header's channel byte (``udp[12]``: 8-byte UDP header + offset 4).
+    otherwise by the header's channel byte (``udp[12]``: 8-byte UDP header + offset 4;
+    ``ip6[52]`` on IPv6).
     """
     want = None if channels is None else set(channels)
     terms: list[str] = []
@@ -194,7 +201,7 @@ def bpf_filter(spec: PortSpec, channels=None) -> str:
             base = f"(udp and ({_port_expr(spec.udp)}))"
         if base:
             if udp_ch is not None:
-                base = f"({base} and ({' or '.join(f'udp[12] = {c}' for c in udp_ch)}))"
+                base = f"({base} and ({' or '.join(_channel_byte(c) for c in udp_ch)}))"
             terms.append(base)
     if not terms:
         return "less 0"  # matches nothing

@@ -29,10 +29,12 @@ import socket
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 from dgt.transport import wire
 from dgt.transport.channels import channel_name
-from dgt.tools.dissect import Dissector, dissect_files
+from dgt.transport.sockopts import set_dscp
+from dgt.tools.dissect import Dissector, parse_packet, read_pcap
 from dgt.tools.ports import PortSpec, PortSpecError
 
 _CONTROL = {wire.MsgType.HELLO, wire.MsgType.BYE}
@@ -161,91 +163,191 @@ def parse_iterations(text: str) -> tuple[int, int]:
     return r
 
 
-def plan(cfg: ReplayConfig) -> tuple[list[Item], dict]:
-    """Read the capture(s) and pick, filter and re-address the messages to send.
+@dataclass
+class Scan:
+    """What a first streaming pass over the capture(s) found, without keeping any
+    message: how many messages will be sent, the timing facts the schedule needs, the
+    port base, and the counters for the report."""
 
-    Returns (items in capture order, counters). Raises PcapError for a bad file.
-    """
+    messages: int = 0
+    first_ts_ns: int | None = None
+    last_ts_ns: int | None = None
+    bits_before_last: int = 0
+    from_base_port: int | None = None
+    info: dict = field(default_factory=dict)
+
+    def last_offset(self, speed: float = 1.0, rate_pps: float | None = None,
+                    rate_mbit: float | None = None) -> float:
+        """The last message's send offset (s), as :class:`Offsets` would give it."""
+        if not self.messages:
+            return 0.0
+        if rate_pps is not None:
+            return (self.messages - 1) / rate_pps
+        if rate_mbit is not None:
+            return self.bits_before_last / (rate_mbit * 1e6)
+        return (self.last_ts_ns - self.first_ts_ns) / 1e9 / speed
+
+
+def iter_items(cfg: ReplayConfig, old_base: int | None = None,
+               info: dict | None = None, ports: "_Ports | None" = None) -> Iterator[Item]:
+    """Yield the messages to send, filtered and re-addressed, in capture order, reading
+    the capture(s) as a stream (memory does not grow with the file). ``old_base``: the
+    captured port base for ``cfg.base_port`` (see :func:`scan`). ``info``, when given,
+    receives the counters (captured_messages, skipped, undecodable, truncated) at the
+    end; ``ports`` the captured server ports seen. Raises PcapError for a bad file,
+    ReplayError for a port mapped out of range."""
     d = Dissector(cfg.ports)
-    raw = []
     skipped = Counter()
-    truncated, records = dissect_files(d, cfg.files, raw.append)
+    captured = 0
+    truncated = []
+    records = 0
+    for f in cfg.files:
+        st: dict = {}
+        for linktype, rec in read_pcap(f, st):
+            for m in d.feed(parse_packet(linktype, rec)):
+                captured += 1
+                it = _item(cfg, d, m, old_base, skipped, ports)
+                if it is not None:
+                    yield it
+        records += st.get("records", 0)
+        if "truncated" in st:
+            truncated.append(st["truncated"])
+    d.finish()
     from dgt.tools.summary import check_truncated
     check_truncated(truncated, records)
-    server_ports = []
-    chosen = []
-    for m in raw:
-        conn = None
-        if m.proto == "tcp":
-            server = d.server_endpoint(m)
-            if (m.dst, m.dport) != server:
-                skipped["reverse"] += 1
-                continue
-            conn = ((m.src, m.sport), server)
-            server_ports.append(m.dport)
-        else:
-            server_ports.append(m.dport)
-        h = m.header
-        if h.type == wire.MsgType.BLOCKS:
-            if cfg.channels is not None and h.channel not in cfg.channels:
-                skipped["channel"] += 1
-                continue
-        elif not cfg.control:
-            skipped["control"] += 1
-            continue
-        if cfg.iterations is not None and h.type not in _CONTROL:
-            a, b = cfg.iterations
-            if not a <= h.iteration <= b:
-                skipped["iteration"] += 1
-                continue
-        chosen.append((m, conn))
+    if info is not None:
+        info.update({"captured_messages": captured, "skipped": dict(skipped),
+                     "undecodable": d.undecodable, "from_base_port": old_base,
+                     "truncated": truncated})
+
+
+class _Ports:
+    """The lowest and highest captured server port seen (the base of --base-port)."""
+
+    lo: int | None = None
+    hi: int | None = None
+
+    def add(self, port: int) -> None:
+        self.lo = port if self.lo is None else min(self.lo, port)
+        self.hi = port if self.hi is None else max(self.hi, port)
+
+
+def _item(cfg: ReplayConfig, d: Dissector, m, old_base, skipped: Counter,
+          ports: _Ports | None = None) -> Item | None:
+    """The :class:`Item` for message ``m``, or None when a filter drops it (counted in
+    ``skipped``). With ``old_base`` None and a ``base_port``, the port is left as
+    captured (the first pass of :func:`scan`)."""
+    conn = None
+    if m.proto == "tcp":
+        server = d.server_endpoint(m)
+        if (m.dst, m.dport) != server:
+            skipped["reverse"] += 1
+            return None
+        conn = ((m.src, m.sport), server)
+    if ports is not None:
+        ports.add(m.dport)
+    h = m.header
+    if h.type == wire.MsgType.BLOCKS:
+        if cfg.channels is not None and h.channel not in cfg.channels:
+            skipped["channel"] += 1
+            return None
+    elif not cfg.control:
+        skipped["control"] += 1
+        return None
+    if cfg.iterations is not None and h.type not in _CONTROL:
+        a, b = cfg.iterations
+        if not a <= h.iteration <= b:
+            skipped["iteration"] += 1
+            return None
+    port = m.dport
+    if port in cfg.port_map:
+        port = cfg.port_map[port]
+    elif cfg.base_port is not None and old_base is not None:
+        port = cfg.base_port + (port - old_base)
+    if not 1 <= port <= 65535:
+        raise ReplayError(f"port {m.dport} maps to {port}, outside 1..65535; "
+                          f"check --base-port/--from-base-port")
+    return Item(m.ts_ns, m.proto, conn, (m.src, m.sport), cfg.to_host or m.dst, port,
+                m.dport, m.dscp, m.header, m.data)
+
+
+def scan(cfg: ReplayConfig) -> Scan:
+    """First pass over the capture(s), streamed: count what will be sent and find what
+    the schedule and the port mapping need, keeping no message. Raises PcapError for a
+    bad file, ReplayError for a port mapped out of range."""
+    sc = Scan()
     old_base = cfg.from_base_port
-    if cfg.base_port is not None and old_base is None and server_ports:
-        old_base = min(server_ports)
-    items = []
-    for m, conn in chosen:
-        port = m.dport
-        if port in cfg.port_map:
-            port = cfg.port_map[port]
-        elif cfg.base_port is not None and old_base is not None:
-            port = cfg.base_port + (port - old_base)
-        if not 1 <= port <= 65535:
-            raise ReplayError(f"port {m.dport} maps to {port}, outside 1..65535; "
-                              f"check --base-port/--from-base-port")
-        items.append(Item(m.ts_ns, m.proto, conn, (m.src, m.sport),
-                          cfg.to_host or m.dst, port, m.dport, m.dscp, m.header, m.data))
-    info = {"captured_messages": len(raw), "skipped": dict(skipped),
-            "undecodable": d.undecodable, "from_base_port": old_base,
-            "truncated": truncated}
+    find_base = cfg.base_port is not None and old_base is None
+    seen, mapped = _Ports(), _Ports()
+    size = 0
+    for it in iter_items(cfg, old_base, sc.info, seen):
+        sc.messages += 1
+        if sc.first_ts_ns is None:
+            sc.first_ts_ns = it.ts_ns
+        sc.last_ts_ns = it.ts_ns
+        sc.bits_before_last += size
+        size = len(it.data) * 8
+        if find_base and it.orig_dport not in cfg.port_map:
+            mapped.add(it.orig_dport)
+    if find_base and seen.lo is not None:
+        old_base = sc.info["from_base_port"] = seen.lo  # the lowest captured server port
+        for port in (mapped.lo, mapped.hi):
+            if port is not None and not 1 <= cfg.base_port + (port - old_base) <= 65535:
+                raise ReplayError(f"port {port} maps to {cfg.base_port + port - old_base}, "
+                                  f"outside 1..65535; check --base-port/--from-base-port")
+    sc.from_base_port = old_base
+    return sc
+
+
+def plan(cfg: ReplayConfig) -> tuple[list[Item], dict]:
+    """Every message to send, as a list (small captures and tests; :func:`replay`
+    streams instead). Returns (items in capture order, counters). Raises PcapError for
+    a bad file."""
+    sc = scan(cfg)
+    info: dict = {}
+    items = list(iter_items(cfg, sc.from_base_port, info))
     return items, info
+
+
+class Offsets:
+    """Send offsets in seconds from the replay start, one item at a time (streaming).
+
+    Original timing: ``(ts_i - ts_0) / speed``; ``rate_pps``: ``i / pps``;
+    ``rate_mbit``: bits of the messages before i / rate. Raises ValueError for
+    a non-positive speed or rate."""
+
+    def __init__(self, *, speed: float = 1.0, rate_pps: float | None = None,
+                 rate_mbit: float | None = None):
+        if rate_pps is not None and not (math.isfinite(rate_pps) and rate_pps > 0):
+            raise ValueError("rate_pps must be finite and > 0")
+        if rate_mbit is not None and not (math.isfinite(rate_mbit) and rate_mbit > 0):
+            raise ValueError("rate_mbit must be finite and > 0")
+        if rate_pps is None and rate_mbit is None and not (math.isfinite(speed) and speed > 0):
+            raise ValueError(f"--speed must be a finite number > 0, got {speed}")
+        self.speed, self.rate_pps, self.rate_mbit = speed, rate_pps, rate_mbit
+        self.i = 0
+        self.bits = 0
+        self.t0: int | None = None
+
+    def next(self, it: Item) -> float:
+        if self.rate_pps is not None:
+            off = self.i / self.rate_pps
+        elif self.rate_mbit is not None:
+            off = self.bits / (self.rate_mbit * 1e6)
+            self.bits += len(it.data) * 8
+        else:
+            if self.t0 is None:
+                self.t0 = it.ts_ns
+            off = (it.ts_ns - self.t0) / 1e9 / self.speed
+        self.i += 1
+        return off
 
 
 def schedule(items: list[Item], *, speed: float = 1.0, rate_pps: float | None = None,
              rate_mbit: float | None = None) -> list[float]:
-    """Send offsets in seconds from the replay start, one per item.
-
-    Original timing: ``(ts_i - ts_0) / speed``; ``rate_pps``: ``i / pps``;
-    ``rate_mbit``: bits of the messages before i / rate. Raises ValueError for
-    a non-positive speed or rate.
-    """
-    if not items:
-        return []
-    if rate_pps is not None:
-        if not (math.isfinite(rate_pps) and rate_pps > 0):
-            raise ValueError("rate_pps must be finite and > 0")
-        return [i / rate_pps for i in range(len(items))]
-    if rate_mbit is not None:
-        if not (math.isfinite(rate_mbit) and rate_mbit > 0):
-            raise ValueError("rate_mbit must be finite and > 0")
-        out, bits = [], 0
-        for it in items:
-            out.append(bits / (rate_mbit * 1e6))
-            bits += len(it.data) * 8
-        return out
-    if not (math.isfinite(speed) and speed > 0):
-        raise ValueError(f"--speed must be a finite number > 0, got {speed}")
-    t0 = items[0].ts_ns
-    return [(it.ts_ns - t0) / 1e9 / speed for it in items]
+    """:class:`Offsets` for a list of items (one per item)."""
+    offs = Offsets(speed=speed, rate_pps=rate_pps, rate_mbit=rate_mbit)
+    return [offs.next(it) for it in items]
 
 
 def _drain(sock: socket.socket) -> int:
@@ -277,17 +379,32 @@ def _send_tcp(sock: socket.socket, data: bytes) -> int:
     return got
 
 
-def replay(cfg: ReplayConfig, items: list[Item] | None = None, progress=None) -> dict:
-    """Send the planned messages on schedule; returns the report dict (see
-    :func:`format_report`). A TCP connection that is refused, or that breaks mid-way
-    (the receiver ended), does not stop the replay: its messages are counted under
-    ``send_errors`` and ``send_errors_by_destination`` and the others go on. Raises
-    ReplayError for a schedule over :data:`MAX_SCHEDULE_S`."""
-    info = {}
+def replay(cfg: ReplayConfig, items: Iterable[Item] | None = None, progress=None,
+           scanned: Scan | None = None) -> dict:
+    """Send the messages on schedule; returns the report dict (see
+    :func:`format_report`). Without ``items`` it streams the capture: a first pass
+    (:func:`scan`, or ``scanned`` when the caller already ran it) checks the schedule,
+    the second reads and sends one message at a time, so memory does not grow with the
+    file. ``progress(i, n)`` is called every 10 000 messages. A TCP connection that is
+    refused, or that breaks mid-way (the receiver ended), does not stop the replay: its
+    messages are counted under ``send_errors`` and ``send_errors_by_destination`` and
+    the others go on. Raises ReplayError for a schedule over :data:`MAX_SCHEDULE_S`,
+    PcapError for a bad file."""
+    info: dict = {}
     if items is None:
-        items, info = plan(cfg)
-    offs = schedule(items, speed=cfg.speed, rate_pps=cfg.rate_pps, rate_mbit=cfg.rate_mbit)
-    check_schedule(offs)
+        sc = scanned or scan(cfg)
+        check_schedule([sc.last_offset(cfg.speed, cfg.rate_pps, cfg.rate_mbit)])
+        total = sc.messages
+        items = iter_items(cfg, sc.from_base_port, info)
+    else:
+        items = list(items)
+        total = len(items)
+        check_schedule(schedule(items, speed=cfg.speed, rate_pps=cfg.rate_pps,
+                                rate_mbit=cfg.rate_mbit)[-1:])
+    offsets = Offsets(speed=cfg.speed, rate_pps=cfg.rate_pps, rate_mbit=cfg.rate_mbit)
+    sent = 0
+    first_ts = last_ts = None
+    off = 0.0
     udp_socks: dict[tuple, list] = {}
     tcp_socks: dict[tuple, socket.socket] = {}
     per_ch = defaultdict(Counter)
@@ -301,7 +418,12 @@ def replay(cfg: ReplayConfig, items: list[Item] | None = None, progress=None) ->
     reply_bytes = 0
     start = time.monotonic() + 0.01
     try:
-        for i, (it, off) in enumerate(zip(items, offs)):
+        for i, it in enumerate(items):
+            off = offsets.next(it)
+            sent += 1
+            if first_ts is None:
+                first_ts = it.ts_ns
+            last_ts = it.ts_ns
             target = start + off
             now = time.monotonic()
             if target > now:
@@ -317,7 +439,7 @@ def replay(cfg: ReplayConfig, items: list[Item] | None = None, progress=None) ->
                                           socket.SOCK_DGRAM)
                         ent = udp_socks[it.src] = [s, None]
                     if cfg.keep_dscp and ent[1] != tos:
-                        ent[0].setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+                        set_dscp(ent[0], it.dscp)   # IPV6_TCLASS on an IPv6 socket
                         ent[1] = tos
                     ent[0].sendto(it.data, (it.dst, it.dport))
                 else:
@@ -330,7 +452,7 @@ def replay(cfg: ReplayConfig, items: list[Item] | None = None, progress=None) ->
                         s = socket.socket(socket.AF_INET6 if ":" in it.dst else socket.AF_INET,
                                           socket.SOCK_STREAM)
                         if cfg.keep_dscp:  # before connect, so the SYN carries it too
-                            s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+                            set_dscp(s, it.dscp)
                         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                         s.settimeout(cfg.connect_timeout_s)
                         try:
@@ -371,7 +493,7 @@ def replay(cfg: ReplayConfig, items: list[Item] | None = None, progress=None) ->
                 c["bytes"] += len(it.data)
             per_dst[f"{it.proto}:{it.dst}:{it.dport}"] += 1
             if progress and i and i % 10000 == 0:
-                progress(i, len(items))
+                progress(i, total)
         end = time.monotonic()
     finally:
         for s in tcp_socks.values():
@@ -386,12 +508,12 @@ def replay(cfg: ReplayConfig, items: list[Item] | None = None, progress=None) ->
             s.close()
         for ent in udp_socks.values():
             ent[0].close()
-    orig = (items[-1].ts_ns - items[0].ts_ns) / 1e9 if items else 0.0
-    dur = (end - start) if items else 0.0
-    sched = offs[-1] if offs else 0.0
+    orig = (last_ts - first_ts) / 1e9 if sent else 0.0
+    dur = (end - start) if sent else 0.0
+    sched = off if sent else 0.0
     return {
         **info,
-        "messages": len(items),
+        "messages": sent,
         "channels": {k: dict(v) for k, v in sorted(per_ch.items())},
         "destinations": dict(sorted(per_dst.items())),
         "totals": {"messages": sum(v["messages"] for v in per_ch.values()),

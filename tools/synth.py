@@ -423,3 +423,54 @@ def captured_run(cfg: SynthConfig, out: str, **capture_kw) -> tuple[dict, "PortS
         cap.join(10)
     sent["capture"] = cap.stats.as_dict()
     return sent, spec
+
+
+def write_pcap(path: str, size_mb: float, *, base_port: int = 46000, ranks: int = 2,
+               udp_channels: int = 3, block_elems: int = 352, gap_ns: int = 10_000,
+               ipv6: bool = False) -> int:
+    """Write a large capture of dgt UDP block datagrams straight to ``path`` (no sockets,
+    no root): nanosecond pcap, Ethernet, IPv4 (or IPv6) + UDP, one BLOCKS datagram per
+    block, ranks pushing to each other in turn over channels 1..C with each channel's
+    DSCP, ``gap_ns`` apart. Stops past ``size_mb`` (10^6 bytes). For memory and speed
+    benchmarks of ``dgt replay``/``dgt pcap summary``. Returns the packets written."""
+    import struct
+    dscp = channel_dscp(udp_channels)
+    blocks = np.zeros((512, block_elems), np.float32)
+    limit = int(size_mb * 1e6)
+    n = 0
+    ts = 1_700_000_000 * 10**9
+    with open(path, "wb", buffering=1 << 20) as f:
+        f.write(struct.pack("<IHHiIII", 0xA1B23C4D, 2, 4, 0, 0, 262144, 1))
+        size = 24
+        it = 0
+        while size < limit:
+            for w in range(ranks):
+                s = (w + 1) % ranks
+                for c in range(1, udp_channels + 1):
+                    dgs = wire.encode_block_datagrams(
+                        session=0x5EED, sender=w, shard=s, iteration=it, channel=c,
+                        indices=np.arange(len(blocks)), blocks=blocks)
+                    sport, dport = 40000 + w, base_port + RANK_STRIDE * s + c
+                    udp_len = 8 + dgs.shape[1]
+                    if ipv6:
+                        ip = struct.pack("!IHBB16s16s", (6 << 28) | (dscp[c] << 22),
+                                         udp_len, 17, 64, (w + 1).to_bytes(16, "big"),
+                                         (s + 1).to_bytes(16, "big"))
+                        eth = b"\x02" * 12 + b"\x86\xdd"
+                    else:
+                        ip = struct.pack("!BBHHHBBH4s4s", 0x45, dscp[c] << 2, 20 + udp_len,
+                                         0, 0x4000, 64, 17, 0, bytes([10, 0, 0, w + 1]),
+                                         bytes([10, 0, 0, s + 1]))
+                        eth = b"\x02" * 12 + b"\x08\x00"
+                    head = eth + ip + struct.pack("!HHHH", sport, dport, udp_len, 0)
+                    frame_len = len(head) + dgs.shape[1]
+                    for row in dgs:
+                        ts += gap_ns
+                        sec, ns = divmod(ts, 10**9)
+                        f.write(struct.pack("<IIII", sec, ns, frame_len, frame_len))
+                        f.write(head)
+                        f.write(row.data)
+                        size += 16 + frame_len
+                        n += 1
+            it += 1
+    return n

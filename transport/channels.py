@@ -22,7 +22,7 @@ DSCP_CS1 = 8
 DSCP_LE = 1
 
 #: Default DSCP of the UDP channels for each channel count C, highest priority first.
-#: C = 3 is the default: AF41, AF21, CS1 (DESIGN.md, "Defaults").
+#: C = 3 is the default: AF41, AF21, CS1 (docs/architecture.md).
 UDP_DSCP_DEFAULTS: dict[int, tuple[int, ...]] = {
     1: (DSCP_AF41,),
     2: (DSCP_AF41, DSCP_CS1),

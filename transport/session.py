@@ -5,7 +5,7 @@ Modelled on aioquic's ``QuicConnection``: it never touches a socket. Feed it dat
 and TCP frames with the current time; it returns typed events. Call :meth:`poll` with the
 time when :meth:`next_deadline` passes. Tests drive it with scripted packet sequences.
 
-Rules (DESIGN.md, "One synchronous iteration"):
+Rules (docs/architecture.md, "One BSP iteration"):
 - A message with another session id is ``stray`` (replays of other runs land here).
 - A BLOCKS message for the iteration before the current one, or for a worker already
   finalised, is *late*: counted per channel and dropped. One for an older iteration is

@@ -1,6 +1,10 @@
 """Socket options: DSCP, priority, buffer sizes. Linux semantics.
 
-Sources: ip(7) (IP_TOS, and "setting IP_TOS resets SO_PRIORITY"), socket(7)
+IPv4 and IPv6: every socket here is made for the family of its address, and the DSCP
+goes where that family reads it: ``IP_TOS`` (IPv4), ``IPV6_TCLASS`` (IPv6; RFC 3542),
+and both on an IPv6 socket, whose IPv4-mapped traffic takes ``IP_TOS``.
+
+Sources: ip(7) (IP_TOS, and "setting IP_TOS resets SO_PRIORITY"), ipv6(7), socket(7)
 (SO_PRIORITY: values outside 0..6 need CAP_NET_ADMIN; SO_RCVBUF/SO_SNDBUF are capped at
 net.core.rmem_max/wmem_max and the kernel doubles the value), RFC 2474 (TOS = DSCP << 2).
 """
@@ -16,6 +20,27 @@ log = logging.getLogger(__name__)
 IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
 IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
 IP_RECVERR = getattr(socket, "IP_RECVERR", 11)   # linux/in.h
+IPV6_MTU_DISCOVER = getattr(socket, "IPV6_MTU_DISCOVER", 23)   # linux/in6.h
+IPV6_PMTUDISC_DO = getattr(socket, "IPV6_PMTUDISC_DO", 2)
+IPV6_RECVERR = getattr(socket, "IPV6_RECVERR", 25)
+IPV6_TCLASS = getattr(socket, "IPV6_TCLASS", 67)
+IPV6_RECVTCLASS = getattr(socket, "IPV6_RECVTCLASS", 66)
+
+
+def family_of(host: str) -> socket.AddressFamily:
+    """AF_INET6 for an IPv6 address (``::``, ``::1``, ``fe80::1%eth0``) or a name that
+    resolves only to IPv6, else AF_INET. Raises OSError (socket.gaierror) for a name
+    that does not resolve."""
+    if ":" in host:
+        return socket.AF_INET6
+    try:
+        socket.inet_aton(host)
+        return socket.AF_INET
+    except OSError:
+        pass
+    fams = {ai[0] for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    return socket.AF_INET if socket.AF_INET in fams or not fams else socket.AF_INET6
+
 
 #: Linux skb priority per DSCP: EF highest. Values <= 6 need no privilege.
 def priority_for_dscp(dscp: int) -> int:
@@ -30,10 +55,14 @@ def priority_for_dscp(dscp: int) -> int:
 
 
 def set_dscp(sock: socket.socket, dscp: int) -> None:
-    """Mark the socket's packets with ``dscp`` (0..63), then set SO_PRIORITY after it,
-    since setting IP_TOS resets SO_PRIORITY. Raises ValueError for a bad DSCP."""
+    """Mark the socket's packets with ``dscp`` (0..63): ``IP_TOS = dscp << 2`` on IPv4;
+    on IPv6 ``IPV6_TCLASS = dscp << 2`` and ``IP_TOS`` too (for IPv4-mapped peers of a
+    dual-stack socket). SO_PRIORITY is set after it, since setting IP_TOS resets it.
+    Raises ValueError for a bad DSCP."""
     if not 0 <= dscp <= 63:
         raise ValueError(f"DSCP must be 0..63, got {dscp}")
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, IPV6_TCLASS, dscp << 2)
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, priority_for_dscp(dscp))
 
@@ -60,10 +89,13 @@ def set_buffers(sock: socket.socket, rcv_bytes: int | None, snd_bytes: int | Non
 
 def udp_socket(host: str, port: int, dscp: int, rcvbuf: int = 4 << 20,
                sndbuf: int = 4 << 20) -> socket.socket:
-    """A bound, non-blocking UDP socket carrying ``dscp``. ``port`` 0 picks a free port."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    """A bound, non-blocking UDP socket carrying ``dscp``, of ``host``'s family (``::``
+    is a dual-stack wildcard). ``port`` 0 picks a free port."""
+    s = socket.socket(family_of(host), socket.SOCK_DGRAM)
     try:
-        # never fragment: a datagram over the path MTU fails with EMSGSIZE (ip(7))
+        # never fragment: a datagram over the path MTU fails with EMSGSIZE (ip(7), ipv6(7))
+        if s.family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, IPV6_MTU_DISCOVER, IPV6_PMTUDISC_DO)
         s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
         # IP_RECVERR stays off here: BatchSender.send turns it on only for its own
         # sendmsg calls (see transport.udp_batch.recverr_during)
@@ -79,8 +111,9 @@ def udp_socket(host: str, port: int, dscp: int, rcvbuf: int = 4 << 20,
 
 def tcp_listener(host: str, port: int, dscp: int) -> socket.socket:
     """A listening TCP socket whose accepted sockets inherit ``dscp`` (set before
-    listen, and set again on each accepted socket by the adapter)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen, and set again on each accepted socket by the adapter). Of ``host``'s family
+    (``::`` is a dual-stack wildcard)."""
+    s = socket.socket(family_of(host), socket.SOCK_STREAM)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         set_dscp(s, dscp)
@@ -93,10 +126,11 @@ def tcp_listener(host: str, port: int, dscp: int) -> socket.socket:
     return s
 
 
-def tcp_client(dscp: int) -> socket.socket:
-    """An unconnected TCP socket with ``dscp`` set before connect(), so the SYN carries
-    the mark too; TCP_NODELAY on (frames are already batched)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def tcp_client(dscp: int, family: int = socket.AF_INET) -> socket.socket:
+    """An unconnected TCP socket of ``family`` (:func:`family_of` the peer) with ``dscp``
+    set before connect(), so the SYN carries the mark too; TCP_NODELAY on (frames are
+    already batched)."""
+    s = socket.socket(family, socket.SOCK_STREAM)
     set_dscp(s, dscp)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     s.setblocking(False)

@@ -26,7 +26,7 @@ import struct
 
 import numpy as np
 
-from .sockopts import IP_RECVERR
+from .sockopts import IP_RECVERR, IPV6_RECVERR
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,17 @@ class recverr_during:
         self.sock = sock
 
     def __enter__(self):
-        self.sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
+        self._set(1)
         return self
 
+    def _set(self, on: int) -> None:
+        # IPv6: IPV6_RECVERR for IPv6 peers, IP_RECVERR for IPv4-mapped ones
+        if self.sock.family == socket.AF_INET6:
+            self.sock.setsockopt(socket.IPPROTO_IPV6, IPV6_RECVERR, on)
+        self.sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, on)
+
     def __exit__(self, *exc):
-        self.sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 0)
+        self._set(0)
         self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         return False
 

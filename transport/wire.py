@@ -70,7 +70,7 @@ assert HEADER_DTYPE.itemsize == HEADER_BYTES
 
 
 class MsgType(enum.IntEnum):
-    """Message types. Source: DESIGN.md, "Wire"."""
+    """Message types. Source: docs/wire.md."""
 
     HELLO = 1   # worker -> shard, TCP: opens a connection (payload empty)
     BLOCKS = 2  # worker -> shard: gradient blocks (TCP: indexed; UDP: one block)

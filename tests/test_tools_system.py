@@ -1,0 +1,150 @@
+"""Missing system tools: every test that needs one skips naming the tool and the
+Debian package, and 'dgt capture' works without libpcap (the filter runs in user
+space) and says which package would put it back in the kernel.
+
+The tools are installed on the machines that run this suite, so these tests take them
+away for one child process: a PATH without them, or (for libpcap) a private mount
+namespace in which the dynamic linker's cache is empty, which is what
+``find_library("pcap")`` (scapy's own lookup) reads."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import requires_root, requires_tool
+
+from dgt.tc_profiles import system
+from dgt.tools import dissect, synth
+
+PY = sys.executable
+HIDE_LIBPCAP = "mount --bind /dev/null /etc/ld.so.cache"
+
+
+def _pytest_child(tmp_path, body: str, env=None, prefix=()):
+    """Run a one-test file with pytest in a child; its '-rs' output."""
+    f = tmp_path / "test_child.py"
+    f.write_text(textwrap.dedent(body))
+    conftest_dir = os.path.dirname(os.path.abspath(__file__))
+    cmd = [*prefix, PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+           "--rootdir", str(tmp_path), str(f)]
+    e = dict(os.environ, PYTHONPATH=conftest_dir, **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=e,
+                          cwd=tmp_path)
+
+
+TOOLS = [("nft", "nftables"), ("iperf3", "iperf3"), ("tshark", "tshark"),
+         ("ip", "iproute2"), ("tmux", "tmux")]
+
+
+def test_skip_names_the_missing_tool_and_its_package(tmp_path):
+    body = "from conftest import requires_tool\n" + "".join(f"""
+@requires_tool({tool!r})
+def test_uses_{i}():
+    assert False, "must not run without the tool"
+""" for i, (tool, _) in enumerate(TOOLS))
+    # PATH with only the interpreter's folder: none of the tools is there
+    r = _pytest_child(tmp_path, body, env={"PATH": os.path.dirname(PY)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{len(TOOLS)} skipped" in r.stdout, r.stdout
+    for tool, package in TOOLS:
+        assert f"'{tool}', which is not installed (Debian package {package}: " \
+               f"apt-get install {package})" in r.stdout, r.stdout
+    # with the normal PATH, the tests whose tool is installed run (and fail here)
+    r = _pytest_child(tmp_path, body)
+    present = sum(shutil.which(tool) is not None for tool, _ in TOOLS)
+    assert (f"{present} failed" in r.stdout) if present else "failed" not in r.stdout
+
+
+def test_missing_message_is_one_line():
+    msg = system.missing_message("nft", "--loss (an nftables drop rule)")
+    assert msg == ("--loss (an nftables drop rule) needs 'nft', which is not installed "
+                   "(Debian package nftables: apt-get install nftables)")
+    assert system.install_hint("libpcap") == "apt-get install libpcap0.8"
+
+
+def _hidden_libpcap(cmd: str) -> list[str]:
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c",
+            f"{HIDE_LIBPCAP} && exec {cmd}"]
+
+
+@requires_root("a private mount namespace")
+@requires_tool("unshare")
+def test_skip_names_libpcap_when_the_linker_cannot_find_it(tmp_path):
+    body = """
+        from conftest import requires_tool
+
+        @requires_tool("libpcap")
+        def test_uses_it():
+            assert False
+    """
+    f = tmp_path / "test_child.py"
+    f.write_text(textwrap.dedent(body))
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run(_hidden_libpcap(f"env PYTHONPATH={here} {PY} -m pytest -q -rs -p "
+                                       f"no:cacheprovider --rootdir {tmp_path} {f}"),
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    if "mount:" in r.stderr:
+        pytest.skip(reason=f"cannot bind-mount here: {r.stderr.strip()}")
+    assert "1 skipped" in r.stdout, r.stdout + r.stderr
+    assert "'libpcap', which is not installed (Debian package libpcap0.8" in r.stdout
+
+
+@requires_root("capture opens an AF_PACKET socket")
+@requires_tool("unshare")
+def test_capture_without_libpcap_filters_in_user_space(tmp_path):
+    """No libpcap: 'dgt capture' still records exactly the dgt ports it was given (the
+    filter runs in Python) and says so in one warning line naming libpcap0.8."""
+    base = synth.free_base_port(1)
+    out = tmp_path / "c.pcap"
+    p = subprocess.Popen(_hidden_libpcap(
+        f"{PY} -m dgt.cli capture --ports {base + 1} --count 5 --seconds 30 -w {out}"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    while True:
+        line = p.stderr.readline()
+        assert line, (lines, p.communicate())
+        lines.append(line)
+        if "capturing on" in line:
+            break
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    from dgt.transport import wire
+    import numpy as np
+    for port, n in ((base + 2, 10), (base + 1, 8)):   # the other port first: filtered out
+        for row in wire.encode_block_datagrams(session=7, sender=0, shard=0, iteration=1,
+                                               channel=1, indices=np.arange(n),
+                                               blocks=np.ones((n, 16), np.float32)):
+            s.sendto(row.tobytes(), ("127.0.0.1", port))
+    s.close()
+    so, se = p.communicate(timeout=60)
+    err = "".join(lines) + se
+    assert p.returncode == 0, err
+    warn = [ln for ln in err.splitlines() if "libpcap" in ln]
+    assert len(warn) == 1 and "libpcap0.8" in warn[0] and "user space" in warn[0], err
+    assert "Traceback" not in err
+    msgs, _ = dissect.messages_from_pcap(out)
+    assert len(msgs) == 5 and {m.dport for m in msgs} == {base + 1}
+    assert "(in user space)" in so
+
+
+@requires_root("the testbed checks root first")
+def test_testbed_loss_without_nft_is_one_line_naming_nftables():
+    """'dgt testbed up --loss' on a PATH without nft: refused before anything is
+    built, in one line that names the package (before: 'exec of "nft" failed' after
+    the namespaces were made)."""
+    from dgt.tc_profiles import testbed
+    prefix = f"dgtn{os.getpid() % 10000}"
+    r = subprocess.run([PY, "-m", "dgt.cli", "testbed", "up", "--hosts", "1", "--loss", "5",
+                        "--prefix", prefix], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PATH=os.path.dirname(PY)))
+    try:
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+        assert "'nft', which is not installed (Debian package nftables" in r.stderr
+        assert testbed.current(prefix) is None
+    finally:
+        testbed.down(prefix)

@@ -7,12 +7,14 @@ import sys
 from . import __version__
 from .config import (JobConfig, OneLineParser, TransmissionConfig, add_arguments,
                      from_args)
+from .metrics import MetricsConfig, check_metrics_ports
 
 
 def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         job = from_args(JobConfig, ns)
         tx = from_args(TransmissionConfig, ns)
+        metrics = from_args(MetricsConfig, ns)
     except ValueError as e:
         parser.error(str(e))
     if ns.k_min is not None and not tx.adaptive_k:
@@ -22,9 +24,11 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         check_paths(job)
         check_memory(job)
+        if metrics.metrics_port and not job.testbed:   # on loopback: rank r, port + r
+            check_metrics_ports(metrics, job.workers)
     except ValueError as e:
         parser.error(str(e))
-    code, _ = run_job(job, tx)
+    code, _ = run_job(job, tx, metrics=metrics)
     return code
 
 
@@ -45,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "one sidecar each, over loopback (or the testbed with --testbed).")
     add_arguments(t, JobConfig)
     add_arguments(t, TransmissionConfig)
+    add_arguments(t, MetricsConfig)
     t.set_defaults(func=lambda ns: _train(ns, t), parser=t)
 
     from .sidecar import add_sidecar_arguments

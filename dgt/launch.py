@@ -60,8 +60,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Job:
-    def __init__(self, job: JobConfig, tx: TransmissionConfig, log=print):
+    def __init__(self, job: JobConfig, tx: TransmissionConfig, log=print, metrics=None):
         self.job, self.tx, self.log = job, tx, log
+        self.metrics = metrics   # dgt.metrics.MetricsConfig: rank r serves on port + r
         self.procs: list[tuple[str, int, subprocess.Popen]] = []
         self.own_run_dir = not job.run_dir
         self.run_dir = job.run_dir or tempfile.mkdtemp(prefix="dgt-run-")
@@ -128,7 +129,7 @@ class Job:
                              "--master-addr", master_addr, "--master-port", str(master_port),
                              "--host", host, "--base-port", str(j.base_port),
                              "--socket", sock, "--run-dir", self.run_dir,
-                             "--seed", str(j.seed)] + tx_argv
+                             "--seed", str(j.seed)] + tx_argv + self._metrics_argv(r)
             self._spawn("sidecar", r, side, env)
             trainer = prefix + [py, "-m", "dgt.job", "--rank", str(r), "--world", str(n),
                                 "--socket", sock, "--epochs", str(j.epochs),
@@ -143,6 +144,13 @@ class Job:
             self._spawn("trainer", r, trainer, env, to_terminal=(r == 0))
         with open(os.path.join(self.run_dir, "pids.json"), "w") as f:
             json.dump([{"kind": k, "rank": r, "pid": p.pid} for k, r, p in self.procs], f)
+
+    def _metrics_argv(self, rank: int) -> list[str]:
+        m = self.metrics
+        if m is None or not m.metrics_port:
+            return []
+        return ["--metrics-port", str(m.port_of(rank)), "--metrics-host", m.metrics_host,
+                "--metrics-linger-s", str(m.metrics_linger_s)]
 
     def _spawn(self, kind: str, rank: int, argv: list[str], env: dict,
                to_terminal: bool = False) -> None:
@@ -339,15 +347,17 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dict | None]:
-    """Run ``dgt train``. Returns (exit code, report dict or None).
+def run_job(job: JobConfig, tx: TransmissionConfig, log=print,
+            metrics=None) -> tuple[int, dict | None]:
+    """Run ``dgt train``. Returns (exit code, report dict or None). ``metrics``: a
+    ``dgt.metrics.MetricsConfig`` (the endpoints; None = off).
 
     SIGTERM, SIGINT and SIGHUP stop every child process and clean up (even when the
     launcher was started in the background with SIGINT ignored)."""
     t0 = time.monotonic()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
-    j = Job(job, tx, log)
+    j = Job(job, tx, log, metrics)
     try:   # a busy run dir, a missing testbed or root: say so before anything starts
         j.lock()
         j._hosts()

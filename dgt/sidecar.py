@@ -33,6 +33,7 @@ from .errors import PeerFailure
 from .config import (PACE_AUTO, OneLineParser, TransmissionConfig, add_arguments,
                      from_args)
 from .link_rate import auto_pace_mbit
+from .metrics import MetricsConfig
 from .layout import BlockLayout
 from .rendezvous import POLL_S, Rendezvous
 from .scheduler.deadline import DeadlinePolicy
@@ -45,6 +46,7 @@ from .transport.counters import Counters
 from .transport.session import ShardSession
 from .transport.udp_batch import BatchSender, enable_gro
 from .transport.wire import MsgType
+from .trace import Trace
 
 log = logging.getLogger("dgt.sidecar")
 
@@ -96,12 +98,16 @@ MAX_PENDING_HELLO = 128
 
 
 class Sidecar:
-    def __init__(self, cfg: TransmissionConfig, node: NodeConfig):
+    def __init__(self, cfg: TransmissionConfig, node: NodeConfig,
+                 metrics: MetricsConfig | None = None):
         self.cfg, self.node = cfg, node
+        self.metrics_cfg = metrics or MetricsConfig()
+        self.endpoint = None   # dgt.metrics.Endpoint, when --metrics-port is set
         self.rank, self.world = node.rank, node.world
         self.key = cfg.secret.encode() if cfg.secret else None
         self.dscp = channel_dscp(cfg.channels)
         self.counters = Counters()
+        self.trace = Trace(node.run_dir, node.rank, self.counters, cfg.channels)
         self.out_conns: dict[int, FrameProtocol] = {}   # to peer shards (we are worker)
         self.in_conns: dict[int, FrameProtocol] = {}    # from peer workers (we are shard)
         self.pending_hello: list[FrameProtocol] = []    # accepted, no HELLO yet
@@ -149,6 +155,8 @@ class Sidecar:
                 await asyncio.sleep(5 * POLL_S)
         await self._drain(5.0)  # let PULL/BYE/ERROR frames reach the kernel
         self._write_report()
+        if self.endpoint is not None and self.metrics_cfg.metrics_linger_s:
+            await asyncio.sleep(self.metrics_cfg.metrics_linger_s)   # the last scrape
         self._close()
         if self.failed:
             return EXIT_PEER_FAILURE
@@ -354,10 +362,13 @@ class Sidecar:
         loss = msg.get("loss")
         if loss is not None and not isinstance(loss, (int, float)):
             loss = None
+        start = msg.get("start")
+        self.trace.begin(t, float(start) if isinstance(start, (int, float)) else None)
         k = await self.agent.push(t, float(loss) if loss is not None else None,
                                   self.cfg.peer_timeout_s)
         self.pushes += 1
         self._to_trainer({"op": "pulled", "t": t, "k": k})
+        self.trace.end(self.agent, k)
 
     # -- peers ------------------------------------------------------------------------
     async def _connect_peers(self) -> None:
@@ -708,6 +719,10 @@ class Sidecar:
             **self.counters.to_dict(self.cfg.channels),
         }
         path = os.path.join(self.node.run_dir, f"sidecar-{self.rank}.json")
+        self.trace.close()   # its last line: what the counters grew since the last push
+        if self.endpoint is not None:   # the final exposition, beside the report
+            from .metrics import metrics_path
+            self.endpoint.write_textfile(metrics_path(self.node.run_dir, self.rank))
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
         if self.agent is not None and self.agent.raw_sum is not None:
@@ -732,6 +747,8 @@ class Sidecar:
             self.trainer_writer.close()
         for b in self.buffers:
             b.close()
+        if self.endpoint is not None:
+            self.endpoint.stop()
         try:
             os.unlink(self.node.socket_path)
         except OSError:
@@ -759,6 +776,7 @@ def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of ``dgt sidecar``."""
     add_node_arguments(p)
     add_arguments(p, TransmissionConfig)
+    add_arguments(p, MetricsConfig)
     p.add_argument("--log-level", default="WARNING", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
 
@@ -776,6 +794,7 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     faulthandler.enable()   # a crash in native code leaves its Python stack in the log
     try:
         cfg = from_args(TransmissionConfig, ns)
+        mcfg = from_args(MetricsConfig, ns)
     except ValueError as e:
         parser.error(str(e))
     if ns.world < 1:
@@ -807,9 +826,19 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(f"--run-dir: cannot create {node.run_dir}: {e.strerror}")
     if not os.access(node.run_dir, os.W_OK):
         parser.error(f"--run-dir {node.run_dir} is not writable")
+    sidecar = Sidecar(cfg, node, mcfg)
+    if mcfg.metrics_port:
+        from .metrics import Endpoint, bind_error
+        sidecar.endpoint = Endpoint(sidecar, mcfg.metrics_host, mcfg.metrics_port)
+        try:
+            sidecar.endpoint.start()
+        except OSError as e:
+            print(f"{parser.prog}: error: {bind_error(mcfg.metrics_host, mcfg.metrics_port, e)}",
+                  file=sys.stderr)
+            return 2
     try:
         import uvloop
-        return uvloop.run(Sidecar(cfg, node).run())
+        return uvloop.run(sidecar.run())
     except OSError as e:
         what = {errno.EADDRINUSE: f"a port of rank {node.rank} is in use (--base-port "
                                   f"{node.base_port}: TCP base+10*rank, UDP base+10*rank+c); "

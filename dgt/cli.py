@@ -22,10 +22,10 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "--k-min")
     from .launch import check_memory, check_paths, run_job
     try:
-        check_paths(job)
-        check_memory(job)
         if metrics.metrics_port and not job.testbed:   # on loopback: rank r, port + r
             check_metrics_ports(metrics, job.workers)
+        check_paths(job)
+        check_memory(job)
     except ValueError as e:
         parser.error(str(e))
     code, _ = run_job(job, tx, metrics=metrics)

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sidecar_arguments(s)
     s.set_defaults(func=lambda ns: _sidecar(ns, s), parser=s)
 
-    for mod in ("dgt.tc_profiles.cli", "dgt.tools.cli"):
+    for mod in ("dgt.plot", "dgt.top", "dgt.tc_profiles.cli", "dgt.tools.cli"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ImportError:

@@ -68,6 +68,7 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
         "train_seconds": max((t["train_seconds"] for t in trainers), default=None),
         "comm_ms_median": float(np.median(comm)),
         "comm_ms_p95": float(np.percentile(comm, 95)),
+        "comm_ms": [float(x) for x in comm],
         "target_accuracy": job.target_accuracy,
         "target_reached": trainers[0]["target_reached"] if trainers else None,
         "replicas_identical": len(set(shas)) == 1,

@@ -25,7 +25,7 @@ import tempfile
 import time
 
 
-from .config import JobConfig, TransmissionConfig, to_argv
+from .config import DIGITS_TRAIN_SAMPLES, JobConfig, TransmissionConfig, to_argv
 from .report import build_report, diverged, print_summary
 
 GRACE_S = 5.0
@@ -63,6 +63,7 @@ class Job:
     def __init__(self, job: JobConfig, tx: TransmissionConfig, log=print, metrics=None):
         self.job, self.tx, self.log = job, tx, log
         self.metrics = metrics   # dgt.metrics.MetricsConfig: rank r serves on port + r
+        self.progress = None     # dgt.progress.TrainProgress, on a terminal
         self.procs: list[tuple[str, int, subprocess.Popen]] = []
         self.own_run_dir = not job.run_dir
         self.run_dir = job.run_dir or tempfile.mkdtemp(prefix="dgt-run-")
@@ -141,9 +142,23 @@ class Job:
                                 "--device", j.device,
                                 "--target-accuracy", str(j.target_accuracy),
                                 "--timeout-s", str(max(60.0, 3 * self.tx.peer_timeout_s))]
-            self._spawn("trainer", r, trainer, env, to_terminal=(r == 0))
+            self._spawn("trainer", r, trainer, env,
+                        to_terminal=(r == 0 and not self._progress_bar()))
         with open(os.path.join(self.run_dir, "pids.json"), "w") as f:
             json.dump([{"kind": k, "rank": r, "pid": p.pid} for k, r, p in self.procs], f)
+
+    def _progress_bar(self) -> bool:
+        """On a terminal: a progress bar over rank 0's trace (its epoch lines go to
+        trainer-0.log and are shown above the bar); else the plain lines as before."""
+        from .progress import TrainProgress, on_terminal
+        if self.progress is None and on_terminal():
+            j = self.job
+            total = j.epochs * max(1, DIGITS_TRAIN_SAMPLES // (j.workers * j.batch_size)) \
+                if getattr(j, "dataset", "digits") == "digits" else None
+            if j.iterations:
+                total = min(total, j.iterations) if total else j.iterations
+            self.progress = TrainProgress(self.run_dir, total)
+        return self.progress is not None
 
     def _metrics_argv(self, rank: int) -> list[str]:
         m = self.metrics
@@ -176,6 +191,8 @@ class Job:
                         fail_at = time.monotonic()
                         self._stop_sidecars(failure, r)
                         break
+            if self.progress is not None:
+                self.progress.update()
             if not alive:
                 break
             now = time.monotonic()
@@ -186,6 +203,8 @@ class Job:
                 break
             time.sleep(0.05)
         self.remove_shared_memory()
+        if self.progress is not None:
+            self.progress.close()
         return (0 if failure is None else 1), failure
 
     def _stop_sidecars(self, message: str, rank: int) -> None:

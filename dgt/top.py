@@ -205,8 +205,9 @@ def main(ns: argparse.Namespace) -> int:
     else:
         if not ns.run_dir:
             ns.parser.error("give RUN_DIR (dgt train --run-dir) or --endpoints HOST:PORT,...")
-        if not os.path.isdir(ns.run_dir):
-            ns.parser.error(f"{ns.run_dir} is not a folder; give the job's --run-dir")
+        if os.path.exists(ns.run_dir) and not os.path.isdir(ns.run_dir):
+            ns.parser.error(f"{ns.run_dir} is a file; give the job's --run-dir (a folder "
+                            f"that does not exist yet is waited for)")
         source = TraceFollower(ns.run_dir)
         label = ns.run_dir
     from rich.console import Console

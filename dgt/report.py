@@ -45,7 +45,7 @@ def comm_ms(run_dir: str, trainers: list[dict]) -> np.ndarray:
     path = trace_path(run_dir, 0)
     if os.path.exists(path):
         ms = comm_times_ms(read_trace(path))
-        if ms:
+        if ms and (not trainers or len(ms) == trainers[0]["iterations"]):
             return np.array(ms)
     return np.array(trainers[0]["comm_s"]) * 1e3 if trainers else np.zeros(1)
 

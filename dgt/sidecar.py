@@ -720,11 +720,15 @@ class Sidecar:
         }
         path = os.path.join(self.node.run_dir, f"sidecar-{self.rank}.json")
         self.trace.close()   # its last line: what the counters grew since the last push
-        if self.endpoint is not None:   # the final exposition, beside the report
-            from .metrics import metrics_path
-            self.endpoint.write_textfile(metrics_path(self.node.run_dir, self.rank))
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
+        if self.endpoint is not None:   # the final exposition, beside the report
+            from .metrics import metrics_path
+            try:
+                self.endpoint.write_textfile(metrics_path(self.node.run_dir, self.rank))
+            except OSError as e:
+                log.warning("rank %d: cannot write metrics-%d.prom: %s", self.rank,
+                            self.rank, e.strerror or e)
         if self.agent is not None and self.agent.raw_sum is not None:
             np.savez(os.path.join(self.node.run_dir, f"conservation-{self.rank}.npz"),
                      raw_sum=self.agent.raw_sum.numpy(),

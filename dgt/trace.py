@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import time
 from dataclasses import fields
 
 from .metrics import TimeHistogram
 from .transport.counters import FIELDS, ChannelCounters
+
+log = logging.getLogger("dgt.trace")
 
 NODE_FIELDS = ("blocks_unsent", "blocks_local", "tail_markers")
 
@@ -52,6 +55,7 @@ class Trace:
         self.path = trace_path(run_dir, rank)
         self.rank, self.counters, self.n_channels = rank, counters, n_channels
         self.file = None
+        self.failed = False
         self.prev = self._snapshot()
         self.comm_hist = TimeHistogram()
         self.pull_wait_hist = TimeHistogram()
@@ -114,17 +118,30 @@ class Trace:
     def close(self) -> None:
         """Append the final line (counters' growth after the last iteration) and close.
         Writes nothing when no iteration ran."""
-        if self.file is None:
+        if self.file is None or self.failed:
             return
         self._write({"kind": "final", "rank": self.rank, "t": self.last_iteration,
                      "time_s": time.time(), **self._deltas()})
-        self.file.close()
-        self.file = None
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass
+            self.file = None
 
     def _write(self, line: dict) -> None:
-        if self.file is None:
-            self.file = open(self.path, "a", buffering=1)
-        self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        """Append ``line``. A run dir that is gone or full stops the trace (one warning),
+        never the job: training does not depend on it."""
+        if self.failed:
+            return
+        try:
+            if self.file is None:   # a new file per run: a reused run dir starts afresh
+                self.file = open(self.path, "w", buffering=1)
+            self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        except OSError as e:
+            self.failed = True
+            log.warning("rank %d: per-iteration trace %s stopped: %s", self.rank,
+                        self.path, e.strerror or e)
 
 
 # -- reading ---------------------------------------------------------------------------

@@ -161,8 +161,8 @@ def main(argv=None) -> int:
           f"{out['iteration_ratio_median']:.4f} (pairs {', '.join(f'{x:.3f}' for x in it)})")
     print(f"load average before {load_before}, after {out['load_after']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        from dgt.launch import write_report
+        write_report(args.json, out)
     return 0
 
 

@@ -155,9 +155,12 @@ class Sidecar:
                 await asyncio.sleep(5 * POLL_S)
         await self._drain(5.0)  # let PULL/BYE/ERROR frames reach the kernel
         self._write_report()
-        if self.endpoint is not None and self.metrics_cfg.metrics_linger_s:
-            await asyncio.sleep(self.metrics_cfg.metrics_linger_s)   # the last scrape
-        self._close()
+        self._close()   # no callback ran since the report: its counters are final
+        if self.endpoint is not None:
+            # the sockets are closed, so the counters stay the report's; the endpoint
+            # lingers for a last scrape (--metrics-linger-s)
+            await asyncio.sleep(self.metrics_cfg.metrics_linger_s)
+            self.endpoint.stop()
         if self.failed:
             return EXIT_PEER_FAILURE
         return 0
@@ -751,8 +754,6 @@ class Sidecar:
             self.trainer_writer.close()
         for b in self.buffers:
             b.close()
-        if self.endpoint is not None:
-            self.endpoint.stop()
         try:
             os.unlink(self.node.socket_path)
         except OSError:

@@ -31,10 +31,9 @@ import json
 import logging
 import os
 import time
-from dataclasses import fields
 
 from .metrics import TimeHistogram
-from .transport.counters import FIELDS, ChannelCounters
+from .transport.counters import FIELDS
 
 log = logging.getLogger("dgt.trace")
 
@@ -187,5 +186,3 @@ def channel_totals(lines: list[dict]) -> dict[str, dict[str, int]]:
                 acc[k] += v
     return out
 
-
-assert tuple(f.name for f in fields(ChannelCounters)) == FIELDS

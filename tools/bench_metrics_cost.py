@@ -25,7 +25,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 

@@ -165,13 +165,6 @@ def test_traces_recompute_the_report(tmp_path):
             assert len(ln["pull_s"]) == WORKERS and 0 <= ln["k"] <= 1
 
 
-def _leftovers(run_dir) -> list:
-    shm = [f for f in os.listdir("/dev/shm") if f.startswith("dgt-")]
-    socks = [f for f in os.listdir(run_dir) if f.endswith(".sock")] \
-        if os.path.isdir(run_dir) else []
-    return shm + socks
-
-
 @pytest.mark.parametrize("case", ["in_use", "bad_host", "not_local"])
 def test_bad_metrics_endpoint_is_one_line_and_nothing_starts(tmp_path, case):
     base = free_port_run(WORKERS)
@@ -184,7 +177,6 @@ def test_bad_metrics_endpoint_is_one_line_and_nothing_starts(tmp_path, case):
         args += ["--metrics-host", "not-an-address"]
     else:
         args += ["--metrics-host", "192.0.2.1"]   # TEST-NET-1: not on this host
-    before = set(_leftovers(tmp_path / "run")) if (tmp_path / "run").exists() else set()
     shm_before = {f for f in os.listdir("/dev/shm") if f.startswith("dgt-")}
     try:
         p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers",
@@ -200,7 +192,21 @@ def test_bad_metrics_endpoint_is_one_line_and_nothing_starts(tmp_path, case):
     assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run"), \
         os.listdir(tmp_path / "run")
     assert {f for f in os.listdir("/dev/shm") if f.startswith("dgt-")} <= shm_before
-    assert not before
+    assert not processes_naming(str(tmp_path))
+
+
+def processes_naming(text: str) -> list[str]:
+    """Command lines of running processes that contain ``text``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and int(pid) != os.getpid():
+            out.append(cmd)
+    return out
 
 
 def test_sidecar_alone_refuses_a_port_in_use(tmp_path):

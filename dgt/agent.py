@@ -80,6 +80,11 @@ class WorkerAgent:
         self.iteration = 0
         self.sending = False   # between plan() and END: our push is on the port
         self.k_history: list[float] = []
+        # per-iteration trace (dgt.trace): wall-clock marks of the push in flight, each
+        # shard's PULL, and how many of our blocks did not arrive
+        self.marks: dict[str, float] = {}
+        self.pull_at: dict[int, float] = {}
+        self.not_arrived = 0
         # conservation invariant (docs/architecture.md): float64 running sums
         self.raw_sum = torch.zeros(layout.padded, dtype=torch.float64) \
             if cfg.check_conservation else None
@@ -113,6 +118,7 @@ class WorkerAgent:
         when a shard's PULL does not come within ``timeout_s``."""
         self.iteration = t
         self.sending = True
+        self.marks, self.pull_at = {}, {}
         chan, k = self.plan(loss)
         self.k_history.append(k)
         lay, me = self.layout, self.rank
@@ -148,6 +154,7 @@ class WorkerAgent:
             self.links.send_tcp(s, frame)
             size = sum(memoryview(b).nbytes for b in frame)
             ctr[0].bytes_sent += size
+        self.marks["reliable_sent_s"] = time.time()
         self.links.local_push(t, *local, time.monotonic())
         streams = []   # per peer node: its UDP blocks, best band first
         for off in range(1, lay.n_shards):  # from me+1 on: senders start apart
@@ -174,6 +181,7 @@ class WorkerAgent:
                 MsgType.END, session=self.session, sender=me, shard=s, iteration=t,
                 count=int(counts[s].sum()), payload=wire.pack_end(counts[s]), key=self.key))
         self.sending = False
+        self.marks["end_s"] = time.time()
         self.links.push_sent()
         if len(self.pulls) < lay.n_shards:
             try:
@@ -319,6 +327,7 @@ class WorkerAgent:
         self.aggregate[lay.shard_lo(shard) * lay.block_elems:
                        lay.shard_hi(shard) * lay.block_elems] = aggregate
         self.pulls[shard] = received.copy()
+        self.pull_at[shard] = time.time()
         if len(self.pulls) == self.layout.n_shards and not self.pull_waiter.done():
             self.pull_waiter.set_result(None)
         return True
@@ -328,6 +337,7 @@ class WorkerAgent:
         arrived = np.concatenate([self.pulls[s] for s in range(lay.n_shards)])
         self.pulls.clear()
         self.pull_waiter = None
+        self.not_arrived = int(arrived.size - np.count_nonzero(arrived))
         self.residual.update(self.work, torch.from_numpy(arrived))
         if self.applied_sum is not None:
             self.applied_sum += torch.from_numpy(self.aggregate).double() * lay.n_shards

@@ -5,14 +5,16 @@ import argparse
 import sys
 
 from . import __version__
-from .config import (JobConfig, NodeConfig, OneLineParser, TransmissionConfig,
-                     add_arguments, add_sidecar_arguments, from_args)
+from .config import (JobConfig, MetricsConfig, NodeConfig, OneLineParser,
+                     TransmissionConfig, add_arguments, add_sidecar_arguments, from_args)
 
 
 def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .metrics import check_metrics_ports
     try:
         job = from_args(JobConfig, ns)
         tx = from_args(TransmissionConfig, ns)
+        metrics = from_args(MetricsConfig, ns)
     except ValueError as e:
         parser.error(str(e))
     if ns.k_min is not None and not tx.adaptive_k:
@@ -20,11 +22,13 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "--k-min")
     from .launch import check_memory, check_paths, run_job
     try:
+        if metrics.metrics_port and not job.testbed:   # on loopback: rank r, port + r
+            check_metrics_ports(metrics, job.workers)
         check_paths(job)
         check_memory(job)
     except ValueError as e:
         parser.error(str(e))
-    code, _ = run_job(job, tx)
+    code, _ = run_job(job, tx, metrics=metrics)
     return code
 
 
@@ -66,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "one sidecar each, over loopback (or the testbed with --testbed).")
     add_arguments(t, JobConfig)
     add_arguments(t, TransmissionConfig)
+    add_arguments(t, MetricsConfig)
     t.set_defaults(func=lambda ns: _train(ns, t), parser=t)
 
     s = sub.add_parser("sidecar", help="run one node's sidecar",

@@ -18,6 +18,7 @@ gradients are gathered on the GPU and copied through a pinned host buffer.
 from __future__ import annotations
 
 import socket
+import time
 
 import numpy as np
 import torch
@@ -147,6 +148,7 @@ class Client:
         Raises RuntimeError before register() or after close(), ValueError for a step
         out of order, and PeerFailure when the job failed.
         """
+        start = time.monotonic()   # the sidecar's trace measures comm time from here
         self._check_open()
         if self.grad is None:
             raise RuntimeError("call register(model) before push_pull()")
@@ -167,7 +169,7 @@ class Client:
                 if not self._is_view(p, g, off):   # zero_grad(set_to_none=True) etc.
                     g[off:off + n].copy_(_grad(p).reshape(-1))
                 off += n
-        self._send({"op": "push", "t": int(step), "loss": loss})
+        self._send({"op": "push", "t": int(step), "loss": loss, "start": start})
         self.last_k = self._recv("pulled").get("k")
         self.next_step += 1
         if self.device.type == "cuda":

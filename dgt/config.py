@@ -316,10 +316,43 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
 _PARSERS = {"pace": parse_pace}
 
 
+@dataclass
+class MetricsConfig:
+    """Where a sidecar serves its Prometheus endpoint (``dgt sidecar``, ``dgt train``)."""
+
+    metrics_port: int = _f(0, "serve Prometheus metrics over HTTP on this TCP port (0 = "
+                           "off); dgt train gives rank r the port metrics-port + r")
+    metrics_host: str = _f("127.0.0.1", "address the metrics endpoint binds to")
+    metrics_linger_s: float = _f(0.0, "seconds the endpoint keeps serving after the "
+                                 "sidecar wrote its report, so a last scrape sees the "
+                                 "final counters (0..600)")
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag."""
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 0 (off) or 1..65535, got "
+                             f"{self.metrics_port}")
+        if not 0.0 <= self.metrics_linger_s <= 600.0:
+            raise ValueError(f"--metrics-linger-s must be in 0..600, got "
+                             f"{self.metrics_linger_s:g}")
+        import ipaddress
+        try:
+            ipaddress.ip_address(self.metrics_host)
+        except ValueError:
+            raise ValueError(f"--metrics-host {self.metrics_host!r} is not an IP address; "
+                             f"give one of this host's addresses, e.g. 127.0.0.1 or "
+                             f"0.0.0.0 (all)") from None
+
+    def port_of(self, rank: int) -> int:
+        """Rank ``rank``'s port under ``dgt train`` (0 when off)."""
+        return self.metrics_port + rank if self.metrics_port else 0
+
+
 def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of ``dgt sidecar``."""
     add_arguments(p, NodeConfig)
     add_arguments(p, TransmissionConfig)
+    add_arguments(p, MetricsConfig)
     p.add_argument("--log-level", default="WARNING", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
 

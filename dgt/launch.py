@@ -25,7 +25,7 @@ import tempfile
 import time
 
 
-from .config import JobConfig, TransmissionConfig, to_argv
+from .config import DIGITS_TRAIN_SAMPLES, JobConfig, TransmissionConfig, to_argv
 from .rendezvous import QUIET_TORCH_ENV
 from .report import build_report, diverged, print_summary
 
@@ -61,8 +61,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Job:
-    def __init__(self, job: JobConfig, tx: TransmissionConfig, log=print):
+    def __init__(self, job: JobConfig, tx: TransmissionConfig, log=print, metrics=None):
         self.job, self.tx, self.log = job, tx, log
+        self.metrics = metrics   # dgt.metrics.MetricsConfig: rank r serves on port + r
+        self.progress = None     # dgt.progress.TrainProgress, on a terminal
         self.procs: list[tuple[str, int, subprocess.Popen]] = []
         self.own_run_dir = not job.run_dir
         self.run_dir = job.run_dir or tempfile.mkdtemp(prefix="dgt-run-")
@@ -131,7 +133,7 @@ class Job:
                              "--master-addr", master_addr, "--master-port", str(master_port),
                              "--host", host, "--base-port", str(j.base_port),
                              "--socket", sock, "--run-dir", self.run_dir,
-                             "--seed", str(j.seed)] + tx_argv
+                             "--seed", str(j.seed)] + tx_argv + self._metrics_argv(r)
             self._spawn("sidecar", r, side, env)
             trainer = prefix + [py, "-m", "dgt.job", "--rank", str(r), "--world", str(n),
                                 "--socket", sock, "--epochs", str(j.epochs),
@@ -143,9 +145,30 @@ class Job:
                                 "--device", j.device,
                                 "--target-accuracy", str(j.target_accuracy),
                                 "--timeout-s", str(max(60.0, 3 * self.tx.peer_timeout_s))]
-            self._spawn("trainer", r, trainer, env, to_terminal=(r == 0))
+            self._spawn("trainer", r, trainer, env,
+                        to_terminal=(r == 0 and not self._progress_bar()))
         with open(os.path.join(self.run_dir, "pids.json"), "w") as f:
             json.dump([{"kind": k, "rank": r, "pid": p.pid} for k, r, p in self.procs], f)
+
+    def _progress_bar(self) -> bool:
+        """On a terminal: a progress bar over rank 0's trace (its epoch lines go to
+        trainer-0.log and are shown above the bar); else the plain lines as before."""
+        from .progress import TrainProgress, on_terminal
+        if self.progress is None and on_terminal():
+            j = self.job
+            total = j.epochs * max(1, DIGITS_TRAIN_SAMPLES // (j.workers * j.batch_size)) \
+                if getattr(j, "dataset", "digits") == "digits" else None
+            if j.iterations:
+                total = min(total, j.iterations) if total else j.iterations
+            self.progress = TrainProgress(self.run_dir, total)
+        return self.progress is not None
+
+    def _metrics_argv(self, rank: int) -> list[str]:
+        m = self.metrics
+        if m is None or not m.metrics_port:
+            return []
+        return ["--metrics-port", str(m.port_of(rank)), "--metrics-host", m.metrics_host,
+                "--metrics-linger-s", str(m.metrics_linger_s)]
 
     def _spawn(self, kind: str, rank: int, argv: list[str], env: dict,
                to_terminal: bool = False) -> None:
@@ -171,6 +194,8 @@ class Job:
                         fail_at = time.monotonic()
                         self._stop_sidecars(failure, r)
                         break
+            if self.progress is not None:
+                self.progress.update()
             if not alive:
                 break
             now = time.monotonic()
@@ -181,6 +206,8 @@ class Job:
                 break
             time.sleep(0.05)
         self.remove_shared_memory()
+        if self.progress is not None:
+            self.progress.close()
         return (0 if failure is None else 1), failure
 
     def _stop_sidecars(self, message: str, rank: int) -> None:
@@ -341,15 +368,17 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run_job(job: JobConfig, tx: TransmissionConfig, log=print) -> tuple[int, dict | None]:
-    """Run ``dgt train``. Returns (exit code, report dict or None).
+def run_job(job: JobConfig, tx: TransmissionConfig, log=print,
+            metrics=None) -> tuple[int, dict | None]:
+    """Run ``dgt train``. Returns (exit code, report dict or None). ``metrics``: a
+    ``dgt.metrics.MetricsConfig`` (the endpoints; None = off).
 
     SIGTERM, SIGINT and SIGHUP stop every child process and clean up (even when the
     launcher was started in the background with SIGINT ignored)."""
     t0 = time.monotonic()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
-    j = Job(job, tx, log)
+    j = Job(job, tx, log, metrics)
     try:   # a busy run dir, a missing testbed or root: say so before anything starts
         j.lock()
         j._hosts()

@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from .trace import comm_times_ms, read_trace, trace_path
 from .transport.counters import merge
 
 
@@ -37,10 +38,22 @@ def conservation_error(run_dir: str) -> float | None:
     return float(np.linalg.norm(applied + residual - raw) / denom)
 
 
+def comm_ms(run_dir: str, trainers: list[dict]) -> np.ndarray:
+    """Comm time per iteration (ms): rank 0's per-iteration trace (``dgt.trace``: the
+    trainer's push_pull call to the aggregate applied, measured by its sidecar), else
+    rank 0 trainer's own ``comm_s``."""
+    path = trace_path(run_dir, 0)
+    if os.path.exists(path):
+        ms = comm_times_ms(read_trace(path))
+        if ms and (not trainers or len(ms) == trainers[0]["iterations"]):
+            return np.array(ms)
+    return np.array(trainers[0]["comm_s"]) * 1e3 if trainers else np.zeros(1)
+
+
 def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
     trainers = _load(os.path.join(run_dir, "trainer-*.json"))
     sidecars = _load(os.path.join(run_dir, "sidecar-*.json"))
-    comm = np.array(trainers[0]["comm_s"]) * 1e3 if trainers else np.zeros(1)
+    comm = comm_ms(run_dir, trainers)
     traffic = merge(sidecars)
     total_blocks = sum(ch["blocks_sent"] for ch in traffic["channels"].values())
     shares = {name: (ch["blocks_sent"] / total_blocks if total_blocks else 0.0)
@@ -56,6 +69,7 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
         "train_seconds": max((t["train_seconds"] for t in trainers), default=None),
         "comm_ms_median": float(np.median(comm)),
         "comm_ms_p95": float(np.percentile(comm, 95)),
+        "comm_ms": [float(x) for x in comm],
         "target_accuracy": job.target_accuracy,
         "target_reached": trainers[0]["target_reached"] if trainers else None,
         "replicas_identical": len(set(shas)) == 1,

@@ -30,8 +30,8 @@ import numpy as np
 from . import buffers, ipc, unixsock
 from .agent import TCP_BACKLOG_SLACK, Links, WorkerAgent
 from .errors import PeerFailure
-from .config import (PACE_AUTO, NodeConfig, OneLineParser, TransmissionConfig,
-                     add_sidecar_arguments, from_args)
+from .config import (PACE_AUTO, MetricsConfig, NodeConfig, OneLineParser,
+                     TransmissionConfig, add_sidecar_arguments, from_args)
 from .link_rate import auto_pace_mbit
 from .layout import BlockLayout
 from .rendezvous import POLL_S, Rendezvous, check_resolves
@@ -45,6 +45,7 @@ from .transport.counters import Counters
 from .transport.session import ShardSession
 from .transport.udp_batch import BatchSender, enable_gro
 from .transport.wire import MsgType
+from .trace import Trace
 
 log = logging.getLogger("dgt.sidecar")
 
@@ -83,12 +84,16 @@ MAX_PENDING_HELLO = 128
 
 
 class Sidecar:
-    def __init__(self, cfg: TransmissionConfig, node: NodeConfig):
+    def __init__(self, cfg: TransmissionConfig, node: NodeConfig,
+                 metrics: MetricsConfig | None = None):
         self.cfg, self.node = cfg, node
+        self.metrics_cfg = metrics or MetricsConfig()
+        self.endpoint = None   # dgt.metrics.Endpoint, when --metrics-port is set
         self.rank, self.world = node.rank, node.world
         self.key = cfg.secret.encode() if cfg.secret else None
         self.dscp = channel_dscp(cfg.channels)
         self.counters = Counters()
+        self.trace = Trace(node.run_dir, node.rank, self.counters, cfg.channels)
         self.out_conns: dict[int, FrameProtocol] = {}   # to peer shards (we are worker)
         self.in_conns: dict[int, FrameProtocol] = {}    # from peer workers (we are shard)
         self.pending_hello: list[FrameProtocol] = []    # accepted, no HELLO yet
@@ -142,7 +147,12 @@ class Sidecar:
                 await asyncio.sleep(5 * POLL_S)
         await self._drain(5.0)  # let PULL/BYE/ERROR frames reach the kernel
         self._write_report()
-        self._close()
+        self._close()   # no callback ran since the report: its counters are final
+        if self.endpoint is not None:
+            # the sockets are closed, so the counters stay the report's; the endpoint
+            # lingers for a last scrape (--metrics-linger-s)
+            await asyncio.sleep(self.metrics_cfg.metrics_linger_s)
+            self.endpoint.stop()
         if self.failed:
             return EXIT_PEER_FAILURE
         return 0
@@ -386,11 +396,14 @@ class Sidecar:
             loss = None
         self._check_closed(t)
         self.pushing = t
+        start = msg.get("start")
+        self.trace.begin(t, float(start) if isinstance(start, (int, float)) else None)
         k = await self.agent.push(t, float(loss) if loss is not None else None,
                                   self.cfg.peer_timeout_s)
         self.pushing = None
         self.pushes += 1
         self._to_trainer({"op": "pulled", "t": t, "k": k})
+        self.trace.end(self.agent, k)
 
     def _check_closed(self, t: int) -> None:
         """Fail at once when a peer's trainer closed before iteration ``t`` (its BYE
@@ -779,8 +792,16 @@ class Sidecar:
             **self.counters.to_dict(self.cfg.channels),
         }
         path = os.path.join(self.node.run_dir, f"sidecar-{self.rank}.json")
+        self.trace.close()   # its last line: what the counters grew since the last push
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
+        if self.endpoint is not None:   # the final exposition, beside the report
+            from .metrics import metrics_path
+            try:
+                self.endpoint.write_textfile(metrics_path(self.node.run_dir, self.rank))
+            except OSError as e:
+                log.warning("rank %d: cannot write metrics-%d.prom: %s", self.rank,
+                            self.rank, e.strerror or e)
         if self.agent is not None and self.agent.raw_sum is not None:
             np.savez(os.path.join(self.node.run_dir, f"conservation-{self.rank}.npz"),
                      raw_sum=self.agent.raw_sum.numpy(),
@@ -821,6 +842,7 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         cfg = from_args(TransmissionConfig, ns)
         node = from_args(NodeConfig, ns)
         check_resolves(node.master_addr)
+        mcfg = from_args(MetricsConfig, ns)
     except ValueError as e:
         parser.error(str(e))
     if node.base_port < 0 or (node.base_port and
@@ -838,9 +860,19 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(f"--run-dir: cannot create {node.run_dir}: {e.strerror}")
     if not os.access(node.run_dir, os.W_OK):
         parser.error(f"--run-dir {node.run_dir} is not writable")
+    sidecar = Sidecar(cfg, node, mcfg)
+    if mcfg.metrics_port:
+        from .metrics import Endpoint, bind_error
+        sidecar.endpoint = Endpoint(sidecar, mcfg.metrics_host, mcfg.metrics_port)
+        try:
+            sidecar.endpoint.start()
+        except OSError as e:
+            print(f"{parser.prog}: error: {bind_error(mcfg.metrics_host, mcfg.metrics_port, e)}",
+                  file=sys.stderr)
+            return 2
     try:
         import uvloop
-        return uvloop.run(Sidecar(cfg, node).run())
+        return uvloop.run(sidecar.run())
     except OSError as e:
         what = {errno.EADDRINUSE: f"a port of rank {node.rank} is in use (--base-port "
                                   f"{node.base_port}: TCP base+10*rank, UDP base+10*rank+c); "

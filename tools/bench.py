@@ -53,6 +53,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dgt.progress import CellProgress
+
 log = logging.getLogger("dgt.tools.bench")
 
 SYSTEMS = ("gloo", "tcp", "topk", "dgt")
@@ -552,6 +554,7 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
     work_dir = tempfile.mkdtemp(prefix="dgt-bench-")
     tb, tb_key = None, None
     t0 = time.monotonic()
+    bar = CellProgress(len(cells)).start()   # a bar with rate and ETA on a terminal only
     try:
         for i, cell in enumerate(cells):
             if not cfg.loopback:
@@ -579,7 +582,9 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
                        f"{(time.monotonic() - t0) / 60:.1f} min)"
                        + (" -- but the job failed at shutdown, see the table"
                           if row.get("shutdown_failure") else ""))
+            bar.advance()
     finally:
+        bar.stop()
         if not cfg.loopback:
             testbed.down(cfg.prefix)
         failed = [c for c in doc["cells"] if c.get("error") or c.get("shutdown_failure")]

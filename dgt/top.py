@@ -1,0 +1,254 @@
+"""``dgt top RUN_DIR``: a live terminal view of a running job, every rank, with rich.
+
+It follows the sidecars' per-iteration traces (``trace-<rank>.jsonl``, ``dgt.trace``) in
+the job's run directory (``dgt train --run-dir``), or scrapes their Prometheus
+endpoints (``--endpoints HOST:PORT,...``, ``dgt.metrics``), and shows per rank: the
+iteration, iterations per second, comm time (last and median of the window), k, this
+worker's lost blocks, and per channel the blocks per second sent and the share of blocks
+its shard lost; the test accuracy when the trainer has printed one. ``q`` quits (also
+Ctrl-C). Without a terminal (``--once``) it prints the table once and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import select
+import sys
+import time
+
+from .trace import iterations
+
+#: trace lines per rank the rates and medians are taken over
+WINDOW = 20
+
+_ACC = re.compile(r"test acc ([0-9.]+)")
+
+
+class TraceFollower:
+    """Reads the new lines of every ``trace-<rank>.jsonl`` in a run dir."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self.offsets: dict[int, int] = {}
+        self.lines: dict[int, collections.deque] = {}
+        self.partial: dict[int, str] = {}
+
+    def poll(self) -> None:
+        try:
+            names = os.listdir(self.run_dir)
+        except OSError:
+            return
+        for name in names:
+            m = re.fullmatch(r"trace-(\d+)\.jsonl", name)
+            if not m:
+                continue
+            r = int(m.group(1))
+            with open(os.path.join(self.run_dir, name)) as f:
+                f.seek(self.offsets.get(r, 0))
+                chunk = self.partial.get(r, "") + f.read()
+                self.offsets[r] = f.tell()
+            *done, self.partial[r] = chunk.split("\n")
+            q = self.lines.setdefault(r, collections.deque(maxlen=WINDOW))
+            for ln in done:
+                try:
+                    q.append(json.loads(ln))
+                except ValueError:
+                    continue
+
+    def rows(self) -> dict[int, dict]:
+        out = {}
+        for r, q in sorted(self.lines.items()):
+            its = iterations(list(q))
+            if not its:
+                continue
+            last = its[-1]
+            span = last["apply_s"] - its[0]["push_start_s"]
+            row = {"iteration": last["t"], "comm_ms": last["comm_s"] * 1e3,
+                   "comm_ms_median": sorted(x["comm_s"] for x in its)[len(its) // 2] * 1e3,
+                   "k": last["k"], "lost": sum(x["lost"] for x in its),
+                   "rate": len(its) / span if span > 0 else 0.0, "channels": {}}
+            for name in last["channels"]:
+                sent = sum(x["channels"][name]["blocks_sent"] for x in its)
+                got = sum(x["channels"][name]["blocks_delivered"] for x in its)
+                lost = sum(x["channels"][name]["blocks_lost"] for x in its)
+                row["channels"][name] = {
+                    "blocks_per_s": sent / span if span > 0 else 0.0,
+                    "loss": lost / (got + lost) if got + lost else 0.0}
+            out[r] = row
+        return out
+
+
+class EndpointPoller:
+    """Scrapes each ``HOST:PORT`` endpoint and turns counters into the same rows."""
+
+    def __init__(self, endpoints: list[str]):
+        self.endpoints = endpoints
+        self.prev: dict[str, tuple[float, dict]] = {}
+        self.last: dict[int, dict] = {}
+
+    def poll(self) -> None:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+        for ep in self.endpoints:
+            try:
+                with urllib.request.urlopen(f"http://{ep}/metrics", timeout=2) as resp:
+                    text = resp.read().decode()
+            except OSError:
+                continue
+            now = time.monotonic()
+            s: dict = {}
+            rank = None
+            for fam in text_string_to_metric_families(text):
+                for x in fam.samples:
+                    s[(x.name, x.labels.get("channel", x.labels.get("le", "")))] = x.value
+                    if x.name == "dgt_sidecar_info":
+                        rank = int(x.labels["rank"])
+            if rank is None:
+                continue
+            t0, p = self.prev.get(ep, (now, s))
+            self.prev[ep] = (now, s)
+            dt = now - t0
+
+            def d(key):
+                return s.get(key, 0.0) - p.get(key, 0.0)
+            n = d(("dgt_comm_seconds_count", ""))
+            chans = sorted({k[1] for k in s if k[0] == "dgt_channel_blocks_sent_total"},
+                           key=lambda c: (c != "tcp", c))
+            row = {"iteration": int(s.get(("dgt_iteration", ""), -1)),
+                   "comm_ms": d(("dgt_comm_seconds_sum", "")) / n * 1e3 if n else
+                   self.last.get(rank, {}).get("comm_ms", 0.0),
+                   "comm_ms_median": None, "k": s.get(("dgt_reliable_fraction", ""), 0.0),
+                   "lost": int(s.get(("dgt_blocks_lost_own_total", ""), 0)),
+                   "rate": n / dt if dt > 0 else 0.0, "channels": {}}
+            for c in chans:
+                got = d(("dgt_channel_blocks_delivered_total", c))
+                lost = d(("dgt_channel_blocks_lost_total", c))
+                row["channels"][c] = {
+                    "blocks_per_s": d(("dgt_channel_blocks_sent_total", c)) / dt if dt > 0
+                    else 0.0, "loss": lost / (got + lost) if got + lost else 0.0}
+            self.last[rank] = row
+
+    def rows(self) -> dict[int, dict]:
+        return dict(sorted(self.last.items()))
+
+
+def accuracy(run_dir: str | None) -> float | None:
+    """The last test accuracy rank 0's trainer printed or reported, or None."""
+    if not run_dir:
+        return None
+    path = os.path.join(run_dir, "trainer-0.json")
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                return json.load(f)["final_test_accuracy"]
+        except (OSError, ValueError, KeyError):
+            pass
+    try:
+        with open(os.path.join(run_dir, "trainer-0.log"), errors="replace") as f:
+            found = _ACC.findall(f.read()[-20000:])
+        return float(found[-1]) if found else None
+    except OSError:
+        return None
+
+
+def render(rows: dict[int, dict], source: str, acc: float | None):
+    """The rich Table of ``rows``."""
+    from rich.table import Table
+    chans: list[str] = []
+    for row in rows.values():
+        for c in row["channels"]:
+            if c not in chans:
+                chans.append(c)
+    title = f"dgt top — {source} — {len(rows)} rank(s)" + \
+        (f" — test acc {acc:.4f}" if acc is not None else "")
+    from rich import box
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
+    for col in ("rank", "iter", "it/s", "comm ms", "med ms", "k", "lost"):
+        t.add_column(col, justify="right")
+    for c in chans:
+        t.add_column(f"{c}\nblk/s loss", justify="right")
+    for r, row in rows.items():
+        cells = [str(r), str(row["iteration"]), f"{row['rate']:.1f}",
+                 f"{row['comm_ms']:.1f}",
+                 "-" if row["comm_ms_median"] is None else f"{row['comm_ms_median']:.1f}",
+                 f"{row['k']:.2f}", str(row["lost"])]
+        for c in chans:
+            ch = row["channels"].get(c, {"blocks_per_s": 0.0, "loss": 0.0})
+            cells.append(f"{ch['blocks_per_s']:.0f} {ch['loss']:.0%}")
+        t.add_row(*cells)
+    if not rows:
+        t.caption = "waiting for the first iteration (q quits)"
+    else:
+        t.caption = "q quits"
+    return t
+
+
+def _quit_pressed(timeout_s: float) -> bool:
+    r, _, _ = select.select([sys.stdin], [], [], timeout_s)
+    if not r:
+        return False
+    return sys.stdin.read(1) in ("q", "Q")
+
+
+def main(ns: argparse.Namespace) -> int:
+    if ns.endpoints:
+        eps = [e.strip() for e in ns.endpoints.split(",") if e.strip()]
+        bad = [e for e in eps if not re.fullmatch(r"\[?[0-9A-Za-z.:-]+\]?:\d{1,5}", e)]
+        if bad:
+            ns.parser.error(f"--endpoints: {bad[0]!r} is not HOST:PORT")
+        source: TraceFollower | EndpointPoller = EndpointPoller(eps)
+        label = ",".join(eps)
+    else:
+        if not ns.run_dir:
+            ns.parser.error("give RUN_DIR (dgt train --run-dir) or --endpoints HOST:PORT,...")
+        if os.path.exists(ns.run_dir) and not os.path.isdir(ns.run_dir):
+            ns.parser.error(f"{ns.run_dir} is a file; give the job's --run-dir (a folder "
+                            f"that does not exist yet is waited for)")
+        source = TraceFollower(ns.run_dir)
+        label = ns.run_dir
+    from rich.console import Console
+    console = Console()
+    if ns.once or not sys.stdin.isatty():
+        source.poll()
+        console.print(render(source.rows(), label, accuracy(ns.run_dir)))
+        return 0
+    import termios
+    import tty
+    from rich.live import Live
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        with Live(render({}, label, None), console=console, auto_refresh=False,
+                  screen=False) as live:
+            while True:
+                source.poll()
+                live.update(render(source.rows(), label, accuracy(ns.run_dir)),
+                            refresh=True)
+                if _quit_pressed(ns.interval_s):
+                    break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``dgt top`` to the CLI."""
+    p = sub.add_parser("top", help="live view of a running job, every rank",
+                       description="Live view of a running dgt job: per rank iteration, "
+                       "comm time, k, lost blocks, and per channel blocks/s and loss. "
+                       "Reads the job's --run-dir traces, or its metrics endpoints. "
+                       "q quits.")
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", default="",
+                   help="the job's run directory (dgt train --run-dir)")
+    p.add_argument("--endpoints", default="", help="scrape these metrics endpoints "
+                   "instead (HOST:PORT,...; dgt train --metrics-port P: 127.0.0.1:P+r)")
+    p.add_argument("--interval-s", type=float, default=1.0, help="refresh period (s)")
+    p.add_argument("--once", action="store_true", help="print the table once and exit")
+    p.set_defaults(func=main, parser=p)

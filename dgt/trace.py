@@ -1,0 +1,188 @@
+"""Per-iteration trace: one JSON line per iteration per sidecar, ``trace-<rank>.jsonl``
+in the run directory.
+
+Each line (``"kind": "iteration"``) holds, for iteration ``t`` of this node's worker:
+
+- ``push_start_s``, ``reliable_sent_s``, ``end_s``, ``pull_s`` (``{shard: s}``),
+  ``apply_s``: wall-clock times (``time.time()``, seconds since the epoch) of the
+  trainer's push (when the trainer called ``push_pull``; it passes its clock along), the
+  last reliable frame handed to TCP, END sent to every shard, each shard's PULL taken,
+  and the aggregate applied (the trainer told);
+- ``comm_s``: the communication time, ``apply - push_start`` on CLOCK_MONOTONIC (host-
+  wide: the trainer and its sidecar share it, also in testbed namespaces);
+- ``pull_wait_s``: from END sent to the last PULL;
+- ``k``: the reliable fraction used; ``lost``: this worker's blocks that did not reach
+  their shard (from the PULL bitmaps; blocks mode topk never sent are not lost);
+- ``channels``: per channel, how much each counter of ``dgt.transport.counters``
+  grew since the previous line (blocks and bytes sent, delivered, late, lost, ...);
+  ``blocks_unsent``, ``blocks_local``, ``tail_markers``, ``rejected``: the same for the
+  node-wide counters.
+
+At shutdown the sidecar appends one ``"kind": "final"`` line with what the counters
+grew after the last iteration (late blocks, BYE-time rejects). So the sum of a file's
+``channels`` deltas equals that sidecar's report counters exactly, and ``dgt train``'s
+report takes its comm time from rank 0's ``comm_s`` (``comm_times_ms``): both come from
+the same records (``docs/metrics.md``).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+
+from .metrics import TimeHistogram
+from .transport.counters import FIELDS
+
+log = logging.getLogger("dgt.trace")
+
+NODE_FIELDS = ("blocks_unsent", "blocks_local", "tail_markers")
+
+
+def trace_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"trace-{rank}.jsonl")
+
+
+class Trace:
+    """One sidecar's trace writer and the histograms its metrics endpoint serves.
+
+    ``counters``: the sidecar's ``Counters``; ``n_channels``: unreliable channels. The
+    file is opened at the first iteration (a sidecar that never trained writes none)."""
+
+    def __init__(self, run_dir: str, rank: int, counters, n_channels: int):
+        self.path = trace_path(run_dir, rank)
+        self.rank, self.counters, self.n_channels = rank, counters, n_channels
+        self.file = None
+        self.failed = False
+        self.prev = self._snapshot()
+        self.comm_hist = TimeHistogram()
+        self.pull_wait_hist = TimeHistogram()
+        self.last_iteration = -1
+        self.lost_total = 0
+        self.t = None
+        self.start_mono = self.start_wall = 0.0
+
+    def _snapshot(self) -> dict:
+        ctr = self.counters
+        snap = {c: [getattr(ctr.channels[c], f) for f in FIELDS]
+                for c in range(self.n_channels + 1)}
+        snap.update({k: getattr(ctr, k) for k in NODE_FIELDS})
+        snap["rejected"] = dict(ctr.rejected)
+        return snap
+
+    def _deltas(self) -> dict:
+        from .transport.channels import channel_name
+        now = self._snapshot()
+        prev, self.prev = self.prev, now
+        out = {"channels": {channel_name(c): dict(zip(FIELDS, (a - b for a, b in
+                                                               zip(now[c], prev[c]))))
+                            for c in range(self.n_channels + 1)}}
+        out.update({k: now[k] - prev[k] for k in NODE_FIELDS})
+        out["rejected"] = {r: n - prev["rejected"].get(r, 0)
+                           for r, n in now["rejected"].items()
+                           if n != prev["rejected"].get(r, 0)}
+        return out
+
+    def begin(self, t: int, trainer_start_mono: float | None) -> None:
+        """The trainer's push of iteration ``t`` arrived; ``trainer_start_mono``: its
+        CLOCK_MONOTONIC when it called push_pull (None: now)."""
+        now = time.monotonic()
+        start = trainer_start_mono if trainer_start_mono is not None and \
+            0 <= now - trainer_start_mono < 60 else now
+        self.t, self.start_mono = t, start
+        self.start_wall = time.time() - (now - start)
+
+    def end(self, agent, k: float) -> None:
+        """Iteration ``t`` is applied and the trainer told: write its line."""
+        mono, wall = time.monotonic(), time.time()
+        comm_s = mono - self.start_mono
+        marks, pulls = agent.marks, agent.pull_at
+        end_s = marks.get("end_s")
+        pull_wait = max(pulls.values()) - end_s if pulls and end_s is not None else 0.0
+        d = self._deltas()
+        lost = max(0, agent.not_arrived - d["blocks_unsent"])
+        self.lost_total += lost
+        self.last_iteration = self.t
+        self.comm_hist.observe(comm_s)
+        self.pull_wait_hist.observe(max(0.0, pull_wait))
+        line = {"kind": "iteration", "rank": self.rank, "t": self.t,
+                "push_start_s": self.start_wall,
+                "reliable_sent_s": marks.get("reliable_sent_s"), "end_s": end_s,
+                "pull_s": {str(s): v for s, v in sorted(pulls.items())},
+                "apply_s": wall, "comm_s": comm_s, "pull_wait_s": pull_wait,
+                "k": k, "lost": lost, **d}
+        self._write(line)
+
+    def close(self) -> None:
+        """Append the final line (counters' growth after the last iteration) and close.
+        Writes nothing when no iteration ran."""
+        if self.file is None or self.failed:
+            return
+        self._write({"kind": "final", "rank": self.rank, "t": self.last_iteration,
+                     "time_s": time.time(), **self._deltas()})
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass
+            self.file = None
+
+    def _write(self, line: dict) -> None:
+        """Append ``line``. A run dir that is gone or full stops the trace (one warning),
+        never the job: training does not depend on it."""
+        if self.failed:
+            return
+        try:
+            if self.file is None:   # a new file per run: a reused run dir starts afresh
+                self.file = open(self.path, "w", buffering=1)
+            self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        except OSError as e:
+            self.failed = True
+            log.warning("rank %d: per-iteration trace %s stopped: %s", self.rank,
+                        self.path, e.strerror or e)
+
+
+# -- reading ---------------------------------------------------------------------------
+def read_trace(path: str) -> list[dict]:
+    """The lines of one trace file; a torn last line (the sidecar was killed while
+    writing) is skipped."""
+    out = []
+    with open(path) as f:
+        for ln in f:
+            try:
+                out.append(json.loads(ln))
+            except ValueError:
+                continue
+    return out
+
+
+def read_run(run_dir: str) -> dict[int, list[dict]]:
+    """{rank: trace lines} of every ``trace-<rank>.jsonl`` in ``run_dir``."""
+    out = {}
+    for path in glob.glob(os.path.join(run_dir, "trace-*.jsonl")):
+        lines = read_trace(path)
+        rank = int(os.path.basename(path)[len("trace-"):-len(".jsonl")])
+        out[rank] = lines
+    return dict(sorted(out.items()))
+
+
+def iterations(lines: list[dict]) -> list[dict]:
+    return [ln for ln in lines if ln.get("kind") == "iteration"]
+
+
+def comm_times_ms(lines: list[dict]) -> list[float]:
+    """Comm time per iteration in ms (the report's ``comm_ms_median``/``p95`` source)."""
+    return [ln["comm_s"] * 1e3 for ln in iterations(lines)]
+
+
+def channel_totals(lines: list[dict]) -> dict[str, dict[str, int]]:
+    """Per channel, the sum of every line's deltas: one sidecar's counters."""
+    out: dict[str, dict[str, int]] = {}
+    for ln in lines:
+        for name, ch in ln.get("channels", {}).items():
+            acc = out.setdefault(name, dict.fromkeys(FIELDS, 0))
+            for k, v in ch.items():
+                acc[k] += v
+    return out
+

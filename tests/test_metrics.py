@@ -1,0 +1,226 @@
+"""The sidecars' Prometheus endpoints and per-iteration traces on a real 4-worker job:
+real HTTP scrapes, parsed with prometheus_client's own parser."""
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dgt.metrics import CHANNEL_METRICS
+from dgt.trace import channel_totals, comm_times_ms, iterations, read_run
+
+pytestmark = pytest.mark.slow
+
+WORKERS = 4
+
+
+def free_port_run(n: int) -> int:
+    """A base port with n free consecutive TCP ports on 127.0.0.1."""
+    for _ in range(200):
+        base = random.randint(20000, 60000)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port run")
+
+
+def scrape(port: int) -> dict | None:
+    """{(name, labels tuple): value} of one scrape, None when nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def counters_of(sample: dict) -> dict:
+    """{channel: {field: value}} from a scrape."""
+    out: dict = {}
+    for fld, name, _ in CHANNEL_METRICS:
+        for (n, labels), v in sample.items():
+            if n == name:
+                out.setdefault(dict(labels)["channel"], {})[fld] = v
+    return out
+
+
+def start_job(tmp_path, *extra):
+    cmd = [sys.executable, "-m", "dgt.cli", "train", "--workers", str(WORKERS),
+           "--hidden", "64", "--iterations", "60", "--report", str(tmp_path / "report.json"),
+           "--run-dir", str(tmp_path / "run"), *map(str, extra)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_endpoints_rise_and_final_scrape_equals_report(tmp_path):
+    base = free_port_run(WORKERS)
+    p = start_job(tmp_path, "--metrics-port", base, "--metrics-linger-s", 4)
+    run = tmp_path / "run"
+    try:
+        first: dict[int, dict] = {}
+        second: dict[int, dict] = {}
+        final: dict[int, dict] = {}
+        deadline = time.monotonic() + 200
+        while len(final) < WORKERS and time.monotonic() < deadline and p.poll() is None:
+            for r in range(WORKERS):
+                if r in final:
+                    continue
+                report_written = (run / f"sidecar-{r}.json").exists()
+                s = scrape(base + r)
+                if s is None:
+                    continue
+                pushes = s[("dgt_pushes_total", ())]
+                if report_written:   # counters frozen: the endpoint lingers
+                    final[r] = s
+                elif r not in first and pushes >= 1:
+                    first[r] = s
+                elif r in first and r not in second and \
+                        pushes > first[r][("dgt_pushes_total", ())]:
+                    second[r] = s
+            time.sleep(0.1)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, out[-3000:]
+    assert sorted(final) == list(range(WORKERS)), out[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    for r in range(WORKERS):
+        later = second.get(r, final[r])
+        assert r in first, f"rank {r} never scraped while training"
+        a, b = counters_of(first[r]), counters_of(later)
+        assert b["tcp"]["blocks_sent"] > a["tcp"]["blocks_sent"]
+        assert b["tcp"]["bytes_sent"] > a["tcp"]["bytes_sent"]
+        assert later[("dgt_comm_seconds_count", ())] > first[r][("dgt_comm_seconds_count", ())]
+        assert ("process_resident_memory_bytes", ()) in later
+        # the final scrape equals this sidecar's report counters exactly
+        side = json.loads((run / f"sidecar-{r}.json").read_text())
+        got = counters_of(final[r])
+        assert got == {name: {k: float(v) for k, v in ch.items()}
+                       for name, ch in side["channels"].items()}
+        assert final[r][("dgt_pushes_total", ())] == side["pushes"]
+        assert final[r][("dgt_blocks_local_total", ())] == side["blocks_local"]
+        assert final[r][("dgt_iteration", ())] == report["iterations"] - 1
+        # the file beside the report holds the same exposition's counters
+        text = (run / f"metrics-{r}.prom").read_text()
+        filed = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                 for fam in text_string_to_metric_families(text) for s in fam.samples}
+        assert counters_of(filed) == got
+    # summed over ranks, the final scrapes are the report's channels
+    total: dict = {}
+    for r in range(WORKERS):
+        for name, ch in counters_of(final[r]).items():
+            acc = total.setdefault(name, {})
+            for k, v in ch.items():
+                acc[k] = acc.get(k, 0) + v
+    assert total == {name: {k: float(v) for k, v in ch.items()}
+                     for name, ch in report["channels"].items()}
+
+
+def test_traces_recompute_the_report(tmp_path):
+    p = start_job(tmp_path, "--drop-udp", 0.05)
+    out, _ = p.communicate(timeout=240)
+    assert p.returncode == 0, out[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    traces = read_run(str(tmp_path / "run"))
+    assert sorted(traces) == list(range(WORKERS))
+    import numpy as np
+    comm = comm_times_ms(traces[0])
+    assert len(comm) == report["iterations"]
+    assert float(np.median(comm)) == report["comm_ms_median"]
+    assert float(np.percentile(comm, 95)) == report["comm_ms_p95"]
+    total: dict = {}
+    for lines in traces.values():
+        assert [ln["t"] for ln in iterations(lines)] == list(range(report["iterations"]))
+        for name, ch in channel_totals(lines).items():
+            acc = total.setdefault(name, {})
+            for k, v in ch.items():
+                acc[k] = acc.get(k, 0) + v
+    assert total == report["channels"]
+    lost = sum(ch["blocks_lost"] for ch in report["channels"].values())
+    assert lost > 0, "precondition: --drop-udp lost blocks"
+    assert sum(ln["lost"] for lines in traces.values() for ln in iterations(lines)) == lost
+    for lines in traces.values():
+        for ln in iterations(lines):
+            assert ln["push_start_s"] <= ln["reliable_sent_s"] <= ln["end_s"] <= ln["apply_s"]
+            assert len(ln["pull_s"]) == WORKERS and 0 <= ln["k"] <= 1
+
+
+@pytest.mark.parametrize("case", ["in_use", "bad_host", "not_local"])
+def test_bad_metrics_endpoint_is_one_line_and_nothing_starts(tmp_path, case):
+    base = free_port_run(WORKERS)
+    holder = socket.socket()
+    args = ["--metrics-port", base]
+    if case == "in_use":   # rank 2's port is taken
+        holder.bind(("127.0.0.1", base + 2))
+        holder.listen()
+    elif case == "bad_host":
+        args += ["--metrics-host", "not-an-address"]
+    else:
+        args += ["--metrics-host", "192.0.2.1"]   # TEST-NET-1: not on this host
+    shm_before = {f for f in os.listdir("/dev/shm") if f.startswith("dgt-")}
+    try:
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers",
+                            str(WORKERS), "--hidden", "32", "--iterations", "2",
+                            "--run-dir", str(tmp_path / "run"), *map(str, args)],
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        holder.close()
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--metrics-" in lines[0], p.stderr
+    assert p.stdout == ""
+    assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run"), \
+        os.listdir(tmp_path / "run")
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("dgt-")} <= shm_before
+    assert not processes_naming(str(tmp_path))
+
+
+def processes_naming(text: str) -> list[str]:
+    """Command lines of running processes that contain ``text``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and int(pid) != os.getpid():
+            out.append(cmd)
+    return out
+
+
+def test_sidecar_alone_refuses_a_port_in_use(tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        p = subprocess.run([sys.executable, "-m", "dgt.sidecar", "--rank", "0", "--world",
+                            "1", "--run-dir", str(tmp_path), "--socket",
+                            str(tmp_path / "s.sock"), "--metrics-port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        holder.close()
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and f"port {port}" in p.stderr
+    assert not (tmp_path / "s.sock").exists()

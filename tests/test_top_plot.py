@@ -1,0 +1,91 @@
+"""'dgt top' in tmux against a live 4-worker job, and 'dgt plot' on a real report."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WORKERS = 4
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+[0-9.]+\s+[0-9.]+", re.M)
+
+
+def tmux(*args) -> str:
+    return subprocess.run(["tmux", *args], capture_output=True, text=True,
+                          timeout=20).stdout
+
+
+def rows(pane: str) -> dict[int, int]:
+    """{rank: iteration} of the table rows in a captured pane."""
+    return {int(r): int(it) for r, it in ROW.findall(pane)}
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (Debian package tmux)")
+def test_top_shows_every_rank_live_and_q_quits(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    job = subprocess.Popen([sys.executable, "-m", "dgt.cli", "train", "--workers",
+                            str(WORKERS), "--hidden", "64", "--iterations", "600",
+                            "--run-dir", str(run)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.STDOUT)
+    name = f"dgttop-{uuid.uuid4().hex[:8]}"
+    cmd = f"{sys.executable} -m dgt.cli top {run} --interval-s 0.3; echo top-exited-$?; sleep 60"
+    tmux("new-session", "-d", "-s", name, "-x", "150", "-y", "30", cmd)
+    try:
+        seen: list[dict[int, int]] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.poll() is None:
+            got = rows(tmux("capture-pane", "-p", "-t", name))
+            if sorted(got) == list(range(WORKERS)) and (not seen or got != seen[-1]):
+                seen.append(got)
+                if len(seen) >= 2:
+                    break
+            time.sleep(0.3)
+        pane = tmux("capture-pane", "-p", "-t", name)
+        assert len(seen) >= 2, pane
+        assert all(seen[1][r] >= seen[0][r] for r in range(WORKERS))
+        assert seen[1] != seen[0]   # numbers change while the job runs
+        assert "dgt top" in pane and "tcp" in pane and "udp1" in pane
+        tmux("send-keys", "-t", name, "q")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "top-exited-" not in pane:
+            time.sleep(0.2)
+            pane = tmux("capture-pane", "-p", "-t", name)
+        assert "top-exited-0" in pane, pane
+    finally:
+        tmux("kill-session", "-t", name)
+        job.kill()
+        job.wait()
+
+
+def test_plot_writes_pngs_from_a_real_report(tmp_path):
+    from conftest import run_train
+    _, r = run_train(tmp_path, "--workers", 2, "--hidden", 32, "--iterations", 24,
+                     "--eval-every", 6)
+    assert len(r["comm_ms"]) == r["iterations"] == 24
+    for source, out in ((tmp_path / "report.json", tmp_path / "png"),
+                        (tmp_path / "run", tmp_path / "png-run")):
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "plot", str(source), "--out",
+                            str(out)], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        names = sorted(x.name for x in out.iterdir())
+        assert names == ["accuracy_iteration.png", "accuracy_time.png",
+                         "channel_bytes.png", "comm_time.png"]
+        for x in out.iterdir():
+            data = x.read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plot_refuses_what_is_not_a_report(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps([1, 2]))
+    for source in (bad, tmp_path / "missing.json", tmp_path):
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "plot", str(source)],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and "dgt plot: error:" in p.stderr

@@ -205,11 +205,21 @@ def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
         raise WireError("bad_length", f"have {len(mv)} B, header says {frame_size(h)} B")
     end = HEADER_BYTES + h.length
     if key is not None:
-        if not h.flags & Flag.MAC:
-            raise WireError("no_mac")
-        if not hmac.compare_digest(mac_tag(key, mv[:end]), mv[end:]):
-            raise WireError("bad_mac")
+        check_mac(mv, h, key)
     return h, mv[HEADER_BYTES:end]
+
+
+def check_mac(mv: memoryview, h: Header, key: bytes) -> None:
+    """Verify the MAC of the one whole message ``mv`` (header ``h``, length checked).
+
+    Raises :class:`WireError` (``no_mac``, ``bad_mac``). Receivers call it after the
+    cheap checks (session, shard, sender, iteration window), so a stranger's message
+    costs a header decode, not a keyed hash."""
+    if not h.flags & Flag.MAC:
+        raise WireError("no_mac")
+    end = HEADER_BYTES + h.length
+    if not hmac.compare_digest(mac_tag(key, mv[:end]), mv[end:]):
+        raise WireError("bad_mac")
 
 
 # ---------------------------------------------------------------------------------------

@@ -555,6 +555,8 @@ class Sidecar:
     def _on_frame(self, proto: FrameProtocol, h: wire.Header, payload: memoryview,
                   now: float) -> None:
         self._apply(self.control.receive_frame(proto.conn_id, h, payload, now), now)
+        if proto.peer_rank is None:   # after HELLO its receive buffer may grow
+            proto.peer_rank = self.control.rank_of(proto.conn_id)
 
     def _apply(self, events: list, now: float | None = None) -> None:
         """Carry out transport.control's events."""

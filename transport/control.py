@@ -290,6 +290,11 @@ class ControlProtocol:
         ones it trusts them on without a MAC."""
         return [c.id for c in self.conns.values() if c.rank is not None and not c.outgoing]
 
+    def rank_of(self, conn: int) -> int | None:
+        """The rank a HELLO tied ``conn`` to (or that we dialled), else None."""
+        c = self.conns.get(conn)
+        return c.rank if c is not None else None
+
     def state(self, conn: int) -> ConnState | None:
         c = self.conns.get(conn)
         return c.state if c is not None else None

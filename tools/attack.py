@@ -81,8 +81,11 @@ def _session_of(pkt: bytes, ports: set[int]) -> int | None:
 
 
 def attack(host: str, base_port: int, world: int, duration_s: float, idle: int = 256,
-           every_s: float = 0.05, sniff: bool = False, seed: int = 0) -> dict:
-    """Run the attack; return what was sent (counts) and whether the session was seen."""
+           every_s: float = 0.05, sniff: bool = False, seed: int = 0,
+           stop: threading.Event | None = None) -> dict:
+    """Run the attack for ``duration_s`` (or until ``stop`` is set); return what was sent
+    (counts) and whether the session was seen. Raises ValueError for a host that is
+    not loopback, PermissionError for ``sniff`` without root."""
     if not ipaddress.ip_address(host).is_loopback:
         raise ValueError(f"{host} is not a loopback address: attack only your own host")
     rng = random.Random(seed)
@@ -98,7 +101,7 @@ def attack(host: str, base_port: int, world: int, duration_s: float, idle: int =
     t_end = time.monotonic() + duration_s
     next_forge = 0.0
     try:
-        while time.monotonic() < t_end:
+        while time.monotonic() < t_end and not (stop is not None and stop.is_set()):
             for p in ports:
                 live = [s for s in held[p] if _alive(s)]
                 for s in set(held[p]) - set(live):

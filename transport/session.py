@@ -291,26 +291,25 @@ class ShardSession:
                 self.counters.rejected[reason] += int(bad.sum())
                 events.append(Rejected(reason))
                 ok &= ~bad
+        w_all = hdr["sender"].astype(np.int64)
+        it = hdr["iteration"].astype(np.int64)
+        ch_all = hdr["channel"].astype(np.int64)
+        # the iteration window before the MAC: a forged run costs no keyed hash
+        for reason, bad in (("future", ok & (it > self.iteration)),
+                            ("stale", ok & (it < self.iteration - 1))):
+            if bad.any():
+                self.counters.rejected[reason] += int(bad.sum())
+                events.append(Rejected(reason))
+                ok &= ~bad
         if self.key is not None:
             end = wire.HEADER_BYTES + self.block_payload
             for i in np.flatnonzero(ok):  # keyed hashes have no vector form
                 if not hmac.compare_digest(wire.mac_tag(self.key, rows[i, :end].data),
-                                                rows[i, end:].tobytes()):
+                                           rows[i, end:].tobytes()):
                     ok[i] = False
                     self.counters.rejected["bad_mac"] += 1
-        w_all = hdr["sender"].astype(np.int64)
-        it = hdr["iteration"].astype(np.int64)
-        ch_all = hdr["channel"].astype(np.int64)
-        future = ok & (it > self.iteration)
-        if future.any():
-            self.counters.rejected["future"] += int(future.sum())
-            events.append(Rejected("future"))
         w_safe = np.where(ok, w_all, 0)
-        stale = ok & (it < self.iteration - 1)
-        if stale.any():
-            self.counters.rejected["stale"] += int(stale.sum())
-            events.append(Rejected("stale"))
-            ok &= ~stale
+        future = np.zeros(n, bool)
         late = ok & ((it < self.iteration) | ((it == self.iteration) & self.finalised[w_safe]))
         if late.any():
             for c, k in zip(*np.unique(ch_all[late], return_counts=True)):

@@ -229,7 +229,10 @@ class Sidecar:
             return
         with open(os.path.join(self.node.run_dir, f"endpoints-{self.rank}.json"), "w") as f:
             json.dump(me, f)
-        self._apply(self.control.set_session(self.session_id, time.monotonic()))
+        hosts: dict[int, set[str]] = {}
+        for (addr, _), r in (self.udp_sources or {}).items():
+            hosts.setdefault(r, set()).add(addr)
+        self._apply(self.control.set_session(self.session_id, time.monotonic(), hosts))
         self.rendezvoused.set()
 
     # -- trainer ----------------------------------------------------------------------
@@ -407,9 +410,14 @@ class Sidecar:
         """An accepted connection: transport.control gives it a slot (evicting the
         oldest connection still without HELLO when all are taken) and a HELLO deadline."""
         p = self._protocol(None)
-        self._apply(self.control.accepted(p.conn_id, time.monotonic()))
-        self._arm_control_timer()
+        p.on_made = self._on_accepted
         return p
+
+    def _on_accepted(self, p: FrameProtocol) -> None:
+        peer = p.transport.get_extra_info("peername")
+        self._apply(self.control.accepted(p.conn_id, time.monotonic(),
+                                          peer[0] if peer else None))
+        self._arm_control_timer()
 
     @property
     def in_conns(self) -> dict[int, FrameProtocol]:

@@ -75,15 +75,36 @@ def test_a_forged_hello_does_not_take_a_real_peers_place():
                                             "or network down)")]
 
 
-def test_candidates_per_rank_are_capped():
-    c = control(max_candidates=2)
-    hello(c, 1)
-    hello(c, 2)
-    assert hello(c, 3) == [CloseConnection(1, "evicted_candidate")]
-    c.confirm(3)
-    assert hello(c, 4) == []            # the established one is never evicted
-    assert hello(c, 5) == [CloseConnection(2, "evicted_candidate")]
-    assert c.incoming() == {1: 3}
+def test_candidates_per_rank_are_capped_and_a_peer_s_own_is_kept():
+    c = ControlProtocol(rank=0, world=3, authenticated=False, rejected={},
+                        max_candidates=2)
+    c.set_session(SESSION, 0.0, hosts={1: {"10.0.0.1"}, 2: {"10.0.0.2"}})
+
+    def hello_from(conn, host, sender=1):
+        c.accepted(conn, 0.0, host)
+        return c.receive_frame(conn, *frame(MsgType.HELLO, sender=sender), 0.0)
+
+    assert hello_from(1, "10.0.0.1") == []          # the real rank 1
+    assert hello_from(2, "10.9.9.9") == []          # forged, from elsewhere
+    assert hello_from(3, "10.9.9.9") == [CloseConnection(2, "evicted_candidate")]
+    assert hello_from(4, "::ffff:10.9.9.9") == [CloseConnection(3, "evicted_candidate")]
+    assert c.incoming() == {1: 1}                   # PULLs go to the rank's address
+    # forged from the rank's own address too: the newcomer goes, the first one stays
+    assert hello_from(5, "10.0.0.1") == [CloseConnection(4, "evicted_candidate")]
+    assert hello_from(6, "10.0.0.1") == [CloseConnection(6, "evicted_candidate")]
+    c.confirm(5)
+    assert c.incoming() == {1: 5}                   # traffic decides
+    assert c.lost(1, 1.0) == []
+
+
+def test_full_slots_evict_a_stranger_s_connection_before_a_peer_s():
+    c = ControlProtocol(rank=0, world=3, authenticated=False, rejected={}, max_pending=2)
+    c.set_session(SESSION, 0.0, hosts={1: {"10.0.0.1"}, 2: {"10.0.0.2"}})
+    c.accepted(1, 0.0, "10.0.0.1")                  # a peer, its HELLO not read yet
+    c.accepted(2, 0.0, "10.9.9.9")
+    assert c.accepted(3, 0.0, "10.9.9.9") == [CloseConnection(2, "evicted_pending")]
+    assert c.accepted(4, 0.0, "10.9.9.9") == [CloseConnection(3, "evicted_pending")]
+    assert c.state(1) is ConnState.PENDING
 
 
 def test_a_hello_before_the_session_is_known_is_held():

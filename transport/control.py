@@ -15,16 +15,18 @@ HELLO, then a *candidate* of the rank the HELLO names, and *established* once th
 accepted a BLOCKS or END frame on it (:meth:`confirm`). Rules, each one a defence:
 
 - **Slots.** At most ``max_pending`` pending connections; when full, the *oldest*
-  pending one is closed (``evicted_pending``) rather than the new one refused, so idle
-  connections of a stranger cannot keep a peer out: a peer says HELLO in its first
-  segment and leaves the pending set within a round trip. A pending connection closes
-  after ``hello_timeout_s`` (``no_hello``).
+  pending one from no peer's published address (else the oldest) is closed
+  (``evicted_pending``) rather than the new one refused, so idle connections of a
+  stranger cannot keep a peer out: a peer says HELLO in its first segment and leaves
+  the pending set within a round trip. A pending connection closes after
+  ``hello_timeout_s`` (``no_hello``).
 - **HELLO** must carry this job's session id (a per-job random token from the
   rendezvous store), a sender other than us and below the world size, and ``shard`` =
   our rank. A HELLO that arrives before we know the session is held until we do. A
   valid HELLO for a rank that has a connection already does not replace it: both are
-  candidates (at most ``max_candidates`` per rank, oldest unestablished evicted), and
-  the one the shard accepts traffic on gets the PULLs.
+  candidates, and the one the shard accepts traffic on gets the PULLs. At most
+  ``max_candidates`` per rank: beyond, the oldest from another address than the rank's
+  published one is closed, else the newcomer (``evicted_candidate``).
 - **ERROR and BYE** change state only on a *verified* connection: one we dialled
   ourselves (to the endpoint the rendezvous store gave), or any connection when frames
   carry a MAC (``--secret``). Elsewhere they are ``unverified_control``. Every node
@@ -117,6 +119,7 @@ class _Conn:
     state: ConnState
     rank: int | None = None
     held_hello: wire.Header | None = None   # came before the session id was known
+    host: str | None = None                 # the source address, when known
 
 
 @dataclass
@@ -137,12 +140,18 @@ class ControlProtocol:
     left: set = field(default_factory=set)
     conns: dict = field(default_factory=dict)       # id -> _Conn, insertion = age order
     shard_ranges: dict = field(default_factory=dict)   # rank -> (first block, n blocks)
+    hosts: dict = field(default_factory=dict)   # rank -> its published addresses
     block_elems: int = 0
 
     # -- set-up -----------------------------------------------------------------------
-    def set_session(self, session: int, now: float) -> list:
-        """The job's session id is known (rendezvous done): handle held HELLOs."""
+    def set_session(self, session: int, now: float,
+                    hosts: dict[int, set[str]] | None = None) -> list:
+        """The job's session id is known (rendezvous done): handle held HELLOs.
+        ``hosts``: rank -> the numeric addresses it published (its UDP sockets'), used
+        to choose whom to evict: never a rank's connection from its own address while
+        one from elsewhere can go."""
         self.session = session
+        self.hosts = {r: set(v) for r, v in (hosts or {}).items()}
         events: list = []
         for c in list(self.conns.values()):
             if c.held_hello is not None:
@@ -155,14 +164,24 @@ class ControlProtocol:
         self.shard_ranges, self.block_elems = dict(shard_ranges), block_elems
 
     # -- connections ------------------------------------------------------------------
-    def accepted(self, conn: int, now: float) -> list:
-        """A connection was accepted. May evict the oldest pending one."""
+    def accepted(self, conn: int, now: float, host: str | None = None) -> list:
+        """A connection from address ``host`` was accepted. May evict the oldest pending
+        one (one from no peer's address first)."""
         events: list = []
         pending = [c for c in self.conns.values() if c.state is ConnState.PENDING]
         if len(pending) >= self.max_pending:
-            events.append(self._close(pending[0], Reason.EVICTED_PENDING))
-        self.conns[conn] = _Conn(conn, False, now, ConnState.PENDING)
+            events.append(self._close(self._victim(pending, None), Reason.EVICTED_PENDING))
+        self.conns[conn] = _Conn(conn, False, now, ConnState.PENDING, host=_plain(host))
         return events
+
+    def _victim(self, conns: list, rank: int | None) -> _Conn:
+        """The one of ``conns`` (oldest first) to evict: the oldest whose address is not
+        ``rank``'s (any peer's, for None), else the oldest."""
+        if rank is None:
+            known = set().union(*self.hosts.values()) if self.hosts else set()
+        else:
+            known = self.hosts.get(rank, set())
+        return next((c for c in conns if c.host not in known), conns[0])
 
     def connected(self, conn: int, rank: int, now: float) -> None:
         """We dialled ``rank``'s shard on ``conn`` (and sent HELLO)."""
@@ -243,7 +262,14 @@ class ControlProtocol:
         rivals = [o for o in self.conns.values() if o.rank == h.sender and not o.outgoing
                   and o.state is ConnState.CANDIDATE]
         if len(rivals) >= self.max_candidates:
-            events.append(self._close(rivals[0], Reason.EVICTED_CANDIDATE))
+            # a rival from elsewhere than the rank's address goes; else the newcomer:
+            # the rank's own connection came at start-up, before any HELLO could be
+            # forged with a sniffed session
+            known = self.hosts.get(h.sender, set())
+            foreign = [o for o in rivals if o.host not in known]
+            if not foreign:
+                return [self._close(c, Reason.EVICTED_CANDIDATE)]
+            events.append(self._close(foreign[0], Reason.EVICTED_CANDIDATE))
         c.state, c.rank = ConnState.CANDIDATE, h.sender
         return events
 
@@ -274,15 +300,18 @@ class ControlProtocol:
     # -- queries ----------------------------------------------------------------------
     def incoming(self) -> dict[int, int]:
         """rank -> the connection its PULLs go on: the established one, else the newest
-        candidate."""
+        candidate from the rank's own address, else the newest candidate."""
         out: dict[int, int] = {}
-        for c in self.conns.values():   # oldest first: newer candidates overwrite
+        for c in self.conns.values():   # oldest first: newer ones overwrite
             if c.outgoing or c.rank is None:
                 continue
-            if c.state is ConnState.ESTABLISHED or out.get(c.rank) is None or \
-                    self.conns[out[c.rank]].state is not ConnState.ESTABLISHED:
+            if c.rank not in out or self._rank_pref(c) >= self._rank_pref(
+                    self.conns[out[c.rank]]):
                 out[c.rank] = c.id
         return out
+
+    def _rank_pref(self, c: _Conn) -> int:
+        return 2 * (c.state is ConnState.ESTABLISHED) + (c.host in self.hosts.get(c.rank, ()))
 
     def peer_conns(self) -> list[int]:
         """The connections our ERROR and BYE go on: every accepted one that a HELLO tied
@@ -309,3 +338,10 @@ class ControlProtocol:
         self._reject(reason)
         self.conns.pop(c.id, None)
         return CloseConnection(c.id, reason.value)
+
+
+def _plain(host: str | None) -> str | None:
+    """An IPv4-mapped IPv6 address as its IPv4 form, so it compares with published ones."""
+    if host is not None and host.startswith("::ffff:") and "." in host:
+        return host[7:]
+    return host

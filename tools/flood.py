@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import socket
 import struct
 import sys
@@ -161,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the job runs with --secret: forge a MAC flag and a junk tag, so "
                         "the datagrams have the real ones' size")
     ns = p.parse_args(argv)
+    stop = threading.Event()   # SIGTERM ends the flood early, with its counts printed
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         out = flood(ns.host, ns.base_port, ns.world, ns.channels, ns.rate, ns.duration_s,
-                    ns.sniff, ns.spoof, ns.keyed)
+                    ns.sniff, ns.spoof, ns.keyed, stop=stop)
     except (ValueError, PermissionError) as e:
         print(f"flood: error: {e}", file=sys.stderr)
         return 2

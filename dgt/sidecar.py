@@ -41,7 +41,11 @@ from .shard import ServerShard
 from .transport import pmtu, sockopts, wire
 from .transport.aio import DatagramProtocol, FrameProtocol
 from .transport.channels import channel_dscp
+from .transport.control import (HELLO_TIMEOUT_S, MAX_PENDING_HELLO, CloseConnection,
+                                ControlProtocol, PeerFailed, PeerLeft, PullArrived,
+                                ShardFrame)
 from .transport.counters import Counters
+from .transport.reasons import Rejected
 from .transport.session import ShardSession
 from .transport.udp_batch import BatchSender, enable_gro
 from .transport.wire import MsgType
@@ -77,10 +81,6 @@ def udp_sources(peers: dict[int, dict], me: int) -> dict[tuple[str, int], int] |
 
 #: rendezvous waits allow --peer-timeout-s plus this for start-up (imports, the dataset)
 STARTUP_GRACE_S = 10.0
-#: an accepted TCP connection must send HELLO within this; peers send it on connect
-HELLO_TIMEOUT_S = 10.0
-#: accepted connections without HELLO at once (a job has at most world - 1 <= 63 peers)
-MAX_PENDING_HELLO = 128
 
 
 class Sidecar:
@@ -95,9 +95,14 @@ class Sidecar:
         self.counters = Counters()
         self.trace = Trace(node.run_dir, node.rank, self.counters, cfg.channels)
         self.out_conns: dict[int, FrameProtocol] = {}   # to peer shards (we are worker)
-        self.in_conns: dict[int, FrameProtocol] = {}    # from peer workers (we are shard)
-        self.pending_hello: list[FrameProtocol] = []    # accepted, no HELLO yet
-        self.left: set[int] = set()
+        # HELLO, slots, BYE, ERROR, PULL checks: transport.control, fed by _on_frame
+        self.control = ControlProtocol(rank=self.rank, world=self.world,
+                                       authenticated=self.key is not None,
+                                       rejected=self.counters.rejected)
+        self.conns: dict[int, FrameProtocol] = {}       # connection id -> protocol
+        self._conn_ids = 0
+        self._control_timer: asyncio.TimerHandle | None = None
+        self.left = self.control.left
         self.closed_after: dict[int, int] = {}   # rank -> iterations it pushed (its BYE)
         self.pushing: int | None = None          # the iteration our push is in
         self.udp: dict[int, tuple[asyncio.DatagramTransport, DatagramProtocol]] = {}
@@ -233,6 +238,10 @@ class Sidecar:
             return
         with open(os.path.join(self.node.run_dir, f"endpoints-{self.rank}.json"), "w") as f:
             json.dump(me, f)
+        hosts: dict[int, set[str]] = {}
+        for (addr, _), r in (self.udp_sources or {}).items():
+            hosts.setdefault(r, set()).add(addr)
+        self._apply(self.control.set_session(self.session_id, time.monotonic(), hosts))
         self.rendezvoused.set()
         print(f"dgt sidecar: rank {self.rank}/{self.world} ready: tcp {self.tcp_port}, "
               f"udp {self.udp_ports}, socket {self.node.socket}, run dir "
@@ -341,6 +350,8 @@ class Sidecar:
                      f"{pace:g} Mbit/s" if pace else "off", self.pace_source)
         lay = BlockLayout.from_bytes(n_params, self.cfg.block_bytes, self.world)
         self.layout = lay
+        self.control.set_layout({r: (lay.shard_lo(r), lay.shard_blocks(r))
+                                 for r in range(self.world)}, lay.block_elems)
         self._check_pace(lay)
         tag = f"dgt-{os.getpid()}-{self.session_id & 0xffffffff:08x}-r{rank}"
         # one buffer: the push reads the gradient out (plan) before any PULL of that
@@ -442,6 +453,7 @@ class Sidecar:
             proto.send(wire.encode(MsgType.HELLO, session=self.session_id, sender=self.rank,
                                    shard=r, key=self.key))
             self.out_conns[r] = proto
+            self.control.connected(proto.conn_id, r, time.monotonic())
             self._pace(proto)
 
     def _protocol(self, outgoing_to: int | None = None) -> FrameProtocol:
@@ -449,33 +461,42 @@ class Sidecar:
                           dscp=self.dscp[0], rto_min_ms=self.cfg.tcp_rto_min_ms)
         p.peer_rank = outgoing_to
         p.outgoing = outgoing_to is not None
+        self._conn_ids += 1
+        p.conn_id = self._conn_ids
+        self.conns[p.conn_id] = p
         return p
 
     def _accepted_protocol(self) -> FrameProtocol:
-        """An accepted connection must say HELLO within HELLO_TIMEOUT_S, and at most
-        MAX_PENDING_HELLO may be waiting at once; others are aborted and counted
-        (``rejected["no_hello"]``, ``["too_many_pending"]``), so strangers' idle
-        connections cannot pile up."""
+        """An accepted connection: transport.control gives it a slot (evicting the
+        oldest connection still without HELLO when all are taken) and a HELLO deadline."""
         p = self._protocol(None)
-        pending = [c for c in self.pending_hello if c.transport is not None
-                   and not c.transport.is_closing() and c.peer_rank is None]
-        self.pending_hello = pending + [p]
-        if len(pending) >= MAX_PENDING_HELLO:
-            p.connection_made = lambda tr, p=p: self._refuse(p, tr, "too_many_pending")
-            return p
-        asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._hello_deadline, p)
+        p.on_made = self._on_accepted
         return p
 
-    def _refuse(self, proto: FrameProtocol, transport, reason: str) -> None:
-        proto.transport = transport
-        self.counters.rejected[reason] += 1
-        transport.abort()
+    def _on_accepted(self, p: FrameProtocol) -> None:
+        peer = p.transport.get_extra_info("peername")
+        self._apply(self.control.accepted(p.conn_id, time.monotonic(),
+                                          peer[0] if peer else None))
+        self._arm_control_timer()
 
-    def _hello_deadline(self, proto: FrameProtocol) -> None:
-        if proto.peer_rank is None and proto.transport is not None \
-                and not proto.transport.is_closing():
-            self.counters.rejected["no_hello"] += 1
-            proto.transport.abort()
+    @property
+    def in_conns(self) -> dict[int, FrameProtocol]:
+        """rank -> the accepted connection that rank's PULLs go on."""
+        return {r: self.conns[i] for r, i in self.control.incoming().items()
+                if i in self.conns}
+
+    def _arm_control_timer(self) -> None:
+        if self._control_timer is not None:
+            return
+        at = self.control.next_timer()
+        if at is not None:
+            self._control_timer = asyncio.get_running_loop().call_later(
+                max(0.0, at - time.monotonic()), self._on_control_timer)
+
+    def _on_control_timer(self) -> None:
+        self._control_timer = None
+        self._apply(self.control.handle_timer(time.monotonic()))
+        self._arm_control_timer()
 
     def _send_tcp(self, shard: int, frame: bytes) -> None:
         conn = self.out_conns.get(shard)
@@ -615,76 +636,49 @@ class Sidecar:
 
     def _on_frame(self, proto: FrameProtocol, h: wire.Header, payload: memoryview,
                   now: float) -> None:
-        if h.session != self.session_id:
-            self._on_bad(proto, "stray")
-            proto.transport.abort()
-            return
-        if proto.peer_rank is None:  # accepted connection: must open with HELLO
-            if h.type != MsgType.HELLO or not 0 <= h.sender < self.world \
-                    or h.sender == self.rank or h.sender in self.in_conns:
-                self._on_bad(proto, "bad_hello")
-                proto.transport.abort()
-                return
-            proto.peer_rank = h.sender
-            self.in_conns[h.sender] = proto
-            return
-        if h.sender != proto.peer_rank:
-            self._on_bad(proto, "wrong_sender")
-            return
-        if h.type == MsgType.ERROR:
-            text = bytes(payload).decode("utf-8", "replace")[:500]
-            self.fail(f"rank {h.sender} reports: {text}", h.block if h.block < self.world
-                      else h.sender, propagate=False)
-        elif h.type == MsgType.BYE:
-            self.left.add(h.sender)
-            self.closed_after[h.sender] = h.count
-            if self.pushing is not None:
-                self._check_closed(self.pushing)
-            self._check_finished()
-        elif h.type == MsgType.PULL and proto.outgoing:
-            self._on_pull_frame(h, payload)
-        elif h.type in (MsgType.BLOCKS, MsgType.END) and not proto.outgoing:
-            if self.shard is None:
-                self._on_bad(proto, "not_ready")
-                return
-            self.shard.handle(self.shard.session.receive_frame(h, payload, now))
-            self._arm_timer()
-        else:
-            self._on_bad(proto, "unexpected_type")
+        self._apply(self.control.receive_frame(proto.conn_id, h, payload, now), now)
+        if proto.peer_rank is None:   # after HELLO its receive buffer may grow
+            proto.peer_rank = self.control.rank_of(proto.conn_id)
 
-    def _on_pull_frame(self, h: wire.Header, payload: memoryview) -> None:
-        lay = self.layout
-        s = h.shard
-        if self.agent is None or s != h.sender or h.block != lay.shard_lo(s) \
-                or h.count != lay.shard_blocks(s):
-            self.counters.rejected["bad_pull"] += 1
-            return
-        try:
-            agg, received = wire.unpack_pull(payload, h.count, lay.block_elems)
-        except wire.WireError as e:
-            self.counters.rejected[e.reason] += 1
-            return
-        if not self.agent.on_pull(s, h.iteration, agg, received):
-            self.counters.rejected["bad_pull"] += 1
+    def _apply(self, events: list, now: float | None = None) -> None:
+        """Carry out transport.control's events."""
+        for e in events:
+            if isinstance(e, ShardFrame):
+                if self.shard is None:
+                    self.counters.rejected["not_ready"] += 1
+                    continue
+                out = self.shard.session.receive_frame(e.header, e.payload, now)
+                self.shard.handle(out)
+                if not any(isinstance(o, Rejected) for o in out):
+                    self.control.confirm(e.conn)
+                self._arm_timer()
+            elif isinstance(e, PullArrived):
+                if self.agent is None or not self.agent.on_pull(
+                        e.shard, e.iteration, e.aggregate, e.received):
+                    self.counters.rejected["bad_pull"] += 1
+            elif isinstance(e, CloseConnection):
+                p = self.conns.get(e.conn)
+                if p is not None and p.transport is not None:
+                    p.transport.abort()
+            elif isinstance(e, PeerLeft):
+                if not e.clean:
+                    log.warning("rank %d: rank %d left without BYE", self.rank, e.rank)
+                if e.pushed is not None:   # its BYE: how many iterations it pushed
+                    self.closed_after[e.rank] = e.pushed
+                    if self.pushing is not None:
+                        self._check_closed(self.pushing)
+                self._check_finished()
+            elif isinstance(e, PeerFailed) and not self.done.is_set():
+                self.fail(e.reason, e.rank, propagate=not e.reported)
 
     def _on_bad(self, proto: FrameProtocol, reason: str) -> None:
-        self.counters.rejected[reason] += 1
+        self._apply(self.control.bad_frame(proto.conn_id, reason))
 
     def _on_lost(self, proto: FrameProtocol, exc) -> None:
-        r = proto.peer_rank
-        if r is None or self.done.is_set():
-            return  # a stranger's connection, or we are shutting down
-        conns = self.out_conns if proto.outgoing else self.in_conns
-        if conns.get(r) is not proto:
-            return
-        if r in self.left:
-            return
-        if self.finishing:  # our work is done; its own launcher reports the death
-            log.warning("rank %d: rank %d left without BYE", self.rank, r)
-            self.left.add(r)
-            self._check_finished()
-            return
-        self.fail(f"lost connection to rank {r} (process died or network down)", r)
+        self.conns.pop(proto.conn_id, None)
+        if self.done.is_set():
+            return   # we are shutting down
+        self._apply(self.control.lost(proto.conn_id, time.monotonic()))
 
     def _arm_timer(self) -> None:
         """Keep one timer armed for the shard's earliest post-END deadline."""
@@ -718,7 +712,7 @@ class Sidecar:
                                     sender=self.rank,
                                     block=rank if rank is not None else 0xFFFFFFFF,
                                     payload=message.encode()[:1000], key=self.key)
-                for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
+                for conn in self._peer_conns():
                     conn.send(frame)
             self._to_trainer({"op": "error", "rank": rank, "message": message})
             if self.rdv is not None:  # ranks still in a rendezvous wait learn it there
@@ -741,10 +735,16 @@ class Sidecar:
         # count: the iterations we pushed, so a peer still pushing knows at once
         bye = wire.encode(MsgType.BYE, session=self.session_id, sender=self.rank,
                           count=self.pushes, key=self.key)
-        for conn in list(self.out_conns.values()) + list(self.in_conns.values()):
+        self.control.finishing = True
+        for conn in self._peer_conns():
             conn.send(bye)
         self._check_finished()
         asyncio.get_running_loop().call_later(self.cfg.peer_timeout_s, self._finish_timeout)
+
+    def _peer_conns(self) -> list[FrameProtocol]:
+        """The accepted connections that a HELLO tied to a rank: ERROR and BYE go on
+        them (a peer trusts them only on a connection it dialled, transport.control)."""
+        return [self.conns[i] for i in self.control.peer_conns() if i in self.conns]
 
     def _check_finished(self) -> None:
         peers = set(self.peers) - {self.rank}

@@ -328,16 +328,41 @@ def test_a_marker_and_its_copy_coalesced_by_gro_are_read_one_by_one():
         [Rejected("bad_length")]
 
 
-def test_a_tcp_frame_drops_only_the_rows_already_received():
-    """A stray copy of one block (here a UDP datagram for a row the worker sends over
-    TCP) costs that row only, not the whole reliable frame."""
-    s = session(n_workers=1)
-    s.receive_datagram(dgram(0, 11, ch=1), now=0)
-    ev = s.receive_frame(*tcp_blocks(0, [10, 11, 12]), now=0)
-    assert kinds(ev) == ["Rejected", "BlocksArrived"]
-    assert ev[1].rows.tolist() == [0, 2] and ev[1].data[:, 0].tolist() == [0.0, 2.0]
+@pytest.mark.parametrize("gro", [False, True])
+def test_a_reliable_block_displaces_an_unreliable_copy_of_it(gro):
+    """A forged (or stray) UDP copy of a block the worker sends over TCP came first: the
+    TCP row still wins. The shard stores the TCP data, the UDP delivery is recounted as
+    a duplicate on its channel, and the END accounting sees the block on TCP. (The UDP
+    copy used to win and the reliable row was dropped as the duplicate.)"""
+    from dgt.layout import BlockLayout
+    from dgt.shard import ServerShard
+    lay = BlockLayout.from_bytes(20 * ELEMS, ELEMS * 4, 2)
+    s = ShardSession(session=S, shard=1, lo=lay.shard_lo(1), hi=lay.shard_hi(1),
+                     block_elems=ELEMS, n_workers=2, deadline_s=0.05)
+    shard = ServerShard(lay, 1, s, lambda *a: None)
+    lo = lay.shard_lo(1)
+    forged = dgram(0, lo + 1, ch=2, val=666.0) + (dgram(0, lo + 3, ch=2, val=667.0)
+                                                   if gro else b"")
+    shard.handle(s.receive_datagram(forged, now=0))
+    assert s.counters.channels[2].blocks_delivered == 1 + gro
+    ev = s.receive_frame(*tcp_blocks(0, [lo, lo + 1, lo + 2]), now=0)
+    shard.handle(ev)
+    assert kinds(ev) == ["BlocksArrived"]
+    assert ev[0].rows.tolist() == [0, 1, 2]
+    assert shard.recv[0, :3, 0].tolist() == [0.0, 1.0, 2.0]   # the TCP data
+    assert s.counters.channels[0].blocks_delivered == 3
+    assert s.counters.channels[0].blocks_duplicate == 0
+    assert s.counters.channels[2].blocks_delivered == gro
+    assert s.counters.channels[2].blocks_duplicate == 1
+    assert s.per_channel[0, :3].tolist() == [3, 0, gro]
+    # and a later UDP copy of a TCP row is the duplicate, never the winner
+    assert s.receive_datagram(dgram(0, lo + 2, ch=1, val=9.0), now=0) == \
+        [Rejected("duplicate")]
+    assert s.counters.channels[1].blocks_duplicate == 1
+    # a TCP row sent twice is still a duplicate of itself
+    ev = s.receive_frame(*tcp_blocks(0, [lo + 2, lo + 4]), now=0)
+    assert kinds(ev) == ["Rejected", "BlocksArrived"] and ev[1].rows.tolist() == [4]
     assert s.counters.channels[0].blocks_duplicate == 1
-    assert s.counters.channels[0].blocks_delivered == 2
 
 
 def test_a_tcp_frame_naming_a_block_twice_is_rejected():
@@ -351,8 +376,8 @@ def test_end_completes_the_reliable_channel_without_a_deadline():
     reliable block that is not in when END is read (rejected) will not come, so END
     finalises at once, counting it lost, instead of waiting for the deadline."""
     s = session(n_workers=1)
-    s.receive_datagram(dgram(0, 11, ch=1), now=0)            # a stray copy of row 11
-    s.receive_frame(*tcp_blocks(0, [10, 11]), now=0)          # row 11 dropped as duplicate
+    s.receive_frame(*tcp_blocks(0, [10]), now=0)
+    s.receive_frame(*tcp_blocks(0, [11, 25]), now=0)          # rejected: block 25 not ours
     ev = s.receive_frame(*end(0, [2, 0]), now=0)
     assert kinds(ev) == ["WorkerFinalised", "IterationComplete"]
     assert ev[0].reason == "tail"

@@ -29,11 +29,34 @@ def _valid(rng: random.Random) -> bytes:
                        count=rng.randrange(3), payload=rng.randbytes(n))
 
 
+def _wrong_field(rng: random.Random) -> bytes:
+    """A well-formed message with one field set to an edge or random value (type,
+    channel, flags, sender, shard, iteration, block, count)."""
+    buf = bytearray(_valid(rng))
+    name, code = rng.choice([f for f in wire.HEADER_FIELDS[2:] if f[0] not in
+                             ("session", "length")])
+    off = wire.HEADER_DTYPE.fields[name][1]
+    size = wire.HEADER_DTYPE.fields[name][0].itemsize
+    top = (1 << (8 * size)) - 1
+    value = rng.choice([0, 1, top, top - 1, rng.randrange(top + 1)])
+    buf[off:off + size] = value.to_bytes(size, "big")
+    return bytes(buf)
+
+
 def mutant(rng: random.Random) -> bytes:
-    """One malformed or stray message."""
-    kind = rng.randrange(5)
+    """One malformed or stray message: random bytes, flipped bytes, truncated, extended,
+    a lying length, a wrong field in a valid header, or several messages concatenated
+    (whole or cut)."""
+    kind = rng.randrange(7)
     if kind == 0:
         return rng.randbytes(rng.randrange(0, 1500))
+    if kind == 5:
+        return _wrong_field(rng)
+    if kind == 6:
+        parts = [_valid(rng) if rng.random() < 0.5 else _wrong_field(rng)
+                 for _ in range(rng.randrange(2, 5))]
+        cat = b"".join(parts)
+        return cat if rng.random() < 0.5 else cat[: rng.randrange(1, len(cat))]
     buf = bytearray(_valid(rng))
     if kind == 1:  # flip bytes anywhere, header included
         for _ in range(rng.randrange(1, 6)):

@@ -54,6 +54,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.peer_rank: int | None = None  # learned from HELLO
         self.outgoing = False
         self.paced = False      # owner's flag: SO_MAX_PACING_RATE set on this socket
+        self.on_made: Callable | None = None   # on_made(proto) once connected
 
     def connection_made(self, transport):
         self.transport = transport
@@ -66,6 +67,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 log.debug("could not set DSCP on accepted socket: %s", e)
         if sock is not None:
             sockopts.set_rto_min(sock, self.rto_min_ms)
+        if self.on_made is not None:
+            self.on_made(self)
 
     def get_buffer(self, sizehint):
         if self.have == len(self.buf):  # full with one partial frame: grow

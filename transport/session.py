@@ -31,6 +31,7 @@ import numpy as np
 from . import wire
 from .channels import RELIABLE
 from .counters import Counters
+from .reasons import Rejected
 from .wire import Flag, MsgType, WireError
 
 
@@ -72,13 +73,6 @@ class IterationComplete:
     iteration: int
 
 
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """A message was counted and dropped. ``reason`` is the counter key."""
-
-    reason: str
-
-
 class ShardSession:
     """Receive side of shard ``shard`` (blocks ``[lo, hi)``) for ``n_workers`` workers.
 
@@ -106,6 +100,8 @@ class ShardSession:
         self.iteration = 0
         n = hi - lo
         self.received = np.zeros((n_workers, n), bool)
+        # the channel each received row came on: a reliable copy displaces an unreliable one
+        self.channel_of = np.zeros((n_workers, n), np.int8)
         self.per_channel = np.zeros((n_workers, wire.MAX_CHANNELS), np.int64)
         self.end_counts: list[np.ndarray | None] = [None] * n_workers
         self.tail = np.full((n_workers, wire.MAX_CHANNELS), -1, np.int64)  # marker counts
@@ -128,10 +124,18 @@ class ShardSession:
                 self._receive_small_run(buf, now)
             return run if run is not None else self._receive_coalesced(buf, now)
         try:
-            h, payload = wire.decode(buf, self.key)
+            h, payload = wire.decode(buf)   # the MAC comes after the cheap checks
         except WireError as e:
             run = self._receive_small_run(buf, now)
             return run if run is not None else [self._reject(e.reason)]
+        if self.key is not None:
+            bad = self._check_addressing(h) or self._outside_window(h)
+            if bad:
+                return [self._reject(bad)]
+            try:
+                wire.check_mac(memoryview(buf).cast("B"), h, self.key)
+            except WireError as e:
+                return [self._reject(e.reason)]
         if h.type == MsgType.END and h.channel != RELIABLE and not h.flags & Flag.INDEXED:
             return self._tail_marker(h, len(payload))
         if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
@@ -230,6 +234,15 @@ class ShardSession:
             return self._reject("future", messages)
         return None
 
+    def _outside_window(self, h: wire.Header) -> str | None:
+        """``stale`` or ``future`` for an iteration no message may carry now: checked
+        before the MAC, so a flood of forged datagrams costs no keyed hash."""
+        if h.iteration < self.iteration - 1:
+            return "stale"
+        if h.iteration > self.iteration:
+            return "future"
+        return None
+
     def _check_addressing(self, h: wire.Header) -> str | None:
         if h.session != self.session:
             return "stray"
@@ -292,26 +305,25 @@ class ShardSession:
                 self.counters.rejected[reason] += int(bad.sum())
                 events.append(Rejected(reason))
                 ok &= ~bad
+        w_all = hdr["sender"].astype(np.int64)
+        it = hdr["iteration"].astype(np.int64)
+        ch_all = hdr["channel"].astype(np.int64)
+        # the iteration window before the MAC: a forged run costs no keyed hash
+        for reason, bad in (("future", ok & (it > self.iteration)),
+                            ("stale", ok & (it < self.iteration - 1))):
+            if bad.any():
+                self.counters.rejected[reason] += int(bad.sum())
+                events.append(Rejected(reason))
+                ok &= ~bad
         if self.key is not None:
             end = wire.HEADER_BYTES + self.block_payload
             for i in np.flatnonzero(ok):  # keyed hashes have no vector form
                 if not hmac.compare_digest(wire.mac_tag(self.key, rows[i, :end].data),
-                                                rows[i, end:].tobytes()):
+                                           rows[i, end:].tobytes()):
                     ok[i] = False
                     self.counters.rejected["bad_mac"] += 1
-        w_all = hdr["sender"].astype(np.int64)
-        it = hdr["iteration"].astype(np.int64)
-        ch_all = hdr["channel"].astype(np.int64)
-        future = ok & (it > self.iteration)
-        if future.any():
-            self.counters.rejected["future"] += int(future.sum())
-            events.append(Rejected("future"))
         w_safe = np.where(ok, w_all, 0)
-        stale = ok & (it < self.iteration - 1)
-        if stale.any():
-            self.counters.rejected["stale"] += int(stale.sum())
-            events.append(Rejected("stale"))
-            ok &= ~stale
+        future = np.zeros(n, bool)
         late = ok & ((it < self.iteration) | ((it == self.iteration) & self.finalised[w_safe]))
         if late.any():
             for c, k in zip(*np.unique(ch_all[late], return_counts=True)):
@@ -378,6 +390,7 @@ class ShardSession:
                 return [Rejected("duplicate")]
         size = rows.shape[1]
         self.received[w, r] = True
+        self.channel_of[w, r] = chs
         per = np.bincount(chs, minlength=wire.MAX_CHANNELS)
         self.per_channel[w] += per
         for c in np.flatnonzero(per):
@@ -407,6 +420,7 @@ class ShardSession:
             ch.blocks_duplicate += 1
             return [Rejected("duplicate")]
         self.received[w, row] = True
+        self.channel_of[w, row] = h.channel
         self.per_channel[w, h.channel] += 1
         ch.blocks_delivered += 1
         ch.bytes_delivered += nbytes
@@ -431,6 +445,8 @@ class ShardSession:
         if np.unique(rows).size != rows.size:   # a sender never repeats a block in a frame
             return [self._reject("bad_block")]
         seen = self.received[w, rows]
+        if seen.any():
+            seen = self._displace(w, rows, seen)
         events: list = []
         if seen.any():   # only those rows: a stray copy must not cost the whole frame
             ch.blocks_duplicate += int(seen.sum())
@@ -440,6 +456,7 @@ class ShardSession:
         if not rows.size:
             return events
         self.received[w, rows] = True
+        self.channel_of[w, rows] = RELIABLE
         self.per_channel[w, h.channel] += rows.size
         ch.blocks_delivered += rows.size
         ch.bytes_delivered += nbytes
@@ -447,6 +464,28 @@ class ShardSession:
         if self.end_counts[w] is not None and self._complete(w):
             events += self._finalise(w, "complete")
         return events
+
+    def _displace(self, w: int, rows: np.ndarray, seen: np.ndarray) -> np.ndarray:
+        """TCP ``rows`` of worker ``w`` that ``seen`` says were received already: the
+        ones that came on an unreliable channel are given up, so the reliable copy is
+        stored instead (a sender puts a block on one channel only, so the UDP copy was a
+        forgery or a stray; the reliable copy, on the connection that said HELLO, is the
+        one to keep). Their UDP delivery is recounted as a duplicate on that channel.
+        Returns the rows that stay duplicates (received over TCP already)."""
+        chans = self.channel_of[w, rows].astype(np.int64)
+        udp = seen & (chans != RELIABLE)
+        if not udp.any():
+            return seen
+        gone = rows[udp]
+        self.received[w, gone] = False
+        per = np.bincount(chans[udp], minlength=wire.MAX_CHANNELS)
+        self.per_channel[w] -= per
+        for c in np.flatnonzero(per):
+            cc = self.counters.channels[c]
+            cc.blocks_delivered -= int(per[c])
+            cc.bytes_delivered -= int(per[c]) * self.datagram_bytes
+            cc.blocks_duplicate += int(per[c])
+        return seen & ~udp
 
     def _end(self, h: wire.Header, counts: np.ndarray, now: float) -> list:
         bad = self._check_addressing(h)

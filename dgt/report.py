@@ -100,8 +100,10 @@ def print_summary(r: dict, log=print) -> None:
     log(f"{'final test accuracy':<22}{r['final_test_accuracy']:.4f}")
     reached = r["target_reached"]
     log(f"{'reached ' + str(r['target_accuracy']):<22}"
-        + (f"iteration {reached['iteration']}, {reached['seconds']:.1f} s" if reached
-           else "no"))
+        + (f"iteration {reached['iteration']}"
+           + (f" (round {reached['round']})" if w and w["algo"] == "fedavg" and
+              "round" in reached else "")
+           + f", {reached['seconds']:.1f} s" if reached else "no"))
     log(f"{'wall seconds':<22}{r['wall_seconds']:.1f}")
     if r.get("bytes_per_round"):
         per = "round" if w and w["algo"] == "fedavg" else "iteration"

@@ -215,6 +215,9 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
             if eval_every and synced and not last and step // eval_every > \
                     evaluated_at // eval_every:
                 acc = evaluate(epoch, losses)
+                if ns.rank == 0:   # long epochs show progress at every evaluation
+                    print(f"           iter {step:5d}  loss {np.mean(losses):.4f}  test acc "
+                          f"{acc:.4f}  {history[-1]['seconds']:.1f} s", flush=True)
                 if stop_at_target and acc >= ns.target_accuracy:
                     stop = True
                     break

@@ -20,11 +20,16 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if ns.k_min is not None and not tx.adaptive_k:
         parser.error("--k-min only applies with --adaptive-k; add --adaptive-k or drop "
                      "--k-min")
+    if ns.local_steps is not None and job.algo != "fedavg":
+        parser.error("--local-steps only applies with --algo fedavg; add --algo fedavg or "
+                     "drop --local-steps")
+    from .job import check_workload
     from .launch import check_memory, check_paths, run_job
     try:
         if metrics.metrics_port and not job.testbed:   # on loopback: rank r, port + r
             check_metrics_ports(metrics, job.workers)
         check_paths(job)
+        check_workload(job)
         check_memory(job)
     except ValueError as e:
         parser.error(str(e))
@@ -66,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     t = sub.add_parser("train", help="run the training job (sidecars + trainers)",
-                       description="Train an MLP on the scikit-learn digits with N workers, "
-                       "one sidecar each, over loopback (or the testbed with --testbed).")
+                       description="Train a model (default: an MLP on the scikit-learn digits) "
+                       "with N workers, one sidecar each, over loopback (or the testbed "
+                       "with --testbed); BSP or FedAvg, IID or non-IID shards. See "
+                       "docs/workloads.md.")
     add_arguments(t, JobConfig)
     add_arguments(t, TransmissionConfig)
     add_arguments(t, MetricsConfig)

@@ -120,9 +120,13 @@ class TransmissionConfig:
 
 #: a peer silent for an hour is dead; larger values overflow the store's timeouts
 MAX_PEER_TIMEOUT_S = 3600.0
-#: training samples of the digits split (dgt.job.load_digits_split: 1,797 images, 20 %
-#: held out); every worker's batch of an iteration is a disjoint slice of them
+#: training samples of the digits split (dgt.workloads.datasets.load_digits: 1,797
+#: images, 20 % held out); every worker's batch of an iteration is a disjoint slice of them
 DIGITS_TRAIN_SAMPLES = 1437
+#: names of --model, --dataset, --algo (dgt.workloads; no torch import here)
+WORKLOAD_MODELS = ("mlp", "cnn", "alexnet", "vgg11", "googlenet", "resnet18")
+WORKLOAD_DATASETS = ("digits", "fashion-mnist", "cifar10")
+WORKLOAD_ALGOS = ("bsp", "fedavg")
 
 
 def default_run_dir() -> str:
@@ -183,9 +187,27 @@ class JobConfig:
     iterations: int = _f(0, "stop after this many iterations (0 = run every epoch)")
     eval_every: int = _f(0, "also measure test accuracy every this many iterations "
                          "(0 = once per epoch)")
+    eval_samples: int = _f(0, "measure test accuracy on the first this many test "
+                           "samples (0 = the whole test split)")
     batch_size: int = _f(32, "samples per worker per iteration")
     lr: float = _f(2e-3, "Adam learning rate")
+    model: str = _f("mlp", "mlp | cnn | alexnet | vgg11 | googlenet | resnet18 (see "
+                    "docs/workloads.md)", choices=WORKLOAD_MODELS)
+    width: float = _f(1.0, "channel/unit multiplier of cnn, alexnet, vgg11, googlenet, "
+                      "resnet18 (1 = published size; e.g. 0.25 for CPU runs)")
     hidden: int = _f(1024, "MLP hidden width (2 hidden layers; 1024 gives ~1.1M params)")
+    dataset: str = _f("digits", "digits (scikit-learn's, built in) | fashion-mnist "
+                      "(Debian package dataset-fashion-mnist, or --data-dir) | cifar10 "
+                      "(--data-dir in CIFAR-10's python layout)", choices=WORKLOAD_DATASETS)
+    data_dir: str = _f("", "folder with the dataset's files (fashion-mnist: its four IDX "
+                       "files, default /usr/share/datasets/fashion-mnist; cifar10: "
+                       "cifar-10-batches-py)")
+    partition: str = _f("iid", "how the training set is split over workers: iid | "
+                        "dirichlet:ALPHA (label skew, e.g. dirichlet:0.5) | shards:K (K "
+                        "classes per worker, e.g. shards:2)")
+    algo: str = _f("bsp", "bsp (push gradients every iteration) | fedavg (push the model "
+                   "delta every --local-steps iterations)", choices=WORKLOAD_ALGOS)
+    local_steps: int = _f(4, "with --algo fedavg: local optimiser steps per round (H)")
     seed: int = _f(0, "seed for model init, data split and shuffling")
     device: str = _f("cpu", "cpu | cuda | cuda:N (trainer device)")
     report: str = _f("", "write the JSON report here")
@@ -199,25 +221,29 @@ class JobConfig:
                              "namespaces are <prefix>-h<i>)")
     target_accuracy: float = _f(0.95, "report the iteration and time when test accuracy "
                                 "first reaches this")
+    stop_at_target: bool = _f(False, "stop at the first evaluation that reaches "
+                              "--target-accuracy (with --eval-every for finer steps)")
 
     def n_params(self) -> int:
-        """Parameters of the job's model (``dgt.job.make_model``): a 64-H-H-10 MLP with
-        biases, H = ``hidden``."""
-        h = self.hidden
-        return 64 * h + h + h * h + h + 10 * h + 10
+        """Trainable parameters of the job's model (``dgt.workloads.models.build``): for
+        the MLP the closed form of an in-H-H-10 MLP with biases (H = ``hidden``, in =
+        the dataset's pixels); for the others counted on torch's meta device."""
+        from .workloads.datasets import CLASSES, SHAPES
+        shape = SHAPES[self.dataset]
+        if self.model == "mlp":
+            h, n_in = self.hidden, shape[0] * shape[1] * shape[2]
+            return n_in * h + h + h * h + h + CLASSES * h + CLASSES
+        from .workloads.models import count_params
+        return count_params(self.model, shape, CLASSES, self.width, self.hidden)
 
     def validate(self) -> None:
         if not 1 <= self.workers <= 64:
             raise ValueError(f"--workers must be 1..64, got {self.workers}")
-        if self.iterations < 0 or self.eval_every < 0:
-            raise ValueError("--iterations and --eval-every must be >= 0")
+        if self.iterations < 0 or self.eval_every < 0 or self.eval_samples < 0:
+            raise ValueError("--iterations, --eval-every and --eval-samples must be >= 0")
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or self.hidden < 1:
             raise ValueError("--epochs, --batch-size, --hidden must be >= 1 and --lr > 0")
-        if self.workers * self.batch_size > DIGITS_TRAIN_SAMPLES:
-            raise ValueError(f"--workers {self.workers} x --batch-size {self.batch_size} "
-                             f"exceeds the {DIGITS_TRAIN_SAMPLES} training samples (some "
-                             f"ranks would get empty batches); use --batch-size <= "
-                             f"{DIGITS_TRAIN_SAMPLES // self.workers}")
+        self.validate_workload()
         if not 0 <= self.seed <= 2**32 - 1:   # numpy/scikit-learn random_state's range
             raise ValueError(f"--seed must be in 0..4294967295, got {self.seed}")
         if not 0.0 < self.target_accuracy <= 1.0:
@@ -228,6 +254,31 @@ class JobConfig:
             raise ValueError(f"--base-port must leave room for {self.workers} nodes")
         from .tc_profiles.names import check_prefix   # pure string rule, no pyroute2
         check_prefix(self.testbed_prefix, "--testbed-prefix")
+
+
+    def validate_workload(self) -> None:
+        """Model, dataset, partition, algorithm (what needs no data files; the rest is
+        ``dgt.job.check_workload``). Raises ValueError naming the flag."""
+        from .workloads import partition
+        from .workloads.datasets import CLASSES, TRAIN_SAMPLES
+        if self.model not in WORKLOAD_MODELS:
+            raise ValueError(f"--model must be one of {', '.join(WORKLOAD_MODELS)}")
+        if self.dataset not in WORKLOAD_DATASETS:
+            raise ValueError(f"--dataset must be one of {', '.join(WORKLOAD_DATASETS)}")
+        if self.algo not in WORKLOAD_ALGOS:
+            raise ValueError(f"--algo must be one of {', '.join(WORKLOAD_ALGOS)}")
+        if not 0 < self.width <= 16:
+            raise ValueError(f"--width must be in (0, 16], got {self.width:g}")
+        if self.local_steps < 1:
+            raise ValueError(f"--local-steps must be >= 1 (local optimiser steps per "
+                             f"FedAvg round), got {self.local_steps}")
+        partition.parse(self.partition, CLASSES)
+        n = TRAIN_SAMPLES.get(self.dataset)
+        if n is not None and self.workers * self.batch_size > n:
+            raise ValueError(f"--workers {self.workers} x --batch-size {self.batch_size} "
+                             f"exceeds the {n} training samples of {self.dataset} (some "
+                             f"ranks would get empty batches); use --batch-size <= "
+                             f"{n // self.workers}")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -1,10 +1,21 @@
 """The training job run by each trainer process of ``dgt train``.
 
-Data: the UCI handwritten digits that scikit-learn ships (1,797 8x8 images, 10 classes;
-``sklearn.datasets.load_digits``), stratified 80/20 train/test split. Model: an MLP
-64 -> H -> H -> 10 (H = 1024: 1.13M parameters). Optimiser: Adam. BSP data parallelism:
-each iteration every worker takes ``batch_size`` samples of its own shard of a per-epoch
-shuffle and pushes its gradient; all replicas apply the same aggregate.
+Workload (``dgt.workloads``): ``--model`` on ``--dataset``, the training set split over the
+workers by ``--partition``, optimiser Adam. Default: an MLP 64 -> H -> H -> 10 (H = 1024:
+1.13M parameters) on the UCI handwritten digits that scikit-learn ships (1,797 8x8
+images, 10 classes, stratified 80/20 split), IID.
+
+Algorithms (``--algo``):
+
+- ``bsp``: each iteration every worker takes ``batch_size`` samples of its share, pushes
+  its gradient, and every replica applies the same aggregate (mean gradient);
+- ``fedavg``: each worker takes ``local_steps`` (H) optimiser steps on its own data, then
+  pushes its model delta ``w0 - w`` (:class:`dgt.workloads.fedavg.FedAvgRound`) and every
+  replica sets ``w = w0 - mean delta``. A round also ends at the end of an epoch, so an
+  evaluation always sees identical replicas. Iterations count local steps.
+
+Test accuracy is measured on the whole test split (never trained on) at every epoch's
+end and every ``--eval-every`` iterations (FedAvg: at the first round end after each).
 """
 from __future__ import annotations
 
@@ -26,25 +37,20 @@ from .config import JobConfig
 from .errors import PeerFailure
 
 log = logging.getLogger("dgt.job")
+EVAL_BATCH = 1000   # test samples per forward pass when evaluating
 
 
 def load_digits_split(seed: int):
     """(x_train, y_train, x_test, y_test): float32 (n, 64) scaled to [0, 1], int64 (n,)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, stratify=y,
-                                          random_state=seed)
-    return (torch.from_numpy(xtr), torch.from_numpy(ytr).long(),
-            torch.from_numpy(xte), torch.from_numpy(yte).long())
+    from .workloads.datasets import load_digits
+    d = load_digits(seed)
+    return d.x_train.reshape(-1, 64), d.y_train, d.x_test.reshape(-1, 64), d.y_test
 
 
 def make_model(hidden: int, seed: int) -> nn.Module:
-    """The MLP, initialised identically on every rank from ``seed``."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
-                         nn.ReLU(), nn.Linear(hidden, 10))
+    """The digits MLP, initialised identically on every rank from ``seed``."""
+    from .workloads.models import build
+    return build("mlp", (1, 8, 8), 10, hidden=hidden, seed=seed)
 
 
 def param_sha256(model: nn.Module) -> str:
@@ -57,7 +63,53 @@ def param_sha256(model: nn.Module) -> str:
 
 @torch.no_grad()
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    return float((model(x).argmax(1) == y).float().mean())
+    """Top-1 accuracy of ``model`` on (x, y), in eval mode (dropout off), in batches of
+    ``EVAL_BATCH``; the model is back in train mode after."""
+    model.eval()
+    try:
+        correct = sum(int((model(x[i:i + EVAL_BATCH]).argmax(1) == y[i:i + EVAL_BATCH]).sum())
+                      for i in range(0, len(x), EVAL_BATCH))
+    finally:
+        model.train()
+    return correct / max(1, len(x))
+
+
+def _ns(ns, name):
+    return getattr(ns, name, getattr(JobConfig, name))
+
+
+def check_workload(job: JobConfig) -> None:
+    """Before any process starts: the dataset's files load, and the partition can give
+    every worker data. Raises ValueError (a ``DatasetError`` too) with one line."""
+    from .workloads import datasets, partition
+    if job.dataset == "digits":
+        if job.partition != "iid":
+            partition.check(job.partition, datasets.load_digits(job.seed).y_train.numpy(),
+                            job.workers)
+        return
+    data = datasets.load(job.dataset, job.data_dir, job.seed)
+    n = len(data.y_train)
+    if job.workers * job.batch_size > n:
+        raise ValueError(f"--workers {job.workers} x --batch-size {job.batch_size} "
+                         f"exceeds the {n} training samples in {data.source}; use "
+                         f"--batch-size <= {max(1, n // job.workers)}")
+    partition.check(job.partition, data.y_train.numpy(), job.workers)
+
+
+def workload_description(ns, data, model) -> dict:
+    """The report's ``workload``: model, parameters, dataset, partition, algorithm."""
+    from .workloads.models import gradient_bytes, uses_torchvision_definition
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fed = _ns(ns, "algo") == "fedavg"
+    return {"model": _ns(ns, "model"), "width": _ns(ns, "width"),
+            "hidden": ns.hidden if _ns(ns, "model") == "mlp" else None, "params": n,
+            "gradient_bytes": gradient_bytes(n),
+            "torchvision_definition": uses_torchvision_definition(
+                _ns(ns, "model"), data.shape, _ns(ns, "width")),
+            **data.describe(), "partition": _ns(ns, "partition"), "algo": _ns(ns, "algo"),
+            "local_steps": _ns(ns, "local_steps") if fed else None,
+            "optimizer": "Adam", "lr": ns.lr, "batch_size": ns.batch_size,
+            "eval_samples": _ns(ns, "eval_samples") or len(data.y_test)}
 
 
 def train(ns: argparse.Namespace, comm=None) -> dict:
@@ -70,74 +122,123 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     this very loop. ``ns.iterations`` > 0 stops after that many iterations (the last
     epoch may be partial; it is evaluated all the same). ``ns.eval_every`` > 0 also
     evaluates test accuracy every that many iterations (more points in ``history``,
-    finer time-to-accuracy).
+    finer time-to-accuracy). Workload flags absent from ``ns`` take JobConfig's defaults.
     """
+    from .workloads import datasets, models, partition
+    from .workloads.fedavg import FedAvgRound
     device = torch.device(ns.device)
     torch.set_num_threads(1)
-    xtr, ytr, xte, yte = load_digits_split(ns.seed)
-    xtr, ytr, xte, yte = xtr.to(device), ytr.to(device), xte.to(device), yte.to(device)
-    model = make_model(ns.hidden, ns.seed).to(device)
+    data = datasets.load(_ns(ns, "dataset"), _ns(ns, "data_dir"), ns.seed)
+    xtr, ytr = data.x_train.to(device), data.y_train.to(device)
+    n_eval = _ns(ns, "eval_samples") or len(data.y_test)
+    xte, yte = data.x_test[:n_eval].to(device), data.y_test[:n_eval].to(device)
+    model = models.build(_ns(ns, "model"), data.shape, data.classes, _ns(ns, "width"),
+                         ns.hidden, seed=ns.seed).to(device)
+    workload = workload_description(ns, data, model)
+    ylab = data.y_train.numpy()
+    parts = partition.split(_ns(ns, "partition"), ylab, ns.world, ns.seed)
+    sampler = partition.Sampler(parts, len(ylab), ns.world, ns.rank, ns.batch_size, ns.seed)
+    aug = torch.Generator().manual_seed(ns.seed * 1000003 + ns.rank) if data.augment else None
     opt = torch.optim.Adam(model.parameters(), lr=ns.lr)
     loss_fn = nn.CrossEntropyLoss()
     client = comm if comm is not None else Client(ns.socket, timeout_s=ns.timeout_s)
     max_iterations = int(getattr(ns, "iterations", 0) or 0)
     eval_every = int(getattr(ns, "eval_every", 0) or 0)
+    fedavg = _ns(ns, "algo") == "fedavg"
+    local_steps = _ns(ns, "local_steps") if fedavg else 1
+    stop_at_target = bool(_ns(ns, "stop_at_target"))
     t_start = time.monotonic()
     client.register(model)
-    per_iter = ns.world * ns.batch_size
-    iters_per_epoch = max(1, len(xtr) // per_iter)
+    fed = FedAvgRound(model, client) if fedavg else None
+    iters_per_epoch = sampler.iterations
     comm_s: list[float] = []
     comm_at: list[tuple[float, float]] = []   # (push, pull) on CLOCK_MONOTONIC: host-wide
     history = []
     reached = None
-    step = 0
+    step = rounds = 0
+    evaluated_at = 0        # iteration of the last evaluation
+    stop = False
+
+    def evaluate(epoch, losses):
+        nonlocal reached, evaluated_at
+        acc = accuracy(model, xte, yte)
+        elapsed = time.monotonic() - t_start
+        evaluated_at = step
+        history.append({"epoch": epoch + 1, "iteration": step, "round": rounds,
+                        "loss": float(np.mean(losses)) if losses else float("nan"),
+                        "test_accuracy": acc, "seconds": elapsed, "k": client.last_k})
+        if reached is None and acc >= ns.target_accuracy:
+            reached = {"iteration": step, "round": rounds, "seconds": elapsed}
+        return acc
+
     for epoch in range(ns.epochs):
-        g = torch.Generator().manual_seed(ns.seed * 100003 + epoch)
-        perm = torch.randperm(len(xtr), generator=g).to(device)
         losses = []
-        for i in range(iters_per_epoch):
+        round_losses = []
+        for i, idx in enumerate(sampler.epoch(epoch)):
             if max_iterations and step >= max_iterations:
                 break
-            lo = i * per_iter + ns.rank * ns.batch_size
-            idx = perm[lo:lo + ns.batch_size]
-            loss = loss_fn(model(xtr[idx]), ytr[idx])
+            idx = idx.to(device)
+            xb = xtr[idx]
+            if aug is not None:
+                xb = datasets.augment(xb, aug)
+            if fed is not None and not round_losses:
+                fed.start()
+            loss = loss_fn(model(xb), ytr[idx])
             opt.zero_grad(set_to_none=False)
             loss.backward()
             loss_value = loss.item()
-            t0 = time.monotonic()
-            client.push_pull(step, loss=loss_value)
-            t1 = time.monotonic()
-            comm_s.append(t1 - t0)
-            comm_at.append((t0, t1))
-            opt.step()
+            last = i == iters_per_epoch - 1 or bool(max_iterations and
+                                                    step + 1 >= max_iterations)
+            if fed is None:
+                t0 = time.monotonic()
+                client.push_pull(step, loss=loss_value)
+                t1 = time.monotonic()
+                comm_s.append(t1 - t0)
+                comm_at.append((t0, t1))
+                opt.step()
+                rounds += 1
+                synced = True
+            else:
+                opt.step()
+                round_losses.append(loss_value)
+                synced = len(round_losses) == local_steps or last
+                if synced:
+                    t0 = time.monotonic()
+                    fed.finish(rounds, loss=float(np.mean(round_losses)))
+                    t1 = time.monotonic()
+                    comm_s.append(t1 - t0)
+                    comm_at.append((t0, t1))
+                    rounds += 1
+                    round_losses = []
             losses.append(loss_value)
             step += 1
-            last = i == iters_per_epoch - 1 or (max_iterations and step >= max_iterations)
-            if eval_every and step % eval_every == 0 and not last:
-                acc = accuracy(model, xte, yte)
-                elapsed = time.monotonic() - t_start
-                history.append({"epoch": epoch + 1, "iteration": step,
-                                "loss": float(np.mean(losses)), "test_accuracy": acc,
-                                "seconds": elapsed, "k": client.last_k})
-                if reached is None and acc >= ns.target_accuracy:
-                    reached = {"iteration": step, "seconds": elapsed}
-        acc = accuracy(model, xte, yte)
-        elapsed = time.monotonic() - t_start
-        history.append({"epoch": epoch + 1, "iteration": step, "loss": float(np.mean(losses)),
-                        "test_accuracy": acc, "seconds": elapsed, "k": client.last_k})
-        if reached is None and acc >= ns.target_accuracy:
-            reached = {"iteration": step, "seconds": elapsed}
+            if eval_every and synced and not last and step // eval_every > \
+                    evaluated_at // eval_every:
+                acc = evaluate(epoch, losses)
+                if ns.rank == 0:   # long epochs show progress at every evaluation
+                    print(f"           iter {step:5d}  loss {np.mean(losses):.4f}  test acc "
+                          f"{acc:.4f}  {history[-1]['seconds']:.1f} s", flush=True)
+                if stop_at_target and acc >= ns.target_accuracy:
+                    stop = True
+                    break
+        if not stop:
+            acc = evaluate(epoch, losses)
+            stop = stop_at_target and acc >= ns.target_accuracy
         if ns.rank == 0:
+            recent = comm_s[-max(1, iters_per_epoch // local_steps):]
             print(f"epoch {epoch + 1:3d}/{ns.epochs}  iter {step:5d}  loss "
-                  f"{np.mean(losses):.4f}  test acc {acc:.4f}  comm median "
-                  f"{1e3 * float(np.median(comm_s[-iters_per_epoch:])):.1f} ms  "
-                  f"k {_fmt_k(client.last_k)}  {elapsed:.1f} s", flush=True)
-        if max_iterations and step >= max_iterations:
+                  f"{np.mean(losses):.4f}  test acc {history[-1]['test_accuracy']:.4f}  "
+                  f"comm median {1e3 * float(np.median(recent)):.1f} ms  "
+                  f"k {_fmt_k(client.last_k)}  {history[-1]['seconds']:.1f} s", flush=True)
+        if stop or (max_iterations and step >= max_iterations):
             break
     client.close()
-    return {"rank": ns.rank, "iterations": step, "final_test_accuracy": history[-1]["test_accuracy"],
+    return {"rank": ns.rank, "iterations": step, "rounds": rounds,
+            "final_test_accuracy": history[-1]["test_accuracy"],
             "history": history, "param_sha256": param_sha256(model), "comm_s": comm_s,
-            "comm_at": comm_at,
+            "comm_at": comm_at, "workload": workload,
+            "class_histograms": partition.class_histograms(parts, ylab, ns.world,
+                                                           data.classes),
             "train_seconds": time.monotonic() - t_start, "target_reached": reached,
             "device": str(device)}
 
@@ -155,6 +256,15 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=JobConfig.batch_size)
     p.add_argument("--lr", type=float, default=JobConfig.lr)
     p.add_argument("--hidden", type=int, default=JobConfig.hidden)
+    p.add_argument("--model", default=JobConfig.model)
+    p.add_argument("--width", type=float, default=JobConfig.width)
+    p.add_argument("--dataset", default=JobConfig.dataset)
+    p.add_argument("--data-dir", default=JobConfig.data_dir)
+    p.add_argument("--partition", default=JobConfig.partition)
+    p.add_argument("--algo", default=JobConfig.algo)
+    p.add_argument("--local-steps", type=int, default=JobConfig.local_steps)
+    p.add_argument("--stop-at-target", action="store_true")
+    p.add_argument("--eval-samples", type=int, default=JobConfig.eval_samples)
     p.add_argument("--seed", type=int, default=JobConfig.seed)
     p.add_argument("--target-accuracy", type=float, default=JobConfig.target_accuracy)
     p.add_argument("--timeout-s", type=float, default=60.0)

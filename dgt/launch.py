@@ -144,6 +144,7 @@ class Job:
                                 "--hidden", str(j.hidden), "--seed", str(j.seed),
                                 "--device", j.device,
                                 "--target-accuracy", str(j.target_accuracy),
+                                *workload_argv(j),
                                 "--timeout-s", str(max(60.0, 3 * self.tx.peer_timeout_s))]
             self._spawn("trainer", r, trainer, env,
                         to_terminal=(r == 0 and not self._progress_bar()))
@@ -309,12 +310,21 @@ def _last_line(path: str) -> str:
     return (errs or lines or [""])[-1][:300]
 
 
+def workload_argv(job: JobConfig) -> list[str]:
+    """The trainer flags of the job's workload (model, dataset, partition, algorithm)."""
+    argv = ["--model", job.model, "--width", repr(job.width), "--dataset", job.dataset,
+            "--data-dir", job.data_dir, "--partition", job.partition, "--algo", job.algo,
+            "--local-steps", str(job.local_steps), "--eval-samples", str(job.eval_samples)]
+    return argv + (["--stop-at-target"] if job.stop_at_target else [])
+
+
 def check_memory(job: JobConfig, meminfo: str = "/proc/meminfo") -> None:
     """Refuse a job that would not fit in this machine's memory: every sidecar and
     trainer runs here (on loopback and on the testbed alike), about
     ``PROCESS_BASE_BYTES`` each plus ``MODEL_COPIES_PER_WORKER`` fp32 copies of the model
     per worker; the kernel's OOM killer would otherwise end the run, and maybe other
-    programs, minutes in. Raises ValueError naming --workers/--hidden. No check where
+    programs, minutes in. ``job.n_params()`` is the chosen model's real parameter count.
+    Raises ValueError naming --workers and the model's size flag. No check where
     /proc/meminfo has no MemAvailable (proc(5))."""
     try:
         with open(meminfo) as f:
@@ -326,11 +336,14 @@ def check_memory(job: JobConfig, meminfo: str = "/proc/meminfo") -> None:
     need = job.workers * per_worker
     if need > 0.9 * avail:
         fit = max(1, int(0.9 * avail // per_worker))
-        raise ValueError(f"--workers {job.workers} --hidden {job.hidden} needs about "
+        size = f"--hidden {job.hidden}" if job.model == "mlp" else \
+            f"--model {job.model} --width {job.width:g}"
+        raise ValueError(f"--workers {job.workers} {size} needs about "
                          f"{need / 2**30:.1f} GiB of memory here (a sidecar and a trainer "
                          f"per worker, {per_worker / 2**30:.2f} GiB together), but "
                          f"{avail / 2**30:.1f} GiB is available; use --workers {fit} or "
-                         f"fewer, or a smaller --hidden")
+                         f"fewer, or a smaller "
+                         f"{'--hidden' if job.model == 'mlp' else '--width'}")
 
 
 def check_paths(job: JobConfig) -> None:

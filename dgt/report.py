@@ -59,9 +59,16 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
     shares = {name: (ch["blocks_sent"] / total_blocks if total_blocks else 0.0)
               for name, ch in traffic["channels"].items()}
     shas = [t["param_sha256"] for t in trainers]
+    t0 = trainers[0] if trainers else {}
+    rounds = t0.get("rounds", t0.get("iterations", 0))
+    bytes_sent = sum(ch["bytes_sent"] for ch in traffic["channels"].values())
     return {
         "warnings": _warnings(sidecars),
         "mode": tx.mode,
+        "workload": t0.get("workload"),
+        "rounds": rounds,
+        "bytes_per_round": bytes_sent / rounds if rounds else None,
+        "class_histograms": t0.get("class_histograms"),
         "workers": job.workers,
         "iterations": trainers[0]["iterations"] if trainers else 0,
         "final_test_accuracy": trainers[0]["final_test_accuracy"] if trainers else None,
@@ -111,13 +118,24 @@ def print_summary(r: dict, log=print) -> None:
     log("")
     log(f"{'mode':<22}{r['mode']}")
     log(f"{'workers':<22}{r['workers']}")
+    w = r.get("workload")
+    if w:
+        log(f"{'workload':<22}{describe_workload(w)}")
     log(f"{'iterations':<22}{r['iterations']}")
+    if w and w["algo"] == "fedavg":
+        log(f"{'rounds':<22}{r['rounds']} ({w['local_steps']} local steps each)")
     log(f"{'final test accuracy':<22}{r['final_test_accuracy']:.4f}")
     reached = r["target_reached"]
     log(f"{'reached ' + str(r['target_accuracy']):<22}"
-        + (f"iteration {reached['iteration']}, {reached['seconds']:.1f} s" if reached
-           else "no"))
+        + (f"iteration {reached['iteration']}"
+           + (f" (round {reached['round']})" if w and w["algo"] == "fedavg" and
+              "round" in reached else "")
+           + f", {reached['seconds']:.1f} s" if reached else "no"))
     log(f"{'wall seconds':<22}{r['wall_seconds']:.1f}")
+    if r.get("bytes_per_round"):
+        per = "round" if w and w["algo"] == "fedavg" else "iteration"
+        log(f"{'MB sent per ' + per:<22}{r['bytes_per_round'] / 1e6:.2f} (all nodes; "
+            f"{r['bytes_per_round'] / 1e6 / r['workers']:.2f} per node)")
     log(f"{'comm ms median/p95':<22}{r['comm_ms_median']:.1f} / {r['comm_ms_p95']:.1f}")
     log(f"{'replicas identical':<22}{r['replicas_identical']}  ({r['param_sha256'][0][:16]}…)")
     if r["conservation_rel_error"] is not None:
@@ -141,14 +159,33 @@ def print_summary(r: dict, log=print) -> None:
         log(f"{'deadline after END':<22}at most {r['deadline_ms_highest']:.0f} ms; "
             f"{r.get('deadline_beyond_floor', 0)} worker-iterations complete only past "
             f"the floor")
-    for w in r.get("warnings", []):
-        log(f"warning: {w}")
+    for msg in r.get("warnings", []):
+        log(f"warning: {msg}")
+    hist = r.get("class_histograms")
+    if hist and w and w["partition"] != "iid":
+        log("samples per class and worker (partition " + w["partition"] + "):")
+        for rank, row in enumerate(hist):
+            log(f"  worker {rank:<3}" + " ".join(f"{v:>6}" for v in row))
+    curve = r.get("history") or []
+    if len(curve) > 1:
+        log("accuracy curve: " + ", ".join(f"it {h['iteration']} {h['test_accuracy']:.3f} "
+                                           f"@{h['seconds']:.0f}s" for h in curve[-8:])
+            + (f" (last 8 of {len(curve)}; all in the JSON report)" if len(curve) > 8 else ""))
     bad = diverged(r)
     if bad is not None:
         log(f"warning: the training loss is {bad['loss']} from iteration {bad['iteration']} "
             f"on: training diverged (lower --lr) or a trainer pushed non-finite gradients "
             f"({r['rejected'].get('non_finite', 0)} non-finite blocks were kept out of the "
             f"aggregate); the numbers above describe a broken model")
+
+
+def describe_workload(w: dict) -> str:
+    """One line: model (size), parameters, dataset, partition, algorithm."""
+    size = f"hidden {w['hidden']}" if w["model"] == "mlp" else f"width {w['width']:g}"
+    algo = "BSP" if w["algo"] == "bsp" else f"FedAvg H={w['local_steps']}"
+    return (f"{w['model']} ({size}, {w['params'] / 1e6:.2f}M params, "
+            f"{w['gradient_bytes'] / 1e6:.2f} MB per push) on {w['dataset']} "
+            f"({w['train_samples']} train / {w['test_samples']} test), {w['partition']}, {algo}")
 
 
 def diverged(r: dict) -> dict | None:

@@ -56,6 +56,24 @@ BAD = [
      "--master-addr no-such-host.invalid does not resolve"),
     (["sidecar", "--world", "2"], "--rank is required"),
     (["train", "--report", "/nonexistent-dgt-dir/sub/r.json"], "does not exist"),
+    # workloads (docs/workloads.md)
+    (["train", "--model", "lenet"], "argument --model: invalid choice: 'lenet'"),
+    (["train", "--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),
+    (["train", "--algo", "sgd"], "argument --algo: invalid choice: 'sgd'"),
+    (["train", "--partition", "zipf:2"], "--partition 'zipf:2' is unknown"),
+    (["train", "--partition", "dirichlet:0"], "must be a finite number > 0"),
+    (["train", "--partition", "dirichlet:-0.5"], "must be a finite number > 0"),
+    (["train", "--partition", "shards:11"], "must be an integer in 1..10"),
+    (["train", "--algo", "fedavg", "--local-steps", "0"], "--local-steps must be >= 1"),
+    (["train", "--local-steps", "2"], "--local-steps only applies with --algo fedavg"),
+    (["train", "--model", "cnn", "--width", "0"], "--width must be in (0, 16]"),
+    (["train", "--eval-samples", "-1"], "--eval-samples must be >= 0"),
+    (["train", "--dataset", "fashion-mnist", "--data-dir", "/nonexistent/fm"],
+     "--data-dir /nonexistent/fm lacks train-images-idx3-ubyte"),
+    (["train", "--dataset", "cifar10"], "--dataset cifar10 needs --data-dir"),
+    (["train", "--dataset", "cifar10", "--data-dir", "/nonexistent/c"], "is not a folder"),
+    (["train", "--model", "vgg11", "--workers", "64", "--batch-size", "8"],
+     "--model vgg11 --width 1 needs about"),
 ]
 
 

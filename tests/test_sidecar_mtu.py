@@ -69,15 +69,17 @@ def _run(ns, tmp_path, block_bytes, secret=""):
              "--rank", str(r), "--world", "2", "--master-addr", "10.77.0.1",
              "--master-port", "29533", "--host", f"10.77.0.{r + 1}", "--socket",
              str(tmp / f"{r}.sock"), "--run-dir", str(tmp), "--block-bytes",
-             str(block_bytes), "--peer-timeout-s", "20", "--pace-mbit", "0"],
+             str(block_bytes), "--peer-timeout-s", "60", "--pace-mbit", "0"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     out = {}
+    seeding = threading.Lock()
 
     def trainer(r):
         try:
-            c = dgt.Client(str(tmp / f"{r}.sock"), timeout_s=60, connect_timeout_s=60)
-            torch.manual_seed(0)
-            m = nn.Linear(64, 64)
+            c = dgt.Client(str(tmp / f"{r}.sock"), timeout_s=120, connect_timeout_s=120)
+            with seeding:   # torch's RNG is global: seed and draw under one lock
+                torch.manual_seed(0)
+                m = nn.Linear(64, 64)
             c.register(m)
             m(torch.ones(1, 64)).sum().backward()
             c.push_pull(0)
@@ -90,7 +92,7 @@ def _run(ns, tmp_path, block_bytes, secret=""):
         for t in th:
             t.start()
         for t in th:
-            t.join(timeout=120)
+            t.join(timeout=300)
     finally:
         stop_procs(*procs)
     return out.get(0) or out.get(1)

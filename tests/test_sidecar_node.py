@@ -41,9 +41,13 @@ def _ready(p, run_dir, rank=0, timeout_s=60):
         time.sleep(0.05)
 
 
+_SEEDING = threading.Lock()   # trainers run in threads; torch's RNG is global
+
+
 def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Linear(8, 4)
+    with _SEEDING:
+        torch.manual_seed(seed)
+        return nn.Linear(8, 4)
 
 
 def test_a_second_sidecar_refuses_a_live_socket_and_never_unlinks_it(tmp_path):
@@ -91,7 +95,7 @@ def test_a_stale_socket_is_reclaimed_and_a_foreign_one_is_not_unlinked(tmp_path)
 
 def _train_steps(path, steps, out, key, seed=0):
     try:
-        c = dgt.Client(str(path), timeout_s=120, connect_timeout_s=30)
+        c = dgt.Client(str(path), timeout_s=120, connect_timeout_s=120)
         m = _model(seed)
         c.register(m)
         for t in range(steps):
@@ -185,8 +189,11 @@ def test_replicas_that_start_from_different_weights_are_refused_with_the_ranks_n
         tmp_path):
     port = _free_port()
     socks = [tmp_path / f"s{r}.sock" for r in range(3)]
-    procs = [_sidecar(r, 3, port, socks[r], tmp_path) for r in range(3)]
+    procs = [_sidecar(r, 3, port, socks[r], tmp_path, "--peer-timeout-s", "60")
+             for r in range(3)]
     try:
+        for r, p in enumerate(procs):
+            _ready(p, tmp_path, r, timeout_s=120)
         out = {}
         th = [threading.Thread(target=_train_steps, args=(socks[r], 2, out, r, seed))
               for r, seed in enumerate((0, 0, 5))]

@@ -156,6 +156,10 @@ class NodeConfig:
     run_dir: str = _f("", "where to write endpoints-<rank>.json and sidecar-<rank>.json",
                       shown="$XDG_RUNTIME_DIR/dgt, else /tmp/dgt-<uid>")
     seed: int = _f(0, "seed for ranking ties and exploration")
+    master_listen_fd: int = _f(-1, "rank 0: an inherited listening socket to host the "
+                               "rendezvous store on (-1 = bind --master-port itself); dgt "
+                               "train passes one, so no other process can take the port "
+                               "between its choice and the bind")
 
     def __post_init__(self):
         if not self.socket and self.rank >= 0:
@@ -176,6 +180,10 @@ class NodeConfig:
             raise ValueError(f"--master-port must be 1..65535, got {self.master_port}")
         if not self.master_addr:
             raise ValueError("--master-addr must not be empty")
+        if self.master_listen_fd != -1 and (self.master_listen_fd < 3 or self.rank != 0):
+            raise ValueError(f"--master-listen-fd is for rank 0 only and must be an "
+                             f"inherited descriptor >= 3 (or -1), got "
+                             f"{self.master_listen_fd}")
 
 
 @dataclass

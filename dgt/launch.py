@@ -117,7 +117,15 @@ class Job:
         n, j = self.job.workers, self.job
         hosts = self._hosts()
         master_addr = hosts[0][0]
-        master_port = free_port() if not j.testbed else 29400 + (os.getpid() % 500)
+        store_fd: list[int] = []   # rank 0 hosts the store on a socket we bound
+        if j.testbed:
+            master_port = 29400 + (os.getpid() % 500)
+        else:   # bound and listening here, inherited by rank 0: no other process can
+            # take the port between our choice and the store's start (a free_port race)
+            self._store_sock = socket.create_server((master_addr, 0), backlog=128)
+            self._store_sock.set_inheritable(True)
+            master_port = self._store_sock.getsockname()[1]
+            store_fd = [self._store_sock.fileno()]
         # torch's C++ log lines and stack frames never reach the user (our line does)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **QUIET_TORCH_ENV)
         if self.tx.secret:
@@ -134,7 +142,12 @@ class Job:
                              "--host", host, "--base-port", str(j.base_port),
                              "--socket", sock, "--run-dir", self.run_dir,
                              "--seed", str(j.seed)] + tx_argv + self._metrics_argv(r)
-            self._spawn("sidecar", r, side, env)
+            fds = store_fd if r == 0 else []
+            if fds:
+                side += ["--master-listen-fd", str(fds[0])]
+            self._spawn("sidecar", r, side, env, pass_fds=fds)
+            if fds:   # rank 0 has its own copy; ours would keep a dead store's port open
+                self._store_sock.close()
             trainer = prefix + [py, "-m", "dgt.job", "--rank", str(r), "--world", str(n),
                                 "--socket", sock, "--epochs", str(j.epochs),
                                 "--iterations", str(j.iterations),
@@ -172,10 +185,11 @@ class Job:
                 "--metrics-linger-s", str(m.metrics_linger_s)]
 
     def _spawn(self, kind: str, rank: int, argv: list[str], env: dict,
-               to_terminal: bool = False) -> None:
+               to_terminal: bool = False, pass_fds=()) -> None:
         logf = open(os.path.join(self.run_dir, f"{kind}-{rank}.log"), "wb")
         out = None if to_terminal else logf
         p = subprocess.Popen(argv, stdout=out, stderr=logf, env=env, start_new_session=True,
+                             pass_fds=tuple(pass_fds),
                              preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         logf.close()
         self.procs.append((kind, rank, p))

@@ -67,9 +67,14 @@ def wait_for_listener(host: str, port: int, timeout_s: float,
 
 
 class Rendezvous:
-    def __init__(self, host: str, port: int, world: int, rank: int, timeout_s: float):
+    def __init__(self, host: str, port: int, world: int, rank: int, timeout_s: float,
+                 listen_fd: int = -1):
+        """``listen_fd`` (rank 0): a listening socket to host the store on, passed down
+        by the launcher, which bound it, so no other process can take the port between
+        its choice and the bind (TCPStore's ``master_listen_fd``); -1: bind ``port``."""
         self.host, self.port, self.world, self.rank = host, port, world, rank
         self.timeout_s = timeout_s
+        self.listen_fd = listen_fd
         self.store = self._connect(is_master=rank == 0)
 
     def _connect(self, is_master: bool):
@@ -79,9 +84,11 @@ class Rendezvous:
             wait_for_listener(self.host, self.port,
                               max(1.0, self.timeout_s - process_age_s()), self.timeout_s)
         try:
+            extra = {"master_listen_fd": self.listen_fd} if is_master and \
+                self.listen_fd >= 0 else {}
             return TCPStore(self.host, self.port, self.world, is_master=is_master,
                             timeout=timedelta(seconds=self.timeout_s),
-                            wait_for_workers=False)
+                            wait_for_workers=False, **extra)
         except Exception as e:  # DistStoreError / RuntimeError: one line for the user
             raise PeerFailure(f"rendezvous store at {self.host}:{self.port} unreachable: "
                               f"{str(e).splitlines()[0]}", 0 if not is_master else None) from None

@@ -218,7 +218,8 @@ class Sidecar:
 
         def exchange():
             rdv = Rendezvous(self.node.master_addr, self.node.master_port, self.world,
-                             self.rank, self.cfg.peer_timeout_s + STARTUP_GRACE_S)
+                             self.rank, self.cfg.peer_timeout_s + STARTUP_GRACE_S,
+                             listen_fd=self.node.master_listen_fd)
             # from here on, a failure is published in the store (the others' waits end
             # with it, naming the rank) and the store lives until we exit
             self.rdv = rdv

@@ -206,3 +206,39 @@ def test_replicas_that_start_from_different_weights_are_refused_with_the_ranks_n
             assert "rank(s) [2] start from different parameters than rank 0" in str(out[r])
     finally:
         stop_procs(*procs)
+
+
+def test_rank_0_hosts_the_store_on_an_inherited_socket_so_its_port_cannot_be_taken(tmp_path):
+    """dgt train binds the rendezvous port itself and hands the listening socket to rank
+    0 (--master-listen-fd): between choosing a free port and the store's start, another
+    process could take it (EADDRINUSE at start-up, seen on a busy host). Here the test
+    holds the port the whole time: a sidecar that bound --master-port itself would fail;
+    one that uses the inherited socket serves the store on it."""
+    lsock = socket.create_server(("127.0.0.1", 0), backlog=16)
+    port = lsock.getsockname()[1]
+    fd = lsock.fileno()
+    argv = [sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0", "--world", "1",
+            "--master-port", str(port), "--master-listen-fd", str(fd),
+            "--socket", str(tmp_path / "s.sock"), "--run-dir", str(tmp_path)]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         pass_fds=(fd,))
+    try:
+        _ready(p, tmp_path)
+        from torch.distributed import TCPStore
+        from datetime import timedelta
+        store = TCPStore("127.0.0.1", port, 1, is_master=False,
+                         timeout=timedelta(seconds=20))
+        assert store.get("dgt/session/0")   # the sidecar's store answers on that port
+    finally:
+        stop_procs(p)
+        lsock.close()
+
+
+@pytest.mark.parametrize("fd,rank", [("2", "0"), ("7", "1")])
+def test_a_master_listen_fd_that_cannot_be_one_is_one_line(tmp_path, fd, rank):
+    p = _sidecar(int(rank), 2, _free_port(), tmp_path / "s.sock", tmp_path,
+                 "--master-listen-fd", fd)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2, err
+    assert "--master-listen-fd is for rank 0 only" in err
+    assert len(err.strip().splitlines()) == 1, err

@@ -62,13 +62,25 @@ def test_capture_summary_matches_report_and_replay_is_rejected(tmp_path):
     base_b = free_base_port()
     while abs(base_b - base_a) < 40:
         base_b = free_base_port()
-    pb = train(tmp_path, "b", base_b, wait=False)
+    pb = train(tmp_path, "b", base_b, "--peer-timeout-s", "600", wait=False)
     wait_for(tmp_path / "b" / "endpoints-3.json", pb)
-    rep = subprocess.run(DGT + ["replay", str(pcap), "--to", "127.0.0.1", "--base-port",
-                                str(base_b), "--from-base-port", str(base_a),
-                                "--speed", "4",  # ends well before run B does
-                                "--json", str(tmp_path / "replay.json")],
-                         capture_output=True, text=True, timeout=300)
+    # run B's trainers are held (SIGSTOP) while the replay runs, so B cannot finish
+    # before the replay's last message however slow this host is; its sidecars listen
+    # and receive throughout, and the pause changes none of B's bits
+    wait_for(tmp_path / "b" / "pids.json", pb)
+    trainers = [e["pid"] for e in json.loads((tmp_path / "b" / "pids.json").read_text())
+                if e["kind"] == "trainer"]
+    for pid in trainers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        rep = subprocess.run(DGT + ["replay", str(pcap), "--to", "127.0.0.1", "--base-port",
+                                    str(base_b), "--from-base-port", str(base_a),
+                                    "--speed", "4",
+                                    "--json", str(tmp_path / "replay.json")],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        for pid in trainers:
+            os.kill(pid, signal.SIGCONT)
     assert rep.returncode == 0, rep.stdout + rep.stderr
     out, err = pb.communicate(timeout=300)
     assert pb.returncode == 0, out + err

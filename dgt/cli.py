@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ns, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand whose flags were wrong, not the top level
         getattr(ns, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    from .console import survive_closed_stdout
+    survive_closed_stdout()   # 'dgt train | head' must not stop the job
     try:
         return int(ns.func(ns) or 0)
     except KeyboardInterrupt:

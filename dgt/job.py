@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=JobConfig.device)
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    from .console import survive_closed_stdout
+    survive_closed_stdout()   # rank 0 prints to the user's stdout, which may close
     faulthandler.enable()   # a crash in native code leaves its Python stack in the log
     try:
         result = train(ns)

@@ -111,11 +111,14 @@ class SidecarCollector:
         sc = self.sc
         ctr = sc.counters
         n_ch = sc.cfg.channels
+        # job: a digest of the session id, never the id itself (it is what a HELLO must
+        # carry; an unauthenticated endpoint must not hand it out)
+        import hashlib
+        job = hashlib.sha256(sc.session_id.to_bytes(8, "big")).hexdigest()[:12]
         info = GaugeMetricFamily("dgt_sidecar_info", "This sidecar: rank, world size, mode "
-                                 "and session id (value 1)",
-                                 labels=["rank", "world", "mode", "session"])
-        info.add_metric([str(sc.rank), str(sc.world), sc.cfg.mode,
-                         f"{sc.session_id:016x}"], 1)
+                                 "and a job id (a digest of the session; value 1)",
+                                 labels=["rank", "world", "mode", "job"])
+        info.add_metric([str(sc.rank), str(sc.world), sc.cfg.mode, job], 1)
         yield info
         for fld, name, help_ in CHANNEL_METRICS:
             m = CounterMetricFamily(name, help_, labels=["channel"])

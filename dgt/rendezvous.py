@@ -75,6 +75,7 @@ class Rendezvous:
         self.host, self.port, self.world, self.rank = host, port, world, rank
         self.timeout_s = timeout_s
         self.listen_fd = listen_fd
+        self._own_listener = None
         self.store = self._connect(is_master=rank == 0)
 
     def _connect(self, is_master: bool):
@@ -83,6 +84,10 @@ class Rendezvous:
             # whatever TCPStore's own retries would do
             wait_for_listener(self.host, self.port,
                               max(1.0, self.timeout_s - process_age_s()), self.timeout_s)
+        if is_master and self.listen_fd < 0:
+            self._own_listener = self._listen()
+            if self._own_listener is not None:   # the store owns the descriptor now
+                self.listen_fd = self._own_listener.detach()
         try:
             extra = {"master_listen_fd": self.listen_fd} if is_master and \
                 self.listen_fd >= 0 else {}
@@ -92,6 +97,28 @@ class Rendezvous:
         except Exception as e:  # DistStoreError / RuntimeError: one line for the user
             raise PeerFailure(f"rendezvous store at {self.host}:{self.port} unreachable: "
                               f"{str(e).splitlines()[0]}", 0 if not is_master else None) from None
+
+    def _listen(self):
+        """Rank 0: a listening socket on ``host:port`` only. Left to itself TCPStore
+        listens on every interface, and the store is unauthenticated: it hands the
+        session id to anyone who asks. None when ``host`` is not an address of this
+        host (behind NAT, say): TCPStore then binds every interface, with a warning.
+        Raises PeerFailure when the port is taken."""
+        import errno
+        import logging
+        import socket
+        try:
+            return socket.create_server((self.host, self.port), backlog=1024,
+                                        family=socket.AF_INET6 if ":" in self.host
+                                        else socket.AF_INET)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PeerFailure(f"--master-port {self.port} is in use on {self.host}; "
+                                  f"pick another port (or stop what holds it)", None) from None
+            logging.getLogger("dgt.rendezvous").warning(
+                "--master-addr %s is not an address of this host (%s); the rendezvous "
+                "store listens on every interface", self.host, e.strerror)
+            return None
 
     def set(self, key: str, value: str) -> None:
         try:

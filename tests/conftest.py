@@ -34,6 +34,7 @@ def requires_root(why: str):
 
 def run_train(tmp_path, *args, timeout=240, check=True):
     """Run 'dgt train' as a user would; return (CompletedProcess, report dict or None)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)   # --report's folder must exist
     report = tmp_path / "report.json"
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "dgt.cli", "train", "--report", str(report),

@@ -194,3 +194,36 @@ def test_every_rejection_is_a_reason():
     for r in c.rejected:
         Reason(r)
     assert all(isinstance(Reason(x.value), Reason) for x in Reason)
+
+
+def test_once_a_rank_s_connection_is_established_no_rival_takes_its_place():
+    """The breaker's attack: a stranger who read the session id from the (unauthenticated)
+    rendezvous store says HELLO as rank 1 mid-run and sends BLOCKS/END first. dgt never
+    reconnects, so once rank 1's connection carried accepted traffic a rival is closed
+    (or its frames dropped unapplied), gets no PULL, and its drop blames nobody."""
+    c = control()
+    assert hello(c, 1, sender=1) == []                       # the real peer
+    end = frame(MsgType.END, sender=1, payload=wire.pack_end([0]))
+    assert c.receive_frame(1, *end, 1.0) == [ShardFrame(1, *end)]
+    c.confirm(1)                                             # established
+    # a HELLO for rank 1 after that: closed at once
+    assert hello(c, 2, sender=1) == [CloseConnection(2, "rank_taken")]
+    assert c.rejected["rank_taken"] == 1
+    assert c.incoming() == {1: 1}
+    assert c.lost(2, 2.0) == []                              # nobody blamed
+
+
+def test_a_rival_candidate_s_traffic_is_never_applied_once_one_is_established():
+    c = control()
+    assert hello(c, 1, sender=1) == []                       # two candidates at start-up
+    assert hello(c, 2, sender=1) == []
+    end = frame(MsgType.END, sender=1, payload=wire.pack_end([0]))
+    assert c.receive_frame(1, *end, 1.0) == [ShardFrame(1, *end)]
+    c.confirm(1)
+    # the rival's traffic is dropped, and confirming it (were it accepted) changes nothing
+    assert c.receive_frame(2, *end, 1.0) == [Rejected("rank_taken")]
+    c.confirm(2)
+    assert c.incoming() == {1: 1}
+    assert c.lost(2, 2.0) == []
+    assert c.lost(1, 2.0) == [PeerFailed(1, "lost connection to rank 1 (process died "
+                                            "or network down)")]

@@ -114,6 +114,10 @@ def test_endpoints_rise_and_final_scrape_equals_report(tmp_path):
         assert ("process_resident_memory_bytes", ()) in later
         # the final scrape equals this sidecar's report counters exactly
         side = json.loads((run / f"sidecar-{r}.json").read_text())
+        # the endpoint names the job by a digest, never by the session id a HELLO needs
+        prom = (run / f"metrics-{r}.prom").read_text()
+        assert side["session"] not in prom and str(int(side["session"], 16)) not in prom
+        assert 'job="' in prom
         got = counters_of(final[r])
         assert got == {name: {k: float(v) for k, v in ch.items()}
                        for name, ch in side["channels"].items()}

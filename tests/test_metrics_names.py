@@ -78,3 +78,4 @@ def test_help_loads_no_metrics_or_drawing_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+

@@ -242,3 +242,31 @@ def test_a_master_listen_fd_that_cannot_be_one_is_one_line(tmp_path, fd, rank):
     assert p.returncode == 2, err
     assert "--master-listen-fd is for rank 0 only" in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp{,6} print them) listening on ``port``."""
+    out = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            addr, hexport = f[1].rsplit(":", 1)
+            if f[3] == "0A" and int(hexport, 16) == port:
+                out.append(addr)
+    return out
+
+
+def test_rank_0_s_rendezvous_store_listens_on_master_addr_only(tmp_path):
+    """The store is unauthenticated (it holds the session id a HELLO must carry); left
+    to itself TCPStore listens on every interface. Rank 0 binds --master-addr only."""
+    port = _free_port()
+    p = _sidecar(0, 1, port, tmp_path / "s.sock", tmp_path, "--master-addr", "127.0.0.1")
+    try:
+        _ready(p, tmp_path)
+        assert _listeners(port) == ["0100007F"], _listeners(port)   # 127.0.0.1 only
+    finally:
+        stop_procs(p)

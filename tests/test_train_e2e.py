@@ -1,4 +1,8 @@
 """Multi-process end-to-end runs of 'dgt train' over loopback: real sidecars, real sockets."""
+import json
+import subprocess
+import sys
+
 import pytest
 
 from conftest import logs_of
@@ -111,3 +115,22 @@ def test_a_diverged_run_says_so_in_the_summary(train):
     assert "warning: the training loss is" in p.stdout and "lower --lr" in p.stdout
     assert p.returncode == 1   # a script that chains on dgt train must not go on
     assert r["replicas_identical"]
+
+
+def test_a_closed_stdout_does_not_stop_the_job(tmp_path):
+    """'dgt train | head -1': the reader goes away after one line. The job still ends
+    cleanly with its report, and nobody is blamed (it used to kill rank 0's trainer
+    with BrokenPipeError and lose the report)."""
+    report = tmp_path / "r.json"
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                          "--hidden", "32", "--iterations", "30", "--eval-every", "1",
+                          "--report", str(report), "--run-dir", str(tmp_path / "run")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.readline()
+    assert first
+    p.stdout.close()          # like head -1
+    err = p.stderr.read().decode(errors="replace")
+    assert p.wait(timeout=240) == 0, err
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err
+    rep = json.loads(report.read_text())
+    assert rep["replicas_identical"] and rep["iterations"] == 30

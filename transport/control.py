@@ -191,13 +191,20 @@ class ControlProtocol:
         self.conns[conn] = _Conn(conn, True, now, ConnState.ESTABLISHED, rank)
 
     def confirm(self, conn: int) -> None:
-        """The shard accepted traffic on ``conn``: it is its rank's connection now."""
+        """The shard accepted traffic on ``conn``: it is its rank's connection now, for
+        good. dgt never reconnects, so once a rank's connection is established no other
+        takes its place (a rival's HELLO or traffic is ``rank_taken``)."""
         c = self.conns.get(conn)
-        if c is not None and c.state is ConnState.CANDIDATE:
-            for o in self.conns.values():
-                if o.rank == c.rank and not o.outgoing and o.state is ConnState.ESTABLISHED:
-                    o.state = ConnState.CANDIDATE
+        if c is not None and c.state is ConnState.CANDIDATE and \
+                self._established(c.rank) is None:
             c.state = ConnState.ESTABLISHED
+
+    def _established(self, rank: int | None) -> "_Conn | None":
+        """The accepted connection established for ``rank``, if any."""
+        for o in self.conns.values():
+            if o.rank == rank and not o.outgoing and o.state is ConnState.ESTABLISHED:
+                return o
+        return None
 
     def lost(self, conn: int, now: float) -> list:
         """``conn`` closed (by the peer, by us, or by an error)."""
@@ -246,6 +253,8 @@ class ControlProtocol:
         if t == MsgType.PULL and c.outgoing:
             return self._pull(h, payload)
         if t in (MsgType.BLOCKS, MsgType.END) and not c.outgoing:
+            if c.state is ConnState.CANDIDATE and self._established(c.rank) is not None:
+                return [self._reject(Reason.RANK_TAKEN)]   # a rival: never applied
             return [ShardFrame(conn, h, payload)]
         return [self._reject(Reason.UNEXPECTED_TYPE)]
 
@@ -261,6 +270,10 @@ class ControlProtocol:
             return [self._close(c, Reason.STRAY)]
         if not 0 <= h.sender < self.world or h.sender == self.rank or h.shard != self.rank:
             return [self._close(c, Reason.BAD_HELLO)]
+        if self._established(h.sender) is not None:
+            # the rank's own connection carries its traffic already; dgt never
+            # reconnects, so this is a stranger who learnt the session id
+            return [self._close(c, Reason.RANK_TAKEN)]
         events: list = []
         rivals = [o for o in self.conns.values() if o.rank == h.sender and not o.outgoing
                   and o.state is ConnState.CANDIDATE]

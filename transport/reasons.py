@@ -49,6 +49,7 @@ class Reason(str, enum.Enum):
     NO_HELLO = "no_hello"
     EVICTED_PENDING = "evicted_pending"
     EVICTED_CANDIDATE = "evicted_candidate"
+    RANK_TAKEN = "rank_taken"
     WRONG_SENDER = "wrong_sender"
     UNVERIFIED_CONTROL = "unverified_control"
     UNEXPECTED_TYPE = "unexpected_type"

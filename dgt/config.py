@@ -75,7 +75,9 @@ class TransmissionConfig:
     drop_udp: float = _f(0.0, "receive-side loss emulation: fraction of UDP datagrams "
                          "dropped on arrival (0..1; for tests on hosts without netem)")
     secret: str = _f("", "job secret: when set, every message carries a keyed BLAKE2b "
-                     "MAC and unauthenticated ones are dropped")
+                     "MAC and unauthenticated ones are dropped",
+                     nonempty="give a secret, e.g. 32 random hex characters, or leave it "
+                     "out to run without message authentication")
     check_conservation: bool = _f(False, "record the sums needed to check the "
                                   "conservation invariant (costs memory)")
 
@@ -365,6 +367,9 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
                      {"int": int, "float": finite(float)}.get(f.type, str)(raw))
             except (ValueError, argparse.ArgumentTypeError) as e:
                 raise ValueError(f"{name}={raw!r}: {e}") from None
+        if v == "" and f.metadata.get("nonempty"):
+            raise ValueError(f"{_flag(f.name)} (or {_env(f.name)}) is empty: "
+                             f"{f.metadata['nonempty']}")
         if v is not None:
             kw[f.name] = v
     cfg = cls(**kw)

@@ -418,7 +418,8 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print,
         log(f"dgt train: --run-dir {j.run_dir}: {e.strerror or e}")
         return 2, None
     log(f"dgt train: {job.workers} workers, mode {tx.mode}, k {tx.k}, {tx.channels} UDP "
-        f"channels, block {tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}; "
+        f"channels, block {tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}, "
+        f"{'MAC on every message' if tx.secret else 'no --secret (messages unauthenticated)'}; "
         f"logs in {j.run_dir}" + (" (a temporary folder: removed after a successful run, "
                                   "kept on failure; --run-dir keeps it)"
                                   if j.own_run_dir else ""))

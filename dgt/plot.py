@@ -38,8 +38,9 @@ def load(source: str) -> dict:
                 acc = channels.setdefault(name, {})
                 for k, v in ch.items():
                     acc[k] = acc.get(k, 0) + v
-        return {"history": history, "channels": channels,
-                "comm_ms": {r: comm_times_ms(lines) for r, lines in traces.items()}}
+        return _checked({"history": history, "channels": channels,
+                         "comm_ms": {r: comm_times_ms(lines)
+                                     for r, lines in traces.items()}}, source)
     try:
         with open(source) as f:
             r = json.load(f)
@@ -50,8 +51,38 @@ def load(source: str) -> dict:
                          f"or a --run-dir") from None
     if not isinstance(r, dict) or "channels" not in r or "history" not in r:
         raise ValueError(f"{source} is not a dgt train report (no 'history'/'channels')")
-    return {"history": r["history"], "channels": r["channels"],
-            "comm_ms": {0: r.get("comm_ms", [])}}
+    return _checked({"history": r["history"], "channels": r["channels"],
+                     "comm_ms": {0: r.get("comm_ms", [])}}, source)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def _checked(data: dict, source: str) -> dict:
+    """``data`` if every field plot() reads has the type a report gives it; else
+    ValueError naming the first field that does not (a hand-edited or foreign file)."""
+    def bad(what: str):
+        return ValueError(f"{source} is not a dgt train report: {what}")
+    if not isinstance(data["history"], list):
+        raise bad("'history' is not a list")
+    for i, h in enumerate(data["history"]):
+        if not isinstance(h, dict) or not all(_number(h.get(k)) for k in (
+                "seconds", "iteration")) or not (h.get("test_accuracy") is None or
+                                                 _number(h["test_accuracy"])):
+            raise bad(f"history[{i}] lacks numeric 'seconds', 'iteration' and "
+                      f"'test_accuracy'")
+    if not isinstance(data["channels"], dict):
+        raise bad("'channels' is not an object")
+    for name, ch in data["channels"].items():
+        if not isinstance(ch, dict) or not all(_number(ch.get(k)) for k in (
+                "bytes_sent", "bytes_delivered")):
+            raise bad(f"channels[{name!r}] lacks numeric 'bytes_sent' and "
+                      f"'bytes_delivered'")
+    for rank, ms in data["comm_ms"].items():
+        if not isinstance(ms, list) or not all(_number(v) for v in ms):
+            raise bad("'comm_ms' is not a list of numbers")
+    return data
 
 
 def plot(data: dict, out_dir: str, title: str = "") -> list[str]:

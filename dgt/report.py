@@ -65,6 +65,7 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
     return {
         "warnings": _warnings(sidecars),
         "mode": tx.mode,
+        "authenticated": bool(tx.secret),   # --secret given: a MAC on every message
         "workload": t0.get("workload"),
         "rounds": rounds,
         "bytes_per_round": bytes_sent / rounds if rounds else None,

@@ -88,6 +88,7 @@ class EndpointPoller:
         self.endpoints = endpoints
         self.prev: dict[str, tuple[float, dict]] = {}
         self.last: dict[int, dict] = {}
+        self.errors: dict[str, str] = {}   # endpoint -> why its last scrape failed
 
     def poll(self) -> None:
         import urllib.request
@@ -97,8 +98,10 @@ class EndpointPoller:
             try:
                 with urllib.request.urlopen(f"http://{ep}/metrics", timeout=2) as resp:
                     text = resp.read().decode()
-            except OSError:
+            except OSError as e:
+                self.errors[ep] = str(getattr(e, "reason", None) or e.strerror or e)
                 continue
+            self.errors.pop(ep, None)
             now = time.monotonic()
             s: dict = {}
             rank = None
@@ -195,6 +198,8 @@ def _quit_pressed(timeout_s: float) -> bool:
 
 
 def main(ns: argparse.Namespace) -> int:
+    if not 0.05 <= ns.interval_s <= 3600:
+        ns.parser.error(f"--interval-s must be in 0.05..3600, got {ns.interval_s:g}")
     if ns.endpoints:
         eps = [e.strip() for e in ns.endpoints.split(",") if e.strip()]
         bad = [e for e in eps if not re.fullmatch(r"\[?[0-9A-Za-z.:-]+\]?:\d{1,5}", e)]
@@ -208,12 +213,20 @@ def main(ns: argparse.Namespace) -> int:
         if os.path.exists(ns.run_dir) and not os.path.isdir(ns.run_dir):
             ns.parser.error(f"{ns.run_dir} is a file; give the job's --run-dir (a folder "
                             f"that does not exist yet is waited for)")
+        if ns.once and not os.path.isdir(ns.run_dir):
+            ns.parser.error(f"{ns.run_dir} does not exist; give the job's --run-dir "
+                            f"(without --once, dgt top waits for it to appear)")
         source = TraceFollower(ns.run_dir)
         label = ns.run_dir
     from rich.console import Console
     console = Console()
     if ns.once or not sys.stdin.isatty():
         source.poll()
+        errors = getattr(source, "errors", {})
+        if errors and len(errors) == len(source.endpoints):
+            ep, why = next(iter(errors.items()))
+            ns.parser.error(f"no metrics endpoint answered ({ep}: {why}); is the job "
+                            f"running with --metrics-port?")
         console.print(render(source.rows(), label, accuracy(ns.run_dir)))
         return 0
     import termios

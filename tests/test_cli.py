@@ -56,6 +56,13 @@ BAD = [
      "--master-addr no-such-host.invalid does not resolve"),
     (["sidecar", "--world", "2"], "--rank is required"),
     (["train", "--report", "/nonexistent-dgt-dir/sub/r.json"], "does not exist"),
+    # breaker round 3
+    (["top", "/nonexistent-dgt-run", "--once"], "/nonexistent-dgt-run does not exist"),
+    (["top", "--endpoints", "127.0.0.1:1", "--once"], "no metrics endpoint answered"),
+    (["top", "/tmp", "--interval-s", "-1"], "--interval-s must be in 0.05..3600"),
+    (["train", "--secret", ""], "--secret (or DGT_SECRET) is empty"),
+    (["sidecar", "--rank", "0", "--world", "1", "--secret", ""],
+     "--secret (or DGT_SECRET) is empty"),
     # workloads (docs/workloads.md)
     (["train", "--model", "lenet"], "argument --model: invalid choice: 'lenet'"),
     (["train", "--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),

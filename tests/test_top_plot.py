@@ -89,3 +89,25 @@ def test_plot_refuses_what_is_not_a_report(tmp_path):
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 2, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and "dgt plot: error:" in p.stderr
+
+
+@pytest.mark.parametrize("field,value", [
+    ("history", "x"), ("history", [1, 2]), ("history", [{"seconds": "a"}]),
+    ("channels", {"tcp": None}), ("channels", [1]),
+    ("channels", {"tcp": {"bytes_sent": "1", "bytes_delivered": 2}}),
+    ("comm_ms", ["a", None]), ("comm_ms", 3),
+])
+def test_plot_refuses_a_report_whose_fields_have_the_wrong_type(tmp_path, field, value):
+    """Valid JSON with one field of the wrong type (the breaker's cases): one line, exit
+    2, never a traceback from plot() or matplotlib."""
+    good = {"history": [{"seconds": 1.0, "iteration": 1, "test_accuracy": 0.5}],
+            "channels": {"tcp": {"bytes_sent": 10, "bytes_delivered": 10}},
+            "comm_ms": [1.0, 2.0]}
+    good[field] = value
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(good))
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "plot", str(src), "--out",
+                        str(tmp_path / "png")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "is not a dgt train report" in p.stderr

@@ -57,6 +57,10 @@ BAD = [
     (["sidecar", "--world", "2"], "--rank is required"),
     (["train", "--report", "/nonexistent-dgt-dir/sub/r.json"], "does not exist"),
     # breaker round 3
+    (["replay", "--dry-run", "--to", "127.0.0.1:31000", "/nonexistent.pcap"],
+     "is not an address; give a host only"),
+    (["replay", "--dry-run", "--to", "nonsense.invalid", "/nonexistent.pcap"],
+     "does not resolve"),
     (["top", "/nonexistent-dgt-run", "--once"], "/nonexistent-dgt-run does not exist"),
     (["top", "--endpoints", "127.0.0.1:1", "--once"], "no metrics endpoint answered"),
     (["top", "/tmp", "--interval-s", "-1"], "--interval-s must be in 0.05..3600"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import json
 import subprocess
 import sys
 import time
@@ -188,6 +189,14 @@ def test_replay_and_summary_read_pcapng(tmp_path):
         assert r.returncode == 0, r.stderr
         outs.append(r.stdout)
     assert outs[0] == outs[1] and len(outs[0].splitlines()) == 6
+    # --dry-run --json writes what would be sent (it used to write nothing, silently)
+    r = subprocess.run([sys.executable, "-m", "dgt.cli", "replay", "--dry-run", "--to",
+                        "127.0.0.1", "--json", str(tmp_path / "dry.json"),
+                        str(tmp_path / "a.pcap")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    dry = json.loads((tmp_path / "dry.json").read_text())
+    assert dry["dry_run"] is True and dry["messages"] == 6
     msgs = [(m.ts_ns, m.dscp, m.data) for m in
             dissect.messages_from_pcap(str(tmp_path / "a.pcapng"))[0]]
     assert msgs == [(m.ts_ns, m.dscp, m.data) for m in

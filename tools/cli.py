@@ -261,6 +261,7 @@ def cmd_replay(args) -> int:
         rate_pps, rate_mbit = replay.parse_rate(args.rate)
     _positive("--speed", args.speed)
     check_output("--json", args.json)
+    _check_host("--to", args.to)
     cfg = replay.ReplayConfig(
         files=args.files, to_host=args.to, port_map=replay.parse_port_map(args.port_map),
         base_port=args.to_base_port, from_base_port=args.from_base_port,
@@ -284,6 +285,11 @@ def cmd_replay(args) -> int:
             h = it.header
             print(f"{offs.next(it):10.6f}  {it.proto}  {it.dst}:{it.dport}  {h.type!s:>2} "
                   f"ch={h.channel} it={h.iteration} {len(it.data)} B")
+        if args.json:   # what would be sent: the scan's counts, nothing sent
+            with open(args.json, "w") as f:
+                json.dump({"dry_run": True, "messages": sc.messages, **info}, f, indent=2,
+                          default=str)
+                f.write("\n")
         return 0
     log.info("replaying %d messages from %s", sc.messages, ", ".join(args.files))
     rep = replay.replay(cfg, progress=lambda i, n: log.info("sent %d / %d", i, n),
@@ -321,6 +327,25 @@ def cmd_bench(args) -> int:
     from dgt.tools import bench
     logging.basicConfig(level=logging.WARNING)
     return bench.cmd_bench(args)
+
+
+def _check_host(flag: str, host: str) -> None:
+    """``host`` must be an address or a name that resolves (no ``host:port``: ports
+    come from the capture and the port flags). Raises ValueError naming the flag."""
+    import ipaddress
+    import socket
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if ":" in host:
+        raise ValueError(f"{flag} {host!r} is not an address; give a host only "
+                             f"(ports come from the capture, --to-base-port or --port-map)")
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as e:
+        raise ValueError(f"{flag} {host!r} does not resolve ({e.strerror})") from None
 
 
 def register(subparsers) -> None:

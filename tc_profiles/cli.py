@@ -116,6 +116,10 @@ def tb_up(args) -> int:
     if args.queue_bytes is not None and args.queue_bytes < 1500:
         return _fail(args, f"--queue-bytes must be >= 1500 (one packet), got "
                            f"{args.queue_bytes}")
+    try:   # every flag is checked before root: a bad one is named whoever runs it
+        testbed.parse_rate(args.rate)
+    except ValueError as e:
+        return _fail(args, f"--rate: {e}")
     if (rc := _root(args)) is not None:
         return rc
     dscp = [int(x) for x in args.loss_dscp.split(",")] if args.loss_dscp else None

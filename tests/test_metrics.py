@@ -20,6 +20,18 @@ pytestmark = pytest.mark.slow
 WORKERS = 4
 
 
+def _own_shm() -> set[str]:
+    """This user's dgt shared-memory names (another user's job on the host is not ours)."""
+    out = set()
+    for f in os.listdir("/dev/shm"):
+        try:
+            if f.startswith("dgt-") and os.stat(f"/dev/shm/{f}").st_uid == os.getuid():
+                out.add(f)
+        except OSError:   # gone between listdir and stat
+            pass
+    return out
+
+
 def free_port_run(n: int) -> int:
     """A base port with n free consecutive TCP ports on 127.0.0.1."""
     for _ in range(200):
@@ -181,7 +193,7 @@ def test_bad_metrics_endpoint_is_one_line_and_nothing_starts(tmp_path, case):
         args += ["--metrics-host", "not-an-address"]
     else:
         args += ["--metrics-host", "192.0.2.1"]   # TEST-NET-1: not on this host
-    shm_before = {f for f in os.listdir("/dev/shm") if f.startswith("dgt-")}
+    shm_before = _own_shm()
     try:
         p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers",
                             str(WORKERS), "--hidden", "32", "--iterations", "2",
@@ -195,7 +207,7 @@ def test_bad_metrics_endpoint_is_one_line_and_nothing_starts(tmp_path, case):
     assert p.stdout == ""
     assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run"), \
         os.listdir(tmp_path / "run")
-    assert {f for f in os.listdir("/dev/shm") if f.startswith("dgt-")} <= shm_before
+    assert _own_shm() <= shm_before
     assert not processes_naming(str(tmp_path))
 
 

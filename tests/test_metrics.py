@@ -2,7 +2,6 @@
 real HTTP scrapes, parsed with prometheus_client's own parser."""
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -33,22 +32,10 @@ def _own_shm() -> set[str]:
 
 
 def free_port_run(n: int) -> int:
-    """A base port with n free consecutive TCP ports on 127.0.0.1."""
-    for _ in range(200):
-        base = random.randint(20000, 60000)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port run")
+    """A base port with n free consecutive ports on 127.0.0.1 (synth's finder checks
+    10 per rank, TCP and UDP: a superset)."""
+    from dgt.tools.synth import free_base_port
+    return free_base_port(n)
 
 
 def scrape(port: int) -> dict | None:

@@ -41,6 +41,22 @@ def _ready(p, run_dir, rank=0, timeout_s=60):
         time.sleep(0.05)
 
 
+def _ready_sidecars(n, tmp_path, timeout_s=60):
+    """(sockets, processes) of an n-node job's sidecars, each rendezvoused. The caller
+    stops them (``stop_procs``); on a start-up failure here they are stopped already."""
+    port = _free_port()
+    socks = [tmp_path / f"s{r}.sock" for r in range(n)]
+    procs = [_sidecar(r, n, port, socks[r], tmp_path, "--peer-timeout-s", "60")
+             for r in range(n)]
+    try:
+        for r, p in enumerate(procs):
+            _ready(p, tmp_path, r, timeout_s=timeout_s)
+    except BaseException:
+        stop_procs(*procs)
+        raise
+    return socks, procs
+
+
 _SEEDING = threading.Lock()   # trainers run in threads; torch's RNG is global
 
 
@@ -109,13 +125,8 @@ def _train_steps(path, steps, out, key, seed=0):
 
 
 def test_a_rank_that_closes_early_is_named_at_once_with_its_last_step(tmp_path):
-    port = _free_port()
-    socks = [tmp_path / f"s{r}.sock" for r in range(2)]
-    procs = [_sidecar(r, 2, port, socks[r], tmp_path, "--peer-timeout-s", "60")
-             for r in range(2)]
+    socks, procs = _ready_sidecars(2, tmp_path)
     try:
-        for r, p in enumerate(procs):
-            _ready(p, tmp_path, r)
         out = {}
         th = [threading.Thread(target=_train_steps, args=(socks[0], 6, out, 0)),
               threading.Thread(target=_train_steps, args=(socks[1], 3, out, 1))]
@@ -187,13 +198,8 @@ def test_a_small_udp_buffer_is_in_the_summary_and_the_report(tmp_path):
 
 def test_replicas_that_start_from_different_weights_are_refused_with_the_ranks_named(
         tmp_path):
-    port = _free_port()
-    socks = [tmp_path / f"s{r}.sock" for r in range(3)]
-    procs = [_sidecar(r, 3, port, socks[r], tmp_path, "--peer-timeout-s", "60")
-             for r in range(3)]
+    socks, procs = _ready_sidecars(3, tmp_path, timeout_s=120)
     try:
-        for r, p in enumerate(procs):
-            _ready(p, tmp_path, r, timeout_s=120)
         out = {}
         th = [threading.Thread(target=_train_steps, args=(socks[r], 2, out, r, seed))
               for r, seed in enumerate((0, 0, 5))]

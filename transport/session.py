@@ -323,15 +323,14 @@ class ShardSession:
                     ok[i] = False
                     self.counters.rejected["bad_mac"] += 1
         w_safe = np.where(ok, w_all, 0)
-        future = np.zeros(n, bool)
         late = ok & ((it < self.iteration) | ((it == self.iteration) & self.finalised[w_safe]))
         if late.any():
             for c, k in zip(*np.unique(ch_all[late], return_counts=True)):
                 self.counters.channels[c].blocks_late += int(k)
-            for wk, itk in {(int(a), int(b)) for a, b in zip(w_all[late], it[late])}:
-                self._observe_late(wk, itk)
+            for wk, itk in np.unique(np.stack([w_all[late], it[late]]), axis=1).T:
+                self._observe_late(int(wk), int(itk))   # once per (worker, iteration)
             events.append(Rejected("late"))
-        cur = ok & ~future & ~late
+        cur = ok & ~late   # future and stale left ``ok`` before the MAC
         row_all = hdr["block"].astype(np.int64) - self.lo
         idx = np.flatnonzero(cur)
         touched = np.unique(w_all[idx]) if idx.size else ()

@@ -22,15 +22,16 @@ POLL_S = 0.05
 QUIET_TORCH_ENV = {"TORCH_CPP_LOG_LEVEL": "FATAL", "TORCH_SHOW_CPP_STACKTRACES": "0"}
 
 
-def check_resolves(host: str) -> None:
-    """Raise ValueError at once when ``host`` (--master-addr) does not resolve, instead
-    of letting the store retry a name that will never connect (getaddrinfo(3))."""
+def check_resolves(host: str, flag: str = "--master-addr",
+                   hint: str = "give the name or address of rank 0's node") -> None:
+    """Raise ValueError at once when ``host`` (given by ``flag``) does not resolve,
+    instead of letting the store retry a name that will never connect (getaddrinfo(3)).
+    The message names the flag and ends with ``hint``."""
     try:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         why = getattr(e, "strerror", None) or str(e)
-        raise ValueError(f"--master-addr {host} does not resolve ({why}); give the name "
-                         f"or address of rank 0's node") from None
+        raise ValueError(f"{flag} {host} does not resolve ({why}); {hint}") from None
 
 
 def process_age_s() -> float:

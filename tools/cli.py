@@ -333,7 +333,8 @@ def _check_host(flag: str, host: str) -> None:
     """``host`` must be an address or a name that resolves (no ``host:port``: ports
     come from the capture and the port flags). Raises ValueError naming the flag."""
     import ipaddress
-    import socket
+
+    from dgt.rendezvous import check_resolves
     try:
         ipaddress.ip_address(host)
         return
@@ -341,11 +342,8 @@ def _check_host(flag: str, host: str) -> None:
         pass
     if ":" in host:
         raise ValueError(f"{flag} {host!r} is not an address; give a host only "
-                             f"(ports come from the capture, --to-base-port or --port-map)")
-    try:
-        socket.getaddrinfo(host, None)
-    except socket.gaierror as e:
-        raise ValueError(f"{flag} {host!r} does not resolve ({e.strerror})") from None
+                         f"(ports come from the capture, --to-base-port or --port-map)")
+    check_resolves(host, flag, "give the destination's name or address")
 
 
 def register(subparsers) -> None:

@@ -29,8 +29,12 @@ def rows(pane: str) -> dict[int, int]:
 def test_top_shows_every_rank_live_and_q_quits(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
+    # The job must outlive the observation on any machine speed (on CI it ended after
+    # its 10 epochs, 110 iterations, before top had drawn twice): it runs far longer
+    # than the test watches, and the finally clause stops it.
     job = subprocess.Popen([sys.executable, "-m", "dgt.cli", "train", "--workers",
-                            str(WORKERS), "--hidden", "64", "--iterations", "600",
+                            str(WORKERS), "--hidden", "64", "--iterations", "1000000",
+                            "--epochs", "100000",
                             "--run-dir", str(run)], stdout=subprocess.DEVNULL,
                            stderr=subprocess.STDOUT)
     name = f"dgttop-{uuid.uuid4().hex[:8]}"

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .errors import PeerFailure
+from .failure import FailureReason
 from .config import TransmissionConfig
 from .contribution import ContributionScores
 from .feedback import Residual
@@ -193,7 +194,8 @@ class WorkerAgent:
                        f"(dead or frozen)" if stalled else "")
                 raise PeerFailure(f"no PULL for iteration {t} from shard(s) {missing} "
                                   f"within {timeout_s:.0f} s{why}",
-                                  stalled[0] if stalled else missing[0]) from None
+                                  stalled[0] if stalled else missing[0],
+                                  FailureReason.PEER_SILENT, stalled or missing) from None
         self._apply(t)
         return k
 

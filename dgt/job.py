@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import hashlib
-import json
 import logging
 import os
 import sys
@@ -32,9 +31,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import failure
+from .atomic import write_json
 from .client import Client
 from .config import JobConfig
 from .errors import PeerFailure
+from .failure import FailureReason
 
 log = logging.getLogger("dgt.job")
 EVAL_BATCH = 1000   # test samples per forward pass when evaluating
@@ -289,11 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     except PeerFailure as e:
         who = f"rank {e.rank}" if e.rank is not None else "a peer"
         print(f"dgt trainer {ns.rank}: job failed ({who}): {e}", file=sys.stderr, flush=True)
+        # a rank named: the sidecar's failure relayed; none: our own sidecar is at fault
+        failure.write(os.path.dirname(os.path.abspath(ns.result)), failure.FailureRecord(
+            "trainer", ns.rank,
+            FailureReason.PEER_REPORTED if e.rank is not None else FailureReason.OTHER,
+            str(e), e.ranks if e.rank is not None else [ns.rank]))
         return 3
-    tmp = ns.result + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, ns.result)
+    write_json(ns.result, result)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown (torch/sklearn take ~1.5 s to unload)

@@ -15,7 +15,6 @@ import functools
 import glob
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -25,6 +24,8 @@ import tempfile
 import time
 
 
+from . import failure
+from .atomic import write_json
 from .config import DIGITS_TRAIN_SAMPLES, JobConfig, TransmissionConfig, to_argv
 from .rendezvous import QUIET_TORCH_ENV
 from .report import build_report, diverged, print_summary
@@ -203,12 +204,14 @@ class Job:
         while True:
             alive = [(k, r, p) for k, r, p in self.procs if p.poll() is None]
             if failure is None:
-                for k, r, p in self.procs:
-                    if p.returncode not in (None, 0):
-                        failure = self._describe_failure(k, r, p.returncode)
-                        fail_at = time.monotonic()
-                        self._stop_sidecars(failure, r)
-                        break
+                # a process killed by a signal is the cause, not one that saw it go
+                dead = sorted(((p.returncode >= 0, k, r, p.returncode) for k, r, p in
+                               self.procs if p.returncode not in (None, 0)))
+                if dead:
+                    _, k, r, code = dead[0]
+                    failure, blamed = self._describe_failure(k, r, code)
+                    fail_at = time.monotonic()
+                    self._stop_sidecars(failure, blamed)
             if self.progress is not None:
                 self.progress.update()
             if not alive:
@@ -228,11 +231,9 @@ class Job:
     def _stop_sidecars(self, message: str, rank: int) -> None:
         """Tell the surviving sidecars why they stop (they relay it to their trainers,
         which exit naming the failed rank): write failure.json, then SIGTERM."""
-        tmp = os.path.join(self.run_dir, "failure.json.tmp")
         try:   # a run dir gone or full must not keep the sidecars running
-            with open(tmp, "w") as f:
-                json.dump({"message": message, "rank": rank}, f)
-            os.replace(tmp, os.path.join(self.run_dir, "failure.json"))
+            write_json(os.path.join(self.run_dir, "failure.json"),
+                       {"message": message, "rank": rank})
         except OSError:
             pass   # they stop anyway, saying "stopped by signal"
         for kind, _, p in self.procs:
@@ -242,7 +243,10 @@ class Job:
                 except ProcessLookupError:
                     pass
 
-    def _describe_failure(self, kind: str, rank: int, code: int) -> str:
+    def _describe_failure(self, kind: str, rank: int, code: int) -> tuple[str, int]:
+        """The headline of the first failure, ``kind`` of ``rank`` exiting with ``code``,
+        and the rank it blames. Who is at fault comes from the processes' failure
+        records (``dgt.failure``), never from their log text."""
         if code < 0:
             hint = (" (SIGKILL from outside the job: the kernel's OOM killer if memory ran "
                     "out, see 'dmesg'; try fewer --workers or a smaller --hidden)"
@@ -251,14 +255,19 @@ class Job:
                     f"{os.path.join(self.run_dir, f'{kind}-{rank}.log')})"
                     if -code in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT,
                                  signal.SIGFPE, signal.SIGILL) else "")
-            return f"{kind} of rank {rank} was killed by signal {-code}{hint}"
-        tail = _last_line(os.path.join(self.run_dir, f"{kind}-{rank}.log"))
+            return f"{kind} of rank {rank} was killed by signal {-code}{hint}", rank
+        records = failure.read_all(self.run_dir)
+        own = failure.own_record(records, kind, rank)
+        cause = failure.first_cause(records) or own
+        tail = own.message[:300] if own is not None else \
+            _last_line(os.path.join(self.run_dir, f"{kind}-{rank}.log"))
         what = f"{kind} of rank {rank} exited with status {code}" + (f": {tail}" if tail
                                                                      else "")
-        blamed = [r for r in _blamed_ranks(tail) if r != rank]
+        blame = cause.headline_blame(rank) if cause is not None else ""
         # a rank that hung is named first, not the rank whose wait for it ran out
-        return f"rank(s) {blamed} stopped answering (dead or frozen); {what}" if blamed \
-            else what
+        if blame:
+            return f"{blame}; {what}", next(r for r in cause.blamed if r != rank)
+        return what, rank
 
     def kill(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -290,34 +299,16 @@ class Job:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-#: a line our own code logged: "<date> <time> dgt.<module> ERROR <message>" (sidecar) or
-#: "dgt ...: <message>" (trainer, CLI)
-_OWN_ERROR = re.compile(r"^(?:\S+ \S+ dgt\.\S+ (?:ERROR|CRITICAL) (?P<msg>.*)|(?P<cli>dgt .*))$")
-
-
-#: how a sidecar names the ranks it waited on in vain (dgt.sidecar, PULL wait)
-_BLAMED = re.compile(r"from rank\(s\) \[([0-9, ]+)\] \(dead or frozen\)")
-
-
-def _blamed_ranks(line: str) -> list[int]:
-    """The ranks a sidecar's error line says it waited on in vain, or []."""
-    m = _BLAMED.search(line)
-    return [int(x) for x in m.group(1).split(",")] if m else []
-
-
 def _last_line(path: str) -> str:
-    """The line of a child's log that says why it stopped: the last error our own code
-    logged; else the last line that looks like an error (a Python exception); never a
-    C++ stack frame that a library printed on its way out."""
+    """For a child that left no failure record (e.g. an uncaught Python exception): the
+    last line of its log that looks like an error, for the user to read (never to
+    decide who failed); never a C++ stack frame that a library printed on its way out."""
     try:
         with open(path, "rb") as f:
             lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines()
                      if ln.strip()]
     except OSError:
         return ""
-    own = [m.group("msg") or m.group("cli") for m in map(_OWN_ERROR.match, lines) if m]
-    if own:
-        return own[-1][:300]
     lines = [ln for ln in lines if not ln.startswith(("frame #", "Exception raised from",
                                                       "<omitting", "[W", "[E"))]
     errs = [ln for ln in lines if "failed" in ln or "Error" in ln or "error" in ln]
@@ -468,17 +459,4 @@ def write_report(path: str, report: dict) -> None:
     """Write the JSON report atomically: a temporary file in the same folder, then
     rename(2), so a full disk or a failed write never leaves a truncated report (the
     temporary file is removed). Raises OSError."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=".dgt-report-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_json(path, report, indent=1, fsync=True)

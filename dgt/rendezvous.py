@@ -14,6 +14,7 @@ import time
 from datetime import timedelta
 
 from .errors import PeerFailure
+from .failure import FailureReason
 
 FAILED = "dgt/failed"
 POLL_S = 0.05
@@ -62,7 +63,8 @@ def wait_for_listener(host: str, port: int, timeout_s: float,
             if time.monotonic() >= t_end:
                 raise PeerFailure(f"rendezvous store at {host}:{port} did not come up within "
                                   f"{bound_s or timeout_s:.0f} s of start-up ({e.strerror or e}); start rank 0's "
-                                  f"sidecar, with the same --master-addr/--master-port", 0) \
+                                  f"sidecar, with the same --master-addr/--master-port", 0,
+                                  FailureReason.STORE_LOST) \
                     from None
         time.sleep(min(4 * POLL_S, max(0.0, t_end - time.monotonic())))
 
@@ -97,7 +99,8 @@ class Rendezvous:
                             wait_for_workers=False, **extra)
         except Exception as e:  # DistStoreError / RuntimeError: one line for the user
             raise PeerFailure(f"rendezvous store at {self.host}:{self.port} unreachable: "
-                              f"{str(e).splitlines()[0]}", 0 if not is_master else None) from None
+                              f"{str(e).splitlines()[0]}", 0 if not is_master else None,
+                              FailureReason.STORE_LOST) from None
 
     def _listen(self):
         """Rank 0: a listening socket on ``host:port`` only. Left to itself TCPStore
@@ -126,7 +129,7 @@ class Rendezvous:
             self.store.set(key, value)
         except Exception as e:
             raise PeerFailure(f"rendezvous store lost (rank 0 died?): {e}".splitlines()[0],
-                              0) from None
+                              0, FailureReason.STORE_LOST) from None
 
     def gather(self, prefix: str) -> dict[int, str]:
         """Wait until every rank has set ``prefix/<rank>``; return the values.
@@ -137,7 +140,7 @@ class Rendezvous:
             return {r: self.store.get(k).decode() for r, k in enumerate(keys)}
         except Exception as e:
             raise PeerFailure(f"rendezvous store lost (rank 0 died?): {e}".splitlines()[0],
-                              0) from None
+                              0, FailureReason.STORE_LOST) from None
 
     def wait(self, keys: list[str]) -> None:
         t_end = time.monotonic() + self.timeout_s
@@ -145,20 +148,23 @@ class Rendezvous:
             try:
                 if self.store.check([FAILED]):
                     info = json.loads(self.store.get(FAILED))
-                    raise PeerFailure(info["message"], info.get("rank"))
+                    raise PeerFailure(info["message"], info.get("rank"),
+                                      FailureReason.PEER_REPORTED)
                 if self.store.check(keys):
                     return
             except PeerFailure:
                 raise
             except Exception as e:
                 raise PeerFailure(f"rendezvous store lost (rank 0 died?): "
-                                  f"{str(e).splitlines()[0]}", 0) from None
+                                  f"{str(e).splitlines()[0]}", 0,
+                                  FailureReason.STORE_LOST) from None
             if time.monotonic() > t_end:
                 missing = [k for k in keys if not self.store.check([k])]
                 ranks = [int(k.rsplit("/", 1)[1]) for k in missing]
                 raise PeerFailure(f"rank(s) {ranks} did not reach rendezvous step "
                                   f"'{keys[0].rsplit('/', 1)[0]}' within {self.timeout_s:.0f} s",
-                                  ranks[0] if ranks else None)
+                                  ranks[0] if ranks else None, FailureReason.PEER_SILENT,
+                                  ranks)
             time.sleep(POLL_S)
 
     def publish_failure(self, message: str, rank: int | None) -> None:

@@ -27,9 +27,10 @@ from dataclasses import asdict
 
 import numpy as np
 
-from . import buffers, ipc, unixsock
+from . import buffers, failure, ipc, unixsock
 from .agent import TCP_BACKLOG_SLACK, Links, WorkerAgent
 from .errors import PeerFailure
+from .failure import FailureReason
 from .config import (PACE_AUTO, MetricsConfig, NodeConfig, OneLineParser,
                      TransmissionConfig, add_sidecar_arguments, from_args)
 from .link_rate import auto_pace_mbit
@@ -168,10 +169,11 @@ class Sidecar:
             with open(os.path.join(self.node.run_dir, "failure.json")) as f:
                 info = json.load(f)
             self.fail(f"job stopped: {info['message']}", info.get("rank"), propagate=False,
-                      level=logging.WARNING)
+                      level=logging.WARNING, why=FailureReason.STOPPED)
         except (OSError, ValueError, KeyError):
             # a normal stop (the launcher, systemd, Ctrl-C): not an error of ours
-            self.fail("stopped by signal", None, level=logging.WARNING)
+            self.fail("stopped by signal", None, level=logging.WARNING,
+                      why=FailureReason.STOPPED)
 
     async def _bind(self) -> None:
         loop = asyncio.get_running_loop()
@@ -235,7 +237,7 @@ class Sidecar:
             self.rdv, self.session_id, self.peers, self.udp_sources = \
                 await loop.run_in_executor(None, exchange)
         except PeerFailure as e:
-            self.fail(str(e), e.rank)
+            self.fail(str(e), e.rank, why=e.reason, blamed=e.ranks)
             return
         with open(os.path.join(self.node.run_dir, f"endpoints-{self.rank}.json"), "w") as f:
             json.dump(me, f)
@@ -297,14 +299,15 @@ class Sidecar:
         except asyncio.CancelledError:  # shutting down
             return
         except PeerFailure as e:
-            self.fail(str(e), e.rank)
+            self.fail(str(e), e.rank, why=e.reason, blamed=e.ranks)
         except Exception as e:  # a bug of ours: fail the job cleanly, never linger
             log.debug("internal error", exc_info=True)
             self.fail(f"rank {self.rank}: internal error: {e!r}", self.rank)
         if clean:
             self.finish()
         elif not self.done.is_set():
-            self.fail(f"trainer of rank {self.rank} disconnected", self.rank)
+            self.fail(f"trainer of rank {self.rank} disconnected", self.rank,
+                      why=FailureReason.OWN_TRAINER)
 
     def _to_trainer(self, msg: dict) -> None:
         w = self.trainer_writer
@@ -333,7 +336,8 @@ class Sidecar:
         sizes = {r: int(v[0]) for r, v in agreed.items()}
         if len(set(sizes.values())) != 1:
             raise PeerFailure(f"trainers registered different model sizes: {sizes}; every "
-                              f"rank must train the same model", None)
+                              f"rank must train the same model", None,
+                              FailureReason.MISMATCH)
         shas = {r: v[1] if len(v) > 1 else "" for r, v in agreed.items()}
         apart = [r for r, h in sorted(shas.items()) if h and shas[0] and h != shas[0]]
         if apart:
@@ -341,7 +345,7 @@ class Sidecar:
                               f"0 (SHA-256 {shas[apart[0]][:12]}… vs {shas[0][:12]}…); the "
                               f"replicas would never agree: seed the model alike on every "
                               f"rank (torch.manual_seed) or load the same checkpoint before "
-                              f"register()", apart[0])
+                              f"register()", apart[0], FailureReason.MISMATCH, apart)
         if self.cfg.pace_mbit == PACE_AUTO:
             hosts = [ep["host"] for r, ep in sorted(self.peers.items()) if r != rank]
             # pyroute2's sync API cannot run inside a running event loop: use a thread
@@ -428,8 +432,8 @@ class Sidecar:
             msg = (f"rank {r} closed {when}; rank {self.rank} is at step {t}: every rank "
                    f"must run the same number of steps")
             if self.pushing is None:   # before our push: the push fails
-                raise PeerFailure(msg, r)
-            self.fail(msg, r)          # a BYE during our push: fail now
+                raise PeerFailure(msg, r, FailureReason.MISMATCH)
+            self.fail(msg, r, why=FailureReason.MISMATCH)   # a BYE during our push
 
     # -- peers ------------------------------------------------------------------------
     async def _connect_peers(self) -> None:
@@ -447,7 +451,8 @@ class Sidecar:
                     sock.close()
                     if time.monotonic() > deadline:
                         raise PeerFailure(f"cannot reach rank {r} at {ep['host']}:"
-                                          f"{ep['tcp_port']}: {e}", r) from None
+                                          f"{ep['tcp_port']}: {e}", r,
+                                          FailureReason.PEER_GONE) from None
                     await asyncio.sleep(0.1)
             _, proto = await loop.create_connection(
                 lambda r=r: self._protocol(outgoing_to=r), sock=sock)
@@ -502,7 +507,8 @@ class Sidecar:
     def _send_tcp(self, shard: int, frame: bytes) -> None:
         conn = self.out_conns.get(shard)
         if conn is None or conn.transport.is_closing():
-            raise PeerFailure(f"connection to rank {shard} is closed", shard)
+            raise PeerFailure(f"connection to rank {shard} is closed", shard,
+                              FailureReason.PEER_GONE)
         conn.send(frame)
 
     def _check_pace(self, lay: BlockLayout) -> None:
@@ -575,7 +581,8 @@ class Sidecar:
                 too_big = self._mtu_advice(rows.shape[1], shard, ep)
                 if too_big is not None:
                     raise PeerFailure(too_big, self.rank) from None
-            raise PeerFailure(f"UDP send to rank {shard} failed: {e}", shard) from None
+            raise PeerFailure(f"UDP send to rank {shard} failed: {e}", shard,
+                              FailureReason.PEER_GONE) from None
 
     def _mtu_advice(self, size: int, shard: int, ep: dict) -> str | None:
         """The line for a ``size`` B datagram to ``shard`` that the kernel refused: the
@@ -600,7 +607,8 @@ class Sidecar:
             return
         conn = self.in_conns.get(worker)
         if conn is None:
-            self.fail(f"rank {worker} has no connection to shard {self.rank}", worker)
+            self.fail(f"rank {worker} has no connection to shard {self.rank}", worker,
+                      why=FailureReason.PEER_GONE)
             return
         lay = self.layout
         # the aggregate goes out as a view (no copy per worker): the shard allocates a
@@ -670,7 +678,11 @@ class Sidecar:
                         self._check_closed(self.pushing)
                 self._check_finished()
             elif isinstance(e, PeerFailed) and not self.done.is_set():
-                self.fail(e.reason, e.rank, propagate=not e.reported)
+                # transport.control raises it only for a verified peer: its ERROR, or
+                # its lost connection; a stranger's frame is rejected, never blamed
+                self.fail(e.reason, e.rank, propagate=not e.reported,
+                          why=FailureReason.PEER_REPORTED if e.reported else
+                          FailureReason.PEER_GONE)
 
     def _on_bad(self, proto: FrameProtocol, reason: str) -> None:
         self._apply(self.control.bad_frame(proto.conn_id, reason))
@@ -700,12 +712,16 @@ class Sidecar:
 
     # -- shutdown ---------------------------------------------------------------------
     def fail(self, message: str, rank: int | None, propagate: bool = True,
-             level: int = logging.ERROR) -> None:
-        """Fail the job: tell peers (ERROR, block = failed rank) and the trainer; stop.
-        ``level``: how the line is logged (a signal's stop is WARNING, not ERROR)."""
+             level: int = logging.ERROR, why: FailureReason = FailureReason.OTHER,
+             blamed: list[int] | None = None) -> None:
+        """Fail the job: write the failure record (``dgt.failure``; ``why``, ``blamed``:
+        default ``[rank]``), then tell peers (ERROR, block = failed rank) and the trainer;
+        stop. ``level``: how the line is logged (a signal's stop is WARNING, not ERROR)."""
         if self.done.is_set():
             return
-        self.failed = PeerFailure(message, rank)
+        self.failed = PeerFailure(message, rank, why, blamed)
+        failure.write(self.node.run_dir, failure.FailureRecord(
+            "sidecar", self.rank, why, message, self.failed.ranks))
         log.log(level, "rank %d: %s", self.rank, message)
         try:   # telling the others is best effort; stopping is not
             if propagate:

@@ -212,18 +212,26 @@ def test_a_sidecar_frozen_at_start_up_is_named_not_a_library_stack_frame(tmp_pat
     assert not [x for x in pids if alive(x["pid"])]
 
 
-def test_our_own_error_line_is_chosen_over_what_a_library_printed(tmp_path):
-    from dgt.launch import _last_line
+def test_our_failure_record_is_chosen_over_what_a_library_printed(tmp_path):
+    from dgt import failure
+    from dgt.config import JobConfig, TransmissionConfig
+    from dgt.launch import Job, _last_line
     log = tmp_path / "sidecar-1.log"
     log.write_text(
         "[W1130 02:37:12.512359686 TCPStore.cpp:125] [c10d] recvValue failed on ...\n"
         "Exception raised from recvBytes at Utils.hpp:787 (most recent call first):\n"
         "frame #2: c10::DistNetworkError::DistNetworkError(c10::SourceLocation) + 0x72\n"
-        "2026-11-30 02:37:12,928 dgt.sidecar ERROR rank 1: rank(s) [2] did not reach "
-        "rendezvous step 'dgt/ep' within 15 s\n"
         "frame #19: <unknown function> + 0x1098ec (0x7fd6cd3278ec in libc.so.6)\n")
-    assert _last_line(str(log)) == ("rank 1: rank(s) [2] did not reach rendezvous step "
-                                    "'dgt/ep' within 15 s")
+    failure.write(str(tmp_path), failure.FailureRecord(
+        "sidecar", 1, failure.FailureReason.PEER_SILENT,
+        "rank(s) [2] did not reach rendezvous step 'dgt/ep' within 15 s", [2]))
+    j = Job(JobConfig(run_dir=str(tmp_path)), TransmissionConfig())
+    text, blamed = j._describe_failure("sidecar", 1, 3)
+    assert blamed == 2
+    assert text == ("rank(s) [2] stopped answering (dead or frozen); sidecar of rank 1 "
+                    "exited with status 3: rank(s) [2] did not reach rendezvous step "
+                    "'dgt/ep' within 15 s"), text
+    assert "frame #" not in text
     log.write_text("Traceback (most recent call last):\n  File x\nValueError: bad\n"
                    "frame #0: c10::Error::Error() + 0x9d\n")
     assert _last_line(str(log)) == "ValueError: bad"
@@ -361,3 +369,28 @@ def test_a_secret_equal_to_another_flags_value_is_only_the_secret(train, secret)
     removed '--mode dgt''s value and the sidecars refused their arguments."""
     p, report = train("--workers", 2, "--iterations", 2, "--hidden", 32, "--secret", secret)
     assert report["iterations"] == 2, p.stderr
+
+
+@pytest.mark.parametrize("kind,rank,sig", [("sidecar", 0, signal.SIGSTOP),
+                                           ("trainer", 3, signal.SIGSTOP),
+                                           ("sidecar", 1, signal.SIGKILL)])
+def test_the_killed_or_frozen_rank_is_the_one_the_headline_names(tmp_path, kind, rank,
+                                                                 sig):
+    """4 workers; one process killed (SIGKILL) or frozen (SIGSTOP): the launcher's
+    headline starts with that rank, learnt from the failure records (dgt.failure) or
+    the exit status, and blames no other rank."""
+    p, run_dir, pids = _started(tmp_path, "--workers", 4, "--epochs", 200,
+                                "--peer-timeout-s", 5)
+    if sig == signal.SIGSTOP:
+        text = _freeze_until_done(p, pids, kind, rank, timeout_s=120)
+    else:
+        os.kill(next(x["pid"] for x in pids if (x["kind"], x["rank"]) == (kind, rank)),
+                sig)
+        out, err = p.communicate(timeout=120)
+        text = out + err
+    assert p.returncode != 0
+    failed = [ln.split("dgt train: failed: ", 1)[1] for ln in text.splitlines()
+              if "dgt train: failed: " in ln]
+    assert failed, text
+    assert failed[0].startswith((f"rank(s) [{rank}] ", f"{kind} of rank {rank} ")), text
+    assert not [x for x in pids if alive(x["pid"])]

@@ -14,8 +14,10 @@ import os
 from dataclasses import dataclass, field
 
 from .layout import DEFAULT_BLOCK_BYTES
+from .transport.channels import MAX_UDP_CHANNELS
 
 MODES = ("dgt", "tcp", "topk", "random")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PACE_AUTO = -1.0   # --pace-mbit auto: the sidecar resolves it from the egress link
 
 
@@ -45,7 +47,7 @@ class TransmissionConfig:
     k: float = _f(0.5, "reliable fraction of blocks (0..1)")
     k_min: float = _f(0.2, "floor of the adaptive reliable fraction")
     adaptive_k: bool = _f(False, "shrink k with the loss: k = max(k*loss/loss0, k_min)")
-    channels: int = _f(3, "unreliable UDP channels (1..7)")
+    channels: int = _f(3, f"unreliable UDP channels (1..{MAX_UDP_CHANNELS})")
     block_bytes: int = _f(DEFAULT_BLOCK_BYTES, "block size in bytes (multiple of 4; "
                           "1408 fits one block per datagram in a 1500 B MTU)")
     alpha: float = _f(0.3, "contribution EMA factor (DGT_CONTRI_ALPHA)")
@@ -90,8 +92,9 @@ class TransmissionConfig:
         if self.adaptive_k and not 0.0 <= self.k_min <= self.k:
             raise ValueError(f"--k-min must be in [0, --k] with --adaptive-k, got "
                              f"{self.k_min}")
-        if not 1 <= self.channels <= 7:
-            raise ValueError(f"--channels must be 1..7, got {self.channels}")
+        if not 1 <= self.channels <= MAX_UDP_CHANNELS:
+            raise ValueError(f"--channels must be 1..{MAX_UDP_CHANNELS}, got "
+                             f"{self.channels}")
         if self.block_bytes <= 0 or self.block_bytes % 4 or self.block_bytes > 65000:
             raise ValueError(f"--block-bytes must be a multiple of 4 in 4..65000, "
                              f"got {self.block_bytes}")
@@ -162,6 +165,7 @@ class NodeConfig:
                                "rendezvous store on (-1 = bind --master-port itself); dgt "
                                "train passes one, so no other process can take the port "
                                "between its choice and the bind")
+    log_level: str = _f("WARNING", "log level", choices=LOG_LEVELS, parse="upper")
 
     def __post_init__(self):
         if not self.socket and self.rank >= 0:
@@ -367,6 +371,9 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
                      {"int": int, "float": finite(float)}.get(f.type, str)(raw))
             except (ValueError, argparse.ArgumentTypeError) as e:
                 raise ValueError(f"{name}={raw!r}: {e}") from None
+            choices = f.metadata.get("choices")
+            if choices and v not in choices:   # argparse checks the flag's; this the env's
+                raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
         if v == "" and f.metadata.get("nonempty"):
             raise ValueError(f"{_flag(f.name)} (or {_env(f.name)}) is empty: "
                              f"{f.metadata['nonempty']}")
@@ -377,7 +384,7 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
     return cfg
 
 
-_PARSERS = {"pace": parse_pace}
+_PARSERS = {"pace": parse_pace, "upper": str.upper}
 
 
 @dataclass
@@ -417,8 +424,6 @@ def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p, NodeConfig)
     add_arguments(p, TransmissionConfig)
     add_arguments(p, MetricsConfig)
-    p.add_argument("--log-level", default="WARNING", type=str.upper,
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
 
 
 def to_argv(cfg) -> list[str]:

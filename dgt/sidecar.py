@@ -852,8 +852,6 @@ def main(argv: list[str] | None = None, prog: str = "dgt sidecar") -> int:
 
 
 def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    logging.basicConfig(level=getattr(logging, str(ns.log_level).upper(), logging.WARNING),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     faulthandler.enable()   # a crash in native code leaves its Python stack in the log
     try:
         cfg = from_args(TransmissionConfig, ns)
@@ -862,6 +860,8 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         mcfg = from_args(MetricsConfig, ns)
     except ValueError as e:
         parser.error(str(e))
+    logging.basicConfig(level=getattr(logging, node.log_level),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if node.base_port < 0 or (node.base_port and
                               node.base_port + 10 * node.rank + cfg.channels > 65535):
         parser.error(f"--base-port {node.base_port} leaves no room for rank {node.rank}'s "

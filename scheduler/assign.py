@@ -66,10 +66,11 @@ def assign_channels(order: torch.Tensor, n_reliable: int, udp_channels: int, *,
     channel 1 for the best band. With ``drop_unreliable`` the unreliable ranks get
     :data:`DROPPED` (mode ``topk``).
 
-    Raises ValueError for ``udp_channels`` outside 1..7.
+    Raises ValueError for ``udp_channels`` < 1 (the upper limit is the wire's,
+    ``dgt.transport.channels.MAX_UDP_CHANNELS``, checked by ``TransmissionConfig``).
     """
-    if not 1 <= udp_channels <= 7:
-        raise ValueError(f"udp_channels must be 1..7, got {udp_channels}")
+    if udp_channels < 1:
+        raise ValueError(f"udp_channels must be >= 1, got {udp_channels}")
     n = order.numel()
     by_rank = torch.empty(n, dtype=torch.int8, device=order.device)
     by_rank[:n_reliable] = 0

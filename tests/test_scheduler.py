@@ -48,7 +48,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError):
         reliable_count(10, 1.5)
     with pytest.raises(ValueError):
-        assign_channels(torch.arange(4), 2, 8)
+        assign_channels(torch.arange(4), 2, 0)
     with pytest.raises(ValueError):
         AdaptiveK(0.1, 0.5)
 

@@ -1,6 +1,6 @@
 """Channels and their DSCP marks.
 
-Channel 0 is the reliable channel (TCP). Channels 1..C (C = 1..7) are unreliable UDP
+Channel 0 is the reliable channel (TCP). Channels 1..C (C = 1..``MAX_UDP_CHANNELS``, 7) are unreliable UDP
 channels, highest priority first. Each channel's packets carry their own DSCP, which
 Linux tc (``dgt.tc_profiles``) and switch QoS map to priority bands.
 
@@ -10,6 +10,8 @@ DSCP code points: RFC 2474 (field), RFC 3246 (EF = 46), RFC 2597 (AFxy), RFC 862
 from __future__ import annotations
 
 RELIABLE = 0
+#: the one limit on C: the wire's channel field and END's per-channel counts
+#: (transport.wire.MAX_CHANNELS = 1 + this), the DSCP table below, --channels
 MAX_UDP_CHANNELS = 7
 
 DSCP_EF = 46    # reliable channel
@@ -37,7 +39,7 @@ UDP_DSCP_DEFAULTS: dict[int, tuple[int, ...]] = {
 def channel_dscp(udp_channels: int) -> tuple[int, ...]:
     """DSCP per channel, index = channel number: (EF, udp1, ..., udpC).
 
-    Raises ValueError when ``udp_channels`` is outside 1..7.
+    Raises ValueError when ``udp_channels`` is outside 1..MAX_UDP_CHANNELS.
     """
     if udp_channels not in UDP_DSCP_DEFAULTS:
         raise ValueError(f"channels must be 1..{MAX_UDP_CHANNELS}, got {udp_channels}")

@@ -39,10 +39,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .channels import MAX_UDP_CHANNELS
+
 MAGIC = 0x4447
 VERSION = 1
 MAC_BYTES = 16
-MAX_CHANNELS = 8  # channel 0 (reliable) + up to 7 UDP channels
+MAX_CHANNELS = 1 + MAX_UDP_CHANNELS  # channel 0 (reliable) + the UDP channels
 #: Upper bound on one TCP frame's payload; a larger length is a protocol error, not an
 #: allocation. 256 MiB covers a PULL of a 64M-parameter shard.
 MAX_FRAME_PAYLOAD = 256 << 20

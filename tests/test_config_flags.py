@@ -1,0 +1,84 @@
+"""Every flag of 'dgt train' and 'dgt sidecar' is one dataclass field with one DGT_* env
+var and one default (the dataclass's), through dgt.config.add_arguments/from_args."""
+import argparse
+import dataclasses
+
+import pytest
+
+from dgt.cli import build_parser
+from dgt.config import (JobConfig, MetricsConfig, NodeConfig, TransmissionConfig,
+                        from_args)
+
+COMMANDS = {"train": (JobConfig, TransmissionConfig, MetricsConfig),
+            "sidecar": (NodeConfig, TransmissionConfig, MetricsConfig)}
+#: what a field needs from the others to validate (a node needs its rank and world)
+BASE_ENV = {NodeConfig: {"DGT_RANK": "0", "DGT_WORLD": "2"}}
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _flags(name: str):
+    return [a for a in _subparser(name)._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def _candidates(f, default):
+    """Values other than the default that the field may take, as env text."""
+    if f.type in ("bool", bool):
+        return [str(not default).lower()]
+    if f.metadata.get("choices"):
+        return [c for c in f.metadata["choices"] if c != default]
+    if f.type in ("int", int):
+        return [str(v) for v in (default + 1, 2 * default, 1, 2, 20000, 3) if v != default]
+    if f.type in ("float", float):
+        return [str(v) for v in (default / 2, default + 1, 0.25, 5.0, 2.0, 0.0)
+                if v != default]
+    return ["127.0.0.2", "dirichlet:0.5", "abc", "/tmp", "cuda"]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_flag_is_one_field_with_its_env_var_and_one_default(command, tmp_path):
+    classes = COMMANDS[command]
+    owner = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            assert f.name not in owner, f"{f.name} is a field of two classes"
+            owner[f.name] = (cls, f)
+    seen = set()
+    for action in _flags(command):
+        flag = action.option_strings[0]
+        if action.dest == "version":
+            continue
+        assert action.dest in owner, f"dgt {command} {flag} is no dataclass field"
+        cls, f = owner[action.dest]
+        assert flag == "--" + f.name.replace("_", "-")
+        # the parser holds no default of its own: the dataclass's is the only one
+        assert action.default is None, f"{flag} has its own default {action.default!r}"
+        assert f"env DGT_{f.name.upper()}" in action.help
+        seen.add(f.name)
+        # the env var alone sets the field to a value other than the default
+        ns = _subparser(command).parse_args([])
+        base = dict(BASE_ENV.get(cls, {}))
+        base.pop(f"DGT_{f.name.upper()}", None)
+        if f.name == "rank":
+            base["DGT_WORLD"] = "4"
+        taken = None
+        for raw in _candidates(f, f.default):
+            try:
+                taken = (raw, getattr(from_args(cls, ns, {**base, f"DGT_{f.name.upper()}":
+                                                          raw}), f.name))
+                break
+            except ValueError:
+                continue
+        assert taken, f"no value of DGT_{f.name.upper()} was taken"
+        raw, got = taken
+        assert got != f.default, (f.name, raw, got)
+        want = {"int": int, "float": float}.get(f.type, None)
+        assert got == (want(raw) if want else raw.upper() if f.name == "log_level"
+                       else raw.lower() == "true" if f.type == "bool" else raw), \
+            (f.name, raw, got)
+    assert seen == set(owner), f"fields without a flag: {set(owner) - seen}"

@@ -162,8 +162,9 @@ class Job:
                                 "--timeout-s", str(max(60.0, 3 * self.tx.peer_timeout_s))]
             self._spawn("trainer", r, trainer, env,
                         to_terminal=(r == 0 and not self._progress_bar()))
-        with open(os.path.join(self.run_dir, "pids.json"), "w") as f:
-            json.dump([{"kind": k, "rank": r, "pid": p.pid} for k, r, p in self.procs], f)
+        # atomic: a reader polling for the file never sees it empty
+        write_json(os.path.join(self.run_dir, "pids.json"),
+                   [{"kind": k, "rank": r, "pid": p.pid} for k, r, p in self.procs])
 
     def _progress_bar(self) -> bool:
         """On a terminal: a progress bar over rank 0's trace (its epoch lines go to

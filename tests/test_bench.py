@@ -4,6 +4,8 @@ Small and real: tiny models, a couple of iterations, real processes and sockets.
 timing is asserted; the numbers belong to the benchmark's own output.
 """
 import json
+import signal
+import time
 import os
 import subprocess
 import sys
@@ -422,3 +424,59 @@ def test_bench_goodput_on_testbed(tmp_path):
     assert len(r["train_comm_s"]) == 2
     assert "dgtbgp" not in subprocess.run(["ip", "netns"], capture_output=True,
                                           text=True).stdout
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (by parent pid, from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_to_bench_stops_every_child(tmp_path):
+    """SIGTERM to 'dgt bench --loopback' while a cell trains: the bench exits 130 and
+    no process it started (the cell's job, its sidecars and trainers) is left."""
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "bench", "--loopback",
+                          "--workers", "2", "--hidden", "32", "--iterations", "100000",
+                          "--epochs", "1000", "--out", str(tmp_path / "bench")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[int] = set()
+    t_end = time.monotonic() + 180
+    try:
+        while len(seen) < 3:   # the cell's launcher and at least two of its children
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < t_end, "the bench never started a cell"
+            seen |= _descendants(p.pid)
+            time.sleep(0.2)
+        time.sleep(1.0)
+        seen |= _descendants(p.pid)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, out + err
+    t_end = time.monotonic() + 10   # PR_SET_PDEATHSIG stragglers: bounded wait
+    while [x for x in seen if _alive(x)] and time.monotonic() < t_end:
+        time.sleep(0.1)
+    assert not [x for x in seen if _alive(x)], (seen, err)

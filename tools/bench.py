@@ -364,6 +364,28 @@ def cell_argv(cfg: BenchConfig, system: str, rate: str | None, report: str,
     return argv
 
 
+def stop_group(p: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop ``p``'s process group, if it still runs: SIGTERM (a ``dgt train`` then stops
+    its own sidecars and trainers), SIGKILL after ``grace_s``; reap it."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        if p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _raise_interrupt(signum, frame):
+    for sig in (signal.SIGTERM, signal.SIGHUP):   # a second one must not cut the cleanup
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> dict:
     """Run one cell; return its result row (``error`` set when it failed)."""
     system, rate, scenario = cell["system"], cell["rate"], cell["scenario"]
@@ -401,10 +423,8 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
             code = None
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        finally:   # also on SIGTERM/SIGINT to the bench (cmd_bench): stop the job
+            stop_group(p)
     row["cell_seconds"] = round(time.monotonic() - t0, 1)
     n1 = host_counters(tb, cfg.workers)
     if tenant is not None:
@@ -1033,6 +1053,10 @@ def cmd_bench(a) -> int:
     from dgt.tc_profiles.testbed import TestbedError
     command = "dgt " + shlex.join(sys.argv[1:]) if sys.argv and \
         os.path.basename(sys.argv[0]) == "dgt" else shlex.join(["dgt", "bench"] + sys.argv[2:])
+    # SIGTERM and SIGHUP stop the bench as Ctrl-C does: every cell's job is stopped and
+    # the testbed removed on the way out (the default action would leave them running)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
     try:
         if a.what == "goodput":
             rate = _csv(a.rates)[0] if a.rates else "1gbit"
@@ -1072,5 +1096,5 @@ def cmd_bench(a) -> int:
         print(f"dgt bench: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("dgt bench: interrupted (testbed removed)", file=sys.stderr)
+        print("dgt bench: interrupted (jobs stopped, testbed removed)", file=sys.stderr)
         return 130

@@ -28,6 +28,7 @@ loopback, where ``lo`` counts every rank together).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -39,7 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dgt.atomic import write_json
 from dgt.config import JobConfig
+from dgt.launch import _die_with_parent
 
 MODE = "gloo"
 
@@ -134,10 +137,7 @@ def rank_main(ns: argparse.Namespace) -> int:
         return 3
     result["n_params"] = comm.n_params
     result["tx_bytes"] = (comm.tx1 - comm.tx0) if None not in (comm.tx0, comm.tx1) else None
-    tmp = ns.result + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, ns.result)
+    write_json(ns.result, result)
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown, as dgt.job does
 
@@ -215,8 +215,10 @@ def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
             argv += ["--iface", hosts[r][2]]
         logf = open(os.path.join(run_dir, f"trainer-{r}.log"), "wb")
         out = (stdout if stdout is not None else None) if r == 0 else logf
+        # a launcher stopped by a signal (dgt bench on SIGTERM) takes its workers along
         procs.append(subprocess.Popen(argv, stdout=out, stderr=logf, env=env,
-                                      start_new_session=True))
+                                      start_new_session=True, preexec_fn=functools.partial(
+                                          _die_with_parent, os.getpid())))
         logf.close()
     failure, fail_at = None, None
     try:
@@ -344,8 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     print_summary(report)
     if ns.report:
-        with open(ns.report, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(ns.report, report, indent=1, fsync=True)
         print(f"report: {ns.report}")
     return 0
 

@@ -38,7 +38,7 @@ class TokenBucket:
     """
 
     def __init__(self, rate_mbit: float, burst_bytes: int = 64 * 1024, now: float = 0.0):
-        self.rate_bps = rate_mbit * 1e6 / 8.0  # bytes per second
+        self.rate_bytes_per_s = rate_mbit * 1e6 / 8.0  # bytes per second
         self.burst = float(burst_bytes)
         self.tokens = self.burst
         self.t = now
@@ -55,12 +55,12 @@ class TokenBucket:
         Tokens may go negative: the debt is the wait, so a sender that sleeps for the
         returned delay keeps the long-run rate exactly.
         """
-        if self.rate_bps <= 0:
+        if self.rate_bytes_per_s <= 0:
             return 0.0
-        self.tokens = min(self.burst, self.tokens + max(0.0, now - self.t) * self.rate_bps)
+        self.tokens = min(self.burst, self.tokens + max(0.0, now - self.t) * self.rate_bytes_per_s)
         self.t = max(self.t, now)
         self.tokens -= nbytes
-        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate_bps
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate_bytes_per_s
 
     def hold(self, now: float, until: float, tokens: float = 0.0) -> None:
         """Refill up to ``now``, keep at most ``tokens`` (bytes) and add none before

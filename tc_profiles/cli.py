@@ -111,8 +111,12 @@ def _root(args) -> int | None:
 def tb_up(args) -> int:
     if args.hosts < 1:
         return _fail(args, f"--hosts must be >= 1, got {args.hosts}")
-    if not (math.isfinite(args.loss) and 0 <= args.loss <= 100):
-        return _fail(args, f"--loss must be a percentage 0..100, got {args.loss}")
+    if args.loss_deprecated is not None:
+        print(f"{args.parser.prog}: warning: --loss is deprecated, use --loss-pct (the "
+              f"same percent)", file=sys.stderr)
+        args.loss_pct = args.loss_deprecated
+    if not (math.isfinite(args.loss_pct) and 0 <= args.loss_pct <= 100):
+        return _fail(args, f"--loss-pct must be a percentage 0..100, got {args.loss_pct}")
     if args.queue_bytes is not None and args.queue_bytes < 1500:
         return _fail(args, f"--queue-bytes must be >= 1500 (one packet), got "
                            f"{args.queue_bytes}")
@@ -124,7 +128,7 @@ def tb_up(args) -> int:
         return rc
     dscp = [int(x) for x in args.loss_dscp.split(",")] if args.loss_dscp else None
     tb = testbed.up(args.hosts, rate=args.rate, profile=args.profile,
-                    queue_bytes=args.queue_bytes, loss_pct=args.loss, loss_dscp=dscp,
+                    queue_bytes=args.queue_bytes, loss_pct=args.loss_pct, loss_dscp=dscp,
                     prefix=args.prefix)
     print(f"testbed up: {tb.hosts} hosts, {tb.rate}, profile {tb.profile}"
           + (f", loss {tb.loss_pct:g} %" if tb.loss_pct else ""))
@@ -235,7 +239,11 @@ def register(subparsers) -> None:
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--profile", default="htb-prio")
     p.add_argument("--queue-bytes", type=int, default=None)
-    p.add_argument("--loss", type=float, default=0.0, help="random loss in %% (nftables)")
+    p.add_argument("--loss-pct", type=float, default=0.0,
+                   help="random loss in percent, 0..100 (nftables)")
+    # the old spelling: still taken, with one deprecation line (names carry their unit)
+    p.add_argument("--loss", type=float, dest="loss_deprecated", default=None,
+                   help=argparse.SUPPRESS)
     p.add_argument("--loss-dscp", default=None, help="only these DSCPs, e.g. 34,18,8")
     sub("down", "remove the testbed (found by name, also after a crash)", tb_down)
     p = sub("status", "per-port class counters", tb_status)

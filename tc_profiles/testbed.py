@@ -453,10 +453,10 @@ def bulk_tcp(tb: Testbed, pairs, seconds: float, port_base: int = 5301) -> list[
             try:
                 text, _ = c.communicate(timeout=seconds + 15)
                 j = json.loads(text)
-                bps = j["end"]["sum_received"]["bits_per_second"]
+                bits_per_s = j["end"]["sum_received"]["bits_per_second"]
             except (subprocess.TimeoutExpired, ValueError, KeyError):
-                bps = 0.0
-            out.append(dict(src=s, dst=d, mbit_s=round(bps / 1e6, 1)))
+                bits_per_s = 0.0
+            out.append(dict(src=s, dst=d, mbit_s=round(bits_per_s / 1e6, 1)))
         return out
     finally:
         for p in servers + clients:

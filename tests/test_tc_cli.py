@@ -187,7 +187,8 @@ def test_longest_prefix_passes_the_check(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["up", "--hosts", "0"], "--hosts must be >= 1, got 0"),
-    (["up", "--hosts", "2", "--loss", "101"], "--loss must be a percentage 0..100, got 101.0"),
+    (["up", "--hosts", "2", "--loss-pct", "101"],
+     "--loss-pct must be a percentage 0..100, got 101.0"),
     (["up", "--hosts", "2", "--queue-bytes", "10"],
      "--queue-bytes must be >= 1500 (one packet), got 10"),
     (["load", "--seconds", "0"], "--seconds must be a finite number > 0, got 0.0"),

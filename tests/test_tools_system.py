@@ -133,12 +133,12 @@ def test_capture_without_libpcap_filters_in_user_space(tmp_path):
 
 @requires_root("the testbed checks root first")
 def test_testbed_loss_without_nft_is_one_line_naming_nftables():
-    """'dgt testbed up --loss' on a PATH without nft: refused before anything is
+    """'dgt testbed up --loss-pct' on a PATH without nft: refused before anything is
     built, in one line that names the package (before: 'exec of "nft" failed' after
     the namespaces were made)."""
     from dgt.tc_profiles import testbed
     prefix = f"dgtn{os.getpid() % 10000}"
-    r = subprocess.run([PY, "-m", "dgt.cli", "testbed", "up", "--hosts", "1", "--loss", "5",
+    r = subprocess.run([PY, "-m", "dgt.cli", "testbed", "up", "--hosts", "1", "--loss-pct", "5",
                         "--prefix", prefix], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PATH=os.path.dirname(PY)))
     try:

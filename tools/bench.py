@@ -131,7 +131,7 @@ class BenchConfig:
                 raise BenchError(f"--loss-pct: each rate must be in (0, 100) percent, "
                                  f"got {p:g}")
         for r in self.rates:
-            rate_bps(r)
+            rate_bits_per_s(r)
         from dgt.config import MAX_PEER_TIMEOUT_S, JobConfig
         from dgt.launch import check_memory
         try:   # every cell's processes run on this machine
@@ -184,7 +184,7 @@ def check_prefix(prefix: str) -> None:
         raise BenchError(str(e)) from None
 
 
-def rate_bps(rate: str) -> float:
+def rate_bits_per_s(rate: str) -> float:
     """tc rate notation -> bit/s. Raises BenchError naming the bad rate."""
     from dgt.tc_profiles.schema import parse_rate
     try:
@@ -211,7 +211,7 @@ def peer_timeout_s(cfg: BenchConfig, rate: str | None) -> float:
     """dgt's --peer-timeout-s in a cell: 20 s (the default), or 10 x the line-rate
     transfer time of one iteration where that is longer (low rates)."""
     grad = 4 * n_params(cfg.hidden)
-    xfer = 2 * (cfg.workers - 1) / cfg.workers * grad * 8 / rate_bps(rate) if rate else 0
+    xfer = 2 * (cfg.workers - 1) / cfg.workers * grad * 8 / rate_bits_per_s(rate) if rate else 0
     return max(20.0, round(10 * xfer))
 
 
@@ -220,7 +220,7 @@ def estimate_cell_s(cfg: BenchConfig, rate: str | None) -> float:
     the ring-equivalent 2 (N-1)/N of the gradient, + compute)."""
     grad = 4 * n_params(cfg.hidden)
     per_node = 2 * (cfg.workers - 1) / cfg.workers * grad
-    xfer = per_node * 8 / rate_bps(rate) if rate else 0.0
+    xfer = per_node * 8 / rate_bits_per_s(rate) if rate else 0.0
     return STARTUP_S + iterations_of(cfg) * (xfer / XFER_EFFICIENCY + COMPUTE_S_PER_ITER)
 
 
@@ -297,11 +297,11 @@ class TenantLoad:
                 j = json.loads(text)
                 # interrupted clients report sum_received as 0: use the sender's sum
                 end = j.get("end", {})
-                bps = end.get("sum_sent", {}).get("bits_per_second")
+                bits_per_s = end.get("sum_sent", {}).get("bits_per_second")
                 secs = end.get("sum_sent", {}).get("seconds")
             except (subprocess.TimeoutExpired, ValueError, AttributeError):
-                bps = secs = None
-            out.append(dict(src=s, dst=d, mbit_s=None if bps is None else round(bps / 1e6, 1),
+                bits_per_s = secs = None
+            out.append(dict(src=s, dst=d, mbit_s=None if bits_per_s is None else round(bits_per_s / 1e6, 1),
                             seconds=secs))
         for p in self.servers + self.clients:
             if p.poll() is None:
@@ -360,7 +360,7 @@ def cell_argv(cfg: BenchConfig, system: str, rate: str | None, report: str,
     argv = [sys.executable, "-m", "dgt.cli", "train", "--mode", system,
             "--peer-timeout-s", f"{peer_timeout_s(cfg, rate):g}"] + common
     if rate is not None:   # pace the UDP channels at the line rate, not above it
-        argv += ["--pace-mbit", f"{rate_bps(rate) / 1e6:g}"]
+        argv += ["--pace-mbit", f"{rate_bits_per_s(rate) / 1e6:g}"]
     return argv
 
 
@@ -453,7 +453,7 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
             row["tcp_rto_per_iteration"] = (n1["rto_timeouts"] - n0["rto_timeouts"]) / its
     if row.get("wire_tx_bytes_per_iteration") and row.get("comm_ms_median") and rate:
         row["wire_goodput_frac"] = (row["wire_tx_bytes_per_iteration"] * 8
-                                    / (row["comm_ms_median"] / 1e3) / rate_bps(rate))
+                                    / (row["comm_ms_median"] / 1e3) / rate_bits_per_s(rate))
     if not cfg.keep_runs and not row.get("shutdown_failure"):
         shutil.rmtree(run_dir, ignore_errors=True)
     return row
@@ -521,7 +521,7 @@ def _summarise(cfg: BenchConfig, system: str, rate: str | None, rep: dict) -> di
         history=[{k: h[k] for k in ("iteration", "seconds", "test_accuracy", "loss")}
                  for h in rep["history"]])
     if rate and med:
-        row["goodput_frac"] = bytes_node * 8 / (med / 1e3) / rate_bps(rate)
+        row["goodput_frac"] = bytes_node * 8 / (med / 1e3) / rate_bits_per_s(rate)
     return row
 
 
@@ -886,7 +886,7 @@ def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
             raise BenchError(f"a testbed with prefix '{prefix}' is already up; pick "
                              f"another --prefix")
         tb = testbed.up(2, rate=rate, profile=profile, prefix=prefix)
-        res["line_rate_mbit"] = rate_bps(rate) / 1e6
+        res["line_rate_mbit"] = rate_bits_per_s(rate) / 1e6
         # 1. the reliable channel alone
         log_fn(f"goodput: dgt reliable channel, {mb:g} MB h0 -> h1 at {rate}")
         tool = [sys.executable, "-m", "dgt.tools.goodput"]
@@ -1060,7 +1060,7 @@ def cmd_bench(a) -> int:
     try:
         if a.what == "goodput":
             rate = _csv(a.rates)[0] if a.rates else "1gbit"
-            rate_bps(rate)
+            rate_bits_per_s(rate)
             iterations = 4 if a.iterations is None else a.iterations
             check_goodput_args(a, iterations)
             if a.estimate:

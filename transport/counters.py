@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from .channels import channel_name
+from .channels import MAX_UDP_CHANNELS, channel_name
 
 FIELDS = ("blocks_sent", "bytes_sent", "blocks_delivered",
           "bytes_delivered", "blocks_late", "blocks_lost", "blocks_duplicate",
@@ -34,13 +34,13 @@ class ChannelCounters:
 
 @dataclass
 class Counters:
-    """All channels of one node, plus: ``blocks_unsent`` (dropped by the sender, mode
-    topk), ``blocks_local`` (to the colocated shard, in-process), and ``rejected[reason]``
+    """All channels of one node, plus: ``blocks_unsent`` (never sent, by design: mode
+    topk's unreliable share), ``blocks_local`` (to the colocated shard, in-process), and ``rejected[reason]``
     (malformed, stray, replayed messages), ``tail_markers`` (UDP channel tail markers
     sent: END on a UDP channel after its last block)."""
 
     channels: list[ChannelCounters] = field(
-        default_factory=lambda: [ChannelCounters() for _ in range(8)])
+        default_factory=lambda: [ChannelCounters() for _ in range(1 + MAX_UDP_CHANNELS)])
     rejected: Counter = field(default_factory=Counter)
     blocks_unsent: int = 0
     blocks_local: int = 0

@@ -22,8 +22,12 @@ import os
 import subprocess
 import sys
 
-from . import applier, testbed
+from . import names
+from .lazy import OnFirstUse
 from .schema import ProfileError, list_profiles, load_profile
+
+applier = OnFirstUse(".applier")   # pyroute2: loaded by the commands that use it
+testbed = OnFirstUse(".testbed")
 
 NOT_ROOT_TC = "dgt tc needs root (CAP_NET_ADMIN); run as root, or use --dry-run"
 
@@ -227,10 +231,10 @@ def register(subparsers) -> None:
 
     def sub(name, help_, func, prefix_help=True):
         sp = tbs.add_parser(name, help=help_)
-        sp.add_argument("--prefix", default=testbed.DEFAULT_PREFIX,
+        sp.add_argument("--prefix", default=names.DEFAULT_PREFIX,
                         help=(f"the testbed's name prefix: namespaces <prefix>-sw, "
-                              f"<prefix>-h<i> (default {testbed.DEFAULT_PREFIX}; 1.."
-                              f"{testbed.MAX_PREFIX_LEN} letters, digits, '-', '_')")
+                              f"<prefix>-h<i> (default {names.DEFAULT_PREFIX}; 1.."
+                              f"{names.MAX_PREFIX_LEN} letters, digits, '-', '_')")
                         if prefix_help else argparse.SUPPRESS)
         sp.set_defaults(func=func, parser=sp)
         return sp

@@ -31,9 +31,16 @@ import subprocess
 import sys
 import time
 
-from . import applier
+from typing import TYPE_CHECKING
+
+from .lazy import OnFirstUse
 from .schema import load_profile, parse_rate
-from .testbed import HOST_DEV, TestbedError, Testbed, down, host_addr, up
+
+if TYPE_CHECKING:
+    from .testbed import Testbed
+
+applier = OnFirstUse(".applier")   # pyroute2: not for 'dgt testbed priority --help'
+testbed = OnFirstUse(".testbed")
 
 UDP_PAYLOAD_BYTES = 1400
 GSO_SEGMENTS = 44                      # 44 x 1400 B = 61600 B per send (< 64 KB)
@@ -222,25 +229,25 @@ def run_case(tb: Testbed, name: str, dscp: int, offered_mbit: float, seconds: fl
     """
     cid = _class_of(tb, dscp)
     port = ("p0", tb.router)
-    src_port = (HOST_DEV, tb.host_netns(UDP_SRC))
+    src_port = (testbed.HOST_DEV, tb.host_netns(UDP_SRC))
     load1 = os.getloadavg()[0]
     procs: list[subprocess.Popen] = []
     try:
         bulk_cli = None
         if bulk:
             procs.append(tb.popen_in(RX, ["iperf3", "-s", "-1", "-p", "5201",
-                                          "-B", host_addr(RX)],
+                                          "-B", testbed.host_addr(RX)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        sink = tb.popen_in(RX, [sys.executable, "-c", _SINK, host_addr(RX), str(UDP_PORT)],
+        sink = tb.popen_in(RX, [sys.executable, "-c", _SINK, testbed.host_addr(RX), str(UDP_PORT)],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
         procs.append(sink)
         if sink.stdout.readline().strip() != "ready":
-            raise TestbedError(f"UDP sink on h{RX} did not start: "
+            raise testbed.TestbedError(f"UDP sink on h{RX} did not start: "
                                f"{sink.stderr.read()[-300:]}")
         if bulk:
             _wait_port(tb, RX, [5201])
-            bulk_cli = tb.popen_in(BULK_SRC, ["iperf3", "-c", host_addr(RX), "-p", "5201",
+            bulk_cli = tb.popen_in(BULK_SRC, ["iperf3", "-c", testbed.host_addr(RX), "-p", "5201",
                                               "-P", "2", "-t", f"{seconds + warmup_s + 1:g}",
                                               "-J"],
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -253,7 +260,7 @@ def run_case(tb: Testbed, name: str, dscp: int, offered_mbit: float, seconds: fl
         t_before = time.monotonic()
         src0 = applier.class_counters(applier.show(*src_port))[cid]
         udp0 = _udp_snmp(tb, RX)
-        gen = tb.run_in(UDP_SRC, udp_offer, host_addr(RX), UDP_PORT, dscp, offered_mbit,
+        gen = tb.run_in(UDP_SRC, udp_offer, testbed.host_addr(RX), UDP_PORT, dscp, offered_mbit,
                         seconds, gso=gso, timeout_s=seconds + 20)
         time.sleep(0.2)                   # let the port drain what it still queues
         after = applier.class_counters(applier.show(*port))
@@ -264,7 +271,7 @@ def run_case(tb: Testbed, name: str, dscp: int, offered_mbit: float, seconds: fl
         try:
             rx = json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
-            raise TestbedError(f"UDP sink on h{RX} failed: {err.strip()[-300:]}") from None
+            raise testbed.TestbedError(f"UDP sink on h{RX} failed: {err.strip()[-300:]}") from None
         bulk_mbit = None
         if bulk_cli is not None:
             out, _ = bulk_cli.communicate(timeout=seconds + warmup_s + 20)
@@ -327,19 +334,19 @@ def priority_check(rate: str = "1gbit", seconds: float = 3, profile: str = "htb-
     Returns one dict per case (see :func:`run_case`). Raises TestbedError.
     """
     prefix = prefix or f"dgtpc{os.getpid()}"
-    tb = up(3, rate=rate, profile=profile, prefix=prefix, queue_bytes=queue_bytes)
+    tb = testbed.up(3, rate=rate, profile=profile, prefix=prefix, queue_bytes=queue_bytes)
     try:
         why = ""
-        if gso and not tb.run_in(UDP_SRC, _no_tx_udp_segmentation, HOST_DEV, timeout_s=20):
+        if gso and not tb.run_in(UDP_SRC, _no_tx_udp_segmentation, testbed.HOST_DEV, timeout_s=20):
             # GSO bursts would reach the port whole (one drop = 44 datagrams): no GSO then
-            gso, why = False, (f"tx-udp-segmentation stays on at h{UDP_SRC} {HOST_DEV}: "
+            gso, why = False, (f"tx-udp-segmentation stays on at h{UDP_SRC} {testbed.HOST_DEV}: "
                                f"1 datagram per send")
         res = [run_case(tb, n, d, m, seconds, bulk, gso=gso) for n, d, m in cases]
         for r in res:
             r["note"] = why or r["note"]
         return res
     finally:
-        down(prefix)
+        testbed.down(prefix)
 
 
 def parse_cases(text: str) -> tuple:
@@ -430,7 +437,7 @@ def run(args) -> int:
         res = priority_check(args.rate, args.seconds, args.profile, cases=cases,
                              bulk=not args.no_bulk, queue_bytes=args.queue_bytes,
                              gso=not args.no_gso)
-    except (TestbedError, applier.TcError, ValueError) as e:
+    except (testbed.TestbedError, applier.TcError, ValueError) as e:
         return _fail(args, str(e).splitlines()[0] if str(e) else type(e).__name__)
     print(f"priority check: profile {args.profile}, port rate {args.rate}, "
           f"{'bulk TCP h1->h0' if not args.no_bulk else 'no bulk load'}, "

@@ -114,30 +114,50 @@ def _warnings(sidecars: list[dict]) -> list[str]:
     return [f"rank(s) {rs}: {w}" for w, rs in ranks.items()]
 
 
+def summary_head(r: dict, log=print) -> None:
+    """The summary table's first rows, shared by ``dgt train`` and the gloo baseline
+    (``dgt.tools.gloo_train``), so both print the same numbers the same way: mode,
+    workers, workload, iterations (rounds), final accuracy, target reached, wall time.
+    ``r``: a report dict (``build_report``'s keys)."""
+    w = r.get("workload")
+    summary_row("mode", r["mode"], log)
+    summary_row("workers", r["workers"], log)
+    if w:
+        summary_row("workload", describe_workload(w), log)
+    summary_row("iterations", r["iterations"], log)
+    if w and w["algo"] == "fedavg":
+        summary_row("rounds", f"{r['rounds']} ({w['local_steps']} local steps each)", log)
+    summary_row("final test accuracy", f"{r['final_test_accuracy']:.4f}", log)
+    reached = r["target_reached"]
+    summary_row(f"reached {r['target_accuracy']}",
+                (f"iteration {reached['iteration']}"
+                 + (f" (round {reached['round']})" if w and w["algo"] == "fedavg" and
+                    "round" in reached else "")
+                 + f", {reached['seconds']:.1f} s" if reached else "no"), log)
+    summary_row("wall seconds", f"{r['wall_seconds']:.1f}", log)
+
+
+def summary_row(key: str, value, log=print) -> None:
+    """One row of the summary table: the key in 22 columns, then the value."""
+    log(f"{key:<22}{value}")
+
+
+def summary_comm(r: dict, log=print) -> None:
+    """The communication-time row (ms per iteration, median and 95th percentile)."""
+    summary_row("comm ms median/p95", f"{r['comm_ms_median']:.1f} / "
+                f"{r['comm_ms_p95']:.1f}", log)
+
+
 def print_summary(r: dict, log=print) -> None:
     """The summary table: the same numbers as the JSON report."""
     log("")
-    log(f"{'mode':<22}{r['mode']}")
-    log(f"{'workers':<22}{r['workers']}")
     w = r.get("workload")
-    if w:
-        log(f"{'workload':<22}{describe_workload(w)}")
-    log(f"{'iterations':<22}{r['iterations']}")
-    if w and w["algo"] == "fedavg":
-        log(f"{'rounds':<22}{r['rounds']} ({w['local_steps']} local steps each)")
-    log(f"{'final test accuracy':<22}{r['final_test_accuracy']:.4f}")
-    reached = r["target_reached"]
-    log(f"{'reached ' + str(r['target_accuracy']):<22}"
-        + (f"iteration {reached['iteration']}"
-           + (f" (round {reached['round']})" if w and w["algo"] == "fedavg" and
-              "round" in reached else "")
-           + f", {reached['seconds']:.1f} s" if reached else "no"))
-    log(f"{'wall seconds':<22}{r['wall_seconds']:.1f}")
+    summary_head(r, log)
     if r.get("bytes_per_round"):
         per = "round" if w and w["algo"] == "fedavg" else "iteration"
         log(f"{'MB sent per ' + per:<22}{r['bytes_per_round'] / 1e6:.2f} (all nodes; "
             f"{r['bytes_per_round'] / 1e6 / r['workers']:.2f} per node)")
-    log(f"{'comm ms median/p95':<22}{r['comm_ms_median']:.1f} / {r['comm_ms_p95']:.1f}")
+    summary_comm(r, log)
     log(f"{'replicas identical':<22}{r['replicas_identical']}  ({r['param_sha256'][0][:16]}…)")
     if r["conservation_rel_error"] is not None:
         log(f"{'conservation error':<22}{r['conservation_rel_error']:.2e}")

@@ -43,6 +43,7 @@ import torch
 from dgt.atomic import write_json
 from dgt.config import JobConfig
 from dgt.launch import _die_with_parent
+from dgt.report import summary_comm, summary_head, summary_row
 
 MODE = "gloo"
 
@@ -288,20 +289,14 @@ def build_report(run_dir: str, job: GlooJob, wall_s: float) -> dict:
 
 
 def print_summary(r: dict, log=print) -> None:
-    reached = r["target_reached"]
-    log(f"{'mode':<22}{r['mode']}")
-    log(f"{'workers':<22}{r['workers']}")
-    log(f"{'iterations':<22}{r['iterations']}")
-    log(f"{'final test accuracy':<22}{r['final_test_accuracy']:.4f}")
-    log(f"{'reached ' + str(r['target_accuracy']):<22}"
-        + (f"iteration {reached['iteration']}, {reached['seconds']:.1f} s" if reached
-           else "no"))
-    log(f"{'wall seconds':<22}{r['wall_seconds']:.1f}")
-    log(f"{'comm ms median/p95':<22}{r['comm_ms_median']:.1f} / {r['comm_ms_p95']:.1f}")
-    log(f"{'MB/iteration/node':<22}{r['bytes_per_iteration'] / 1e6:.2f} (ring model)"
-        + (f", {r['wire_tx_bytes_per_iteration'] / 1e6:.2f} on the wire"
-           if r["wire_tx_bytes_per_iteration"] else ""))
-    log(f"{'replicas identical':<22}{r['replicas_identical']}")
+    """The gloo baseline's summary: dgt train's rows (``dgt.report.summary_head``), then
+    its own traffic model."""
+    summary_head(r, log)
+    summary_comm(r, log)
+    summary_row("MB/iteration/node", f"{r['bytes_per_iteration'] / 1e6:.2f} (ring model)"
+                + (f", {r['wire_tx_bytes_per_iteration'] / 1e6:.2f} on the wire"
+                   if r["wire_tx_bytes_per_iteration"] else ""), log)
+    summary_row("replicas identical", r["replicas_identical"], log)
 
 
 def main(argv: list[str] | None = None) -> int:

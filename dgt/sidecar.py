@@ -29,6 +29,7 @@ import numpy as np
 
 from . import buffers, failure, ipc, unixsock
 from .agent import TCP_BACKLOG_SLACK, Links, WorkerAgent
+from .atomic import write_json
 from .errors import PeerFailure
 from .failure import FailureReason
 from .config import (PACE_AUTO, MetricsConfig, NodeConfig, OneLineParser,
@@ -239,8 +240,8 @@ class Sidecar:
         except PeerFailure as e:
             self.fail(str(e), e.rank, why=e.reason, blamed=e.ranks)
             return
-        with open(os.path.join(self.node.run_dir, f"endpoints-{self.rank}.json"), "w") as f:
-            json.dump(me, f)
+        # atomic: the launcher and tests poll for it and must never read it half-written
+        write_json(os.path.join(self.node.run_dir, f"endpoints-{self.rank}.json"), me)
         hosts: dict[int, set[str]] = {}
         for (addr, _), r in (self.udp_sources or {}).items():
             hosts.setdefault(r, set()).add(addr)
@@ -810,8 +811,7 @@ class Sidecar:
         }
         path = os.path.join(self.node.run_dir, f"sidecar-{self.rank}.json")
         self.trace.close()   # its last line: what the counters grew since the last push
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(path, report, indent=1)
         if self.endpoint is not None:   # the final exposition, beside the report
             from .metrics import metrics_path
             try:

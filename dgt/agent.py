@@ -1,6 +1,7 @@
 """Worker agent: turns one push into blocks on channels, and the PULLs into the aggregate.
 
-Per push (docs/architecture.md, "One BSP iteration", steps 2 and 4): ``g = grad +
+Per push (docs/architecture.md, "One BSP iteration", steps 2 and 4), with dgt.planner
+for the decisions and transport.sender for the messages: ``g = grad +
 residual``; update contribution scores; rank; assign channels; send reliable blocks
 (TCP), local blocks (in-process to the colocated shard), unreliable blocks (UDP, paced,
 one DSCP per channel), then END per shard; wait for every shard's PULL;
@@ -18,11 +19,9 @@ import torch
 
 from .errors import PeerFailure
 from .config import TransmissionConfig
-from .contribution import ContributionScores
-from .feedback import Residual
 from .layout import BlockLayout
-from .scheduler.assign import (DROPPED, AdaptiveK, assign_channels, rank_blocks,
-                               reliable_count)
+from .planner import PushPlanner
+from .scheduler.assign import DROPPED
 from .scheduler.pacing import PortPacing
 from .transport.counters import Counters
 from .transport.sender import SEND_EARLY_S, PushSender, TcpFrame
@@ -59,12 +58,10 @@ class WorkerAgent:
         self.grad = torch.from_numpy(grad)
         self.aggregate = aggregate
         self.links, self.counters = links, counters
-        n = layout.n_blocks
-        self.work = torch.zeros(layout.padded, dtype=torch.float32)
-        self.scores = ContributionScores(n, cfg.alpha)
-        self.residual = Residual(layout.padded, layout.block_elems, cfg.error_feedback)
-        self.adaptive = AdaptiveK(cfg.k, min(cfg.k_min, cfg.k)) if cfg.adaptive_k else None
-        self.gen = torch.Generator().manual_seed(seed * 1009 + rank)
+        self.planner = PushPlanner(cfg, layout, rank, seed)
+        p = self.planner   # the report and the metrics read these here
+        self.residual, self.k_history, self.raw_sum, self.applied_sum = (
+            p.residual, p.k_history, p.raw_sum, p.applied_sum)
         # one equal share of the egress port per peer node (scheduler.pacing.flow_share):
         # the TCP flows to it are paced at that share by the kernel; the UDP blocks to it
         # wait until that TCP has left (tcp_backlog), then go at the same share
@@ -79,40 +76,13 @@ class WorkerAgent:
         self.pull_waiter: asyncio.Future | None = None
         self.iteration = 0
         self.sending = False   # between plan() and END: our push is on the port
-        self.k_history: list[float] = []
         # per-iteration trace (dgt.trace): wall-clock marks of the push in flight, each
         # shard's PULL, and how many of our blocks did not arrive
         self.marks: dict[str, float] = {}
         self.pull_at: dict[int, float] = {}
         self.not_arrived = 0
-        # conservation invariant (docs/architecture.md): float64 running sums
-        self.raw_sum = torch.zeros(layout.padded, dtype=torch.float64) \
-            if cfg.check_conservation else None
-        self.applied_sum = torch.zeros_like(self.raw_sum) if self.raw_sum is not None else None
 
     # -- push -------------------------------------------------------------------------
-    def plan(self, loss: float | None) -> tuple[np.ndarray, float]:
-        """Compensate, score, rank and assign. Returns (channel per block (n_blocks,)
-        int8, k used)."""
-        cfg, n = self.cfg, self.layout.n_blocks
-        g = self.work
-        g.copy_(self.grad)
-        if self.raw_sum is not None:
-            self.raw_sum += g
-        self.residual.compensate(g)
-        k = self.adaptive.update(loss) if self.adaptive else cfg.k
-        if cfg.mode == "tcp":
-            k = 1.0
-        n_rel = reliable_count(n, k)
-        if cfg.mode == "random":
-            scores = torch.rand(n, generator=self.gen)
-        else:
-            scores = self.scores.update(g, self.layout.block_elems)
-        order = rank_blocks(scores, epsilon=cfg.epsilon, n_reliable=n_rel, generator=self.gen)
-        chan = assign_channels(order, n_rel, cfg.channels,
-                               drop_unreliable=cfg.mode == "topk").numpy()
-        return chan, k
-
     async def push(self, t: int, loss: float | None, timeout_s: float) -> float:
         """Run iteration ``t`` to the applied aggregate. Returns k. Raises PeerFailure
         when a shard's PULL does not come within ``timeout_s``. The messages and their
@@ -120,10 +90,9 @@ class WorkerAgent:
         self.iteration = t
         self.sending = True
         self.marks, self.pull_at = {}, {}
-        chan, k = self.plan(loss)
-        self.k_history.append(k)
+        chan, k = self.planner.plan(self.grad, loss)
         lay, me, links, sender = self.layout, self.rank, self.links, self.sender
-        blocks = self.work.numpy().reshape(lay.n_blocks, lay.block_elems)
+        blocks = self.planner.work.numpy().reshape(lay.n_blocks, lay.block_elems)
         self.pull_waiter = asyncio.get_running_loop().create_future()
         # the reliable frames view the work buffer: it is rewritten only by the next
         # plan(), after every shard's PULL, i.e. after each shard has these bytes
@@ -183,6 +152,4 @@ class WorkerAgent:
         self.pulls.clear()
         self.pull_waiter = None
         self.not_arrived = int(arrived.size - np.count_nonzero(arrived))
-        self.residual.update(self.work, torch.from_numpy(arrived))
-        if self.applied_sum is not None:
-            self.applied_sum += torch.from_numpy(self.aggregate).double() * lay.n_shards
+        self.planner.settle(arrived, self.aggregate)

@@ -19,10 +19,9 @@ import numpy as np
 from .errors import PeerFailure
 from .config import TransmissionConfig
 from .scheduler.pacing import flow_share
-from .transport import pmtu, sockopts, wire
+from .transport import messages, pmtu, sockopts, wire
 from .transport.aio import FrameProtocol
 from .transport.udp_batch import BatchSender
-from .transport.wire import MsgType
 
 
 class PeerLinks:
@@ -58,8 +57,7 @@ class PeerLinks:
                                           f"{ep['tcp_port']}: {e}", r) from None
                     await asyncio.sleep(0.1)
             _, proto = await loop.create_connection(lambda r=r: make_protocol(r), sock=sock)
-            proto.send(wire.encode(MsgType.HELLO, session=session, sender=self.rank,
-                                   shard=r, key=self.key))
+            proto.send(messages.hello(session, self.rank, r, self.key))
             self.out_conns[r] = proto
             on_connected(proto, r)
             self.pace(proto)

@@ -18,9 +18,8 @@ from .agent import TCP_BACKLOG_SLACK
 from .layout import BlockLayout
 from .peer_links import PeerLinks
 from .scheduler.pacing import HeldPulls, OwnQueueGate, flow_share
-from .transport import wire
+from .transport import messages
 from .transport.aio import FrameProtocol
-from .transport.wire import MsgType
 
 
 class PullSender:
@@ -49,11 +48,8 @@ class PullSender:
         elements,) float32, sent as a view: the shard never writes it again) and
         ``received`` ((shard blocks,) bool, the worker's received bitmap)."""
         lay = self.layout
-        frame = wire.encode_parts(
-            MsgType.PULL, session=self.session, sender=self.rank, shard=self.rank,
-            iteration=iteration, block=lay.shard_lo(self.rank),
-            count=lay.shard_blocks(self.rank), parts=wire.pull_parts(aggregate, received),
-            key=self.key)
+        frame = messages.pull(self.session, self.rank, iteration, lay.shard_lo(self.rank),
+                              aggregate, received, self.key)
         self.links.pace(conn)
         if self.held_pulls is not None and (
                 self.sending() or self.links.tcp_backlog(worker) > TCP_BACKLOG_SLACK

@@ -42,7 +42,7 @@ from .rendezvous import POLL_S, Rendezvous, check_resolves
 from .scheduler.deadline import AdaptiveDeadline
 from .shard import ServerShard
 from .trainer_link import TrainerLink
-from .transport import wire
+from .transport import messages, wire
 from .transport.aio import FrameProtocol
 from .transport.channels import channel_dscp
 from .transport.control import (HELLO_TIMEOUT_S, MAX_PENDING_HELLO,  # noqa: F401
@@ -50,7 +50,6 @@ from .transport.control import (HELLO_TIMEOUT_S, MAX_PENDING_HELLO,  # noqa: F40
                                 PullArrived, ShardFrame)
 from .transport.counters import Counters
 from .transport.reasons import Rejected
-from .transport.wire import MsgType
 from .trace import Trace
 
 log = logging.getLogger("dgt.sidecar")
@@ -410,10 +409,7 @@ class Sidecar:
         log.log(level, "rank %d: %s", self.rank, message)
         try:   # telling the others is best effort; stopping is not
             if propagate:
-                frame = wire.encode(MsgType.ERROR, session=self.session_id,
-                                    sender=self.rank,
-                                    block=rank if rank is not None else 0xFFFFFFFF,
-                                    payload=message.encode()[:1000], key=self.key)
+                frame = messages.error(self.session_id, self.rank, rank, message, self.key)
                 for conn in self._peer_conns():
                     conn.send(frame)
             self.trainer.send({"op": "error", "rank": rank, "message": message})
@@ -435,8 +431,7 @@ class Sidecar:
             return
         self.finishing = True
         # count: the iterations we pushed, so a peer still pushing knows at once
-        bye = wire.encode(MsgType.BYE, session=self.session_id, sender=self.rank,
-                          count=self.pushes, key=self.key)
+        bye = messages.bye(self.session_id, self.rank, self.pushes, self.key)
         self.control.finishing = True
         for conn in self._peer_conns():
             conn.send(bye)

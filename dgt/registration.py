@@ -8,15 +8,21 @@ is at fault, that rank. The store calls block: run them off the event loop.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import logging
 import random
 from typing import Callable
 
-from .config import NodeConfig, TransmissionConfig
+from .config import PACE_AUTO, NodeConfig, TransmissionConfig
 from .errors import PeerFailure
 from .layout import BlockLayout
+from .link_rate import auto_pace_mbit
 from .rendezvous import Rendezvous
 from .scheduler.pacing import flow_share
+
+log = logging.getLogger("dgt.sidecar")
 
 #: rendezvous waits allow --peer-timeout-s plus this for start-up (imports, the dataset)
 STARTUP_GRACE_S = 10.0
@@ -66,6 +72,30 @@ def agree_model(rdv: Rendezvous, rank: int, n_params: int, sha: str) -> None:
                           f"replicas would never agree: seed the model alike on every "
                           f"rank (torch.manual_seed) or load the same checkpoint before "
                           f"register()", apart[0])
+
+
+async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict],
+                rank: int, world: int, n_params: int,
+                sha) -> tuple[TransmissionConfig, BlockLayout, str | None]:
+    """At register: :func:`agree_model` (``sha``: the trainer's SHA-256 of its initial
+    parameters, anything else: none sent), --pace-mbit auto resolved to this host's
+    egress rate towards the ``peers`` (dgt.link_rate), the block layout, and
+    :func:`check_pace`. Returns (the config with the pacing rate, the layout, where the
+    rate came from or None when it was given). Raises PeerFailure."""
+    loop = asyncio.get_running_loop()
+    sha = sha if isinstance(sha, str) else ""   # "": a client that sends none
+    await loop.run_in_executor(None, agree_model, rdv, rank, n_params, sha)
+    source = None
+    if cfg.pace_mbit == PACE_AUTO:
+        hosts = [ep["host"] for r, ep in sorted(peers.items()) if r != rank]
+        # pyroute2's sync API cannot run inside a running event loop: use a thread
+        pace, source = await loop.run_in_executor(None, auto_pace_mbit, hosts)
+        cfg = dataclasses.replace(cfg, pace_mbit=pace)
+        log.info("rank %d: UDP pacing %s (%s)", rank,
+                 f"{pace:g} Mbit/s" if pace else "off", source)
+    lay = BlockLayout.from_bytes(n_params, cfg.block_bytes, world)
+    check_pace(cfg, lay, world, rank)
+    return cfg, lay, source
 
 
 def barrier(rdv: Rendezvous, rank: int) -> None:

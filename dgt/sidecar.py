@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import errno
 import faulthandler
 import json
@@ -28,16 +27,14 @@ import numpy as np
 from . import datapath, ipc
 from .agent import WorkerAgent
 from .errors import PeerFailure
-from .config import (PACE_AUTO, MetricsConfig, NodeConfig, OneLineParser,
+from .config import (MetricsConfig, NodeConfig, OneLineParser,
                      TransmissionConfig, add_sidecar_arguments, from_args)
-from .link_rate import auto_pace_mbit
 from .layout import BlockLayout
 from .node_report import write_node_results
 from .node_sockets import NodeSockets
 from .peer_links import PeerLinks, drain
 from .pull_sender import PullSender
-from .registration import (agree_model, barrier, check_model_size, check_pace,
-                           exchange_endpoints)
+from .registration import agree, barrier, check_model_size, exchange_endpoints
 from .rendezvous import POLL_S, Rendezvous, check_resolves
 from .scheduler.deadline import AdaptiveDeadline
 from .shard import ServerShard
@@ -209,21 +206,13 @@ class Sidecar:
             raise PeerFailure(f"rank {self.rank}: register sent twice", self.rank)
         n_params = check_model_size(msg.get("n_params"), self.rank)
         await self.rendezvoused.wait()
-        rank, sha = self.rank, msg.get("param_sha256")
-        sha = sha if isinstance(sha, str) else ""   # "": a client that sends none
-        await loop.run_in_executor(None, agree_model, self.rdv, rank, n_params, sha)
-        if self.cfg.pace_mbit == PACE_AUTO:
-            hosts = [ep["host"] for r, ep in sorted(self.links.peers.items()) if r != rank]
-            # pyroute2's sync API cannot run inside a running event loop: use a thread
-            pace, self.pace_source = await loop.run_in_executor(None, auto_pace_mbit, hosts)
-            self.cfg = self.links.cfg = dataclasses.replace(self.cfg, pace_mbit=pace)
-            log.info("rank %d: UDP pacing %s (%s)", rank,
-                     f"{pace:g} Mbit/s" if pace else "off", self.pace_source)
-        lay = BlockLayout.from_bytes(n_params, self.cfg.block_bytes, self.world)
-        self.layout = lay
+        rank = self.rank
+        self.cfg, lay, source = await agree(self.rdv, self.cfg, self.links.peers, rank,
+                                            self.world, n_params, msg.get("param_sha256"))
+        self.links.cfg, self.layout = self.cfg, lay
+        self.pace_source = source or self.pace_source
         self.control.set_layout({r: (lay.shard_lo(r), lay.shard_blocks(r))
                                  for r in range(self.world)}, lay.block_elems)
-        check_pace(self.cfg, lay, self.world, rank)
         path = datapath.build(self.cfg, lay, rank, self.session_id, self.key, self.counters,
                               self.links, self.node.seed, self._send_pull,
                               lambda r: self.in_conns.get(r))

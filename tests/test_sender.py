@@ -255,3 +255,43 @@ def test_a_batch_due_within_send_early_s_goes_now():
     assert at > SEND_EARLY_S
     assert [len(b.rows) for b in s.datagrams_to_send(at - SEND_EARLY_S / 2,
                                                      lambda sh: 0)] == [4]
+
+
+def test_the_other_messages_decode_to_what_was_asked():
+    from dgt.transport import messages
+    key = b"k" * 16
+    h, p = wire.decode(messages.hello(SESSION, 2, 1, key), key)
+    assert (h.type, h.sender, h.shard, h.session, len(p)) == (MsgType.HELLO, 2, 1, SESSION, 0)
+    h, _ = wire.decode(messages.bye(SESSION, 2, 17, None))
+    assert (h.type, h.sender, h.count) == (MsgType.BYE, 2, 17)
+    h, p = wire.decode(messages.error(SESSION, 0, None, "x" * 2000, None))
+    assert (h.type, h.block, bytes(p)) == (MsgType.ERROR, messages.NO_RANK, b"x" * 1000)
+    agg = np.arange(3 * 4, dtype=np.float32)
+    got = np.array([True, False, True])
+    frame = b"".join(bytes(x) for x in messages.pull(SESSION, 1, 9, 6, agg, got, key))
+    h, p = wire.decode(frame, key)
+    assert (h.type, h.sender, h.shard, h.iteration, h.block, h.count) == \
+        (MsgType.PULL, 1, 1, 9, 6, 3)
+    a, r = wire.unpack_pull(p, 3, 4)
+    np.testing.assert_array_equal(a, agg)
+    np.testing.assert_array_equal(r, got)
+
+
+def test_synth_and_the_goodput_sender_encode_no_message_of_their_own():
+    """The tools push through PushSender and transport.messages: no wire encoder is
+    called in tools/synth.py, nor in the goodput tool's send()."""
+    import ast
+    from pathlib import Path
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    encoders = {"encode", "encode_parts", "encode_block_datagrams", "pack_end",
+                "pack_indexed_blocks", "indexed_blocks_parts", "pack_pull", "pull_parts"}
+
+    def calls(node):
+        return sorted({n.func.attr for n in ast.walk(node) if isinstance(n, ast.Call)
+                       and isinstance(n.func, ast.Attribute) and n.func.attr in encoders})
+
+    assert calls(ast.parse((tools / "synth.py").read_text())) == []
+    goodput = ast.parse((tools / "goodput.py").read_text())
+    send = next(n for n in goodput.body if isinstance(n, ast.AsyncFunctionDef)
+                and n.name == "send")
+    assert calls(send) == []

@@ -155,3 +155,29 @@ class OwnQueueGate:
         wait, self.give_up = drain_wait(backlog, self.port_rate, 0, now, self.give_up,
                                         self.grace_s)
         return wait
+
+
+class PortPacing:
+    """The pacing state of one node's push (transport.sender.Pacing): one equal share of
+    the egress port per peer node (:func:`flow_share` of ``rate_mbit`` over
+    ``n_peers``), a :class:`TokenBucket` of ``burst_bytes`` per peer, and
+    :func:`drain_wait` for the UDP blocks that follow our TCP bytes to a peer (below
+    ``slack`` unsent bytes they go). ``rate_mbit`` 0: not paced. Sans-IO: the caller
+    passes the clock (s)."""
+
+    def __init__(self, rate_mbit: float, peers, n_peers: int, burst_bytes: int,
+                 slack: int, now: float):
+        self.share = flow_share(rate_mbit, n_peers)   # bytes/s per peer
+        self.slack = slack
+        self.buckets = {s: TokenBucket.bytes_per_s(self.share, burst_bytes, now)
+                        for s in peers}
+
+    def delay(self, node: int, nbytes: int, now: float) -> float:
+        return self.buckets[node].delay(nbytes, now)
+
+    def hold(self, node: int, now: float, until: float, tokens: float = 0.0) -> None:
+        self.buckets[node].hold(now, until, tokens)
+
+    def drain_wait(self, backlog: int, now: float,
+                   give_up: float | None) -> tuple[float, float | None]:
+        return drain_wait(backlog, self.share, self.slack, now, give_up)

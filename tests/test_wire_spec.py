@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dgt import layout
-from dgt.agent import TAIL_COPIES
 from dgt.transport import control, udp_batch, wire
+from dgt.transport.sender import TAIL_COPIES, batch_rows
 from dgt.transport.reasons import Reason
 
 SPEC = Path(__file__).resolve().parents[1] / "docs" / "wire.md"
@@ -88,12 +88,11 @@ def test_constants(spec):
 
 
 def test_batch_sizes_in_the_text_are_the_senders():
-    from dgt.agent import WorkerAgent
     text = SPEC.read_text()
     e = layout.DEFAULT_BLOCK_BYTES
     plain = wire.HEADER_BYTES + e
     keyed = plain + wire.MAC_BYTES
-    n_plain, n_keyed = WorkerAgent._batch_rows(plain), WorkerAgent._batch_rows(keyed)
+    n_plain, n_keyed = batch_rows(plain), batch_rows(keyed)
     assert n_plain <= udp_batch.MAX_SEGMENTS and n_keyed <= udp_batch.MAX_SEGMENTS
     assert f"**{n_plain}** BLOCKS datagrams of the\ndefault {plain} B without a MAC" in text
     assert f"**{n_keyed}** of {keyed} B with one" in text

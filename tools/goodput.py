@@ -1,9 +1,9 @@
 """Goodput of dgt's reliable channel alone: one sender, one receiver, one TCP connection.
 
 The sender pushes ``--mb`` MB of 1,408 B blocks in ``--pushes`` pushes, each one INDEXED
-BLOCKS frame plus END, exactly as a sidecar's worker side frames a shard's reliable blocks
-(``wire.encode_parts``, ``FrameProtocol.send``, the EF-marked socket of
-``sockopts.tcp_client``). The receiver is a shard's receive side: ``FrameProtocol``
+BLOCKS frame plus END, made by the sidecar's own push sender
+(``transport.sender.PushSender``, every block reliable) and written as a sidecar writes
+them (``FrameProtocol.send``, the EF-marked socket of ``sockopts.tcp_client``). The receiver is a shard's receive side: ``FrameProtocol``
 (``recv_into`` one preallocated buffer) -> ``ShardSession`` (checks, bitmaps, END) -> the
 blocks copied into a shard buffer. Goodput = block bytes / (first byte .. last push
 complete), the same definition as iperf3's receiver goodput. ``dgt bench goodput`` runs
@@ -25,9 +25,11 @@ import numpy as np
 
 from ..config import OneLineParser, finite
 from ..layout import DEFAULT_BLOCK_BYTES
-from ..transport import sockopts, wire
+from ..transport import messages, sockopts, wire
 from ..transport.aio import FrameProtocol
 from ..transport.channels import channel_dscp
+from ..transport.counters import Counters
+from ..transport.sender import PushSender, Unpaced
 from ..transport.session import BlocksArrived, IterationComplete, ShardSession
 
 SESSION = 0x600D9E7
@@ -113,7 +115,9 @@ async def send(host: str, port: int, mb: float, pushes: int, block_bytes: int,
     loop = asyncio.get_running_loop()
     per_push, elems = plan(mb, pushes, block_bytes)
     blocks = np.random.default_rng(0).standard_normal((per_push, elems), np.float32)
-    idx = np.arange(per_push)
+    chan = np.zeros(per_push, np.int8)   # every block reliable: one BLOCKS frame per push
+    sender = PushSender(session=SESSION, rank=0, key=None, counters=Counters(),
+                        pacing=Unpaced())
     deadline = time.monotonic() + timeout_s
     while True:
         sock = sockopts.tcp_client(channel_dscp(1)[0])
@@ -139,16 +143,13 @@ async def send(host: str, port: int, mb: float, pushes: int, block_bytes: int,
         lambda: FrameProtocol(on_frame, on_lost, lambda p, r: None), sock=sock)
     proto.peer_rank = 0   # the receiver is trusted to answer with a small END
     t0 = time.monotonic()
-    proto.send(wire.encode(wire.MsgType.HELLO, session=SESSION, sender=0, shard=0))
-    for t in range(pushes):
-        proto.send(wire.encode_parts(
-            wire.MsgType.BLOCKS, session=SESSION, sender=0, shard=0, iteration=t,
-            channel=0, block=0, count=per_push, flags=wire.Flag.INDEXED,
-            parts=wire.indexed_blocks_parts(idx, blocks)))
-        counts = np.zeros(MAX_CHANNELS, np.int64)
-        counts[0] = per_push
-        proto.send(wire.encode(wire.MsgType.END, session=SESSION, sender=0, shard=0,
-                               iteration=t, count=per_push, payload=wire.pack_end(counts)))
+    proto.send(messages.hello(SESSION, 0, 0, None))
+    for t in range(pushes):   # the sidecar's push sender: BLOCKS, then END
+        for f in sender.start(t, chan, blocks, [(0, per_push)], None, time.monotonic()):
+            proto.send(f.frame)
+        while not sender.done:
+            for out in sender.datagrams_to_send(time.monotonic(), lambda s: 0):
+                proto.send(out.frame)
         while proto.transport.get_write_buffer_size() > 4 * per_push * block_bytes:
             await asyncio.sleep(0.001)   # bounded queue, like a sidecar's BSP step
     try:

@@ -1,11 +1,12 @@
 """Synthetic dgt traffic over real loopback sockets, for tests and benchmarks.
 
-Workers (threads) push BSP iterations to shards with the real wire format: per
-(worker, shard, iteration) a TCP ``BLOCKS`` frame (INDEXED) on channel 0, one UDP
-datagram per block on each unreliable channel (each UDP socket marked with its
-channel's DSCP), each channel followed by its tail marker (``END`` on that channel,
-twice), then ``END`` with the per-channel counts. The shard answers ``PULL``
-on the same TCP connection once every worker's END is in. Ports follow the
+Workers (threads) push BSP iterations to shards through the sidecar's own push sender
+(``dgt.transport.sender.PushSender``, unpaced): per (worker, shard, iteration) a TCP
+``BLOCKS`` frame (INDEXED) on channel 0, one UDP datagram per block on each unreliable
+channel (each UDP socket marked with its channel's DSCP), each channel followed by its
+tail marker (``END`` on that channel, twice), then ``END`` with the per-channel counts.
+The shard answers ``PULL`` on the same TCP connection once every worker's END is in.
+No message is encoded here: they come from the sender and ``dgt.transport.messages``. Ports follow the
 ``--base-port`` layout (rank r: TCP ``B+10r``, UDP channel c ``B+10r+c``).
 
 ``omit`` drops chosen datagrams before they are sent (they still count in END, as a
@@ -25,13 +26,17 @@ import random
 import selectors
 import socket
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dgt.transport import wire
+from dgt.transport import messages, wire
 from dgt.transport.channels import channel_dscp, channel_name
+from dgt.transport.counters import Counters
+from dgt.transport.framing import Deframer, split_frames
+from dgt.transport.sender import PushSender, TcpFrame, UdpBatch, Unpaced
 from dgt.tools.ports import RANK_STRIDE, PortSpec
 
 
@@ -73,23 +78,6 @@ class SynthConfig:
                 for r in range(self.ranks)]
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed")
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_message(sock: socket.socket) -> tuple[wire.Header, bytes]:
-    """Read one whole message from a TCP socket; returns (header, message bytes)."""
-    head = _recv_exact(sock, wire.HEADER_BYTES)
-    h = wire.decode_header(head)
-    return h, head + _recv_exact(sock, wire.frame_size(h) - wire.HEADER_BYTES)
-
-
 class _Shards:
     """Every rank's shard: TCP listener + one UDP socket per channel, in one thread."""
 
@@ -119,7 +107,7 @@ class _Shards:
         self.thread.start()
 
     def _loop(self) -> None:
-        bufs: dict[socket.socket, bytearray] = {}
+        bufs: dict[socket.socket, Deframer] = {}
         dscp = self.cfg.dscp or channel_dscp(self.cfg.udp_channels)
         while not self.stop.is_set():
             for key, _ in self.sel.select(0.05):
@@ -130,7 +118,7 @@ class _Shards:
                     c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp[0] << 2)
                     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     c.setblocking(False)
-                    bufs[c] = bytearray()
+                    bufs[c] = Deframer(self.cfg.key)
                     self.sel.register(c, selectors.EVENT_READ, ("tcp", rank))
                 elif kind == "udp":
                     while True:
@@ -149,14 +137,7 @@ class _Shards:
                             self.sel.unregister(s)
                             s.close()
                         continue
-                    buf = bufs[s]
-                    buf += data
-                    while len(buf) >= wire.HEADER_BYTES:
-                        h = wire.decode_header(buf)
-                        n = wire.frame_size(h)
-                        if len(buf) < n:
-                            break
-                        del buf[:n]
+                    for h, _ in bufs[s].feed(data):
                         if h.type == wire.MsgType.END:
                             self._on_end(rank, h, s)
 
@@ -169,12 +150,10 @@ class _Shards:
         n_blocks = 4
         agg = np.zeros(n_blocks * cfg.block_elems, np.float32)
         for worker, c in sorted(got.items()):
-            pull = wire.encode(wire.MsgType.PULL, session=cfg.session, sender=shard,
-                               shard=shard, iteration=h.iteration, block=0, count=n_blocks,
-                               payload=wire.pack_pull(agg, np.ones(n_blocks, bool)),
-                               key=cfg.key)
+            pull = messages.pull(cfg.session, shard, h.iteration, 0, agg,
+                                 np.ones(n_blocks, bool), cfg.key)
             c.setblocking(True)
-            c.sendall(pull)
+            c.sendall(b"".join(bytes(p) for p in pull))
             c.setblocking(False)
 
     def close(self) -> None:
@@ -190,96 +169,97 @@ def _worker(cfg: SynthConfig, rank: int, sent: dict, lock: threading.Lock,
     try:
         dscp = cfg.dscp or channel_dscp(cfg.udp_channels)
         rng = np.random.default_rng(rank)
-        conns = []
+        conns, deframers = [], []
         for s in range(cfg.ranks):
             c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp[0] << 2)  # before connect
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             c.settimeout(cfg.timeout_s)
             c.connect((cfg.host, cfg.tcp_port(s)))
-            c.sendall(wire.encode(wire.MsgType.HELLO, session=cfg.session, sender=rank,
-                                  shard=s, key=cfg.key))
+            c.sendall(messages.hello(cfg.session, rank, s, cfg.key))
             conns.append(c)
+            deframers.append(Deframer(cfg.key))
         udps = []
         for ch in range(1, cfg.udp_channels + 1):
             u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             u.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp[ch] << 2)
             udps.append(u)
-        total_blocks = sum(cfg.blocks)
+        total = sum(cfg.blocks)
+        # each shard's block space: cfg.blocks[c] blocks on channel c, channel 0 first
+        ranges = [(s * total, (s + 1) * total) for s in range(cfg.ranks)]
+        chan = np.tile(np.repeat(np.arange(len(cfg.blocks), dtype=np.int8), cfg.blocks),
+                       cfg.ranks)
+        sender = PushSender(session=cfg.session, rank=rank, key=cfg.key,
+                            counters=Counters(), pacing=Unpaced())
         for t in range(cfg.first_iteration, cfg.first_iteration + cfg.iterations):
+            blocks = rng.standard_normal((cfg.ranks * total, cfg.block_elems)).astype(np.float32)
             held = []
-            for s, conn in enumerate(conns):
-                base = s * total_blocks
-                idx = base
-                n0 = cfg.blocks[0]
-                blocks = rng.standard_normal((n0, cfg.block_elems)).astype(np.float32)
-                msg = wire.encode(wire.MsgType.BLOCKS, session=cfg.session, sender=rank,
-                                  shard=s, iteration=t, channel=0, block=idx, count=n0,
-                                  flags=wire.Flag.INDEXED, key=cfg.key,
-                                  payload=wire.pack_indexed_blocks(
-                                      np.arange(idx, idx + n0), blocks))
-                if n0:
-                    conn.sendall(msg)
-                    with lock:
-                        d = sent["tcp"]
-                        d["blocks_sent"] += n0
-                        d["bytes_sent"] += len(msg)
-                        d["messages_sent"] += 1
-                idx += n0
-                for ch in range(1, cfg.udp_channels + 1):
-                    n = cfg.blocks[ch]
-                    blocks = rng.standard_normal((n, cfg.block_elems)).astype(np.float32)
-                    dgs = wire.encode_block_datagrams(
-                        session=cfg.session, sender=rank, shard=s, iteration=t, channel=ch,
-                        indices=np.arange(idx, idx + n), blocks=blocks, key=cfg.key)
-                    idx += n
-                    for nth in range(n):
-                        k = (rank, s, t, ch, nth)
-                        if k in cfg.omit:
+            nth: dict[tuple[int, int], int] = defaultdict(int)   # (shard, channel) -> rows
+            for f in sender.start(t, chan, blocks, ranges, local=None, now=time.monotonic()):
+                conns[f.shard].sendall(b"".join(bytes(p) for p in f.frame))
+                _count(sent, lock, "tcp", blocks=cfg.blocks[0],
+                       nbytes=sum(memoryview(p).nbytes for p in f.frame))
+            while not sender.done:
+                for out in sender.datagrams_to_send(time.monotonic(), lambda s: 0):
+                    if isinstance(out, TcpFrame):   # END
+                        conns[out.shard].sendall(out.frame)
+                        continue
+                    addr = (cfg.host, cfg.udp_port(out.shard, out.channel))
+                    name = channel_name(out.channel)
+                    for row in out.rows:
+                        k = (rank, out.shard, t, out.channel, nth[out.shard, out.channel])
+                        if out.tail:
+                            udps[out.channel - 1].sendto(row.tobytes(), addr)
+                            continue
+                        nth[out.shard, out.channel] += 1
+                        if k in cfg.omit:   # a network loss: still counted in END
                             with lock:
-                                sent[channel_name(ch)]["omitted"] += 1
-                            continue
-                        if k in cfg.late:
-                            held.append((ch, dgs[nth].tobytes(), s))
-                            continue
-                        udps[ch - 1].sendto(dgs[nth].tobytes(), (cfg.host, cfg.udp_port(s, ch)))
+                                sent[name]["omitted"] += 1
+                        elif k in cfg.late:
+                            held.append((out.channel, row.tobytes(), addr))
+                        else:
+                            udps[out.channel - 1].sendto(row.tobytes(), addr)
+                            _count(sent, lock, name, blocks=1, nbytes=row.size)
+                    if out.tail:
                         with lock:
-                            d = sent[channel_name(ch)]
-                            d["blocks_sent"] += 1
-                            d["bytes_sent"] += dgs.shape[1]
-                            d["messages_sent"] += 1
-                    # the channel's tail marker, twice, as the sidecar sends it
-                    tail = wire.encode(wire.MsgType.END, session=cfg.session, sender=rank,
-                                       shard=s, iteration=t, channel=ch, count=n,
-                                       key=cfg.key)
-                    for _ in range(2):
-                        udps[ch - 1].sendto(tail, (cfg.host, cfg.udp_port(s, ch)))
-                    with lock:
-                        sent[channel_name(ch)]["tail_markers"] += 2
-                conn.sendall(wire.encode(wire.MsgType.END, session=cfg.session, sender=rank,
-                                         shard=s, iteration=t, count=total_blocks,
-                                         payload=wire.pack_end(list(cfg.blocks)), key=cfg.key))
-            for conn in conns:  # BSP: wait for every shard's PULL
-                while True:
-                    h, _ = recv_message(conn)
-                    if h.type == wire.MsgType.PULL and h.iteration == t:
-                        break
-            for ch, dg, s in held:
-                udps[ch - 1].sendto(dg, (cfg.host, cfg.udp_port(s, ch)))
-                with lock:
-                    d = sent[channel_name(ch)]
-                    d["blocks_sent"] += 1
-                    d["bytes_sent"] += len(dg)
-                    d["messages_sent"] += 1
-                    d["late"] += 1
+                            sent[name]["tail_markers"] += len(out.rows)
+                    sender.sent(out, len(out.rows), time.monotonic())
+            for s, conn in enumerate(conns):  # BSP: wait for every shard's PULL
+                _wait_pull(conn, deframers[s], t)
+            for ch, dg, addr in held:
+                udps[ch - 1].sendto(dg, addr)
+                _count(sent, lock, channel_name(ch), blocks=1, nbytes=len(dg), late=1)
         for conn in conns:
-            conn.sendall(wire.encode(wire.MsgType.BYE, session=cfg.session, sender=rank,
-                                     key=cfg.key))
+            conn.sendall(messages.bye(cfg.session, rank, cfg.first_iteration + cfg.iterations,
+                                      cfg.key))
             conn.close()
         for u in udps:
             u.close()
     except BaseException as e:  # reported by run()
         errors.append(e)
+
+
+def _count(sent: dict, lock: threading.Lock, name: str, blocks: int, nbytes: int,
+           late: int = 0) -> None:
+    """One message sent on channel ``name``: ``blocks`` blocks in ``nbytes`` bytes."""
+    with lock:
+        d = sent[name]
+        d["blocks_sent"] += blocks
+        d["bytes_sent"] += nbytes
+        d["messages_sent"] += 1
+        d["late"] += late
+
+
+def _wait_pull(conn: socket.socket, deframer: Deframer, t: int) -> None:
+    """Read ``conn`` until the shard's PULL for iteration ``t`` is in. Raises
+    ConnectionError when the shard closes first."""
+    while True:
+        data = conn.recv(1 << 20)
+        if not data:
+            raise ConnectionError("peer closed")
+        if any(h.type == wire.MsgType.PULL and h.iteration == t
+               for h, _ in deframer.feed(data)):
+            return
 
 
 def run(cfg: SynthConfig) -> dict:
@@ -385,16 +365,17 @@ class Recorder:
                         continue
                     buf = bufs[s]
                     buf += d
-                    while len(buf) >= wire.HEADER_BYTES:
-                        try:
-                            n = wire.frame_size(wire.decode_header(buf))
-                        except wire.WireError:
-                            n = len(buf)
-                        if len(buf) < n:
-                            break
-                        with self.lock:
-                            self.messages.append(("tcp", port, bytes(buf[:n])))
-                        del buf[:n]
+                    try:
+                        frames, used, _ = split_frames(memoryview(bytes(buf)))
+                        sizes = [wire.frame_size(h) for h, _ in frames]
+                    except wire.WireError:   # not ours: kept whole, as one message
+                        used, sizes = len(buf), [len(buf)]
+                    pos = 0
+                    with self.lock:
+                        for n in sizes:
+                            self.messages.append(("tcp", port, bytes(buf[pos:pos + n])))
+                            pos += n
+                    del buf[:used]
 
     def close(self) -> list[tuple[str, int, bytes]]:
         self.stop_ev.set()
@@ -425,6 +406,26 @@ def captured_run(cfg: SynthConfig, out: str, **capture_kw) -> tuple[dict, "PortS
     return sent, spec
 
 
+def block_datagrams(sender: int, shard: int, iteration: int, channel: int,
+                    blocks: np.ndarray, session: int = 0x5EED) -> np.ndarray:
+    """The BLOCKS datagrams ((n, size) uint8) that the push sender makes of ``blocks``
+    ((n, block elements) float32, indices 0..n-1) on UDP ``channel`` to ``shard``; its
+    tail markers and END are left out."""
+    n = len(blocks)
+    ranges = [(0, n) if r == shard else (0, 0) for r in range(shard + 1)]
+    ps = PushSender(session=session, rank=sender, key=None, counters=Counters(),
+                    pacing=Unpaced())
+    ps.start(iteration, np.full(n, channel, np.int8), blocks, ranges, local=None, now=0.0)
+    rows = []
+    while not ps.done:
+        for out in ps.datagrams_to_send(0.0, lambda s: 0):
+            if isinstance(out, UdpBatch):
+                if not out.tail:
+                    rows.append(out.rows)
+                ps.sent(out, len(out.rows), 0.0)
+    return np.concatenate(rows)
+
+
 def write_pcap(path: str, size_mb: float, *, base_port: int = 46000, ranks: int = 2,
                udp_channels: int = 3, block_elems: int = 352, gap_ns: int = 10_000,
                ipv6: bool = False) -> int:
@@ -447,9 +448,7 @@ def write_pcap(path: str, size_mb: float, *, base_port: int = 46000, ranks: int 
             for w in range(ranks):
                 s = (w + 1) % ranks
                 for c in range(1, udp_channels + 1):
-                    dgs = wire.encode_block_datagrams(
-                        session=0x5EED, sender=w, shard=s, iteration=it, channel=c,
-                        indices=np.arange(len(blocks)), blocks=blocks)
+                    dgs = block_datagrams(w, s, it, c, blocks)
                     sport, dport = 40000 + w, base_port + RANK_STRIDE * s + c
                     udp_len = 8 + dgs.shape[1]
                     if ipv6:

@@ -1,0 +1,65 @@
+"""What a sidecar leaves in --run-dir when it stops: ``sidecar-<rank>.json`` (its report:
+counters per channel, rejections, pacing, deadlines, warnings), the final Prometheus
+exposition ``metrics-<rank>.prom`` when --metrics-port is set, and with
+--check-conservation ``conservation-<rank>.npz`` (float64 running sums: raw gradient,
+applied aggregate x N, final residual) for the conservation check of
+docs/architecture.md. Report keys are documented in docs/metrics.md."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+
+import numpy as np
+
+from .atomic import write_json
+
+log = logging.getLogger("dgt.sidecar")
+
+
+def write_node_results(sc) -> None:
+    """Write the files of ``sc`` (a dgt.sidecar.Sidecar that has stopped: no callback
+    runs after this, so its counters are final). An unwritable metrics file is a
+    warning; the report's errors (OSError) are raised."""
+    socks = sc.sockets
+    udp_senders = socks.senders.values()
+    report = {
+        "rank": sc.rank, "host": sc.node.host, "tcp_port": socks.tcp_port,
+        "udp_ports": socks.udp_ports, "session": f"{sc.session_id:016x}",
+        "pushes": sc.pushes, "pulls_held": sc.pulls_held,
+        "failed": str(sc.failed) if sc.failed else None,
+        "warnings": socks.warnings,
+        "config": {k: v for k, v in asdict(sc.cfg).items() if k != "secret"},
+        "deadline_finalised": sc.shard.finalised_by_deadline if sc.shard else 0,
+        "tail_finalised": sc.shard.finalised_by_tail if sc.shard else 0,
+        "deadline_ms_highest": 1000.0 * (sc.adaptive.highest_s if sc.adaptive
+                                         else sc.deadline_floor_s),
+        "deadline_beyond_floor": sc.adaptive.beyond_floor if sc.adaptive else 0,
+        "emulated_drops": sum(p.emulated_drops for _, p in socks.udp.values()),
+        "udp_gso": all(b.gso for b in udp_senders),
+        "udp_gro": socks.gro,
+        "pace_mbit": sc.cfg.pace_mbit, "pace_source": sc.pace_source,
+        "udp_send_syscalls": sum(b.syscalls for b in udp_senders),
+        "udp_send_backoffs": sum(b.backoffs for b in udp_senders),
+        "udp_icmp_errors": sum(b.icmp_errors for b in udp_senders),
+        "k_mean": float(np.mean(sc.agent.k_history)) if sc.agent and
+        sc.agent.k_history else None,
+        **sc.counters.to_dict(sc.cfg.channels),
+    }
+    path = os.path.join(sc.node.run_dir, f"sidecar-{sc.rank}.json")
+    sc.trace.close()   # its last line: what the counters grew since the last push
+    write_json(path, report, indent=1)
+    if sc.endpoint is not None:   # the final exposition, beside the report
+        from .metrics import metrics_path
+        try:
+            sc.endpoint.write_textfile(metrics_path(sc.node.run_dir, sc.rank))
+        except OSError as e:
+            log.warning("rank %d: cannot write metrics-%d.prom: %s", sc.rank,
+                        sc.rank, e.strerror or e)
+    agent = sc.agent
+    if agent is not None and agent.raw_sum is not None:
+        np.savez(os.path.join(sc.node.run_dir, f"conservation-{sc.rank}.npz"),
+                 raw_sum=agent.raw_sum.numpy(), applied_sum=agent.applied_sum.numpy(),
+                 residual=(agent.residual.residual.double().numpy()
+                           if sc.cfg.error_feedback else np.zeros(sc.layout.padded)))

@@ -1,0 +1,82 @@
+"""The sockets one node listens on: TCP (the reliable channel: blocks, END, PULL, EF
+marked), one UDP socket per unreliable channel (each with its channel's DSCP, GRO on
+where the kernel has it, the same socket sends that channel's datagrams) and the Unix
+socket of the local trainer. Ports follow --base-port: rank r binds TCP ``B+10r`` and
+UDP channel c ``B+10r+c`` (0: free ports)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from . import buffers, unixsock
+from .config import NodeConfig, TransmissionConfig
+from .transport import sockopts
+from .transport.aio import DatagramProtocol
+from .transport.udp_batch import BatchSender, enable_gro
+
+log = logging.getLogger("dgt.sidecar")
+
+
+class NodeSockets:
+    """``udp``: channel -> (transport, DatagramProtocol); ``senders``: channel ->
+    BatchSender; ``warnings``: socket buffer warnings (dgt.buffers), once each."""
+
+    def __init__(self, cfg: TransmissionConfig, node: NodeConfig, dscp: list[int]):
+        self.cfg, self.node, self.dscp = cfg, node, dscp
+        self.udp: dict[int, tuple[asyncio.DatagramTransport, DatagramProtocol]] = {}
+        self.senders: dict[int, BatchSender] = {}
+        self.gro = False
+        self.warnings: list[str] = []
+        self.socket_owned: tuple[int, int] | None = None   # (dev, inode) we bound
+        self.tcp_server = self.unix_server = None
+
+    async def bind(self, accepted: Callable, on_datagram: Callable,
+                   serve_trainer: Callable) -> None:
+        """Bind and serve: ``accepted()`` makes the protocol of an accepted TCP
+        connection, ``on_datagram(channel, data, addr, now)`` takes every datagram,
+        ``serve_trainer(reader, writer)`` serves the Unix socket. Raises OSError
+        (EADDRINUSE, EADDRNOTAVAIL, ...) and refuses a Unix socket that is live."""
+        loop = asyncio.get_running_loop()
+        cfg, node = self.cfg, self.node
+        base = node.base_port + 10 * node.rank if node.base_port else 0
+        self.tcp_sock = sockopts.tcp_listener(node.host, base, self.dscp[0])
+        self.tcp_server = await loop.create_server(accepted, sock=self.tcp_sock)
+        for c in range(1, cfg.channels + 1):
+            s = sockopts.udp_socket(node.host, base + c if base else 0, self.dscp[c],
+                                    cfg.udp_buffer_bytes, cfg.udp_buffer_bytes)
+            for w in buffers.check(s, cfg.udp_buffer_bytes):
+                if w not in self.warnings:   # the same on every channel: once
+                    self.warnings.append(w)
+                    log.warning("rank %d: %s", node.rank, w)
+            # GRO hands us coalesced runs of datagrams; receive-side loss emulation
+            # must drop single datagrams, so it runs without GRO
+            self.gro = enable_gro(s) if not cfg.drop_udp else False
+            self.senders[c] = BatchSender(s)
+            tr, proto = await loop.create_datagram_endpoint(
+                lambda c=c: DatagramProtocol(lambda d, a, now, c=c: on_datagram(c, d, a, now),
+                                             cfg.drop_udp,
+                                             seed=node.seed * 131 + node.rank * 7 + c),
+                sock=s)
+            self.udp[c] = (tr, proto)
+        usock, self.socket_owned = unixsock.claim(node.socket)   # refuses a live socket
+        self.unix_server = await asyncio.start_unix_server(serve_trainer, sock=usock)
+        log.info("rank %d listening: tcp %d, udp %s, unix %s", node.rank, self.tcp_port,
+                 self.udp_ports, node.socket)
+
+    @property
+    def tcp_port(self) -> int:
+        return self.tcp_sock.getsockname()[1]
+
+    @property
+    def udp_ports(self) -> list[int]:
+        return [self.udp[c][0].get_extra_info("sockname")[1] for c in sorted(self.udp)]
+
+    def close(self) -> None:
+        for tr, _ in self.udp.values():
+            tr.close()
+        if self.tcp_server is not None:
+            self.tcp_server.close()
+        if self.unix_server is not None:
+            self.unix_server.close()
+        unixsock.release(self.node.socket, self.socket_owned)

@@ -1,0 +1,123 @@
+"""How the sidecars agree, through the rendezvous store (torch.distributed.TCPStore), on
+who they are and what they train: each one's endpoints and the session id at start-up,
+the model's size and initial parameters when the trainers register, and whether the
+pacing rate can move one iteration within --peer-timeout-s.
+
+Every check raises PeerFailure with the line that says what to do and, where one rank
+is at fault, that rank. The store calls block: run them off the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import random
+from typing import Callable
+
+from .config import PACE_AUTO, NodeConfig, TransmissionConfig
+from .errors import PeerFailure
+from .failure import FailureReason
+from .layout import BlockLayout
+from .link_rate import auto_pace_mbit
+from .rendezvous import Rendezvous
+from .scheduler.pacing import flow_share
+
+log = logging.getLogger("dgt.sidecar")
+
+#: rendezvous waits allow --peer-timeout-s plus this for start-up (imports, the dataset)
+STARTUP_GRACE_S = 10.0
+
+
+def exchange_endpoints(node: NodeConfig, cfg: TransmissionConfig, me: dict,
+                       on_store: Callable[[Rendezvous], None]
+                       ) -> tuple[Rendezvous, int, dict[int, dict]]:
+    """Publish this node's endpoints ``me`` and gather every rank's. Returns (the store,
+    the session id: 64 random bits drawn by rank 0, rank -> endpoint). ``on_store`` gets
+    the store as soon as it is joined: from then on a failure is published there (the
+    others' waits end with it, naming the rank). Raises PeerFailure."""
+    rdv = Rendezvous(node.master_addr, node.master_port, node.world, node.rank,
+                     cfg.peer_timeout_s + STARTUP_GRACE_S, listen_fd=node.master_listen_fd)
+    on_store(rdv)
+    if node.rank == 0:
+        rdv.set("dgt/session/0", str(random.SystemRandom().getrandbits(64)))
+    rdv.set(f"dgt/ep/{node.rank}", json.dumps(me))
+    rdv.wait(["dgt/session/0"])
+    session = int(rdv.store.get("dgt/session/0"))
+    peers = {r: json.loads(v) for r, v in rdv.gather("dgt/ep").items()}
+    return rdv, session, peers
+
+
+def check_model_size(n_params, rank: int) -> int:
+    """``n_params`` of a register message, checked: 1..2^31-1 parameters."""
+    if not isinstance(n_params, int) or not 0 < n_params < 1 << 31:
+        raise PeerFailure(f"rank {rank} registered a model of {n_params!r} "
+                          f"parameters; need 1..2^31-1", rank)
+    return n_params
+
+
+def agree_model(rdv: Rendezvous, rank: int, n_params: int, sha: str) -> None:
+    """Every rank's trainer registered the same model size and, where they sent one,
+    the same SHA-256 of the initial parameters ("" : none sent)."""
+    rdv.set(f"dgt/n_params/{rank}", f"{n_params} {sha}")
+    agreed = {r: v.split(" ") for r, v in rdv.gather("dgt/n_params").items()}
+    sizes = {r: int(v[0]) for r, v in agreed.items()}
+    if len(set(sizes.values())) != 1:
+        raise PeerFailure(f"trainers registered different model sizes: {sizes}; every "
+                          f"rank must train the same model", None,
+                          FailureReason.MISMATCH)
+    shas = {r: v[1] if len(v) > 1 else "" for r, v in agreed.items()}
+    apart = [r for r, h in sorted(shas.items()) if h and shas[0] and h != shas[0]]
+    if apart:
+        raise PeerFailure(f"rank(s) {apart} start from different parameters than rank "
+                          f"0 (SHA-256 {shas[apart[0]][:12]}… vs {shas[0][:12]}…); the "
+                          f"replicas would never agree: seed the model alike on every "
+                          f"rank (torch.manual_seed) or load the same checkpoint before "
+                          f"register()", apart[0],
+                          FailureReason.MISMATCH, apart)
+
+
+async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict],
+                rank: int, world: int, n_params: int,
+                sha) -> tuple[TransmissionConfig, BlockLayout, str | None]:
+    """At register: :func:`agree_model` (``sha``: the trainer's SHA-256 of its initial
+    parameters, anything else: none sent), --pace-mbit auto resolved to this host's
+    egress rate towards the ``peers`` (dgt.link_rate), the block layout, and
+    :func:`check_pace`. Returns (the config with the pacing rate, the layout, where the
+    rate came from or None when it was given). Raises PeerFailure."""
+    loop = asyncio.get_running_loop()
+    sha = sha if isinstance(sha, str) else ""   # "": a client that sends none
+    await loop.run_in_executor(None, agree_model, rdv, rank, n_params, sha)
+    source = None
+    if cfg.pace_mbit == PACE_AUTO:
+        hosts = [ep["host"] for r, ep in sorted(peers.items()) if r != rank]
+        # pyroute2's sync API cannot run inside a running event loop: use a thread
+        pace, source = await loop.run_in_executor(None, auto_pace_mbit, hosts)
+        cfg = dataclasses.replace(cfg, pace_mbit=pace)
+        log.info("rank %d: UDP pacing %s (%s)", rank,
+                 f"{pace:g} Mbit/s" if pace else "off", source)
+    lay = BlockLayout.from_bytes(n_params, cfg.block_bytes, world)
+    check_pace(cfg, lay, world, rank)
+    return cfg, lay, source
+
+
+def barrier(rdv: Rendezvous, rank: int) -> None:
+    """Wait until every rank is ready (its peer connections are up)."""
+    rdv.set(f"dgt/ready/{rank}", "1")
+    rdv.gather("dgt/ready")
+
+
+def check_pace(cfg: TransmissionConfig, lay: BlockLayout, world: int, rank: int) -> None:
+    """Refuse a pacing rate at which one iteration (push, then PULL, of the N-1
+    remote shards' bytes) cannot fit in --peer-timeout-s: the job would otherwise
+    fail later with a timeout that seems to blame a peer."""
+    if cfg.pace_mbit <= 0 or world < 2:
+        return
+    share = flow_share(cfg.pace_mbit, world - 1) * (world - 1)
+    need_s = 2 * 4 * lay.padded * (world - 1) / world / share
+    if need_s > cfg.peer_timeout_s:
+        raise PeerFailure(
+            f"--pace-mbit {cfg.pace_mbit:g} moves one iteration of this model "
+            f"({4 * lay.padded / 1e6:.3g} MB of gradient, {world} nodes) in about "
+            f"{need_s:.0f} s, more than --peer-timeout-s {cfg.peer_timeout_s:g}; "
+            f"raise --pace-mbit (or auto) or --peer-timeout-s", rank)

@@ -6,7 +6,6 @@ applied aggregate x N, final residual) for the conservation check of
 docs/architecture.md. Report keys are documented in docs/metrics.md."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import asdict

@@ -69,7 +69,6 @@ class DgtState:
         self._pending: list = []   # this iteration's buckets waiting for the push
         self._first: list = []     # iteration 0's buckets, staged until the layout exists
         self._current: dict | None = None
-        self._owner: int | None = None   # id of the reducer's first bucket parameters
 
     # -- checkpoint ------------------------------------------------------------------
     def state_dict(self) -> dict:

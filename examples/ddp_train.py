@@ -32,10 +32,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import dgt.ddp   # dgt
 
 
-def load_data(seed: int):
-    """(train, test, shape, name): TensorDatasets of float32 images and int64 labels."""
+def load_data(name: str, seed: int):
+    """(train, test, shape, name): TensorDatasets of float32 images and int64 labels.
+    ``name`` "auto": Fashion-MNIST when installed, else digits."""
     from dgt.workloads import datasets
-    name = "fashion-mnist" if datasets.fashion_mnist_missing() is None else "digits"
+    if name == "auto":
+        name = "fashion-mnist" if datasets.fashion_mnist_missing() is None else "digits"
     d = datasets.load(name, seed=seed)
     return (TensorDataset(d.x_train, d.y_train), TensorDataset(d.x_test, d.y_test),
             d.shape, name)
@@ -74,6 +76,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", choices=("auto", "fashion-mnist", "digits"), default="auto")
     p.add_argument("--bucket-cap-mb", type=float, default=0.25)
     p.add_argument("--report", default="", help="write DIR/rank-<r>.json")
     a = p.parse_args()
@@ -82,7 +85,7 @@ def main() -> None:
     dist.init_process_group("gloo")            # torchrun's env: RANK, WORLD_SIZE, ...
     rank = dist.get_rank()
     torch.manual_seed(a.seed)
-    train, test, shape, name = load_data(a.seed)
+    train, test, shape, name = load_data(a.dataset, a.seed)
     model = DDP(make_model(shape, a.hidden), bucket_cap_mb=a.bucket_cap_mb)
     state = None
     if a.comm == "dgt":

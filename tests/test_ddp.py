@@ -60,6 +60,7 @@ def gloo(tmp_path_factory):
                     *COMMON)[2]
 
 
+@pytest.mark.timeout(600)   # two torchrun jobs of two trainers and two sidecars each
 def test_hook_matches_gloo_and_overlaps_backward(tmp_path, gloo):
     _, run_dir, hook = torchrun(tmp_path, "dgt", 2, "--comm", "dgt", *COMMON)
     assert len({r["param_sha256"] for r in hook}) == 1, "replicas differ"
@@ -84,6 +85,7 @@ def test_hook_matches_gloo_and_overlaps_backward(tmp_path, gloo):
     assert_nothing_left(run_dir, 2)
 
 
+@pytest.mark.timeout(600)
 def test_mode_tcp_is_reproducible_and_equals_gloo(tmp_path, gloo):
     runs = [torchrun(tmp_path, f"tcp{i}", 2, "--comm", "dgt", "--mode", "tcp", *COMMON)[2]
             for i in range(2)]

@@ -10,7 +10,7 @@ from conftest import requires_tool, stop_procs
 
 from test_ddp import EXAMPLE, REPO, _logs
 
-pytestmark = [pytest.mark.slow, requires_tool("ip"),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), requires_tool("ip"),
               pytest.mark.skipif(os.geteuid() != 0, reason="the testbed needs root (netns)")]
 
 PREFIX = "dgtdd"
@@ -37,7 +37,10 @@ def test_two_hosts_two_trainers_each(tmp_path, testbed2):
         procs.append(testbed2.popen_in(h, [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
             "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", "ddp-testbed", EXAMPLE, "--comm", "dgt", "--dataset", "digits",
+            "--rdzv-id", "ddp-testbed",
+            # the namespaces share one host name, so torchrun cannot tell which one
+            # the endpoint is: say it
+            "--rdzv-conf", f"is_host={int(h == 0)}", EXAMPLE, "--comm", "dgt", "--dataset", "digits",
             "--iterations", "80", "--report", str(tmp_path / "rep")],
             env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
         log.close()

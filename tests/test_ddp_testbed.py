@@ -40,7 +40,9 @@ def test_two_hosts_two_trainers_each(tmp_path, testbed2):
             "--rdzv-id", "ddp-testbed",
             # the namespaces share one host name, so torchrun cannot tell which one
             # the endpoint is: say it
-            "--rdzv-conf", f"is_host={int(h == 0)}", EXAMPLE, "--comm", "dgt", "--dataset", "digits",
+            "--rdzv-conf", f"is_host={int(h == 0)}",
+            # and the workers' MASTER_ADDR is the host's name unless given an address
+            "--local-addr", testbed2.host_addr(h), EXAMPLE, "--comm", "dgt", "--dataset", "digits",
             "--iterations", "80", "--report", str(tmp_path / "rep")],
             env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
         log.close()

@@ -120,7 +120,8 @@ class Sidecar:
         self.failed: PeerFailure | None = None
         self.done = asyncio.Event()
         self.trainer = TrainerLink(self.rank, {"register": self._register, "push": self._push},
-                                   self.fail, self.finish, self.done)
+                                   self.fail, self.finish, self.done,
+                                   {"world": self.world, "job": self.node.job})
         self.finishing = False
         self.rendezvoused = asyncio.Event()
         self.timer: asyncio.TimerHandle | None = None

@@ -23,12 +23,14 @@ log = logging.getLogger("dgt.sidecar")
 class TrainerLink:
     """``ops``: op name -> coroutine taking the message (dict); it may raise
     PeerFailure, which fails the job through ``fail(message, rank)``. ``bye()``: the
-    trainer closed cleanly. ``done``: set when the sidecar stops."""
+    trainer closed cleanly. ``done``: set when the sidecar stops. ``whoami``: the
+    answer to a first line ``{"op": "hello"}`` (rank, world, job)."""
 
     def __init__(self, rank: int, ops: dict[str, Callable[[dict], Awaitable[None]]],
                  fail: Callable[..., None], bye: Callable[[], None],
-                 done: asyncio.Event):
+                 done: asyncio.Event, whoami: dict | None = None):
         self.rank, self.ops, self.fail, self.bye, self.done = rank, ops, fail, bye, done
+        self.whoami = {"op": "hello", "rank": rank, **(whoami or {})}
         self.writer: asyncio.StreamWriter | None = None
 
     def send(self, msg: dict) -> None:
@@ -41,6 +43,19 @@ class TrainerLink:
         if self.writer is not None:
             self.writer.close()
 
+    def _hello(self, line: bytes, writer: asyncio.StreamWriter) -> bool:
+        """A first line ``{"op": "hello"}`` asks who this sidecar is (dgt.ddp checks the
+        job and world size before it attaches): answered, then closed, without taking
+        the trainer's place. False for any other line."""
+        try:
+            if ipc.decode_msg(line).get("op") != "hello":
+                return False
+        except ValueError:
+            return False
+        writer.write(ipc.encode_msg(self.whoami))
+        writer.close()
+        return True
+
     async def serve(self, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> None:
         """asyncio.start_unix_server's callback: serve one connection to its end."""
@@ -52,6 +67,8 @@ class TrainerLink:
             writer.write(ipc.encode_msg({"op": "error", "rank": None,
                                          "message": "control line too long"}))
             line = b""
+        if line and self._hello(line, writer):
+            return
         if not line or self.writer is not None:
             if line:
                 writer.write(ipc.encode_msg({"op": "error", "rank": None,

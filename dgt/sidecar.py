@@ -38,7 +38,7 @@ from .rendezvous import POLL_S, Rendezvous, check_resolves
 from .scheduler.deadline import AdaptiveDeadline, DeadlinePolicy
 from .scheduler.pacing import HeldPulls, OwnQueueGate, flow_share
 from .shard import ServerShard
-from .transport import pmtu, sockopts, wire
+from .transport import pmtu, sockfilter, sockopts, wire
 from .transport.aio import DatagramProtocol, FrameProtocol
 from .transport.channels import channel_dscp
 from .transport.control import (HELLO_TIMEOUT_S, MAX_PENDING_HELLO, CloseConnection,
@@ -370,6 +370,7 @@ class Sidecar:
                                key=self.key, counters=self.counters,
                                deadline_policy=self.adaptive)
         self.shard = ServerShard(lay, rank, session, self._send_pull)
+        self._filter_udp(session)
         links = Links(send_tcp=self._send_tcp, send_udp=self._send_udp,
                       local_push=self.shard.local_push,
                       waiting_for=self.shard.session.waiting_for,
@@ -625,6 +626,19 @@ class Sidecar:
         conn.send(frame)
 
     # -- input ------------------------------------------------------------------------
+    def _filter_udp(self, s: ShardSession) -> None:
+        """Attach the kernel filter (transport.sockfilter) to every channel socket: a
+        datagram no peer can have sent is dropped before it queues."""
+        sources = None if self.udp_sources is None else list(self.udp_sources)
+        for c, sender in self.udp_senders.items():
+            try:
+                sockfilter.attach(sender.sock, sockfilter.program(
+                    session=s.session, shard=s.shard, world=self.world, lo=s.lo, hi=s.hi,
+                    sources=sources, family=sender.sock.family))
+            except (OSError, ValueError) as e:   # the receive path checks it all anyway
+                log.warning("rank %d: no kernel filter on UDP channel %d (%s); forged "
+                            "datagrams are refused in the receive path only", self.rank, c, e)
+
     def _on_datagram(self, channel: int, data: bytes, addr, now: float) -> None:
         if self.shard is None:
             self.counters.rejected["not_ready"] += 1

@@ -190,6 +190,7 @@ class Sidecar:
             # must drop single datagrams, so it runs without GRO
             self.gro = enable_gro(s) if not self.cfg.drop_udp else False
             self.udp_senders[c] = BatchSender(s)
+            self._filter_one(c, s, sockfilter.drop_all)   # nothing is ready for it yet
             tr, proto = await loop.create_datagram_endpoint(
                 lambda c=c: DatagramProtocol(lambda d, a, now, c=c: self._on_datagram(c, d, a, now),
                                              self.cfg.drop_udp,
@@ -631,13 +632,16 @@ class Sidecar:
         datagram no peer can have sent is dropped before it queues."""
         sources = None if self.udp_sources is None else list(self.udp_sources)
         for c, sender in self.udp_senders.items():
-            try:
-                sockfilter.attach(sender.sock, sockfilter.program(
-                    session=s.session, shard=s.shard, world=self.world, lo=s.lo, hi=s.hi,
-                    sources=sources, family=sender.sock.family))
-            except (OSError, ValueError) as e:   # the receive path checks it all anyway
-                log.warning("rank %d: no kernel filter on UDP channel %d (%s); forged "
-                            "datagrams are refused in the receive path only", self.rank, c, e)
+            self._filter_one(c, sender.sock, lambda: sockfilter.program(
+                session=s.session, shard=s.shard, world=self.world, lo=s.lo, hi=s.hi,
+                sources=sources, family=sender.sock.family))
+
+    def _filter_one(self, c: int, sock: socket.socket, program) -> None:
+        try:
+            sockfilter.attach(sock, program())
+        except (OSError, ValueError) as e:   # the receive path checks it all anyway
+            log.warning("rank %d: no kernel filter on UDP channel %d (%s); forged "
+                        "datagrams are refused in the receive path only", self.rank, c, e)
 
     def _on_datagram(self, channel: int, data: bytes, addr, now: float) -> None:
         if self.shard is None:
@@ -802,6 +806,9 @@ class Sidecar:
             "udp_send_syscalls": sum(b.syscalls for b in self.udp_senders.values()),
             "udp_send_backoffs": sum(b.backoffs for b in self.udp_senders.values()),
             "udp_icmp_errors": sum(b.icmp_errors for b in self.udp_senders.values()),
+            # the kernel filter's refusals and full receive buffers (transport.sockfilter)
+            "udp_kernel_drops": sum(sockfilter.kernel_drops(b.sock) or 0
+                                    for b in self.udp_senders.values()),
             "k_mean": float(np.mean(self.agent.k_history)) if self.agent and
             self.agent.k_history else None,
             **self.counters.to_dict(self.cfg.channels),

@@ -84,3 +84,24 @@ def test_a_gso_run_passes_whole_to_a_gro_socket(link):
     assert BatchSender(peer).send(rows, rx.getsockname()) == 10
     got = b"".join(_received(rx))
     assert got == rows.tobytes(), (gro, len(got))
+
+
+def test_the_kernel_counts_what_its_filter_drops(link):
+    rx, peer, stranger = link
+    before = sockfilter.kernel_drops(rx)
+    for _ in range(5):
+        stranger.sendto(_block(), rx.getsockname())
+    assert _received(rx) == []
+    assert sockfilter.kernel_drops(rx) - before == 5
+
+
+def test_a_drop_all_filter_keeps_nothing():
+    rx, peer = _udp(), _udp()
+    rx.setblocking(False)
+    sockfilter.attach(rx, sockfilter.drop_all())
+    peer.sendto(_block(), rx.getsockname())
+    try:
+        assert _received(rx) == []
+    finally:
+        rx.close()
+        peer.close()

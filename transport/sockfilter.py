@@ -31,6 +31,8 @@ import struct
 
 from . import wire
 
+SO_MEMINFO = 55
+SK_MEMINFO_DROPS = 8    # index in SO_MEMINFO's u32 array (linux/sock_diag.h)
 SO_ATTACH_FILTER = 26
 SO_DETACH_FILTER = 27
 SKF_NET_OFF = -0x100000   # negative offsets: from the network header (linux/filter.h)
@@ -144,6 +146,15 @@ def program(*, session: int, shard: int, world: int, lo: int, hi: int,
     return p.assemble()
 
 
+def drop_all() -> bytes:
+    """A filter that keeps nothing: a channel socket carries it from its bind until
+    the job's session and layout are known (before that the receive path refuses
+    every datagram as ``not_ready``, at a Python call each)."""
+    p = _Program()
+    p.ret(DROP)
+    return p.assemble()
+
+
 def attach(sock: socket.socket, code: bytes) -> None:
     """Attach the packed classic BPF ``code`` to ``sock`` (replacing any filter).
     Raises OSError where the kernel refuses it."""
@@ -155,3 +166,14 @@ def attach(sock: socket.socket, code: bytes) -> None:
 
 def detach(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, SO_DETACH_FILTER, 0)
+
+
+def kernel_drops(sock: socket.socket) -> int | None:
+    """Datagrams the kernel dropped at ``sock`` since it was made: refused by its filter,
+    or no room in its receive buffer (``SK_MEMINFO_DROPS``; the ``drops`` column of
+    /proc/net/udp). None where the kernel has no ``SO_MEMINFO`` (before Linux 3.17)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * (SK_MEMINFO_DROPS + 1))
+    except OSError:
+        return None
+    return struct.unpack_from("=I", raw, 4 * SK_MEMINFO_DROPS)[0]

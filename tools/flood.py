@@ -31,8 +31,8 @@ from .attack import STRANGER_ADDRESS
 
 
 class IterationSniffer(threading.Thread):
-    """Keeps the session id and the newest iteration of the dgt TCP frames to ``ports``
-    (the job's TCP ports: never our own datagrams)."""
+    """Keeps the session id, the newest iteration and each shard's block range of the
+    dgt TCP frames to or from ``ports`` (the job's TCP ports: never our own datagrams)."""
 
     def __init__(self, ports: set[int]):
         super().__init__(daemon=True)
@@ -57,7 +57,8 @@ class IterationSniffer(threading.Thread):
                 continue
             ihl = (pkt[14] & 0x0F) * 4
             tcp = pkt[14 + ihl:]
-            if struct.unpack_from("!H", tcp, 2)[0] not in self.ports:
+            src, dst = struct.unpack_from("!HH", tcp, 0)
+            if src not in self.ports and dst not in self.ports:   # PULLs: from them
                 continue
             d = tcp[(tcp[12] >> 4) * 4:]
             if d[:3] == b"DG\x01" and len(d) >= wire.HEADER_BYTES:

@@ -66,7 +66,8 @@ class IterationSniffer(threading.Thread):
                 self.iteration = max(self.iteration, struct.unpack_from("!I", d, 18)[0])
                 if d[3] == wire.MsgType.PULL:   # shard -> worker: block, count = its range
                     shard, _, lo, n = struct.unpack_from("!HIII", d, 16)
-                    self.ranges[shard] = (lo, lo + n)
+                    if n:   # (an empty PULL says nothing of the range)
+                        self.ranges[shard] = (lo, lo + n)
         self.sock.close()
 
 

@@ -70,21 +70,24 @@ def _in_job(rng: random.Random, job: dict) -> bytes:
     elif kind > 0.7:
         mtype, n = rng.choice(list(MsgType)), rng.choice([0, 4, 8 * world])
     buf = wire.encode(mtype, session=job["session"], sender=w, shard=r,
-                      iteration=job["iteration"] - rng.choice([0, 0, 0, 1, 2, -1]),
-                      channel=rng.randrange(1, 4), block=rng.randrange(job["lo"], job["hi"]),
+                      iteration=(job["iteration"] - rng.choice([0, 0, 0, 1, 2, -1])) & 0xFFFFFFFF,
+                      channel=rng.randrange(1, 4),
+                      block=rng.randrange(job["lo"], max(job["hi"], job["lo"] + 1)),
                       count=count, payload=rng.randbytes(n),
                       flags=wire.Flag.MAC if job["mac"] else 0)
     return buf + rng.randbytes(wire.MAC_BYTES) if job["mac"] else buf
 
 
-def mutant(rng: random.Random, job: dict | None = None) -> bytes:
+def mutant(rng: random.Random, job: dict | None = None, valid=None) -> bytes:
     """One malformed or stray message: random bytes, flipped bytes, truncated, extended,
     a lying length, a wrong field in a valid header, or several messages concatenated
     (whole or cut). With ``job`` (see :func:`_in_job`) half start from a message of
-    that job."""
-    valid = _valid
-    if job is not None and rng.random() < 0.5:
-        valid = lambda rng: _in_job(rng, job)   # noqa: E731
+    that job. ``valid``: where the well-formed messages come from (default: made
+    afresh, :func:`_valid`, or :func:`_in_job` for ``job``)."""
+    if valid is None:
+        valid = _valid
+        if job is not None and rng.random() < 0.5:
+            valid = lambda rng: _in_job(rng, job)   # noqa: E731
     kind = rng.randrange(7)
     if kind == 0:
         return rng.randbytes(rng.randrange(0, 1500))
@@ -106,6 +109,34 @@ def mutant(rng: random.Random, job: dict | None = None) -> bytes:
     else:  # lie about the length
         buf[30:34] = rng.randrange(1 << 32).to_bytes(4, "big")
     return bytes(buf)
+
+
+class Pool:
+    """Well-formed messages made ahead (``size`` of them), so a mutant costs a copy and
+    a mutation, not a whole encode: a stranger's (:func:`_valid`) and, per job state,
+    the job's (:func:`_in_job`, rebuilt when the session or the shard's range changes;
+    the iteration is written into each copy)."""
+
+    def __init__(self, rng: random.Random, size: int = 512):
+        self.rng, self.size = rng, size
+        self.stranger = [_valid(rng) for _ in range(size)]
+        self.job_key = None
+        self.job: list[bytes] = []
+
+    def valid(self, job: dict | None):
+        rng = self.rng
+        if job is None or rng.random() < 0.5:
+            return lambda rng: rng.choice(self.stranger)
+        key = (job["session"], job["shard"], job["lo"], job["hi"], job["mac"])
+        if key != self.job_key:
+            self.job_key, self.job = key, [_in_job(rng, job) for _ in range(self.size)]
+
+        def in_job(rng):
+            b = bytearray(rng.choice(self.job))
+            t = job["iteration"] - rng.choice((0, 0, 0, 1, 2, -1))
+            b[18:22] = (t & 0xFFFFFFFF).to_bytes(4, "big")
+            return bytes(b)
+        return in_job
 
 
 @dataclass
@@ -146,6 +177,7 @@ def fuzz(host: str, tcp_port: int, udp_ports: list[int], n: int, seed: int = 0,
     u = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) if spoof \
         else socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     conns: list[socket.socket] = []
+    pools: dict[int, Pool] = {}
 
     def job_of(t: Target) -> dict | None:
         if sniffer is None or sniffer.session is None or t.shard not in sniffer.ranges:
@@ -158,16 +190,18 @@ def fuzz(host: str, tcp_port: int, udp_ports: list[int], n: int, seed: int = 0,
         while i < n and not (stop is not None and stop.is_set()):
             t = rng.choice(targets)
             job = job_of(t)
+            pool = pools.get(t.shard) or pools.setdefault(t.shard, Pool(random.Random(rng.random())))
+            valid = pool.valid(job)
             if t.udp_ports and rng.random() >= tcp_share:
                 c = rng.randrange(len(t.udp_ports))
-                m = mutant(rng, job)
+                m = mutant(rng, valid=valid)
                 if spoof and t.sources and t.sources[c]:
                     src = (host, rng.choice(t.sources[c]))
                     u.sendto(_raw_udp(src, (host, t.udp_ports[c]), m), (host, 0))
                 else:
                     u.sendto(m, (host, t.udp_ports[c]))
                 sent["udp"] += 1
-                sent["udp_in_job"] += job is not None
+                sent["udp_in_job"] += job is not None and valid.__name__ == "in_job"
                 i += 1
                 if i % 200 == 0:
                     time.sleep(0.002)  # stay below what a busy receiver can count
@@ -189,7 +223,7 @@ def fuzz(host: str, tcp_port: int, udp_ports: list[int], n: int, seed: int = 0,
                     i += 1
                     sent["tcp_frames"] += 1
                     continue
-                c.sendall(b"".join(mutant(rng, job) for _ in range(burst)))
+                c.sendall(b"".join(mutant(rng, valid=valid) for _ in range(burst)))
                 sent["tcp_frames"] += burst
             except OSError:
                 pass  # the sidecar closed on us, as it should

@@ -287,7 +287,7 @@ class ShardSession:
         n, size = rows.shape
         events: list = []
         head = rows[:, :wire.HEADER_BYTES]
-        if self.key is None and not (head != head[0]).any(axis=0)[_NOT_BLOCK].any():
+        if not (head != head[0]).any(axis=0)[_NOT_BLOCK].any():
             return events + self._receive_uniform(rows, now)
         hdr = head.copy().view(wire.HEADER_DTYPE).reshape(n)
         mac = wire.Flag.MAC if self.key else 0
@@ -351,7 +351,8 @@ class ShardSession:
     def _receive_uniform(self, rows: np.ndarray, now: float) -> list:
         """Fast path for a GRO run whose headers are equal but for ``block`` (one sender,
         iteration and channel: what one GSO send produces): the header is checked once,
-        as a scalar, and only the block column is vectorised."""
+        as a scalar, and only the block column is vectorised. With a key the MACs are
+        checked after the window and before anything is counted as late or delivered."""
         n = rows.shape[0]
         try:
             h = wire.decode_header(rows[0])
@@ -359,7 +360,7 @@ class ShardSession:
             return [self._reject(e.reason, n)]
         bad = self._check_addressing(h)
         if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
-                or h.flags & (Flag.INDEXED | Flag.MAC):
+                or h.flags & (Flag.INDEXED | Flag.MAC) != (Flag.MAC if self._mac else 0):
             bad = "bad_udp_message"
         elif h.length != self.block_payload:
             bad = "bad_length"
@@ -375,6 +376,16 @@ class ShardSession:
             if not r.size:
                 return events
         w, ch = h.sender, h.channel
+        if self._mac is not None:   # the window, then the MACs, before any counter moves
+            bad = self._outside_window(h)
+            if bad:
+                return events + [self._reject(bad, r.size)]
+            good = wire.tags_match(self._mac, rows)
+            if not good.all():
+                events.append(self._reject("bad_mac", int((~good).sum())))
+                rows, r = rows[good], r[good]
+                if not r.size:
+                    return events
         untimely = self._untimely(h, r.size, r.size)
         if untimely is not None:
             return events + [untimely]

@@ -42,6 +42,8 @@ def write_node_results(sc) -> None:
         "udp_send_syscalls": sum(b.syscalls for b in udp_senders),
         "udp_send_backoffs": sum(b.backoffs for b in udp_senders),
         "udp_icmp_errors": sum(b.icmp_errors for b in udp_senders),
+        # the kernel filter's refusals and full receive buffers (transport.sockfilter)
+        "udp_kernel_drops": socks.kernel_drops(),
         "k_mean": float(np.mean(sc.agent.k_history)) if sc.agent and
         sc.agent.k_history else None,
         **sc.counters.to_dict(sc.cfg.channels),

@@ -11,7 +11,7 @@ from typing import Callable
 
 from . import buffers, unixsock
 from .config import NodeConfig, TransmissionConfig
-from .transport import sockopts
+from .transport import sockfilter, sockopts
 from .transport.aio import DatagramProtocol
 from .transport.udp_batch import BatchSender, enable_gro
 
@@ -53,6 +53,7 @@ class NodeSockets:
             # must drop single datagrams, so it runs without GRO
             self.gro = enable_gro(s) if not cfg.drop_udp else False
             self.senders[c] = BatchSender(s)
+            self._filter_one(c, s, sockfilter.drop_all)   # nothing is ready for it yet
             tr, proto = await loop.create_datagram_endpoint(
                 lambda c=c: DatagramProtocol(lambda d, a, now, c=c: on_datagram(c, d, a, now),
                                              cfg.drop_udp,
@@ -63,6 +64,29 @@ class NodeSockets:
         self.unix_server = await asyncio.start_unix_server(serve_trainer, sock=usock)
         log.info("rank %d listening: tcp %d, udp %s, unix %s", node.rank, self.tcp_port,
                  self.udp_ports, node.socket)
+
+    def filter_udp(self, s, world: int, sources: list | None) -> None:
+        """Attach the kernel filter (transport.sockfilter) to every channel socket, for
+        shard session ``s`` (transport.session.ShardSession) of a ``world``-node job and
+        the peers' channel ``sources`` ((address, port) pairs; None: any): a datagram no
+        peer can have sent is dropped before it queues."""
+        for c, sender in self.senders.items():
+            self._filter_one(c, sender.sock, lambda: sockfilter.program(
+                session=s.session, shard=s.shard, world=world, lo=s.lo, hi=s.hi,
+                sources=sources, family=sender.sock.family))
+
+    def _filter_one(self, c: int, sock, program) -> None:
+        try:
+            sockfilter.attach(sock, program())
+        except (OSError, ValueError) as e:   # the receive path checks it all anyway
+            log.warning("rank %d: no kernel filter on UDP channel %d (%s); forged "
+                        "datagrams are refused in the receive path only", self.node.rank,
+                        c, e)
+
+    def kernel_drops(self) -> int:
+        """Datagrams the kernel dropped on the channel sockets: the filter's refusals
+        and full receive buffers (transport.sockfilter.kernel_drops; 0 where unknown)."""
+        return sum(sockfilter.kernel_drops(b.sock) or 0 for b in self.senders.values())
 
     @property
     def tcp_port(self) -> int:

@@ -89,6 +89,7 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
         "tail_markers": traffic["tail_markers"],
         "rejected": traffic["rejected"],
         "emulated_drops": sum(s.get("emulated_drops", 0) for s in sidecars),
+        "udp_kernel_drops": sum(s.get("udp_kernel_drops", 0) for s in sidecars),
         "deadline_finalised": sum(s.get("deadline_finalised", 0) for s in sidecars),
         "tail_finalised": sum(s.get("tail_finalised", 0) for s in sidecars),
         "deadline_ms_highest": max((s.get("deadline_ms_highest", 0.0) for s in sidecars),

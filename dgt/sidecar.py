@@ -223,6 +223,8 @@ class Sidecar:
         self.buffers, grad = [path.grad], path.grad
         self.shard, self.agent, self.pulls = path.shard, path.agent, path.pulls
         self.adaptive, self.deadline_floor_s = path.adaptive, path.deadline_floor_s
+        self.sockets.filter_udp(self.shard.session, self.world, None if self.udp_sources
+                                is None else list(self.udp_sources))
         await self.links.connect(lambda r: self._protocol(outgoing_to=r), self.session_id,
                                  lambda p, r: self.control.connected(p.conn_id, r,
                                                                      time.monotonic()))

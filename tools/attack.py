@@ -24,6 +24,7 @@ import ipaddress
 import json
 import random
 import select
+import signal
 import socket
 import struct
 import sys
@@ -202,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="learn the job's session id on lo (root)")
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args(argv)
+    stop = threading.Event()   # SIGTERM ends the attack early, with its counts printed
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         out = attack(ns.host, ns.base_port, ns.world, ns.duration_s, ns.idle, ns.every_s,
-                     ns.sniff, ns.seed)
+                     ns.sniff, ns.seed, stop=stop)
     except (ValueError, PermissionError) as e:
         print(f"attack: error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,10 @@ Only for loopback. With ``--base-port`` the job's UDP ports are known (rank r, c
 at ``base + 10 r + c``). Every datagram is a full-size BLOCKS datagram of this job's
 shape: with ``--sniff`` (root) the session id and the newest iteration are read off
 ``lo``, so the forgeries carry the real session, a real sender, the receiving shard and
-the current iteration, i.e. they pass every check a receiver can make before the MAC.
+the current iteration; their block index is random (most lie outside the receiving
+shard's range, ``bad_block``) unless ``--in-range``: then it lies in the shard's range
+(read off the shard's PULLs), and they pass every check a receiver can make before the
+MAC.
 With ``--spoof`` (root, raw socket) each one is sent from a peer's own channel socket
 address (127.0.0.1, the peer's port), so it is not refused as ``unknown_source``:
 the worst a host on the path can send. Paced to ``--rate`` datagrams/s per sidecar.
@@ -28,14 +31,15 @@ from .attack import STRANGER_ADDRESS
 
 
 class IterationSniffer(threading.Thread):
-    """Keeps the session id and the newest iteration of the dgt TCP frames to ``ports``
-    (the job's TCP ports: never our own datagrams)."""
+    """Keeps the session id, the newest iteration and each shard's block range of the
+    dgt TCP frames to or from ``ports`` (the job's TCP ports: never our own datagrams)."""
 
     def __init__(self, ports: set[int]):
         super().__init__(daemon=True)
         self.ports = ports
         self.session: int | None = None
         self.iteration = 0
+        self.ranges: dict[int, tuple[int, int]] = {}   # shard -> [lo, hi), from PULLs
         self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
         self.sock.bind(("lo", 0))
         self.sock.settimeout(0.2)
@@ -53,12 +57,17 @@ class IterationSniffer(threading.Thread):
                 continue
             ihl = (pkt[14] & 0x0F) * 4
             tcp = pkt[14 + ihl:]
-            if struct.unpack_from("!H", tcp, 2)[0] not in self.ports:
+            src, dst = struct.unpack_from("!HH", tcp, 0)
+            if src not in self.ports and dst not in self.ports:   # PULLs: from them
                 continue
             d = tcp[(tcp[12] >> 4) * 4:]
             if d[:3] == b"DG\x01" and len(d) >= wire.HEADER_BYTES:
                 self.session = struct.unpack_from("!Q", d, 6)[0]
                 self.iteration = max(self.iteration, struct.unpack_from("!I", d, 18)[0])
+                if d[3] == wire.MsgType.PULL:   # shard -> worker: block, count = its range
+                    shard, _, lo, n = struct.unpack_from("!HIII", d, 16)
+                    if n:   # (an empty PULL says nothing of the range)
+                        self.ranges[shard] = (lo, lo + n)
         self.sock.close()
 
 
@@ -82,6 +91,7 @@ def _raw_udp(src: tuple[str, int], dst: tuple[str, int], payload: bytes) -> byte
 
 def flood(host: str, base_port: int, world: int, channels: int, rate: float,
           duration_s: float, sniff: bool, spoof: bool, keyed: bool = False,
+          in_range: bool = False,
           block_bytes: int = 1408, seed: int = 0,
           stop: threading.Event | None = None) -> dict:
     """Send forged BLOCKS datagrams at ``rate`` per second to every sidecar; return
@@ -113,15 +123,17 @@ def flood(host: str, base_port: int, world: int, channels: int, rate: float,
                 else stranger_session
             it = sniffer.iteration if sniffer else 0
             sent["session_sniffed"] = bool(sniffer and sniffer.session is not None)
-            if pool_key != (session, it):   # a pool of ready packets per round
-                pool_key, pool = (session, it), []
+            ranges = dict(sniffer.ranges) if sniffer and in_range else {}
+            if pool_key != (session, it, len(ranges)):   # ready packets per round
+                pool_key, pool = (session, it, len(ranges)), []
                 for _ in range(64):
                     for r in range(world):
                         w = rng.choice([x for x in range(world) if x != r] or [0])
                         c = rng.randrange(1, channels + 1)
                         d = wire.encode(wire.MsgType.BLOCKS, session=session, sender=w,
                                         shard=r, iteration=it, channel=c,
-                                        block=rng.randrange(1 << 16), count=1,
+                                        block=rng.randrange(*ranges.get(r, (0, 1 << 16))),
+                                        count=1,
                                         payload=payload,
                                         flags=wire.Flag.MAC if keyed else 0)
                         if keyed:   # a MAC flag and a junk tag: the receiver hashes it
@@ -142,6 +154,7 @@ def flood(host: str, base_port: int, world: int, channels: int, rate: float,
         out.close()
         if sniffer:
             sniffer.stop = True
+    sent["shard_ranges_sniffed"] = len(sniffer.ranges) if sniffer else 0
     sent["seconds"] = round(time.monotonic() - t0, 1)
     sent["rate_per_sidecar"] = round(sent["datagrams"] / world / max(sent["seconds"], 1e-9))
     return sent
@@ -158,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=60)
     p.add_argument("--sniff", action="store_true", help="learn session/iteration on lo")
     p.add_argument("--spoof", action="store_true", help="send from the peers' ports (raw)")
+    p.add_argument("--in-range", action="store_true",
+                   help="with --sniff: forge only blocks of the receiving shard's range "
+                        "(read off its PULLs), so nothing before the MAC refuses them")
     p.add_argument("--keyed", action="store_true",
                    help="the job runs with --secret: forge a MAC flag and a junk tag, so "
                         "the datagrams have the real ones' size")
@@ -166,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         out = flood(ns.host, ns.base_port, ns.world, ns.channels, ns.rate, ns.duration_s,
-                    ns.sniff, ns.spoof, ns.keyed, stop=stop)
+                    ns.sniff, ns.spoof, ns.keyed, ns.in_range, stop=stop)
     except (ValueError, PermissionError) as e:
         print(f"flood: error: {e}", file=sys.stderr)
         return 2

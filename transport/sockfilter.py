@@ -1,0 +1,179 @@
+"""A classic BPF socket filter on each UDP channel socket: the kernel drops a datagram
+that no peer of this job can have sent before it is queued, so a flood of forgeries
+neither fills the receive buffer nor delays the real blocks behind it (docs/security.md).
+
+The filter (``SO_ATTACH_FILTER``, socket(7); classic BPF, Documentation/networking/
+filter.rst) runs on every datagram the socket would queue. For a UDP socket its offset 0
+is the UDP header, so the dgt header starts at offset 8. It keeps a datagram only if
+
+- it comes from a peer's channel socket: its source port (and, on an IPv4 socket, its
+  source address) is one of ``sources`` (``dgt.sidecar.udp_sources``);
+- its dgt header carries ``MAGIC``, ``VERSION``, this job's ``session``, this ``shard``
+  and a ``sender`` below the world size;
+- it is a BLOCKS datagram whose ``block`` lies in ``[lo, hi)``, or an END (tail marker).
+
+Everything else is what the receive path would refuse anyway (``unknown_source``,
+``bad_magic``, ``bad_version``, ``stray``, ``wrong_shard``, ``bad_sender``,
+``bad_block``, ``bad_udp_message``): the filter moves those refusals into the kernel.
+Such a datagram is then not counted by reason; the kernel counts it in the socket's
+drops (``/proc/net/udp``, column ``drops``; ``SK_MEMINFO_DROPS``). A coalesced GRO run
+is judged by its first datagram's header (the receive path checks every one).
+
+The filter is an early discard, not a check of authenticity: a forgery with the right
+fields passes it and is refused by the MAC (with ``--secret``).
+"""
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import socket
+import struct
+
+from . import wire
+
+SO_MEMINFO = 55
+SK_MEMINFO_DROPS = 8    # index in SO_MEMINFO's u32 array (linux/sock_diag.h)
+SO_ATTACH_FILTER = 26
+SO_DETACH_FILTER = 27
+SKF_NET_OFF = -0x100000   # negative offsets: from the network header (linux/filter.h)
+UDP_HEADER = 8
+
+# instruction classes and modes (linux/bpf_common.h)
+_LD, _JMP, _RET = 0x00, 0x05, 0x06
+_W, _H, _B = 0x00, 0x08, 0x10
+_ABS, _LEN = 0x20, 0x80
+_JA, _JEQ, _JGE = 0x00, 0x10, 0x30
+_K = 0x00
+ACCEPT, DROP = 0xFFFFFFFF, 0
+MAX_INSNS = 4096   # BPF_MAXINSNS
+
+
+class _Program:
+    """A tiny assembler: instructions with symbolic jump targets, resolved at the end."""
+
+    def __init__(self):
+        self.code: list[list] = []   # [op, jt, jf, k]; jt/jf/k may be labels
+        self.labels: dict[str, int] = {}
+
+    def label(self, name: str) -> None:
+        self.labels[name] = len(self.code)
+
+    def ld(self, size: int, off: int) -> None:
+        self.code.append([_LD | size | _ABS, 0, 0, off & 0xFFFFFFFF])
+
+    def ld_len(self) -> None:
+        self.code.append([_LD | _W | _LEN, 0, 0, 0])
+
+    def jump(self, cond: int, k: int, jt, jf) -> None:
+        """Compare A with ``k``: go to ``jt`` if true else ``jf`` (labels or 0 = next)."""
+        self.code.append([_JMP | cond | _K, jt, jf, k & 0xFFFFFFFF])
+
+    def ja(self, target: str) -> None:
+        self.code.append([_JMP | _JA, 0, 0, target])
+
+    def ret(self, k: int) -> None:
+        self.code.append([_RET | _K, 0, 0, k])
+
+    def assemble(self) -> bytes:
+        out = []
+        for i, (op, jt, jf, k) in enumerate(self.code):
+            def rel(t):
+                if isinstance(t, str):
+                    d = self.labels[t] - i - 1
+                    if d < 0:
+                        raise ValueError(f"backward jump to {t}")
+                    return d
+                return t
+            jt, jf, k = rel(jt), rel(jf), rel(k)
+            if jt > 255 or jf > 255:
+                raise ValueError("conditional jump too far: use ja")
+            out.append(struct.pack("=HBBI", op, jt, jf, k))
+        if len(out) > MAX_INSNS:
+            raise ValueError(f"{len(out)} instructions > {MAX_INSNS}")
+        return b"".join(out)
+
+
+def program(*, session: int, shard: int, world: int, lo: int, hi: int,
+            sources: list[tuple[str, int]] | None, family: int = socket.AF_INET) -> bytes:
+    """The filter as packed ``struct sock_filter`` instructions (8 bytes each).
+
+    ``sources``: (numeric address, port) of the peers' channel sockets, or None to skip
+    the source check (a peer on a wildcard host). On an ``AF_INET6`` socket only the
+    ports are checked. Raises ValueError when the program would exceed 4096
+    instructions (then attach none)."""
+    p = _Program()
+    H = UDP_HEADER
+    off = {name: wire.HEADER_DTYPE.fields[name][1] + H for name in wire.HEADER_DTYPE.names}
+    if sources is not None:
+        for i, (addr, port) in enumerate(sorted(set(sources))):
+            ip = ipaddress.ip_address(addr)
+            nxt = f"src{i + 1}"
+            p.ld(_H, 0)   # UDP source port
+            if family == socket.AF_INET and ip.version == 4:
+                p.jump(_JEQ, port, 0, nxt)
+                p.ld(_W, SKF_NET_OFF + 12)   # IPv4 source address
+                p.jump(_JEQ, int(ip), 0, nxt)
+            else:
+                p.jump(_JEQ, port, 0, nxt)
+            p.ja("header")
+            p.label(nxt)
+        p.ret(DROP)
+    p.label("header")
+    p.ld_len()
+    p.jump(_JGE, H + wire.HEADER_BYTES, 0, "drop")
+    p.ld(_H, off["magic"])
+    p.jump(_JEQ, wire.MAGIC, 0, "drop")
+    p.ld(_B, off["version"])
+    p.jump(_JEQ, wire.VERSION, 0, "drop")
+    p.ld(_W, off["session"])
+    p.jump(_JEQ, session >> 32, 0, "drop")
+    p.ld(_W, off["session"] + 4)
+    p.jump(_JEQ, session & 0xFFFFFFFF, 0, "drop")
+    p.ld(_H, off["shard"])
+    p.jump(_JEQ, shard, 0, "drop")
+    p.ld(_H, off["sender"])
+    p.jump(_JGE, world, "drop", 0)
+    p.ld(_B, off["type"])
+    p.jump(_JEQ, wire.MsgType.END, "accept", 0)
+    p.jump(_JEQ, wire.MsgType.BLOCKS, 0, "drop")
+    p.ld(_W, off["block"])
+    p.jump(_JGE, lo, 0, "drop")
+    p.jump(_JGE, hi, "drop", "accept")
+    p.label("accept")
+    p.ret(ACCEPT)
+    p.label("drop")
+    p.ret(DROP)
+    return p.assemble()
+
+
+def drop_all() -> bytes:
+    """A filter that keeps nothing: a channel socket carries it from its bind until
+    the job's session and layout are known (before that the receive path refuses
+    every datagram as ``not_ready``, at a Python call each)."""
+    p = _Program()
+    p.ret(DROP)
+    return p.assemble()
+
+
+def attach(sock: socket.socket, code: bytes) -> None:
+    """Attach the packed classic BPF ``code`` to ``sock`` (replacing any filter).
+    Raises OSError where the kernel refuses it."""
+    buf = ctypes.create_string_buffer(code)
+    fprog = struct.pack("HxxxxxxQ" if struct.calcsize("P") == 8 else "HxxI",
+                        len(code) // 8, ctypes.addressof(buf))
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)   # the kernel copies it
+
+
+def detach(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, SO_DETACH_FILTER, 0)
+
+
+def kernel_drops(sock: socket.socket) -> int | None:
+    """Datagrams the kernel dropped at ``sock`` since it was made: refused by its filter,
+    or no room in its receive buffer (``SK_MEMINFO_DROPS``; the ``drops`` column of
+    /proc/net/udp). None where the kernel has no ``SO_MEMINFO`` (before Linux 3.17)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * (SK_MEMINFO_DROPS + 1))
+    except OSError:
+        return None
+    return struct.unpack_from("=I", raw, 4 * SK_MEMINFO_DROPS)[0]

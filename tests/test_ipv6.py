@@ -125,11 +125,14 @@ def test_sidecar_pair_exchanges_blocks_over_ipv6(tmp_path):
         paths.append(path)
     grads = {}
     errors = []
+    models = []
+    for _ in range(2):   # made here: torch's global RNG is shared by the threads
+        torch.manual_seed(0)
+        models.append(nn.Linear(64, 32))   # 2080 parameters: several blocks per shard
 
     def trainer(r):
         try:
-            torch.manual_seed(0)
-            m = nn.Linear(64, 32)   # 2080 parameters: several blocks per shard
+            m = models[r]
             c = dgt.Client(paths[r], timeout_s=60)
             c.register(m)
             for step in range(3):

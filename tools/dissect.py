@@ -208,8 +208,9 @@ _MAX_RECORD = 1 << 18  # no link layer we read has frames above 256 KiB
 
 def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord]]:
     """Yield ``(linktype, RawRecord)`` from a classic pcap file (µs or ns, either byte
-    order) or a pcapng file (scapy's ``RawPcapNgReader``). Streams; memory stays bounded. Raises :class:`PcapError` for a missing file,
-    a bad global header or a link type :func:`parse_packet` cannot read.
+    order; scapy's ``RawPcapReader``) or a pcapng file (scapy's ``RawPcapNgReader``).
+    Streams; memory stays bounded. Raises :class:`PcapError` for a missing file, a bad
+    global header or a link type :func:`parse_packet` cannot read.
 
     A record that is cut off (end of file mid-record) or not a plausible record
     (captured length above the snap length or 256 KiB, above the original length, or a
@@ -219,59 +220,59 @@ def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord
     ``status["records"]`` counts the records read.
     """
     try:
-        f = open(path, "rb")
+        with open(path, "rb") as f:
+            magic = f.read(4)
     except OSError as e:
         raise PcapError(f"cannot open {path}: {e.strerror}") from None
     if status is not None:
         status.setdefault("records", 0)
-    with f:
-        gh = f.read(24)
-        if len(gh) < 24:
-            raise PcapError(f"{path}: not a pcap file (too short)")
-        magic = gh[:4]
-        table = {b"\xd4\xc3\xb2\xa1": ("<", 1000), b"\xa1\xb2\xc3\xd4": (">", 1000),
-                 b"\x4d\x3c\xb2\xa1": ("<", 1), b"\xa1\xb2\x3c\x4d": (">", 1)}
-        if magic not in table:
-            if magic == b"\x0a\x0d\x0d\x0a":
-                yield from _read_pcapng(path, status)
-                return
-            raise PcapError(f"{path}: not a pcap file (magic {magic.hex()})")
-        endian, frac_ns = table[magic]
-        snaplen = struct.unpack(endian + "I", gh[16:20])[0]
-        linktype = struct.unpack(endian + "I", gh[20:24])[0] & 0x0FFFFFFF
-        if linktype not in SUPPORTED_LINKTYPES:
-            names = ", ".join(f"{k} ({v})" for k, v in sorted(SUPPORTED_LINKTYPES.items()))
-            raise PcapError(f"{path}: link type {linktype} is not supported; supported: "
-                            f"{names}")
-        max_incl = max(snaplen, _MAX_RECORD) if snaplen else _MAX_RECORD
-        frac_max = 1_000_000_000 if frac_ns == 1 else 1_000_000
-        rec = struct.Struct(endian + "IIII")
-        frame = 0
-        offset = 24
-
-        def cut(reason: str) -> None:
-            if status is not None:
-                status["truncated"] = {"file": str(path), "record": frame + 1,
-                                       "offset": offset, "reason": reason}
-
+    if magic == b"\x0a\x0d\x0d\x0a":
+        yield from _read_pcapng(path, status)
+        return
+    from scapy.error import Scapy_Exception
+    from scapy.utils import RawPcapReader
+    try:
+        reader = RawPcapReader(str(path))
+    except Scapy_Exception as e:   # bad magic, short global header
+        why = f"magic {magic.hex()}" if "magic" in str(e) else "too short"
+        raise PcapError(f"{path}: not a pcap file ({why})") from None
+    linktype = reader.linktype & 0x0FFFFFFF
+    if linktype not in SUPPORTED_LINKTYPES:
+        reader.close()
+        names = ", ".join(f"{k} ({v})" for k, v in sorted(SUPPORTED_LINKTYPES.items()))
+        raise PcapError(f"{path}: link type {linktype} is not supported; supported: "
+                        f"{names}")
+    max_incl = max(reader.snaplen, _MAX_RECORD) if reader.snaplen else _MAX_RECORD
+    frac_max, frac_ns = (1_000_000_000, 1) if reader.nano else (1_000_000, 1000)
+    size = os.fstat(reader.f.fileno()).st_size
+    frame = 0
+    with reader:
         while True:
-            h = f.read(16)
-            if not h:
+            offset = reader.f.tell()
+            try:   # scapy bounds each read (256 KiB) and skips a record's excess
+                data, meta = reader._read_packet(size=_MAX_RECORD)
+            except EOFError:
+                if offset < size and status is not None:
+                    status["truncated"] = {"file": str(path), "record": frame + 1,
+                                           "offset": offset,
+                                           "reason": "record header cut off"}
                 return
-            if len(h) < 16:
-                return cut("record header cut off")
-            sec, frac, incl, orig = rec.unpack(h)
+            incl, orig, frac = meta.caplen, meta.wirelen, meta.usec
+            reason = None
             if incl > max_incl or frac >= frac_max or (orig and incl > orig):
-                return cut(f"not a pcap record (captured length {incl}, original length "
-                           f"{orig}, sub-second field {frac})")
-            data = f.read(incl)
-            if len(data) < incl:
-                return cut(f"record data cut off ({len(data)} of {incl} bytes)")
+                reason = (f"not a pcap record (captured length {incl}, original length "
+                          f"{orig}, sub-second field {frac})")
+            elif len(data) < incl:
+                reason = f"record data cut off ({len(data)} of {incl} bytes)"
+            if reason is not None:
+                if status is not None:
+                    status["truncated"] = {"file": str(path), "record": frame + 1,
+                                           "offset": offset, "reason": reason}
+                return
             frame += 1
-            offset += 16 + incl
             if status is not None:
                 status["records"] += 1
-            yield linktype, RawRecord(frame, sec * 1_000_000_000 + frac * frac_ns, data)
+            yield linktype, RawRecord(frame, meta.sec * 1_000_000_000 + frac * frac_ns, data)
 
 
 def _read_pcapng(path, status: dict | None) -> Iterator[tuple[int, RawRecord]]:

@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from . import buffers, ipc, unixsock
+from . import buffers, checkpoint, ipc, unixsock
 from .agent import TCP_BACKLOG_SLACK, Links, WorkerAgent
 from .errors import PeerFailure
 from .config import (PACE_AUTO, MetricsConfig, NodeConfig, OneLineParser,
@@ -286,6 +286,8 @@ class Sidecar:
                     await self._register(msg)
                 elif op == "push":
                     await self._push(msg)
+                elif op == "save":
+                    await self._save(msg)
                 elif op == "bye":
                     clean = True
                     break
@@ -324,9 +326,18 @@ class Sidecar:
 
         sha = msg.get("param_sha256")
         sha = sha if isinstance(sha, str) else ""   # "": a client that sends none
+        resume = msg.get("resume")
+        state = None
+        if isinstance(resume, str) and resume:   # dgt.checkpoint: this node's part
+            try:
+                state = await loop.run_in_executor(None, checkpoint.load, resume)
+            except (OSError, ValueError) as e:
+                raise PeerFailure(f"rank {rank}: cannot resume from {resume}: {e}",
+                                  rank) from None
+        start = state["iterations"] if state else 0
 
         def agree():
-            self.rdv.set(f"dgt/n_params/{rank}", f"{n_params} {sha}")
+            self.rdv.set(f"dgt/n_params/{rank}", f"{n_params} {sha} {start}")
             return {r: v.split(" ") for r, v in self.rdv.gather("dgt/n_params").items()}
 
         agreed = await loop.run_in_executor(None, agree)
@@ -334,6 +345,10 @@ class Sidecar:
         if len(set(sizes.values())) != 1:
             raise PeerFailure(f"trainers registered different model sizes: {sizes}; every "
                               f"rank must train the same model", None)
+        starts = {r: v[2] if len(v) > 2 else "0" for r, v in agreed.items()}
+        if len(set(starts.values())) != 1:
+            raise PeerFailure(f"ranks resume from different iterations: {starts}; give "
+                              f"every rank the same checkpoint step", None)
         shas = {r: v[1] if len(v) > 1 else "" for r, v in agreed.items()}
         apart = [r for r, h in sorted(shas.items()) if h and shas[0] and h != shas[0]]
         if apart:
@@ -376,6 +391,12 @@ class Sidecar:
                       tcp_backlog=self._tcp_backlog, push_sent=self._flush_pulls)
         self.agent = WorkerAgent(self.cfg, lay, rank, self.session_id, self.key, grad.array,
                                  grad.array, links, self.counters, seed=self.node.seed)
+        if state is not None:
+            try:
+                checkpoint.load_sidecar_state(self, state)
+            except (ValueError, KeyError) as e:
+                raise PeerFailure(f"rank {rank}: cannot resume from {resume}: {e}",
+                                  rank) from None
         if self.cfg.pace_mbit > 0 and self.world > 1:
             self.held_pulls = HeldPulls(flow_share(self.cfg.pace_mbit, self.world - 1),
                                         TCP_BACKLOG_SLACK)
@@ -389,7 +410,7 @@ class Sidecar:
         await loop.run_in_executor(None, barrier)
         self._to_trainer({"op": "registered", "grad": grad.path, "aggregate": grad.path,
                           "padded": lay.padded, "block_elems": lay.block_elems,
-                          "n_blocks": lay.n_blocks})
+                          "n_blocks": lay.n_blocks, "iterations": self.pushes})
 
     async def _push(self, msg: dict) -> None:
         if self.agent is None:
@@ -400,9 +421,8 @@ class Sidecar:
         if t != expected:
             raise PeerFailure(f"rank {self.rank} pushed iteration {t!r}, expected "
                               f"{expected}", self.rank)
-        if not self.pushes:   # the trainer mapped the buffer before it could push
-            for b in self.buffers:
-                b.unlink()
+        for b in self.buffers:   # the trainer mapped the buffer before it could push
+            b.unlink()           # (once: a no-op after the first)
         loss = msg.get("loss")
         if loss is not None and not isinstance(loss, (int, float)):
             loss = None
@@ -416,6 +436,24 @@ class Sidecar:
         self.pushes += 1
         self._to_trainer({"op": "pulled", "t": t, "k": k})
         self.trace.end(self.agent, k)
+
+    async def _save(self, msg: dict) -> None:
+        """``{"op": "save", "path": P}`` between two iterations: write this node's state
+        (dgt.checkpoint.sidecar_state_dict) to P with torch.save, then answer
+        ``saved``. The agent is idle until our trainer's next push, which waits for it."""
+        path = msg.get("path")
+        if self.agent is None or not isinstance(path, str) or not path:
+            self._to_trainer({"op": "error", "rank": self.rank,
+                              "message": "save needs a registered model and a path"})
+            return
+        state = checkpoint.sidecar_state_dict(self)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, checkpoint.save,
+                                                             state, path)
+        except OSError as e:
+            raise PeerFailure(f"rank {self.rank}: cannot write checkpoint {path}: "
+                              f"{e.strerror or e}", self.rank) from None
+        self._to_trainer({"op": "saved", "path": path, "iterations": self.pushes})
 
     def _check_closed(self, t: int) -> None:
         """Fail at once when a peer's trainer closed before iteration ``t`` (its BYE

@@ -177,9 +177,7 @@ class Client:
                 if not self._is_view(p, g, off):   # zero_grad(set_to_none=True) etc.
                     g[off:off + n].copy_(_grad(p).reshape(-1))
                 off += n
-        self._send({"op": "push", "t": int(step), "loss": loss, "start": start})
-        self.last_k = self._recv("pulled").get("k")
-        self.next_step += 1
+        self.push_buffer(step, loss, start)
         if self.device.type == "cuda":
             self._pinned.copy_(a)
             self._dev_flat.copy_(self._pinned, non_blocking=False)
@@ -217,6 +215,19 @@ class Client:
             raise RuntimeError("call register(model) before save_state()")
         self._send({"op": "save", "path": path})
         self._recv("saved")
+
+    def push_buffer(self, step: int, loss: float | None = None,
+                    start: float | None = None) -> None:
+        """Push the flat gradient that ``self.grad`` (float32, ``n_params`` elements in
+        register()'s order) holds, as iteration ``step``, and block until
+        ``self.aggregate`` holds the mean over workers; ``p.grad`` is not touched (for
+        callers that fill the buffer themselves: the DDP hook, :mod:`dgt.ddp`).
+        ``start``: time.monotonic() when the iteration's communication began (the
+        sidecar's trace counts comm time from it; default now). Raises PeerFailure."""
+        self._send({"op": "push", "t": int(step), "loss": loss,
+                    "start": time.monotonic() if start is None else start})
+        self.last_k = self._recv("pulled").get("k")
+        self.next_step += 1
 
     @staticmethod
     def _is_view(p: torch.Tensor, g: torch.Tensor, off: int) -> bool:

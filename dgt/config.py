@@ -2,7 +2,7 @@
 
 Each field maps to one CLI flag (``--block-bytes``) and one env var (``DGT_BLOCK_BYTES``).
 Precedence: flag > env var > default. A few node fields also read torchrun's variable
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) after their ``DGT_*`` one:
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``) after their ``DGT_*`` one:
 flag > ``DGT_*`` > torchrun's > default. Sources of the defaults: docs/architecture.md,
 "Defaults and where they come from".
 """
@@ -158,6 +158,8 @@ class NodeConfig:
     run_dir: str = _f("", "where to write endpoints-<rank>.json and sidecar-<rank>.json",
                       shown="$XDG_RUNTIME_DIR/dgt, else /tmp/dgt-<uid>")
     seed: int = _f(0, "seed for ranking ties and exploration")
+    job: str = _f("", "job id: a trainer that attaches to this sidecar (dgt.ddp) must "
+                  "name the same one", torchrun="TORCHELASTIC_RUN_ID", shown="none")
     master_listen_fd: int = _f(-1, "rank 0: an inherited listening socket to host the "
                                "rendezvous store on (-1 = bind --master-port itself); dgt "
                                "train passes one, so no other process can take the port "

@@ -260,6 +260,8 @@ class Sidecar:
             writer.write(ipc.encode_msg({"op": "error", "rank": None,
                                          "message": "control line too long"}))
             line = b""
+        if line and self._hello(line, writer):
+            return
         if not line or self.trainer_writer is not None:
             if line:
                 writer.write(ipc.encode_msg({"op": "error", "rank": None,
@@ -307,6 +309,20 @@ class Sidecar:
             self.finish()
         elif not self.done.is_set():
             self.fail(f"trainer of rank {self.rank} disconnected", self.rank)
+
+    def _hello(self, line: bytes, writer: asyncio.StreamWriter) -> bool:
+        """A first line ``{"op": "hello"}`` asks who this sidecar is (dgt.ddp checks the
+        job and world size before it attaches): answered, then closed, without taking
+        the trainer's place. False for any other line."""
+        try:
+            if ipc.decode_msg(line).get("op") != "hello":
+                return False
+        except ValueError:
+            return False
+        writer.write(ipc.encode_msg({"op": "hello", "rank": self.rank, "world": self.world,
+                                     "job": self.node.job}))
+        writer.close()
+        return True
 
     def _to_trainer(self, msg: dict) -> None:
         w = self.trainer_writer

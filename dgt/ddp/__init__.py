@@ -1,0 +1,16 @@
+"""dgt as a DDP communication hook: ``model.register_comm_hook(DgtState(), dgt_hook)``.
+
+The node's sidecar (one per trainer) starts from the state object under torchrun
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``)
+and stops with the job. See docs/ddp.md.
+"""
+from .state import DgtState
+
+__all__ = ["DgtState", "dgt_hook"]
+
+
+def __getattr__(name):
+    if name == "dgt_hook":
+        from .hook import dgt_hook
+        return dgt_hook
+    raise AttributeError(name)

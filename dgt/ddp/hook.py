@@ -1,0 +1,156 @@
+"""The DDP communication hook: DDP's buckets in, dgt's push-pull out.
+
+(No ``from __future__ import annotations`` here: DDP checks the hook's return
+annotation at run time.)"""
+
+import torch
+
+from .state import DgtState
+
+
+class FlatLayout:
+    """Where each parameter's gradient lies in the flat float32 vector that dgt pushes
+    (the sidecar cuts it into blocks). Fixed at the first iteration: the parameters in
+    the order of DDP's first buckets, which every rank computes alike. DDP rebuilds its
+    buckets after that iteration; a bucket's parameters are then found by their storage
+    (``data_ptr``), so any bucketing maps onto the same blocks."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.offsets: dict[tuple[int, int], int] = {}
+        self.numels: list[int] = []
+        off = 0
+        for p in params:
+            self.offsets[self.key(p)] = off
+            self.numels.append(p.numel())
+            off += p.numel()
+        self.n = off
+        self.device = params[0].device
+        self.dev_flat = self.pinned = None
+        if self.device.type == "cuda":   # gathered on the GPU, one copy each way
+            self.dev_flat = torch.empty(self.n, dtype=torch.float32, device=self.device)
+            self.pinned = torch.empty(self.n, dtype=torch.float32, pin_memory=True)
+
+    @staticmethod
+    def key(p: torch.Tensor) -> tuple[int, int]:
+        return (p.data_ptr(), p.numel())
+
+    def slices(self, params: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """(offset, elements) of each of ``params``. Raises ValueError for a parameter
+        that is not in the layout (the state serves another model)."""
+        out = []
+        for p in params:
+            off = self.offsets.get(self.key(p))
+            if off is None:
+                raise ValueError("dgt_hook: a bucket holds a parameter this DgtState has "
+                                 "not laid out: one DgtState per DDP model (create another "
+                                 "for this model)")
+            out.append((off, p.numel()))
+        return out
+
+
+class _Params:
+    """What :meth:`dgt.Client.register` takes: something with ``parameters()``."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def parameters(self):
+        return iter(self.params)
+
+
+def dgt_hook(state: DgtState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` over the workers through dgt's sidecars.
+
+    Each bucket's gradients (float32, on CPU or one CUDA device) are written, as DDP
+    hands the bucket over during backward, into their slices of the flat vector that
+    the node's sidecar pushes (shared memory; CUDA buckets are gathered into one device
+    vector and copied to the host once, at the push). When the iteration's last bucket
+    arrives, the sidecar pushes the whole vector: blocks ranked by contribution, the top
+    k over TCP, the rest over the UDP channels with their DSCP marks, error feedback
+    keeping what did not arrive (Zhou et al., DGT, FGCS 2021). Every bucket's future
+    then resolves to its slice of the mean gradient, the same bytes on every replica.
+
+    Returns a ``torch.futures.Future`` whose value is ``bucket.buffer()`` (the bucket's
+    tensor, float32, 1-D) overwritten with the mean. Raises TypeError for a bucket that
+    is not float32, ValueError when ``state`` serves another model, and
+    :class:`dgt.PeerFailure` (through backward) when the job fails.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> state = dgt.ddp.DgtState()
+        >>> ddp_model.register_comm_hook(state, dgt.ddp.dgt_hook)
+    """
+    handed = state.now()
+    buf = bucket.buffer()
+    if buf.dtype != torch.float32:
+        raise TypeError(f"dgt_hook averages float32 gradients; this bucket is {buf.dtype} "
+                        f"(train in float32, or cast before DDP)")
+    params, grads = bucket.parameters(), bucket.gradients()
+    fut: torch.futures.Future = torch.futures.Future()
+    state._record("bucket", [bucket.index(), handed, int(buf.numel())])
+    if state._flat is None:
+        # first iteration: the layout is known once every bucket has been seen
+        state._first.append((params, grads))
+    else:
+        _stage(state, state._flat.slices(params), grads)
+    state._pending.append((fut, buf, params, grads))
+    if bucket.is_last():
+        _push_pull(state)
+    return fut
+
+
+def _stage(state: DgtState, slices, grads) -> None:
+    """Write a bucket's gradients into their slices of the pushed vector."""
+    flat = state._flat
+    dst = flat.dev_flat if flat.dev_flat is not None else \
+        torch.from_numpy(state.node.client.grad)
+    for (off, n), g in zip(slices, grads):
+        dst[off:off + n].copy_(g.reshape(-1))
+
+
+def _first_layout(state: DgtState) -> None:
+    params = [p for ps, _ in state._first for p in ps]
+    flat = FlatLayout(params)
+    if state.layout_numels is not None and state.layout_numels != flat.numels:
+        raise ValueError(f"dgt_hook: the loaded hook state lays out {len(state.layout_numels)} "
+                         f"parameters ({sum(state.layout_numels)} elements), this model "
+                         f"{len(flat.numels)} ({flat.n}); load this model's checkpoint")
+    state.node.client.register(_Params(params))
+    state._flat, state.layout_numels = flat, flat.numels
+    for ps, gs in state._first:
+        _stage(state, flat.slices(ps), gs)
+    state._first = []
+
+
+def _push_pull(state: DgtState) -> None:
+    """The last bucket is in: push, wait for the aggregate, resolve every bucket."""
+    pending, state._pending = state._pending, []
+    if state._flat is None:
+        _first_layout(state)
+    flat, client = state._flat, state.node.client
+    g = torch.from_numpy(client.grad)[: flat.n]
+    if flat.dev_flat is not None:   # the one device-to-host copy of the pushed bytes
+        flat.pinned.copy_(flat.dev_flat)
+        g.copy_(flat.pinned)
+    start = state.now()
+    state._record("push_s", start)
+    client.push_buffer(client.next_step, None, start)
+    state._record("pulled_s", state.now())
+    state.iteration += 1
+    a = torch.from_numpy(client.aggregate)[: flat.n]
+    if flat.dev_flat is not None:
+        flat.pinned.copy_(a)
+        flat.dev_flat.copy_(flat.pinned)
+        a = flat.dev_flat
+    for fut, buf, params, grads in pending:
+        for (off, n), gr in zip(flat.slices(params), grads):
+            gr.copy_(a[off:off + n].view_as(gr))
+        if not _views_of(grads, buf):   # the bucket's own tensor, filled in order
+            torch.cat([gr.reshape(-1) for gr in grads], out=buf)
+        fut.set_result(buf)
+
+
+def _views_of(grads, buf: torch.Tensor) -> bool:
+    """True when ``grads`` are views of ``buf``'s storage (writing them fills it)."""
+    base = buf.untyped_storage().data_ptr()
+    return all(g.untyped_storage().data_ptr() == base for g in grads)

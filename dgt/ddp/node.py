@@ -1,0 +1,247 @@
+"""This trainer's sidecar under torchrun: start one (or attach to one), stop it with the job.
+
+One sidecar per trainer (dgt rank = torch rank, dgt world = torch world size), so
+``--nproc-per-node P`` runs P sidecars on the node, as ``dgt train`` does (docs/ddp.md
+says why). The sidecars rendezvous on a store of their own, hosted by rank 0's sidecar;
+its address goes through torch.distributed's default store (torchrun's, at
+``MASTER_ADDR:MASTER_PORT``) under a key named by the run (``TORCHELASTIC_RUN_ID``) and
+its restart count (``TORCHELASTIC_RESTART_COUNT``), so no port is guessed and a
+restarted generation never reads the last one's.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from .. import ipc
+from ..client import Client
+from ..config import default_run_dir
+from ..errors import PeerFailure
+from ..rendezvous import QUIET_TORCH_ENV
+
+#: how long close() waits for the sidecar to end on its own before SIGTERM
+CLOSE_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun (torch.distributed.run) tells each worker, from its environment."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    master_addr: str
+    master_port: int
+    run_id: str
+    restart_count: int
+
+    @classmethod
+    def from_environ(cls, environ=os.environ) -> "TorchrunEnv":
+        """Raises ValueError naming the variable that is missing or malformed."""
+        def get(name, typ, default=None):
+            raw = environ.get(name)
+            if raw is None:
+                if default is None:
+                    raise ValueError(f"{name} is not set: start the script with torchrun "
+                                     f"(or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+                return default
+            try:
+                return typ(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} is not a{'n integer' if typ is int else ''} "
+                                 f"valid value") from None
+        return cls(rank=get("RANK", int), world=get("WORLD_SIZE", int),
+                   local_rank=get("LOCAL_RANK", int, 0),
+                   local_world=get("LOCAL_WORLD_SIZE", int, 1),
+                   master_addr=get("MASTER_ADDR", str), master_port=get("MASTER_PORT", int),
+                   run_id=get("TORCHELASTIC_RUN_ID", str, "none"),
+                   restart_count=get("TORCHELASTIC_RESTART_COUNT", int, 0))
+
+    @property
+    def tag(self) -> str:
+        """The run and its generation, safe in a file name: ``<run_id>-g<restart>``."""
+        return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.run_id)[:40]}-g{self.restart_count}"
+
+
+def route_source(host: str, port: int) -> str:
+    """This host's address on the route to ``host`` (where peers reach us): the source
+    address the kernel picks for a UDP "connect" (no packet is sent)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def hello(path: str, timeout_s: float = 5.0) -> dict:
+    """Ask the sidecar on ``path`` who it is: ``{"rank", "world", "job"}``. Raises
+    PeerFailure when nothing answers there."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    try:
+        s.connect(path)
+        s.sendall(ipc.encode_msg({"op": "hello"}))
+        line = s.makefile("rb").readline(ipc.MAX_LINE)
+        msg = ipc.decode_msg(line) if line else {}
+    except (OSError, ValueError) as e:
+        raise PeerFailure(f"no dgt sidecar answers on {path} ({e}); start 'dgt sidecar' "
+                          f"there, or unset DGT_SOCKET to let dgt start one") from None
+    finally:
+        s.close()
+    if msg.get("op") != "hello":
+        raise PeerFailure(f"the sidecar on {path} does not answer hello (an older dgt?); "
+                          f"restart it with this dgt")
+    return msg
+
+
+def check_attach(info: dict, path: str, env: TorchrunEnv, world: int, rank: int) -> None:
+    """Refuse a sidecar of another job, another world size or another rank, in one line
+    (PeerFailure)."""
+    if info.get("job") and env.run_id != "none" and info["job"] != env.run_id:
+        raise PeerFailure(f"the sidecar on {path} belongs to job {info['job']!r}, this is "
+                          f"torchrun job {env.run_id!r}; give this job its own DGT_SOCKET "
+                          f"(or unset it to let dgt start one)")
+    if info.get("world") != world:
+        raise PeerFailure(f"the sidecar on {path} has world size {info.get('world')}, "
+                          f"torch.distributed has {world}; start the sidecars with "
+                          f"--world {world}")
+    if info.get("rank") != rank:
+        raise PeerFailure(f"the sidecar on {path} is rank {info.get('rank')}, this trainer "
+                          f"is rank {rank}; point DGT_SOCKET at rank {rank}'s sidecar")
+
+
+class NodeLink:
+    """A :class:`dgt.Client` on this trainer's sidecar, and the sidecar process when we
+    started it."""
+
+    def __init__(self, client: Client, proc: subprocess.Popen | None, socket_path: str,
+                 run_dir: str, rank: int, world: int):
+        self.client, self.proc, self.socket_path = client, proc, socket_path
+        self.run_dir, self.rank, self.world = run_dir, rank, world
+        self.closed = False
+
+    @classmethod
+    def start(cls, socket_path: str | None, sidecar_args: list[str], timeout_s: float,
+              process_group=None) -> "NodeLink":
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("call torch.distributed.init_process_group() before "
+                               "DgtState(): dgt's sidecars find each other through its store")
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        try:
+            env = TorchrunEnv.from_environ()
+        except ValueError:   # init_process_group without torchrun (tcp:// or file://)
+            env = TorchrunEnv(rank, world, 0, 1, "127.0.0.1", 0, "none", 0)
+        socket_path = socket_path or os.environ.get("DGT_SOCKET") or None
+        if socket_path:   # attach to a sidecar started by 'dgt sidecar'
+            check_attach(hello(socket_path), socket_path, env, world, rank)
+            link = cls(Client(socket_path, timeout_s, connect_timeout_s=timeout_s), None,
+                       socket_path, "", rank, world)
+        else:
+            link = cls._spawn(env, rank, world, sidecar_args, timeout_s)
+        atexit.register(link.close)
+        return link
+
+    @classmethod
+    def _spawn(cls, env: TorchrunEnv, rank: int, world: int, sidecar_args: list[str],
+               timeout_s: float) -> "NodeLink":
+        import torch.distributed as dist
+        from ..launch import _die_with_parent
+        run_dir = os.environ.get("DGT_RUN_DIR") or os.path.join(default_run_dir(),
+                                                                 f"torchrun-{env.tag}")
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
+        host = os.environ.get("DGT_HOST") or route_source(env.master_addr,
+                                                          env.master_port or 9)
+        store = dist.distributed_c10d._get_default_store()
+        key = f"dgt/{env.tag}/sidecar-store"
+        listener = None
+        if rank == 0:   # rank 0's sidecar hosts the sidecars' store on a port bound here
+            listener = socket.create_server((host, 0), backlog=1024,
+                                            family=socket.AF_INET6 if ":" in host
+                                            else socket.AF_INET)
+            store.set(key, json.dumps([host, listener.getsockname()[1]]))
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise PeerFailure(f"rank 0 did not publish the dgt sidecars' store within "
+                              f"{timeout_s:.0f} s ({str(e).splitlines()[0]}); construct "
+                              f"DgtState() on every rank", 0) from None
+        store_host, store_port = json.loads(store.get(key))
+        argv = [sys.executable, "-m", "dgt.sidecar", "--rank", str(rank), "--world",
+                str(world), "--master-addr", store_host, "--master-port", str(store_port),
+                "--host", host, "--socket", sock, "--run-dir", run_dir]
+        if env.run_id != "none":
+            argv += ["--job", env.run_id]
+        fds = ()
+        if listener is not None:
+            fds = (listener.fileno(),)
+            argv += ["--master-listen-fd", str(fds[0])]
+        argv += list(sidecar_args)
+        penv = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **QUIET_TORCH_ENV)
+        log_path = os.path.join(run_dir, f"sidecar-{rank}.log")
+        with open(log_path, "wb") as logf:
+            # same session as the trainer: torchrun's killpg stops it too; and SIGTERM
+            # when the trainer dies (SIGKILL included)
+            proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=penv,
+                                    pass_fds=fds, preexec_fn=functools.partial(
+                                        _die_with_parent, os.getpid()))
+        if listener is not None:
+            listener.close()   # the sidecar's copy hosts the store
+        t_end = time.monotonic() + timeout_s
+        while not os.path.exists(sock):
+            if proc.poll() is not None or time.monotonic() > t_end:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait()
+                raise PeerFailure(f"rank {rank}'s sidecar did not start (exit "
+                                  f"{proc.returncode}): {_last_line(log_path)}", rank)
+            time.sleep(0.02)
+        client = Client(sock, timeout_s, connect_timeout_s=max(1.0, t_end - time.monotonic()))
+        return cls(client, proc, sock, run_dir, rank, world)
+
+    def close(self) -> None:
+        """BYE to the sidecar, then wait for it to end (it waits for every peer's BYE,
+        bounded by its --peer-timeout-s); SIGTERM, then SIGKILL, past CLOSE_GRACE_S."""
+        if self.closed:
+            return
+        self.closed = True
+        self.client.close()
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(CLOSE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for name in os.listdir(ipc.shm_dir()):   # a sidecar killed before its first push
+            if name.startswith(f"dgt-{self.proc.pid}-"):
+                try:
+                    os.unlink(os.path.join(ipc.shm_dir(), name))
+                except OSError:
+                    pass
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+        return lines[-1] if lines else f"no output (log {path})"
+    except OSError:
+        return f"no log at {path}"

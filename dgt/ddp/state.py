@@ -1,0 +1,149 @@
+"""The state of :func:`dgt.ddp.dgt_hook`: what a checkpoint saves, and the live link to
+the node's sidecar (which it does not)."""
+from __future__ import annotations
+
+import time
+
+#: version of :meth:`DgtState.state_dict`'s layout; load_state_dict refuses others
+STATE_VERSION = 1
+#: bucket timings kept for :attr:`DgtState.timings` (the last this many iterations)
+TIMINGS_KEPT = 1000
+
+
+class DgtState:
+    """State of :func:`dgt.ddp.dgt_hook` for one ``DistributedDataParallel`` model.
+
+    Construct it after ``torch.distributed.init_process_group`` and before the first
+    backward, once per DDP model, on every rank. Under torchrun it starts this rank's
+    sidecar (one per trainer: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``TORCHELASTIC_RUN_ID``), or attaches to the one listening on ``socket_path`` (or
+    ``$DGT_SOCKET``) when given. What the sidecars do with a push (``--mode``, ``--k``,
+    channels, error feedback, …) comes from ``DGT_*`` env vars and ``sidecar_args``
+    (``dgt sidecar`` flags, e.g. ``["--mode", "tcp"]``). The sidecar stops when
+    :meth:`close` is called, at the latest when the process exits.
+
+    Picklable: its pickled form holds :meth:`state_dict` and the constructor's
+    arguments, never a socket or a process; an unpickled state is detached (it does not
+    start a sidecar until :meth:`connect`).
+
+    ``timeout_s``: every wait for the sidecar (its start, each push-pull), in seconds;
+    on expiry :class:`dgt.PeerFailure` is raised rather than hanging.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> import torch.distributed as dist
+        >>> from torch.nn.parallel import DistributedDataParallel as DDP
+        >>> from dgt.ddp import DgtState, dgt_hook
+        >>> dist.init_process_group("gloo")          # torchrun's env
+        >>> model = DDP(net)
+        >>> state = DgtState()                       # starts this rank's sidecar
+        >>> model.register_comm_hook(state, dgt_hook)
+        >>> for x, y in loader:
+        >>>     opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        >>> torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+        >>>             "dgt": state.state_dict()}, "ckpt.pt")
+        >>> state.close()
+    """
+
+    def __init__(self, process_group=None, socket_path: str | None = None,
+                 sidecar_args: list[str] | tuple[str, ...] = (), timeout_s: float = 60.0,
+                 connect: bool = True):
+        self.process_group = process_group
+        self.socket_path = socket_path
+        self.sidecar_args = list(sidecar_args)
+        self.timeout_s = float(timeout_s)
+        #: DDP iterations whose buckets were all averaged (the next push's iteration)
+        self.iteration = 0
+        #: parameter sizes in the flat vector's order (fixed at the first iteration)
+        self.layout_numels: list[int] | None = None
+        #: per iteration: {"iteration", "buckets": [[index, handed_s, elements]],
+        #: "push_s", "pulled_s"} on time.monotonic(); the last TIMINGS_KEPT iterations
+        self.timings: list[dict] = []
+        self._reset_live()
+        if connect:
+            self.connect()
+
+    def _reset_live(self) -> None:
+        self._node = None       # dgt.ddp.node.NodeLink: Client + our sidecar process
+        self._flat = None       # dgt.ddp.hook.FlatLayout, built at the first iteration
+        self._pending: list = []   # this iteration's buckets waiting for the push
+        self._first: list = []     # iteration 0's buckets, staged until the layout exists
+        self._current: dict | None = None
+
+    # -- checkpoint ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What resuming needs from the hook: ``{"version", "iteration",
+        "layout_numels"}`` (ints; picklable, ``torch.save``-able). The sidecar-side
+        state (residuals, contribution scores) is the sidecar's."""
+        return {"version": STATE_VERSION, "iteration": int(self.iteration),
+                "layout_numels": None if self.layout_numels is None
+                else [int(n) for n in self.layout_numels]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned. Raises ValueError for another
+        version, or a layout that differs from this model's (a different model)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a dgt hook state of version {STATE_VERSION}: "
+                             f"{type(state).__name__} {getattr(state, 'get', dict)('version')}; "
+                             f"save it with DgtState.state_dict()")
+        numels = state.get("layout_numels")
+        if self.layout_numels is not None and numels is not None and \
+                list(numels) != self.layout_numels:
+            raise ValueError(f"the checkpoint's model has {len(numels)} parameters "
+                             f"({sum(numels)} elements), this one "
+                             f"{len(self.layout_numels)} ({sum(self.layout_numels)}); load "
+                             f"the checkpoint of this model")
+        self.iteration = int(state["iteration"])
+        self.layout_numels = None if numels is None else [int(n) for n in numels]
+
+    def __getstate__(self) -> dict:
+        return {"process_group": None, "socket_path": self.socket_path,
+                "sidecar_args": self.sidecar_args, "timeout_s": self.timeout_s,
+                "state": self.state_dict()}
+
+    def __setstate__(self, d: dict) -> None:
+        self.process_group = d["process_group"]
+        self.socket_path = d["socket_path"]
+        self.sidecar_args = list(d["sidecar_args"])
+        self.timeout_s = d["timeout_s"]
+        self.iteration, self.layout_numels, self.timings = 0, None, []
+        self._reset_live()
+        self.load_state_dict(d["state"])
+
+    # -- the sidecar -----------------------------------------------------------------
+    def connect(self) -> None:
+        """Start (or attach to) this rank's sidecar, if not done yet. Needs
+        ``torch.distributed`` initialised. Raises RuntimeError (not initialised) and
+        :class:`dgt.PeerFailure` (the sidecar did not come up, or is another job's)."""
+        if self._node is None:
+            from .node import NodeLink
+            self._node = NodeLink.start(self.socket_path, self.sidecar_args,
+                                        self.timeout_s, self.process_group)
+
+    @property
+    def node(self):
+        """The live :class:`dgt.ddp.node.NodeLink`; connects when detached."""
+        self.connect()
+        return self._node
+
+    def close(self) -> None:
+        """Say goodbye to the sidecar and wait (bounded) until it has stopped; it
+        leaves no process, socket or shared memory behind. Idempotent."""
+        if self._node is not None:
+            self._node.close()
+
+    def _record(self, key: str, value) -> None:
+        if self._current is None:
+            self._current = {"iteration": self.iteration, "buckets": []}
+        if key == "bucket":
+            self._current["buckets"].append(value)
+        else:
+            self._current[key] = value
+        if key == "pulled_s":
+            self.timings.append(self._current)
+            del self.timings[:-TIMINGS_KEPT]
+            self._current = None
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()

@@ -165,3 +165,21 @@ def test_a_killed_trainer_restarts_from_the_checkpoint_and_leaves_nothing(tmp_pa
                 if f.startswith("dgt-") and int(f.split("-")[1]) in sidecars]
     with open(run_dir / "lock", "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)   # raises if still held
+
+
+def test_the_ddp_hook_state_round_trips_through_torch_save(tmp_path):
+    import pickle
+
+    from dgt.ddp import DgtState
+    state = DgtState(connect=False)
+    state.iteration, state.layout_numels = 50, [2048, 32, 320, 10]
+    torch.save({"dgt": state.state_dict()}, tmp_path / "ckpt.pt")
+    back = DgtState(connect=False)
+    back.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True)["dgt"])
+    assert back.state_dict() == state.state_dict()
+    assert back.iteration == 50 and back.layout_numels == [2048, 32, 320, 10]
+    twin = pickle.loads(pickle.dumps(state))   # no socket or process in its pickle
+    assert twin.state_dict() == state.state_dict()
+    back.layout_numels = [1, 2]
+    with pytest.raises(ValueError, match="load the checkpoint of this model"):
+        back.load_state_dict(state.state_dict())

@@ -1,26 +1,27 @@
 """Atomic file writes: a temporary file in the target's folder, then rename(2).
 
-A reader never sees a truncated file, and a full disk or a failed write leaves the old
-file (or none) and no temporary file behind (rename(2) is atomic within one file
-system; POSIX).
+A reader never sees a truncated file, and a full disk, a failed write or a process
+killed mid-write leaves the old file (or none) and no temporary file behind (rename(2)
+is atomic within one file system; POSIX).
 """
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from typing import BinaryIO, Callable
 
 
-def write_bytes(path: str, data: bytes, fsync: bool = False) -> None:
-    """Write ``data`` to ``path`` atomically. ``fsync``: also flush it to the disk before
-    the rename (for files that must survive a power cut, e.g. the report).
-    Raises OSError (the temporary file is removed)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.",
-                               suffix=".tmp")
+def write_atomic(path: str, write: Callable[[BinaryIO], None], fsync: bool = True) -> None:
+    """Call ``write(f)`` on a temporary file in ``path``'s folder, then rename(2) it to
+    ``path``. ``fsync``: flush it to the disk before the rename (checkpoints, reports:
+    files that must survive a power cut). Raises OSError, or what ``write`` raises (the
+    temporary file is removed)."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -33,9 +34,14 @@ def write_bytes(path: str, data: bytes, fsync: bool = False) -> None:
         raise
 
 
+def write_bytes(path: str, data: bytes, fsync: bool = False) -> None:
+    """Write ``data`` to ``path`` atomically (see ``write_atomic``). Raises OSError."""
+    write_atomic(path, lambda f: f.write(data), fsync=fsync)
+
+
 def write_json(path: str, obj, indent: int | None = None, fsync: bool = False,
                **kw) -> None:
-    """``json.dumps(obj)`` written to ``path`` atomically (see ``write_bytes``).
+    """``json.dumps(obj)`` written to ``path`` atomically (see ``write_atomic``).
     Raises OSError, or TypeError/ValueError when ``obj`` is not JSON-serialisable
     (nothing is written then)."""
     write_bytes(path, json.dumps(obj, indent=indent, **kw).encode(), fsync=fsync)

@@ -5,8 +5,9 @@ import argparse
 import sys
 
 from . import __version__
-from .config import (JobConfig, MetricsConfig, NodeConfig, OneLineParser,
-                     TransmissionConfig, add_arguments, add_sidecar_arguments, from_args)
+from .config import (CheckpointConfig, JobConfig, MetricsConfig, NodeConfig,
+                     OneLineParser, TransmissionConfig, add_arguments,
+                     add_sidecar_arguments, from_args)
 
 
 def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -15,6 +16,7 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         job = from_args(JobConfig, ns)
         tx = from_args(TransmissionConfig, ns)
         metrics = from_args(MetricsConfig, ns)
+        ckpt = from_args(CheckpointConfig, ns)
     except ValueError as e:
         parser.error(str(e))
     if ns.k_min is not None and not tx.adaptive_k:
@@ -24,16 +26,17 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--local-steps only applies with --algo fedavg; add --algo fedavg or "
                      "drop --local-steps")
     from .job import check_workload
-    from .launch import check_memory, check_paths, run_job
+    from .launch import check_memory, check_paths, resume_from, run_job
     try:
         if metrics.metrics_port and not job.testbed:   # on loopback: rank r, port + r
             check_metrics_ports(metrics, job.workers)
         check_paths(job)
         check_workload(job)
         check_memory(job)
+        resume_from(ckpt, job.workers)
     except ValueError as e:
         parser.error(str(e))
-    code, _ = run_job(job, tx, metrics=metrics)
+    code, _ = run_job(job, tx, metrics=metrics, ckpt=ckpt)
     return code
 
 
@@ -78,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(t, JobConfig)
     add_arguments(t, TransmissionConfig)
     add_arguments(t, MetricsConfig)
+    add_arguments(t, CheckpointConfig)
     t.set_defaults(func=lambda ns: _train(ns, t), parser=t)
 
     s = sub.add_parser("sidecar", help="run one node's sidecar",

@@ -103,7 +103,7 @@ class Client:
         return msg
 
     # -- API --------------------------------------------------------------------------
-    def register(self, model: torch.nn.Module) -> None:
+    def register(self, model: torch.nn.Module, resume: str | None = None) -> None:
         """Lay out ``model``'s trainable parameters (float32, any memory format) as one
         flat vector, in ``model.parameters()`` order. Call once per client.
 
@@ -111,9 +111,15 @@ class Client:
         than broadcast): the sidecars compare a SHA-256 of them, and refuse the job,
         naming the ranks that differ from rank 0, when they are not bitwise equal.
 
+        ``resume``: a file that :meth:`save_state` wrote (``dgt.checkpoint``); the
+        sidecar loads its state from it (residual, scores, adaptive k, generator,
+        iteration) and the next ``push_pull`` step is the one after the checkpoint. Load
+        the model's and optimiser's state first, from the same checkpoint.
+
         Raises TypeError for non-float32 parameters, ValueError for a model without
         trainable parameters, RuntimeError when already registered or closed, and
-        PeerFailure when the sidecar refuses (different model sizes or parameters).
+        PeerFailure when the sidecar refuses (different model sizes or parameters, a
+        checkpoint of another rank or layout).
         """
         self._check_open()
         if self.grad is not None:
@@ -127,8 +133,10 @@ class Client:
         n = sum(p.numel() for p in params)
         # the sidecars compare it across ranks: replicas that start apart stay apart
         self._send({"op": "register", "n_params": n, "dtype": "float32",
-                    "param_sha256": param_sha256(params)})
+                    "param_sha256": param_sha256(params),
+                    **({"resume": resume} if resume else {})})
         msg = self._recv("registered")
+        self.next_step = int(msg.get("iterations", 0))
         self._maps = [ipc.ShmBuffer(msg["grad"], msg["padded"])]
         if msg["aggregate"] != msg["grad"]:
             self._maps.append(ipc.ShmBuffer(msg["aggregate"], msg["padded"]))
@@ -195,6 +203,18 @@ class Client:
                 # view(p.shape) is the logical layout; copy_ writes any memory format
                 p.grad.copy_(view)
             off += n
+
+    def save_state(self, path: str) -> None:
+        """Have the sidecar write its state between two iterations (after a
+        ``push_pull``, before the next) to ``path`` with ``torch.save``: what
+        ``register(model, resume=path)`` needs to continue bitwise. The model's and
+        optimiser's state are the caller's to save. Raises RuntimeError before
+        register() or after close(), PeerFailure when the sidecar cannot write it."""
+        self._check_open()
+        if self.grad is None:
+            raise RuntimeError("call register(model) before save_state()")
+        self._send({"op": "save", "path": path})
+        self._recv("saved")
 
     def push_buffer(self, step: int, loss: float | None = None,
                     start: float | None = None) -> None:

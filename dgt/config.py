@@ -421,6 +421,29 @@ class MetricsConfig:
         return self.metrics_port + rank if self.metrics_port else 0
 
 
+@dataclass
+class CheckpointConfig:
+    """Checkpoint, resume and restarts of ``dgt train`` (dgt.checkpoint)."""
+
+    checkpoint_every: int = _f(0, "save a checkpoint every this many iterations: model, "
+                               "optimiser and each sidecar's state, enough to resume "
+                               "bitwise (0 = never)")
+    checkpoint_dir: str = _f("", "write checkpoints here, one step-<t> folder each, the "
+                             "newest two kept", shown="<run-dir>/checkpoints")
+    resume: str = _f("", "resume from this checkpoint: a step-<t> folder, or a "
+                     "--checkpoint-dir (its newest complete step)")
+    max_restarts: int = _f(0, "when a process fails, stop them all and start the job "
+                           "again from the newest checkpoint, up to this many times, as "
+                           "torchrun --max-restarts does (0..100)")
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag."""
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if not 0 <= self.max_restarts <= 100:
+            raise ValueError(f"--max-restarts must be in 0..100, got {self.max_restarts}")
+
+
 def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of ``dgt sidecar``."""
     add_arguments(p, NodeConfig)

@@ -41,3 +41,18 @@ class ContributionScores:
         else:
             self.scores.mul_(self.alpha).add_(mag, alpha=1.0 - self.alpha)
         return self.scores
+
+    def state_dict(self) -> dict:
+        """The scores ((n_blocks,) float32, on CPU) and whether none was folded in yet:
+        what a checkpoint needs to resume bitwise (``torch.save``-able, no sockets)."""
+        return {"scores": self.scores.detach().cpu().clone(), "fresh": self._fresh}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output. Raises ValueError for another block
+        count."""
+        scores = state["scores"]
+        if scores.shape != self.scores.shape:
+            raise ValueError(f"checkpoint has {scores.numel()} block scores, this layout "
+                             f"{self.scores.numel()}")
+        self.scores.copy_(scores)
+        self._fresh = bool(state["fresh"])

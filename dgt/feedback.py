@@ -43,3 +43,19 @@ class Residual:
         keep = (~arrived).to(g.dtype).view(n, 1)   # broadcast per block: no (padded,) mask
         torch.mul(g.view(n, -1), keep, out=self.residual.view(n, -1))
         self.empty = False
+
+    def state_dict(self) -> dict:
+        """The residual ((padded,) float32, on CPU; empty when disabled) for a
+        checkpoint (``torch.save``-able)."""
+        return {"residual": self.residual.detach().cpu().clone(), "empty": self.empty}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output. Raises ValueError for another size (a
+        different model or block size, or error feedback switched on or off)."""
+        r = state["residual"]
+        if r.shape != self.residual.shape:
+            raise ValueError(f"checkpoint residual has {r.numel()} values, this one "
+                             f"{self.residual.numel()} (same model, --block-bytes and "
+                             f"--error-feedback needed)")
+        self.residual.copy_(r)
+        self.empty = bool(state["empty"])

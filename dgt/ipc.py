@@ -6,11 +6,14 @@ Gradients and aggregates never go through the socket: they live in one file unde
 the aggregate over it, so a CPU trainer's ``p.grad`` can *be* that memory: no copy either
 way). The socket carries one JSON object per line:
 
-    trainer -> sidecar: {"op": "register", "n_params": int, "dtype": "float32"}
+    trainer -> sidecar: {"op": "register", "n_params": int, "dtype": "float32",
+                         "resume": path (optional: dgt.checkpoint's sidecar file)}
                         {"op": "push", "t": int, "loss": float}
+                        {"op": "save", "path": str} (between iterations: checkpoint)
                         {"op": "bye"}
     sidecar -> trainer: {"op": "registered", "grad": path, "aggregate": path (the same),
-                         "padded": int, "block_elems": int}
+                         "padded": int, "block_elems": int, "iterations": int}
+                        {"op": "saved", "path": str, "iterations": int}
                         {"op": "pulled", "t": int, "k": float}
                         {"op": "error", "message": str, "rank": int | null}
 """

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import failure
+from . import checkpoint, failure
 from .atomic import write_json
 from .client import Client
 from .config import JobConfig
@@ -149,17 +149,60 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     fedavg = _ns(ns, "algo") == "fedavg"
     local_steps = _ns(ns, "local_steps") if fedavg else 1
     stop_at_target = bool(_ns(ns, "stop_at_target"))
+    ckpt_every = int(getattr(ns, "checkpoint_every", 0) or 0)
+    ckpt_dir = getattr(ns, "checkpoint_dir", "") or ""
+    resume = getattr(ns, "resume", "") or ""
     t_start = time.monotonic()
-    client.register(model)
-    fed = FedAvgRound(model, client) if fedavg else None
-    iters_per_epoch = sampler.iterations
     comm_s: list[float] = []
     comm_at: list[tuple[float, float]] = []   # (push, pull) on CLOCK_MONOTONIC: host-wide
     history = []
     reached = None
     step = rounds = 0
     evaluated_at = 0        # iteration of the last evaluation
+    first_epoch = skip = 0  # where a resumed run picks up: epoch, batches done in it
+    resumed_losses: list[float] = []
+    if resume:   # before register(): the sidecars compare the parameters' SHA-256
+        st = checkpoint.load(checkpoint.trainer_file(resume, ns.rank))
+        if (st["rank"], st["world"]) != (ns.rank, ns.world):
+            raise ValueError(f"--resume {resume}: the checkpoint is of rank {st['rank']} "
+                             f"of {st['world']}; resume with the same --workers")
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        torch.set_rng_state(st["rng"])
+        if aug is not None:
+            aug.set_state(st["aug"])
+        step, rounds, evaluated_at = st["step"], st["rounds"], st["evaluated_at"]
+        first_epoch, skip, resumed_losses = st["epoch"], st["index"], st["losses"]
+        history, reached = st["history"], st["reached"]
+        comm_s, comm_at = st["comm_s"], [tuple(x) for x in st["comm_at"]]
+        t_start -= st["seconds"]
+    if resume:
+        client.register(model, resume=checkpoint.sidecar_file(resume, ns.rank))
+    else:
+        client.register(model)
+    fed = FedAvgRound(model, client) if fedavg else None
+    iters_per_epoch = sampler.iterations
+    saved_at = step         # iteration of the last checkpoint
     stop = False
+
+    def save_checkpoint(epoch: int, index: int, losses: list[float]) -> None:
+        """After ``step`` iterations (between two, every replica alike): the sidecar's
+        state, then ours (dgt.checkpoint); rank 0 prunes old steps."""
+        folder = checkpoint.step_dir(ckpt_dir, step)
+        os.makedirs(folder, exist_ok=True)
+        if hasattr(client, "save_state"):
+            client.save_state(checkpoint.sidecar_file(folder, ns.rank))
+        checkpoint.save({"format": checkpoint.FORMAT, "rank": ns.rank, "world": ns.world,
+                         "step": step, "rounds": rounds, "epoch": epoch, "index": index,
+                         "evaluated_at": evaluated_at, "losses": list(losses),
+                         "model": model.state_dict(), "optimizer": opt.state_dict(),
+                         "rng": torch.get_rng_state(),
+                         "aug": aug.get_state() if aug is not None else None,
+                         "history": history, "reached": reached, "comm_s": comm_s,
+                         "comm_at": comm_at, "seconds": time.monotonic() - t_start},
+                        checkpoint.trainer_file(folder, ns.rank))
+        if ns.rank == 0:
+            checkpoint.prune(ckpt_dir, ns.world)
 
     def evaluate(epoch, losses):
         nonlocal reached, evaluated_at
@@ -173,12 +216,14 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
             reached = {"iteration": step, "round": rounds, "seconds": elapsed}
         return acc
 
-    for epoch in range(ns.epochs):
-        losses = []
+    for epoch in range(first_epoch, ns.epochs):
+        losses = list(resumed_losses) if epoch == first_epoch else []
         round_losses = []
         for i, idx in enumerate(sampler.epoch(epoch)):
             if max_iterations and step >= max_iterations:
                 break
+            if epoch == first_epoch and i < skip:   # done before the checkpoint
+                continue
             idx = idx.to(device)
             xb = xtr[idx]
             if aug is not None:
@@ -223,6 +268,9 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
                 if stop_at_target and acc >= ns.target_accuracy:
                     stop = True
                     break
+            if ckpt_every and synced and step // ckpt_every > saved_at // ckpt_every:
+                save_checkpoint(epoch, i + 1, losses)
+                saved_at = step
         if not stop:
             acc = evaluate(epoch, losses)
             stop = stop_at_target and acc >= ns.target_accuracy
@@ -281,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result", required=True, help="write this rank's result JSON here")
     add_loop_arguments(p)
     p.add_argument("--device", default=JobConfig.device)
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save a checkpoint every this many iterations (dgt.checkpoint)")
+    p.add_argument("--checkpoint-dir", default="", help="...under this folder")
+    p.add_argument("--resume", default="", help="a complete step folder to resume from")
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from .console import survive_closed_stdout

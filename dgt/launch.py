@@ -7,7 +7,15 @@ crosses the shaped links (``dgt testbed up`` first).
 Failure: when any process exits non-zero, the others get up to ``GRACE_S`` to exit on
 their own (the launcher SIGTERMs the sidecars with the reason in failure.json, and
 they tell their trainers), then SIGKILL.
-The launcher names the failed rank, and leaves no process behind.
+The launcher names the failed rank, and leaves no process behind. With
+``--max-restarts M`` it then starts every sidecar and trainer again, from the newest
+complete checkpoint (dgt.checkpoint), up to M times, as torchrun's elastic agent
+restarts its worker group; the failed attempt's files move to ``<run-dir>/attempt-<i>/``.
+
+Supervision is this module's own, not ``torch.distributed.elastic.multiprocessing.
+start_processes``: rank 0's sidecar inherits the rendezvous store's listening socket
+(``--master-listen-fd``) and every child gets PR_SET_PDEATHSIG before exec, and that
+API's ``Popen`` takes neither ``pass_fds`` nor ``preexec_fn`` (torch 2.13).
 """
 from __future__ import annotations
 
@@ -24,9 +32,10 @@ import tempfile
 import time
 
 
-from . import failure
+from . import checkpoint, failure
 from .atomic import write_json
-from .config import DIGITS_TRAIN_SAMPLES, JobConfig, TransmissionConfig, to_argv
+from .config import (DIGITS_TRAIN_SAMPLES, CheckpointConfig, JobConfig, TransmissionConfig,
+                     to_argv)
 from .rendezvous import QUIET_TORCH_ENV
 from .report import build_report, diverged, print_summary
 
@@ -62,8 +71,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Job:
-    def __init__(self, job: JobConfig, tx: TransmissionConfig, log=print, metrics=None):
+    def __init__(self, job: JobConfig, tx: TransmissionConfig, log=print, metrics=None,
+                 ckpt: CheckpointConfig | None = None):
         self.job, self.tx, self.log = job, tx, log
+        self.ckpt = ckpt or CheckpointConfig()
+        self.restarts = 0
         self.metrics = metrics   # dgt.metrics.MetricsConfig: rank r serves on port + r
         self.progress = None     # dgt.progress.TrainProgress, on a terminal
         self.procs: list[tuple[str, int, subprocess.Popen]] = []
@@ -71,6 +83,8 @@ class Job:
         self.run_dir = job.run_dir or tempfile.mkdtemp(prefix="dgt-run-")
         os.makedirs(self.run_dir, exist_ok=True)
         self._lock = None
+        self.checkpoint_dir = self.ckpt.checkpoint_dir or \
+            os.path.join(self.run_dir, "checkpoints")
 
     def lock(self) -> None:
         """Take the run dir for this job (an exclusive flock on ``<run-dir>/lock``, held
@@ -114,8 +128,11 @@ class Job:
         return [(tb.host_addr(i), ["ip", "netns", "exec", tb.host_netns(i)])
                 for i in range(n)]
 
-    def start(self) -> None:
+    def start(self, resume: str = "") -> None:
+        """Start every sidecar and trainer; the trainers resume from the step folder
+        ``resume`` when given."""
         n, j = self.job.workers, self.job
+        self.procs = []
         hosts = self._hosts()
         master_addr = hosts[0][0]
         store_fd: list[int] = []   # rank 0 hosts the store on a socket we bound
@@ -158,13 +175,31 @@ class Job:
                                 "--hidden", str(j.hidden), "--seed", str(j.seed),
                                 "--device", j.device,
                                 "--target-accuracy", str(j.target_accuracy),
-                                *workload_argv(j),
+                                *workload_argv(j), *self._checkpoint_argv(resume),
                                 "--timeout-s", str(max(60.0, 3 * self.tx.peer_timeout_s))]
             self._spawn("trainer", r, trainer, env,
                         to_terminal=(r == 0 and not self._progress_bar()))
         # atomic: a reader polling for the file never sees it empty
         write_json(os.path.join(self.run_dir, "pids.json"),
                    [{"kind": k, "rank": r, "pid": p.pid} for k, r, p in self.procs])
+
+    def _checkpoint_argv(self, resume: str) -> list[str]:
+        every = self.ckpt.checkpoint_every
+        return (["--checkpoint-every", str(every), "--checkpoint-dir", self.checkpoint_dir]
+                if every else []) + (["--resume", resume] if resume else [])
+
+    def restart_from(self, resume: str) -> str:
+        """After a failed attempt (every process gone): move its files to
+        ``attempt-<i>/`` and return where the next attempt resumes: the newest complete
+        checkpoint, else ``resume`` (where this one started; "" = the beginning)."""
+        self.restarts += 1
+        folder = os.path.join(self.run_dir, f"attempt-{self.restarts}")
+        os.makedirs(folder)
+        for name in os.listdir(self.run_dir):
+            path = os.path.join(self.run_dir, name)
+            if name != "lock" and os.path.isfile(path):
+                os.replace(path, os.path.join(folder, name))
+        return checkpoint.latest(self.checkpoint_dir, self.job.workers) or resume
 
     def _progress_bar(self) -> bool:
         """On a terminal: a progress bar over rank 0's trace (its epoch lines go to
@@ -387,21 +422,29 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run_job(job: JobConfig, tx: TransmissionConfig, log=print,
-            metrics=None) -> tuple[int, dict | None]:
+def resume_from(ckpt: CheckpointConfig, workers: int) -> str:
+    """``--resume``'s step folder ("" when not given). Raises ValueError naming the
+    flag (dgt.checkpoint.resolve)."""
+    return checkpoint.resolve(ckpt.resume, workers) if ckpt.resume else ""
+
+
+def run_job(job: JobConfig, tx: TransmissionConfig, log=print, metrics=None,
+            ckpt: CheckpointConfig | None = None) -> tuple[int, dict | None]:
     """Run ``dgt train``. Returns (exit code, report dict or None). ``metrics``: a
-    ``dgt.metrics.MetricsConfig`` (the endpoints; None = off).
+    ``dgt.metrics.MetricsConfig`` (the endpoints; None = off). ``ckpt``: checkpoints,
+    resume and restarts (None = none).
 
     SIGTERM, SIGINT and SIGHUP stop every child process and clean up (even when the
     launcher was started in the background with SIGINT ignored)."""
     t0 = time.monotonic()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
-    j = Job(job, tx, log, metrics)
+    j = Job(job, tx, log, metrics, ckpt)
     try:   # a busy run dir, a missing testbed or root: say so before anything starts
         j.lock()
         j._hosts()
-    except RuntimeError as e:
+        resume = resume_from(j.ckpt, job.workers)
+    except (RuntimeError, ValueError) as e:
         j.cleanup()
         log(f"dgt train: {e}")
         return 2, None
@@ -415,9 +458,21 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print,
         f"logs in {j.run_dir}" + (" (a temporary folder: removed after a successful run, "
                                   "kept on failure; --run-dir keeps it)"
                                   if j.own_run_dir else ""))
+    if resume or j.ckpt.checkpoint_every:
+        log("dgt train: " + (f"resuming from {resume}; " if resume else "") +
+            (f"a checkpoint every {j.ckpt.checkpoint_every} iterations in "
+             f"{j.checkpoint_dir}" if j.ckpt.checkpoint_every else "no checkpoints") +
+            (f"; up to {j.ckpt.max_restarts} restart(s)" if j.ckpt.max_restarts else ""))
     try:
-        j.start()
+        j.start(resume)
         code, failure = j.wait()
+        while failure and j.restarts < j.ckpt.max_restarts:   # torchrun --max-restarts
+            resume = j.restart_from(resume)
+            log(f"dgt train: {failure}; restart {j.restarts}/{j.ckpt.max_restarts} from "
+                f"{resume or 'the beginning'} (the failed attempt's logs: "
+                f"{os.path.join(j.run_dir, f'attempt-{j.restarts}')})")
+            j.start(resume)
+            code, failure = j.wait()
     except RuntimeError as e:
         j.kill()
         j.cleanup()
@@ -443,6 +498,7 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print,
         log(f"dgt train: logs kept in {j.run_dir}")
         return code, None
     report = build_report(j.run_dir, job, tx, wall_s)
+    report["restarts"] = j.restarts
     print_summary(report, log)
     if job.report:
         try:

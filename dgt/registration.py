@@ -56,15 +56,22 @@ def check_model_size(n_params, rank: int) -> int:
     return n_params
 
 
-def agree_model(rdv: Rendezvous, rank: int, n_params: int, sha: str) -> None:
-    """Every rank's trainer registered the same model size and, where they sent one,
-    the same SHA-256 of the initial parameters ("" : none sent)."""
-    rdv.set(f"dgt/n_params/{rank}", f"{n_params} {sha}")
+def agree_model(rdv: Rendezvous, rank: int, n_params: int, sha: str,
+                start: int = 0) -> None:
+    """Every rank's trainer registered the same model size, resumes from the same
+    iteration ``start`` (dgt.checkpoint; 0: a new run) and, where they sent one, the
+    same SHA-256 of the initial parameters ("" : none sent)."""
+    rdv.set(f"dgt/n_params/{rank}", f"{n_params} {sha} {start}")
     agreed = {r: v.split(" ") for r, v in rdv.gather("dgt/n_params").items()}
     sizes = {r: int(v[0]) for r, v in agreed.items()}
     if len(set(sizes.values())) != 1:
         raise PeerFailure(f"trainers registered different model sizes: {sizes}; every "
                           f"rank must train the same model", None,
+                          FailureReason.MISMATCH)
+    starts = {r: v[2] if len(v) > 2 else "0" for r, v in agreed.items()}
+    if len(set(starts.values())) != 1:
+        raise PeerFailure(f"ranks resume from different iterations: {starts}; give "
+                          f"every rank the same checkpoint step", None,
                           FailureReason.MISMATCH)
     shas = {r: v[1] if len(v) > 1 else "" for r, v in agreed.items()}
     apart = [r for r, h in sorted(shas.items()) if h and shas[0] and h != shas[0]]
@@ -78,8 +85,8 @@ def agree_model(rdv: Rendezvous, rank: int, n_params: int, sha: str) -> None:
 
 
 async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict],
-                rank: int, world: int, n_params: int,
-                sha) -> tuple[TransmissionConfig, BlockLayout, str | None]:
+                rank: int, world: int, n_params: int, sha,
+                start: int = 0) -> tuple[TransmissionConfig, BlockLayout, str | None]:
     """At register: :func:`agree_model` (``sha``: the trainer's SHA-256 of its initial
     parameters, anything else: none sent), --pace-mbit auto resolved to this host's
     egress rate towards the ``peers`` (dgt.link_rate), the block layout, and
@@ -87,7 +94,7 @@ async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict]
     rate came from or None when it was given). Raises PeerFailure."""
     loop = asyncio.get_running_loop()
     sha = sha if isinstance(sha, str) else ""   # "": a client that sends none
-    await loop.run_in_executor(None, agree_model, rdv, rank, n_params, sha)
+    await loop.run_in_executor(None, agree_model, rdv, rank, n_params, sha, start)
     source = None
     if cfg.pace_mbit == PACE_AUTO:
         hosts = [ep["host"] for r, ep in sorted(peers.items()) if r != rank]

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from . import datapath, failure, ipc
+from . import checkpoint, datapath, failure, ipc
 from .agent import WorkerAgent
 from .atomic import write_json
 from .errors import PeerFailure
@@ -119,7 +119,8 @@ class Sidecar:
         self.buffers: list[ipc.ShmBuffer] = []
         self.failed: PeerFailure | None = None
         self.done = asyncio.Event()
-        self.trainer = TrainerLink(self.rank, {"register": self._register, "push": self._push},
+        self.trainer = TrainerLink(self.rank, {"register": self._register, "push": self._push,
+                                    "save": lambda m: checkpoint.save_op(self, m)},
                                    self.fail, self.finish, self.done,
                                    {"world": self.world, "job": self.node.job})
         self.finishing = False
@@ -209,10 +210,12 @@ class Sidecar:
         if self.agent is not None:
             raise PeerFailure(f"rank {self.rank}: register sent twice", self.rank)
         n_params = check_model_size(msg.get("n_params"), self.rank)
+        state = await checkpoint.resume_state(msg.get("resume"), self.rank)
         await self.rendezvoused.wait()
         rank = self.rank
         self.cfg, lay, source = await agree(self.rdv, self.cfg, self.links.peers, rank,
-                                            self.world, n_params, msg.get("param_sha256"))
+                                            self.world, n_params, msg.get("param_sha256"),
+                                            state["iterations"] if state else 0)
         self.links.cfg, self.layout = self.cfg, lay
         self.pace_source = source or self.pace_source
         self.control.set_layout({r: (lay.shard_lo(r), lay.shard_blocks(r))
@@ -223,6 +226,8 @@ class Sidecar:
         self.buffers, grad = [path.grad], path.grad
         self.shard, self.agent, self.pulls = path.shard, path.agent, path.pulls
         self.adaptive, self.deadline_floor_s = path.adaptive, path.deadline_floor_s
+        if state is not None:
+            checkpoint.restore(self, state, msg["resume"])
         self.sockets.filter_udp(self.shard.session, self.world, None if self.udp_sources
                                 is None else list(self.udp_sources))
         await self.links.connect(lambda r: self._protocol(outgoing_to=r), self.session_id,
@@ -231,7 +236,7 @@ class Sidecar:
         await loop.run_in_executor(None, barrier, self.rdv, rank)
         self.trainer.send({"op": "registered", "grad": grad.path, "aggregate": grad.path,
                            "padded": lay.padded, "block_elems": lay.block_elems,
-                           "n_blocks": lay.n_blocks})
+                           "n_blocks": lay.n_blocks, "iterations": self.pushes})
 
     async def _push(self, msg: dict) -> None:
         if self.agent is None:
@@ -243,9 +248,8 @@ class Sidecar:
         if t != expected:
             raise PeerFailure(f"rank {self.rank} pushed iteration {t!r}, expected "
                               f"{expected}", self.rank)
-        if not self.pushes:   # the trainer mapped the buffer before it could push
-            for b in self.buffers:
-                b.unlink()
+        for b in self.buffers:   # the trainer mapped the buffer before it could push
+            b.unlink()           # (once: a no-op after the first)
         loss = msg.get("loss")
         if loss is not None and not isinstance(loss, (int, float)):
             loss = None

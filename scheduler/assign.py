@@ -105,3 +105,11 @@ class AdaptiveK:
         if self.loss0 is None:
             self.loss0 = loss
         return min(1.0, max(self.k0 * loss / self.loss0, self.k_min))
+
+    def state_dict(self) -> dict:
+        """The first loss seen (None before any): all that k depends on besides the
+        configuration. Plain Python values (picklable)."""
+        return {"loss0": self.loss0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss0 = state["loss0"]

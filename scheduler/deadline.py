@@ -85,3 +85,15 @@ class AdaptiveDeadline:
             d = min(self.ceiling_s, max(d, self.margin * max(self.spreads)))
         self.highest_s = max(self.highest_s, d)
         return d
+
+    def state_dict(self) -> dict:
+        """The spreads in the window (s), the highest deadline handed out (s) and the
+        count beyond the floor: plain Python values (picklable)."""
+        return {"spreads": list(self.spreads), "highest_s": self.highest_s,
+                "beyond_floor": self.beyond_floor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.spreads.clear()
+        self.spreads.extend(state["spreads"])
+        self.highest_s = state["highest_s"]
+        self.beyond_floor = state["beyond_floor"]

@@ -1,0 +1,213 @@
+"""Checkpoint and resume: everything a run needs to continue bitwise, on disk.
+
+A checkpoint of ``dgt train`` is one folder per iteration, ``<dir>/step-<t>/``, that
+holds two files per rank, both written with ``torch.save`` (a temporary file, then
+rename(2), so a file that exists is complete):
+
+- ``trainer-<r>.pt`` (:func:`dgt.job.train`): the model's and the optimiser's
+  ``state_dict()``, the loop's position (epoch, step, round), torch's RNG and the
+  augmentation generator, and the history so far;
+- ``sidecar-<r>.pt`` (:func:`sidecar_state_dict`): the worker agent's error-feedback
+  residual, contribution scores (EMA), adaptive-k state, exploration/ranking generator
+  and iteration counter, and the shard's adaptive-deadline state. The trainer asks its
+  sidecar to write it (``{"op": "save", "path": ...}`` over the Unix socket, before it
+  writes its own file): the residual is model-sized, so it goes from the sidecar's
+  memory to the file, never through the trainer's control channel.
+
+A folder is complete when every rank's ``trainer-<r>.pt`` is there (each trainer writes
+its file after its sidecar's). Every rank saves after the same iteration (BSP), and
+rank 0 keeps the newest ``KEEP`` complete folders. ``--resume`` takes a step folder, or
+the checkpoint folder itself (its newest complete step).
+
+The pickled state holds tensors and plain Python values only: no socket, no mapping.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+
+from .errors import PeerFailure
+from .failure import FailureReason
+
+#: complete step folders kept by rank 0 (the newest; an older one is a fallback while
+#: the newest is being written)
+KEEP = 2
+FORMAT = 1
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str, step: int) -> str:
+    """The folder of the checkpoint taken after ``step`` iterations."""
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def trainer_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"trainer-{rank}.pt")
+
+
+def sidecar_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"sidecar-{rank}.pt")
+
+
+def complete_steps(root: str, world: int) -> list[tuple[int, str]]:
+    """(step, folder) of every complete checkpoint under ``root``, oldest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = _STEP.match(name)
+        folder = os.path.join(root, name)
+        if m and all(os.path.exists(trainer_file(folder, r)) for r in range(world)):
+            found.append((int(m.group(1)), folder))
+    return sorted(found)
+
+
+def latest(root: str, world: int) -> str | None:
+    """The newest complete step folder under ``root``, or None."""
+    steps = complete_steps(root, world)
+    return steps[-1][1] if steps else None
+
+
+def resolve(path: str, world: int) -> str:
+    """``--resume PATH``: a step folder with every rank's files, or a checkpoint folder
+    (its newest complete step). Raises ValueError saying what is missing."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--resume {path}: no such folder; give a checkpoint folder "
+                         f"(--checkpoint-dir) or one of its step-<t> folders")
+    if _STEP.match(os.path.basename(os.path.normpath(path))):
+        missing = [r for r in range(world) if not os.path.exists(trainer_file(path, r))
+                   or not os.path.exists(sidecar_file(path, r))]
+        if missing:
+            raise ValueError(f"--resume {path}: no checkpoint of rank(s) {missing} there "
+                             f"(taken with fewer --workers, or cut short); give the "
+                             f"checkpoint folder to use its newest complete step")
+        return path
+    folder = latest(path, world)
+    if folder is None:
+        raise ValueError(f"--resume {path}: no complete checkpoint of {world} workers in "
+                         f"it; take one with --checkpoint-every N --checkpoint-dir {path}")
+    return folder
+
+
+def save(obj, path: str) -> None:
+    """``torch.save(obj, path)``, atomically (dgt.atomic). Raises OSError."""
+    import torch
+    from .atomic import write_atomic
+    write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def load(path: str) -> dict:
+    """``torch.load`` of one of our files (tensors and plain values only:
+    ``weights_only``). Raises OSError, or ValueError for a file that is not ours."""
+    import torch
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:   # a truncated or foreign file
+        raise ValueError(f"{path} is not a dgt checkpoint file: {e}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a dgt checkpoint file of format {FORMAT}")
+    return state
+
+
+def prune(root: str, world: int, keep: int = KEEP) -> None:
+    """Remove all but the newest ``keep`` complete step folders, and incomplete ones
+    older than the newest complete one."""
+    steps = complete_steps(root, world)
+    if not steps:
+        return
+    newest = steps[-1][0]
+    kept = {s for s, _ in steps[-keep:]}
+    for name in os.listdir(root):
+        m = _STEP.match(name)
+        if m and int(m.group(1)) < newest and int(m.group(1)) not in kept:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+# -- the sidecar's part ---------------------------------------------------------------
+def sidecar_state_dict(sidecar) -> dict:
+    """A registered :class:`dgt.sidecar.Sidecar`'s state between two iterations: the
+    worker agent's residual ((padded,) float32), contribution scores ((n_blocks,)
+    float32), adaptive-k and generator state, the iterations pushed, and the adaptive
+    deadline's window. Tensors are copies on CPU."""
+    agent, plan, lay = sidecar.agent, sidecar.agent.planner, sidecar.layout
+    return {"format": FORMAT, "rank": sidecar.rank, "world": sidecar.world,
+            "n_blocks": lay.n_blocks, "block_elems": lay.block_elems,
+            "mode": sidecar.cfg.mode, "iterations": sidecar.pushes,
+            "residual": plan.residual.state_dict(), "scores": plan.scores.state_dict(),
+            "adaptive_k": plan.adaptive.state_dict() if plan.adaptive else None,
+            "generator": plan.gen.get_state(), "k_history": list(plan.k_history),
+            "deadline": sidecar.adaptive.state_dict() if sidecar.adaptive else None}
+
+
+def load_sidecar_state(sidecar, state: dict) -> None:
+    """Put :func:`sidecar_state_dict`'s output back into a sidecar that has registered
+    and pushed nothing yet: its next push is iteration ``state["iterations"]``. Raises
+    ValueError when the checkpoint is of another rank, world or block layout."""
+    agent, plan, lay = sidecar.agent, sidecar.agent.planner, sidecar.layout
+    if sidecar.pushes:
+        raise ValueError("resume after the first push: load the state before training")
+    for key, have in (("rank", sidecar.rank), ("world", sidecar.world),
+                      ("n_blocks", lay.n_blocks), ("block_elems", lay.block_elems)):
+        if state[key] != have:
+            raise ValueError(f"the checkpoint is of {key} {state[key]}, this sidecar's is "
+                             f"{have}; resume with the same --workers, model and "
+                             f"--block-bytes")
+    plan.residual.load_state_dict(state["residual"])
+    plan.scores.load_state_dict(state["scores"])
+    if plan.adaptive is not None and state["adaptive_k"] is not None:
+        plan.adaptive.load_state_dict(state["adaptive_k"])
+    plan.gen.set_state(state["generator"])
+    plan.k_history[:] = state["k_history"]
+    if sidecar.adaptive is not None and state["deadline"] is not None:
+        sidecar.adaptive.load_state_dict(state["deadline"])
+    t = int(state["iterations"])
+    sidecar.pushes = t
+    agent.iteration = t - 1 if t else 0
+    sidecar.shard.session.iteration = t   # the shard's open iteration
+
+
+# -- the sidecar's ops (dgt.sidecar: register with "resume", "save") -------------------
+async def resume_state(path, rank: int) -> dict | None:
+    """The state a ``register`` message's ``resume`` path holds (None: no resume).
+    Raises PeerFailure naming ``rank`` for a file that cannot be read."""
+    if not isinstance(path, str) or not path:
+        return None
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, load, path)
+    except (OSError, ValueError) as e:
+        raise PeerFailure(f"rank {rank}: cannot resume from {path}: {e}", rank,
+                          FailureReason.MISMATCH) from None
+
+
+def restore(sidecar, state: dict, path: str) -> None:
+    """:func:`load_sidecar_state`, with its ValueError as PeerFailure naming the rank."""
+    try:
+        load_sidecar_state(sidecar, state)
+    except (ValueError, KeyError) as e:
+        raise PeerFailure(f"rank {sidecar.rank}: cannot resume from {path}: {e}",
+                          sidecar.rank, FailureReason.MISMATCH) from None
+
+
+async def save_op(sidecar, msg: dict) -> None:
+    """``{"op": "save", "path": P}`` between two iterations: write ``sidecar``'s state
+    (:func:`sidecar_state_dict`) to P with torch.save, then answer ``saved``. The agent
+    is idle until our trainer's next push, which waits for it. Raises PeerFailure when
+    the file cannot be written."""
+    path = msg.get("path")
+    if sidecar.agent is None or not isinstance(path, str) or not path:
+        sidecar.trainer.send({"op": "error", "rank": sidecar.rank,
+                              "message": "save needs a registered model and a path"})
+        return
+    state = sidecar_state_dict(sidecar)
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, save, state, path)
+    except OSError as e:
+        raise PeerFailure(f"rank {sidecar.rank}: cannot write checkpoint {path}: "
+                          f"{e.strerror or e}", sidecar.rank) from None
+    sidecar.trainer.send({"op": "saved", "path": path, "iterations": sidecar.pushes})

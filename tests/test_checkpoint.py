@@ -1,0 +1,185 @@
+"""Checkpoint, resume and restarts (dgt.checkpoint): the state objects round-trip through
+torch.save/torch.load, a resumed 'dgt train' ends bitwise where an uninterrupted one
+does, and --max-restarts survives a killed trainer and leaves nothing behind."""
+import fcntl
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dgt import checkpoint
+from dgt.contribution import ContributionScores
+from dgt.feedback import Residual
+from dgt.scheduler.assign import AdaptiveK
+from dgt.scheduler.deadline import AdaptiveDeadline
+
+
+def _round_trip(state: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)   # tensors and plain values only
+
+
+def test_state_objects_round_trip_through_torch_save():
+    g = torch.arange(12, dtype=torch.float32) - 5
+    scores = ContributionScores(3, 0.3)
+    scores.update(g, 4)
+    scores.update(g * 2, 4)
+    res = Residual(12, 4)
+    res.update(g, torch.tensor([True, False, True]))
+    k = AdaptiveK(0.5, 0.2)
+    k.update(2.0)
+    dl = AdaptiveDeadline(0.05, 1.0)
+    dl.observe(0.2)
+
+    scores2, res2, k2, dl2 = (ContributionScores(3, 0.3), Residual(12, 4),
+                              AdaptiveK(0.5, 0.2), AdaptiveDeadline(0.05, 1.0))
+    for a, b in ((scores, scores2), (res, res2), (k, k2), (dl, dl2)):
+        b.load_state_dict(_round_trip(a.state_dict()))
+    assert torch.equal(scores2.scores, scores.scores) and not scores2._fresh
+    assert torch.equal(res2.residual, res.residual) and not res2.empty
+    assert k2.update(1.0) == k.update(1.0) == pytest.approx(0.25)
+    assert dl2.deadline_s() == dl.deadline_s() == pytest.approx(0.3)
+    # the next update continues from the restored state, bit for bit
+    assert torch.equal(scores2.update(g, 4), scores.update(g, 4))
+
+
+def test_a_state_of_another_layout_is_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="block scores"):
+        ContributionScores(4).load_state_dict(ContributionScores(3).state_dict())
+    with pytest.raises(ValueError, match="--block-bytes"):
+        Residual(16, 4).load_state_dict(Residual(12, 4).state_dict())
+
+
+def test_resume_path_is_resolved_to_the_newest_complete_step(tmp_path):
+    for step, ranks in ((10, (0, 1)), (20, (0, 1)), (30, (0,))):   # 30: cut short
+        d = checkpoint.step_dir(str(tmp_path), step)
+        os.makedirs(d)
+        for r in ranks:
+            for f in (checkpoint.trainer_file(d, r), checkpoint.sidecar_file(d, r)):
+                checkpoint.save({"format": checkpoint.FORMAT}, f)
+    assert checkpoint.resolve(str(tmp_path), 2).endswith("step-00000020")
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\]"):
+        checkpoint.resolve(checkpoint.step_dir(str(tmp_path), 30), 2)
+    with pytest.raises(ValueError, match="no complete checkpoint of 3 workers"):
+        checkpoint.resolve(str(tmp_path), 3)
+    with pytest.raises(ValueError, match="no such folder"):
+        checkpoint.resolve(str(tmp_path / "nope"), 2)
+    checkpoint.prune(str(tmp_path), 2, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000020", "step-00000030"]
+    with pytest.raises(ValueError, match="not a dgt checkpoint"):
+        (tmp_path / "junk.pt").write_bytes(b"junk")
+        checkpoint.load(str(tmp_path / "junk.pt"))
+
+
+def test_a_bad_resume_flag_is_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                        "--resume", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2
+    assert "--resume" in p.stderr and "--checkpoint-every" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+SMALL = ("--workers", 2, "--hidden", 32, "--seed", 3, "--deadline-ms", 3000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [("--mode", "tcp"), ("--mode", "dgt"),
+                                  # topk keeps a residual and ranks by the scores: the
+                                  # sidecar's state decides the bits
+                                  ("--mode", "topk", "--adaptive-k")],
+                         ids=["tcp", "dgt", "topk"])
+def test_a_resumed_run_ends_bitwise_where_an_uninterrupted_one_does(tmp_path, mode):
+    from conftest import run_train
+    ck = tmp_path / "ck"
+    _, whole = run_train(tmp_path / "whole", *SMALL, *mode, "--iterations", 20)
+    _, first = run_train(tmp_path / "first", *SMALL, *mode, "--iterations", 10,
+                         "--checkpoint-every", 10, "--checkpoint-dir", ck)
+    assert sorted(os.listdir(ck / "step-00000010")) == [
+        "sidecar-0.pt", "sidecar-1.pt", "trainer-0.pt", "trainer-1.pt"]
+    p, resumed = run_train(tmp_path / "resumed", *SMALL, *mode, "--iterations", 20,
+                           "--resume", ck)
+    assert "resuming from" in p.stdout
+    lost = sum(ch["blocks_lost"] for ch in resumed["channels"].values())
+    assert lost == 0, "precondition: a run without loss"
+    assert first["param_sha256"][0] != whole["param_sha256"][0]
+    assert resumed["replicas_identical"]
+    assert resumed["param_sha256"] == whole["param_sha256"]
+    assert resumed["iterations"] == whole["iterations"] == 20
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_restarts_from_the_checkpoint_and_leaves_nothing(tmp_path):
+    run_dir, ck, report = tmp_path / "run", tmp_path / "ck", tmp_path / "r.json"
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "train",
+                          *map(str, (*SMALL, "--mode", "tcp", "--iterations", 400,
+                                     "--epochs", 100, "--checkpoint-every", 10,
+                                     "--checkpoint-dir", ck, "--max-restarts", 1,
+                                     "--run-dir", run_dir, "--report", report))],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t_end = time.monotonic() + 240
+        while checkpoint.latest(str(ck), 2) is None:
+            assert p.poll() is None, p.communicate()[0]
+            assert time.monotonic() < t_end, "no checkpoint within 240 s"
+            time.sleep(0.02)
+        pids = json.loads((run_dir / "pids.json").read_text())
+        victim = next(x["pid"] for x in pids if x["kind"] == "trainer" and x["rank"] == 1)
+        os.kill(victim, signal.SIGSTOP)   # mid-run for sure: the job cannot end now
+        os.kill(victim, signal.SIGKILL)
+        out, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, out
+    assert "trainer of rank 1 was killed by signal 9" in out, out
+    assert f"restart 1/1 from {ck}/step-" in out, out
+    r = json.loads(report.read_text())
+    assert r["restarts"] == 1 and r["iterations"] == 400 and r["replicas_identical"]
+    first = json.loads((run_dir / "attempt-1" / "pids.json").read_text())
+    everyone = first + json.loads((run_dir / "pids.json").read_text())
+    assert len(everyone) == 8
+    # nothing left behind: no process, socket file, shared memory segment or lock
+    assert not [x for x in everyone if _alive(x["pid"])]
+    for folder in (run_dir, run_dir / "attempt-1"):
+        assert not [f for f in os.listdir(folder) if f.endswith(".sock")]
+    sidecars = {x["pid"] for x in everyone if x["kind"] == "sidecar"}
+    assert not [f for f in os.listdir("/dev/shm")
+                if f.startswith("dgt-") and int(f.split("-")[1]) in sidecars]
+    with open(run_dir / "lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)   # raises if still held
+
+
+def test_the_ddp_hook_state_round_trips_through_torch_save(tmp_path):
+    import pickle
+
+    from dgt.ddp import DgtState
+    state = DgtState(connect=False)
+    state.iteration, state.layout_numels = 50, [2048, 32, 320, 10]
+    torch.save({"dgt": state.state_dict()}, tmp_path / "ckpt.pt")
+    back = DgtState(connect=False)
+    back.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True)["dgt"])
+    assert back.state_dict() == state.state_dict()
+    assert back.iteration == 50 and back.layout_numels == [2048, 32, 320, 10]
+    twin = pickle.loads(pickle.dumps(state))   # no socket or process in its pickle
+    assert twin.state_dict() == state.state_dict()
+    back.layout_numels = [1, 2]
+    with pytest.raises(ValueError, match="load the checkpoint of this model"):
+        back.load_state_dict(state.state_dict())

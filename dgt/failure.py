@@ -128,3 +128,29 @@ def first_cause(records: list[FailureRecord]) -> FailureRecord | None:
     signal): the process that saw the fault first wrote it before telling anyone, so it
     is older than every record it caused. None when every record relays."""
     return next((r for r in records if r.reason not in RELAYED), None)
+
+
+def job_stop(run_dir: str) -> tuple[str, int | None] | None:
+    """What the launcher left in ``run_dir/failure.json`` when it stopped the job for a
+    failure: (its message, the failed rank or None); None when there is no such file (a
+    normal stop: the launcher, systemd, Ctrl-C) or it cannot be read."""
+    try:
+        with open(os.path.join(run_dir, "failure.json")) as f:
+            info = json.load(f)
+        return str(info["message"]), info.get("rank")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def closed_early(closed_after: dict[int, int], rank: int, t: int) -> tuple[int, str] | None:
+    """(rank, message) of the first peer whose trainer closed before iteration ``t``
+    (``closed_after``: rank -> iterations it pushed, from its BYE), as seen by ``rank``:
+    it will never push ``t``, and waiting for it would end --peer-timeout-s later
+    blaming it as dead or frozen. None when no peer closed early."""
+    early = sorted(r for r, n in closed_after.items() if n <= t)
+    if not early:
+        return None
+    r, n = early[0], closed_after[early[0]]
+    when = f"after step {n - 1}" if n else "before its first step"
+    return r, (f"rank {r} closed {when}; rank {rank} is at step {t}: every rank must run "
+               f"the same number of steps")

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import errno
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -166,16 +165,12 @@ class Sidecar:
         return 0
 
     def _on_signal(self) -> None:
-        """SIGTERM/SIGINT: stop; if the launcher left the reason (failure.json), pass it on."""
-        try:
-            with open(os.path.join(self.node.run_dir, "failure.json")) as f:
-                info = json.load(f)
-            self.fail(f"job stopped: {info['message']}", info.get("rank"), propagate=False,
-                      level=logging.WARNING, why=FailureReason.STOPPED)
-        except (OSError, ValueError, KeyError):
-            # a normal stop (the launcher, systemd, Ctrl-C): not an error of ours
-            self.fail("stopped by signal", None, level=logging.WARNING,
-                      why=FailureReason.STOPPED)
+        """SIGTERM/SIGINT: stop; if the launcher left the reason (failure.json), pass it on
+        (else a normal stop: the launcher, systemd, Ctrl-C, not an error of ours)."""
+        stop = failure.job_stop(self.node.run_dir)
+        self.fail(f"job stopped: {stop[0]}" if stop else "stopped by signal",
+                  stop[1] if stop else None, propagate=stop is None,
+                  level=logging.WARNING, why=FailureReason.STOPPED)
 
     async def _rendezvous(self) -> None:
         """Publish our endpoints and get everybody's (blocking store calls in a thread)."""
@@ -265,18 +260,13 @@ class Sidecar:
         self.trace.end(self.agent, k)
 
     def _check_closed(self, t: int) -> None:
-        """Fail at once when a peer's trainer closed before iteration ``t`` (its BYE
-        carries how many iterations it pushed): it will never push ``t``, and waiting
-        for it would end --peer-timeout-s later blaming it as dead or frozen."""
-        early = sorted(r for r, n in self.closed_after.items() if n <= t)
-        if early:
-            r, n = early[0], self.closed_after[early[0]]
-            when = f"after step {n - 1}" if n else "before its first step"
-            msg = (f"rank {r} closed {when}; rank {self.rank} is at step {t}: every rank "
-                   f"must run the same number of steps")
+        """Fail at once when a peer's trainer closed before iteration ``t``
+        (dgt.failure.closed_early)."""
+        early = failure.closed_early(self.closed_after, self.rank, t)
+        if early is not None:
             if self.pushing is None:   # before our push: the push fails
-                raise PeerFailure(msg, r, FailureReason.MISMATCH)
-            self.fail(msg, r, why=FailureReason.MISMATCH)   # a BYE during our push
+                raise PeerFailure(early[1], early[0], FailureReason.MISMATCH)
+            self.fail(early[1], early[0], why=FailureReason.MISMATCH)   # during our push
 
     # -- connections ------------------------------------------------------------------
     def _protocol(self, outgoing_to: int | None = None) -> FrameProtocol:

@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 
 from dgt.cli import build_parser
-from dgt.config import (JobConfig, MetricsConfig, NodeConfig, TransmissionConfig,
-                        from_args)
+from dgt.config import (CheckpointConfig, JobConfig, MetricsConfig, NodeConfig,
+                        TransmissionConfig, from_args)
 
-COMMANDS = {"train": (JobConfig, TransmissionConfig, MetricsConfig),
+COMMANDS = {"train": (JobConfig, TransmissionConfig, MetricsConfig, CheckpointConfig),
             "sidecar": (NodeConfig, TransmissionConfig, MetricsConfig)}
 #: what a field needs from the others to validate (a node needs its rank and world)
 BASE_ENV = {NodeConfig: {"DGT_RANK": "0", "DGT_WORLD": "2"}}

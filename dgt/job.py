@@ -34,7 +34,7 @@ from torch import nn
 from . import checkpoint, failure
 from .atomic import write_json
 from .client import Client
-from .config import JobConfig
+from .config import CheckpointConfig, JobConfig
 from .errors import PeerFailure
 from .failure import FailureReason
 
@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result", required=True, help="write this rank's result JSON here")
     add_loop_arguments(p)
     p.add_argument("--device", default=JobConfig.device)
-    p.add_argument("--checkpoint-every", type=int, default=0,
+    p.add_argument("--checkpoint-every", type=int,
+                   default=CheckpointConfig.checkpoint_every,
                    help="save a checkpoint every this many iterations (dgt.checkpoint)")
     p.add_argument("--checkpoint-dir", default="", help="...under this folder")
     p.add_argument("--resume", default="", help="a complete step folder to resume from")

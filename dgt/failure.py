@@ -67,10 +67,11 @@ class FailureRecord:
     message: str
     blamed: list[int] = field(default_factory=list)
 
-    def headline_blame(self, exited_rank: int) -> str:
+    def headline_blame(self, exited_rank: int | None) -> str:
         """``rank(s) [2] stopped answering (dead or frozen)``, or "" when the record
-        blames nobody but ``exited_rank`` (the rank whose exit the headline reports),
-        or only relays."""
+        blames nobody but ``exited_rank`` (the rank whose exit the headline reports, when
+        this is that rank's own record; None: another process's record, which names
+        whom it blames even when that is the exiting rank), or only relays."""
         others = [r for r in self.blamed if r != exited_rank]
         if not others or self.reason in RELAYED:
             return ""

@@ -299,10 +299,14 @@ class Job:
             _last_line(os.path.join(self.run_dir, f"{kind}-{rank}.log"))
         what = f"{kind} of rank {rank} exited with status {code}" + (f": {tail}" if tail
                                                                      else "")
-        blame = cause.headline_blame(rank) if cause is not None else ""
+        # the exiting rank's own record does not blame it again; another process's
+        # record names whom it blames, the exiting rank too (a frozen trainer's sidecar
+        # may be the first process to exit, on the ERROR that blames its rank)
+        exited = rank if cause is not None and cause.rank == rank else None
+        blame = cause.headline_blame(exited) if cause is not None else ""
         # a rank that hung is named first, not the rank whose wait for it ran out
         if blame:
-            return f"{blame}; {what}", next(r for r in cause.blamed if r != rank)
+            return f"{blame}; {what}", next(r for r in cause.blamed if r != exited)
         return what, rank
 
     def kill(self) -> None:

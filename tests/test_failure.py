@@ -46,6 +46,22 @@ def test_a_relayed_failure_names_the_rank_the_first_record_blames(tmp_path):
     assert text.endswith("trainer of rank 1 exited with status 3: y"), text
 
 
+def test_the_blamed_rank_is_named_when_its_own_sidecar_exits_first(tmp_path):
+    """Trainer 2 frozen: sidecar 1 saw no END from rank 2 and blamed it; sidecar 2 (whose
+    trainer is frozen) exits first, on the ERROR that names it. The headline names rank
+    2 as the rank that stopped answering (the blame matrix, tools/blame.py, found it
+    reporting only 'sidecar of rank 2 exited')."""
+    run = str(tmp_path)
+    failure.write(run, FailureRecord("sidecar", 1, FailureReason.PEER_SILENT,
+                                     "no PULL for iteration 11", [2]))
+    failure.write(run, FailureRecord("sidecar", 2, FailureReason.PEER_REPORTED,
+                                     "rank 1 reports: no PULL for iteration 11", [2]))
+    text, blamed = _job(tmp_path)._describe_failure("sidecar", 2, 3)
+    assert blamed == 2
+    assert text.startswith("rank(s) [2] stopped answering (dead or frozen); sidecar of "
+                           "rank 2 exited with status 3"), text
+
+
 def test_a_failure_with_nobody_to_blame_names_only_the_process(tmp_path):
     """A stranger's frame is rejected, never blamed: a record with no blamed rank (and
     one that blames only the exiting process) adds no 'rank(s) [...]' to the headline."""

@@ -115,14 +115,16 @@ def load(path: str) -> dict:
     return state
 
 
-def prune(root: str, world: int, keep: int = KEEP) -> None:
-    """Remove all but the newest ``keep`` complete step folders, and incomplete ones
-    older than the newest complete one."""
-    steps = complete_steps(root, world)
-    if not steps:
+def prune(root: str, world: int, keep: int = KEEP, writing: int | None = None) -> None:
+    """Remove all but the newest ``keep`` step folders, and incomplete ones older than
+    the newest complete one. ``writing``: the step being written now (by the other
+    ranks too), counted as one of the ``keep``; the older ones kept are complete."""
+    steps = [s for s, _ in complete_steps(root, world) if s != writing]
+    kept = set(steps[-(keep - 1):] if writing is not None and keep > 1 else
+               steps[-keep:])
+    newest = max([*steps, writing if writing is not None else -1])
+    if newest < 0:
         return
-    newest = steps[-1][0]
-    kept = {s for s, _ in steps[-keep:]}
     for name in os.listdir(root):
         m = _STEP.match(name)
         if m and int(m.group(1)) < newest and int(m.group(1)) not in kept:

@@ -114,13 +114,21 @@ class TransmissionConfig:
         if self.tcp_rto_min_ms and not 5.0 <= self.tcp_rto_min_ms <= 200.0:
             raise ValueError(f"--tcp-rto-min-ms must be 0 (the kernel's 200 ms) or in "
                              f"5..200, got {self.tcp_rto_min_ms:g}")
+        if not 0 < self.peer_timeout_s <= MAX_PEER_TIMEOUT_S:
+            raise ValueError(f"--peer-timeout-s must be in (0, {MAX_PEER_TIMEOUT_S:g}] s, "
+                             f"got {self.peer_timeout_s:g}")
+        if self.pace_mbit < 0 and self.pace_mbit != PACE_AUTO:
+            raise ValueError(f"--pace-mbit must be auto or >= 0, got {self.pace_mbit:g}")
+        if self.deadline_ms < 0:
+            raise ValueError(f"--deadline-ms must be >= 0, got {self.deadline_ms:g}")
         if not 0.0 <= self.deadline_max_ms <= 1000.0 * self.peer_timeout_s:
-            raise ValueError(f"--deadline-max-ms must be in 0..--peer-timeout-s x 1000, got "
+            raise ValueError(f"--deadline-max-ms must be in 0..--peer-timeout-s x 1000 "
+                             f"({1000.0 * self.peer_timeout_s:g}), got "
                              f"{self.deadline_max_ms:g}")
-        if (self.pace_mbit < 0 and self.pace_mbit != PACE_AUTO) or self.deadline_ms < 0 \
-                or not 0 < self.peer_timeout_s <= MAX_PEER_TIMEOUT_S:
-            raise ValueError(f"--pace-mbit must be auto or >= 0, --deadline-ms >= 0, "
-                             f"--peer-timeout-s in (0, {MAX_PEER_TIMEOUT_S:g}] s")
+        if self.adaptive_deadline and self.deadline_max_ms < self.deadline_ms:
+            raise ValueError(f"--deadline-ms {self.deadline_ms:g} is above --deadline-max-ms "
+                             f"{self.deadline_max_ms:g}: the floor must not exceed the "
+                             f"ceiling; raise --deadline-max-ms or lower --deadline-ms")
 
 
 #: a peer silent for an hour is dead; larger values overflow the store's timeouts
@@ -255,10 +263,16 @@ class JobConfig:
     def validate(self) -> None:
         if not 1 <= self.workers <= 64:
             raise ValueError(f"--workers must be 1..64, got {self.workers}")
-        if self.iterations < 0 or self.eval_every < 0 or self.eval_samples < 0:
-            raise ValueError("--iterations, --eval-every and --eval-samples must be >= 0")
-        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or self.hidden < 1:
-            raise ValueError("--epochs, --batch-size, --hidden must be >= 1 and --lr > 0")
+        for flag, value, low in (("--iterations", self.iterations, 0),
+                                 ("--eval-every", self.eval_every, 0),
+                                 ("--eval-samples", self.eval_samples, 0),
+                                 ("--epochs", self.epochs, 1),
+                                 ("--batch-size", self.batch_size, 1),
+                                 ("--hidden", self.hidden, 1)):
+            if value < low:
+                raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr:g}")
         self.validate_workload()
         if not 0 <= self.seed <= 2**32 - 1:   # numpy/scikit-learn random_state's range
             raise ValueError(f"--seed must be in 0..4294967295, got {self.seed}")

@@ -202,7 +202,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
                          "comm_at": comm_at, "seconds": time.monotonic() - t_start},
                         checkpoint.trainer_file(folder, ns.rank))
         if ns.rank == 0:
-            checkpoint.prune(ckpt_dir, ns.world)
+            checkpoint.prune(ckpt_dir, ns.world, writing=step)
 
     def evaluate(epoch, losses):
         nonlocal reached, evaluated_at

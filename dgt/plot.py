@@ -86,11 +86,15 @@ def _checked(data: dict, source: str) -> dict:
 
 
 def plot(data: dict, out_dir: str, title: str = "") -> list[str]:
-    """Write the PNGs into ``out_dir``; returns their paths."""
+    """Write the PNGs into ``out_dir`` (created when missing, but never its parents: a
+    mistyped path is an error, not a new tree); returns their paths. Raises OSError."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.mkdir(out_dir)
+    except FileExistsError:
+        pass
     paths = []
 
     def save(fig, name):
@@ -158,7 +162,7 @@ def register(sub) -> None:
                        "time per iteration and bytes per channel from a dgt train "
                        "--report file or --run-dir.")
     p.add_argument("source", metavar="REPORT|RUN_DIR", help="report JSON or run directory")
-    p.add_argument("--out", default="", help="folder for the PNGs (default: beside the "
-                   "report, or in the run dir)")
+    p.add_argument("--out", default="", help="folder for the PNGs, created if its parent "
+                   "exists (default: beside the report, or in the run dir)")
     p.add_argument("--title", default="", help="prefix for the figure titles")
     p.set_defaults(func=main, parser=p)

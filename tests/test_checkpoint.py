@@ -74,6 +74,13 @@ def test_resume_path_is_resolved_to_the_newest_complete_step(tmp_path):
         checkpoint.resolve(str(tmp_path / "nope"), 2)
     checkpoint.prune(str(tmp_path), 2, keep=1)
     assert sorted(os.listdir(tmp_path)) == ["step-00000020", "step-00000030"]
+    # rank 0 prunes while the other ranks still write the step it just wrote: that
+    # step counts as one of the two kept (three were left before)
+    d = checkpoint.step_dir(str(tmp_path), 40)
+    os.makedirs(d)
+    checkpoint.save({"format": checkpoint.FORMAT}, checkpoint.trainer_file(d, 0))
+    checkpoint.prune(str(tmp_path), 2, keep=2, writing=40)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000020", "step-00000040"]
     with pytest.raises(ValueError, match="not a dgt checkpoint"):
         (tmp_path / "junk.pt").write_bytes(b"junk")
         checkpoint.load(str(tmp_path / "junk.pt"))

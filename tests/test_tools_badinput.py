@@ -149,6 +149,16 @@ def test_garbage_after_header(tmp_path, cmd):
     _one_line_error(r, "truncated at record 1 (byte offset 24)")
 
 
+@pytest.mark.parametrize("cmd", [["pcap", "summary"], ["replay", "--to", "127.0.0.1"]])
+def test_a_record_claiming_4_gib_is_one_line(tmp_path, cmd):
+    """A record whose captured length is 0xffffffff: one line from us, no second line
+    from the pcap reader (breaker round 4 saw scapy's own warning first)."""
+    f = tmp_path / "big.pcap"
+    f.write_bytes(_header() + struct.pack("<IIII", 0, 0, 0xffffffff, 0xffffffff) + b"x" * 10)
+    _one_line_error(_cli(*cmd, str(f)), "truncated at record 1 (byte offset 24)",
+                    "captured length 4294967295")
+
+
 def test_truncated_capture_is_reported(tmp_path):
     f = _udp_pcap(tmp_path / "t.pcap", n=3)
     data = f.read_bytes()

@@ -83,6 +83,12 @@ def test_plot_writes_pngs_from_a_real_report(tmp_path):
         for x in out.iterdir():
             data = x.read_bytes()
             assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    # a mistyped --out is an error, not a new tree (breaker round 4 saw /nonexistent/x made)
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "plot", str(tmp_path / "report.json"),
+                        "--out", str(tmp_path / "missing" / "png")], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "No such file or directory" in p.stderr, p.stderr
+    assert not (tmp_path / "missing").exists()
 
 
 def test_plot_refuses_what_is_not_a_report(tmp_path):

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import struct
 from dataclasses import dataclass
@@ -229,8 +230,10 @@ def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord
     if magic == b"\x0a\x0d\x0d\x0a":
         yield from _read_pcapng(path, status)
         return
-    from scapy.error import Scapy_Exception
+    from scapy.error import Scapy_Exception, log_runtime
     from scapy.utils import RawPcapReader
+    # scapy logs "packet has been truncated" itself; we report the cut once, in status
+    log_runtime.setLevel(logging.ERROR)
     try:
         reader = RawPcapReader(str(path))
     except Scapy_Exception as e:   # bad magic, short global header

@@ -93,6 +93,41 @@ def resolve(path: str, world: int) -> str:
     return folder
 
 
+#: the trainer's flags that a resumed run must share with the checkpoint: they decide
+#: the parameters' shapes, the data each rank sees and the order of its batches
+RUN_FLAGS = ("model", "hidden", "width", "dataset", "partition", "algo", "local_steps",
+             "batch_size", "seed")
+
+
+def run_flags(ns) -> dict:
+    """:data:`RUN_FLAGS` of a trainer's namespace (or JobConfig), for its file."""
+    return {k: getattr(ns, k) for k in RUN_FLAGS if hasattr(ns, k)}
+
+
+def check_resume(folder: str, world: int, job, mode: str, block_bytes: int) -> None:
+    """Before anything starts: every rank's files in step ``folder`` are dgt checkpoint
+    files of this rank and ``world``, taken with this run's :data:`RUN_FLAGS` (``job``:
+    a JobConfig), ``--mode`` and ``--block-bytes``. Raises ValueError naming the flag
+    that differs, or the file that is not a checkpoint."""
+    def differs(flag: str, then, now) -> ValueError:
+        return ValueError(f"--resume {folder}: taken with --{flag} {then}, this run has "
+                          f"--{flag} {now}; resume with the same flags")
+    for r in range(world):
+        side = load(sidecar_file(folder, r), mmap=True)
+        if side.get("mode", mode) != mode:
+            raise differs("mode", side["mode"], mode)
+        if side.get("block_elems", block_bytes // 4) != block_bytes // 4:
+            raise differs("block-bytes", 4 * side["block_elems"], block_bytes)
+        st = load(trainer_file(folder, r), mmap=True)
+        if (st.get("rank", r), st.get("world", world)) != (r, world):
+            raise ValueError(f"--resume {folder}: trainer-{r}.pt is of rank {st['rank']} "
+                             f"of {st['world']}; resume with the same --workers")
+        for k, then in (st.get("flags") or {}).items():
+            now = getattr(job, k, then)
+            if then != now:
+                raise differs(k.replace("_", "-"), then, now)
+
+
 def save(obj, path: str) -> None:
     """``torch.save(obj, path)``, atomically (dgt.atomic). Raises OSError."""
     import torch
@@ -100,16 +135,19 @@ def save(obj, path: str) -> None:
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def load(path: str) -> dict:
+def load(path: str, mmap: bool = False) -> dict:
     """``torch.load`` of one of our files (tensors and plain values only:
-    ``weights_only``). Raises OSError, or ValueError for a file that is not ours."""
+    ``weights_only``; ``mmap``: tensors stay on disk until read, for a cheap check).
+    Raises ValueError for a file that is missing or not ours."""
     import torch
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError:
-        raise
-    except Exception as e:   # a truncated or foreign file
-        raise ValueError(f"{path} is not a dgt checkpoint file: {e}") from None
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    except Exception as e:   # a truncated or foreign file: torch's first sentence
+        why = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else \
+            type(e).__name__
+        raise ValueError(f"{path} is not a dgt checkpoint file ({why})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dgt checkpoint file of format {FORMAT}")
     return state

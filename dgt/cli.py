@@ -26,14 +26,17 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--local-steps only applies with --algo fedavg; add --algo fedavg or "
                      "drop --local-steps")
     from .job import check_workload
-    from .launch import check_memory, check_paths, resume_from, run_job
+    from .launch import (check_checkpoint_dir, check_memory, check_paths, resume_from,
+                         run_job)
     try:
         if metrics.metrics_port and not job.testbed:   # on loopback: rank r, port + r
             check_metrics_ports(metrics, job.workers)
         check_paths(job)
         check_workload(job)
         check_memory(job)
-        resume_from(ckpt, job.workers)
+        resume_from(ckpt, job, tx)
+        if ckpt.checkpoint_every and ckpt.checkpoint_dir:
+            check_checkpoint_dir(ckpt.checkpoint_dir)
     except ValueError as e:
         parser.error(str(e))
     code, _ = run_job(job, tx, metrics=metrics, ckpt=ckpt)

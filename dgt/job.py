@@ -198,6 +198,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
                          "model": model.state_dict(), "optimizer": opt.state_dict(),
                          "rng": torch.get_rng_state(),
                          "aug": aug.get_state() if aug is not None else None,
+                         "flags": checkpoint.run_flags(ns),
                          "history": history, "reached": reached, "comm_s": comm_s,
                          "comm_at": comm_at, "seconds": time.monotonic() - t_start},
                         checkpoint.trainer_file(folder, ns.rank))

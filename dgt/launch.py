@@ -426,10 +426,26 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def resume_from(ckpt: CheckpointConfig, workers: int) -> str:
-    """``--resume``'s step folder ("" when not given). Raises ValueError naming the
-    flag (dgt.checkpoint.resolve)."""
-    return checkpoint.resolve(ckpt.resume, workers) if ckpt.resume else ""
+def resume_from(ckpt: CheckpointConfig, job: JobConfig, tx: TransmissionConfig) -> str:
+    """``--resume``'s step folder ("" when not given), its files checked against this
+    run's flags (dgt.checkpoint.resolve, check_resume). Raises ValueError naming the
+    flag."""
+    if not ckpt.resume:
+        return ""
+    folder = checkpoint.resolve(ckpt.resume, job.workers)
+    checkpoint.check_resume(folder, job.workers, job, tx.mode, tx.block_bytes)
+    return folder
+
+
+def check_checkpoint_dir(path: str) -> None:
+    """--checkpoint-dir can be made and written, before anything starts. Raises
+    ValueError naming the flag."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"--checkpoint-dir {path}: {e.strerror or e}") from None
 
 
 def run_job(job: JobConfig, tx: TransmissionConfig, log=print, metrics=None,
@@ -447,7 +463,9 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print, metrics=None,
     try:   # a busy run dir, a missing testbed or root: say so before anything starts
         j.lock()
         j._hosts()
-        resume = resume_from(j.ckpt, job.workers)
+        resume = resume_from(j.ckpt, job, tx)
+        if j.ckpt.checkpoint_every:
+            check_checkpoint_dir(j.checkpoint_dir)
     except (RuntimeError, ValueError) as e:
         j.cleanup()
         log(f"dgt train: {e}")

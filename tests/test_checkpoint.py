@@ -98,6 +98,49 @@ def test_a_bad_resume_flag_is_one_line(tmp_path):
 SMALL = ("--workers", 2, "--hidden", 32, "--seed", 3, "--deadline-ms", 3000)
 
 
+def _train(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dgt.cli", "train", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_anything_starts(tmp_path):
+    """Breaker round 4: another --hidden, --block-bytes or --mode, a truncated or foreign
+    file, and an unwritable --checkpoint-dir each started every process and ended with
+    exit 1 and a rank blamed; now each is one line and exit 2 before anything starts."""
+    ck = tmp_path / "ck"
+    p = _train("--workers", 2, "--hidden", 32, "--iterations", 10, "--checkpoint-every",
+               10, "--checkpoint-dir", ck, "--run-dir", tmp_path / "run0")
+    assert p.returncode == 0, p.stderr
+    base = ("--workers", 2, "--hidden", 32, "--iterations", 20, "--run-dir",
+            tmp_path / "run1")
+    for extra, want in ((("--hidden", 64), "taken with --hidden 32, this run has --hidden 64"),
+                        (("--block-bytes", 704), "--block-bytes 1408, this run has "
+                                                  "--block-bytes 704"),
+                        (("--mode", "tcp"), "--mode dgt, this run has --mode tcp")):
+        p = _train(*base[:4], *extra, *base[4:], "--resume", ck)
+        assert p.returncode == 2 and want in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and "rank" not in p.stderr, p.stderr
+    step = checkpoint.step_dir(str(ck), 10)
+    side = checkpoint.sidecar_file(step, 1)
+    data = open(side, "rb").read()
+    with open(side, "wb") as f:   # cut short
+        f.write(data[:100])
+    p = _train(*base, "--resume", ck)
+    assert p.returncode == 2 and "sidecar-1.pt is not a dgt checkpoint file" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    with open(side, "wb") as f:
+        f.write(data)
+    torch.save({"a": 1}, checkpoint.trainer_file(step, 0))   # foreign
+    p = _train(*base, "--resume", ck)
+    assert p.returncode == 2 and "trainer-0.pt is not a dgt checkpoint file" in p.stderr
+    (tmp_path / "file").write_text("x")
+    p = _train(*base, "--checkpoint-every", 5, "--checkpoint-dir", tmp_path / "file" / "ck")
+    assert p.returncode == 2 and "--checkpoint-dir" in p.stderr and \
+        "Not a directory" in p.stderr, p.stderr
+    assert not (tmp_path / "run1" / "pids.json").exists()   # nothing was started
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [("--mode", "tcp"), ("--mode", "dgt"),
                                   # topk keeps a residual and ranks by the scores: the

@@ -107,20 +107,29 @@ RESUME = ("--dataset", "digits", "--hidden", 32, "--bucket-cap-mb", 0.01)
 def test_a_resumed_example_ends_bitwise_where_an_uninterrupted_one_does(tmp_path, mode):
     # scores decide which blocks go: a sidecar that forgot its state ends elsewhere
     ck = tmp_path / "ck"
-    _, _, whole = torchrun(tmp_path, "whole", 2, "--comm", "dgt", "--mode", mode,
-                           *RESUME, "--iterations", 20, "--checkpoint-every", 10,
-                           "--checkpoint-dir", ck)
+    _, whole_run, whole = torchrun(tmp_path, "whole", 2, "--comm", "dgt", "--mode",
+                                   mode, *RESUME, "--iterations", 20,
+                                   "--checkpoint-every", 10, "--checkpoint-dir", ck)
     step10 = ck / "step-00000010"
     assert sorted(os.listdir(step10)) == ["sidecar-0.pt", "sidecar-1.pt",
                                           "trainer-0.pt", "trainer-1.pt"]
     saved = torch.load(step10 / "trainer-1.pt", weights_only=True)["dgt"]
     assert saved["iteration"] == 10 and saved["sidecar_state"] == str(step10 / "sidecar-1.pt")
-    p, _, resumed = torchrun(tmp_path, "resumed", 2, "--comm", "dgt", "--mode", mode,
-                             *RESUME, "--iterations", 20, "--resume", step10)
+    p, resumed_run, resumed = torchrun(tmp_path, "resumed", 2, "--comm", "dgt", "--mode",
+                                       mode, *RESUME, "--iterations", 20, "--resume", step10)
+    assert blocks_lost(whole_run) == blocks_lost(resumed_run) == 0, \
+        "precondition: runs without loss"
     assert f"resuming from {step10} (iteration 10)" in p.stdout
     assert len({r["param_sha256"] for r in whole}) == 1
     assert [r["param_sha256"] for r in resumed] == [r["param_sha256"] for r in whole]
     assert resumed[0]["iterations"] == 20
+
+
+def blocks_lost(run_dir) -> int:
+    """Blocks lost on every channel of every sidecar of a finished job."""
+    return sum(ch["blocks_lost"] for n in os.listdir(run_dir)
+               if n.startswith("sidecar-") and n.endswith(".json")
+               for ch in json.loads((run_dir / n).read_text())["channels"].values())
 
 
 def _sidecar_pids(run_dir, world):

@@ -14,11 +14,19 @@ Several hosts: the same script, one torchrun per host:
 ``--comm dgt`` reads the sidecars' settings from DGT_* variables (DGT_MODE=tcp, DGT_K,
 …) or ``--mode``. ``--report DIR`` writes each rank's result (test accuracy, parameter
 SHA-256, bucket timings) to DIR/rank-<r>.json.
+
+Checkpoint and resume (bitwise: a resumed run ends with the uninterrupted run's bits):
+``--checkpoint-every N --checkpoint-dir D`` writes D/step-<t>/trainer-<r>.pt (model,
+optimiser, loop position, the hook's state_dict()) and, under ``--comm dgt``,
+sidecar-<r>.pt (the sidecar's residual, scores, ...); ``--resume D`` (its newest
+complete step) or ``--resume D/step-<t>``. Under ``torchrun --max-restarts M`` a
+restarted generation resumes from the newest complete step in D by itself.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -30,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import dgt.ddp   # dgt
+from dgt import checkpoint
 
 
 def load_data(name: str, seed: int):
@@ -66,6 +75,45 @@ def sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def save_checkpoint(root: str, step: int, epoch: int, batch: int, model, opt,
+                    state) -> None:
+    """D/step-<t>/: the sidecar's file first (dgt), then the trainer's (atomic), so a
+    folder with every trainer-<r>.pt is complete; rank 0 keeps the newest two."""
+    folder = checkpoint.step_dir(root, step)
+    os.makedirs(folder, exist_ok=True)
+    rank = dist.get_rank()
+    if state is not None:
+        state.save_sidecar(checkpoint.sidecar_file(folder, rank))                   # dgt
+    checkpoint.save({"format": checkpoint.FORMAT, "model": model.module.state_dict(),
+                     "opt": opt.state_dict(), "step": step, "epoch": epoch,
+                     "batch": batch, "rng": torch.get_rng_state(),
+                     "dgt": state.state_dict() if state is not None else None},   # dgt
+                    checkpoint.trainer_file(folder, rank))
+    dist.barrier()
+    if rank == 0:
+        checkpoint.prune(root, dist.get_world_size())
+
+
+def resume_from(a) -> str | None:
+    """The step folder to resume from: the newest complete one in --checkpoint-dir when
+    torchrun restarted us, else --resume (a step folder, or a folder of them)."""
+    world = dist.get_world_size()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and a.checkpoint_dir:
+        newest = checkpoint.latest(a.checkpoint_dir, world)
+        if newest:
+            return newest
+    if not a.resume:
+        return None
+    if os.path.exists(checkpoint.trainer_file(a.resume, dist.get_rank())):
+        return a.resume
+    newest = checkpoint.latest(a.resume, world)
+    if newest is None:
+        raise SystemExit(f"--resume {a.resume}: no complete checkpoint of {world} "
+                         f"trainers there; give --checkpoint-dir's folder or a step-<t> "
+                         f"folder in it")
+    return newest
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--comm", choices=("gloo", "dgt"), default="dgt",
@@ -79,40 +127,67 @@ def main() -> None:
     p.add_argument("--dataset", choices=("auto", "fashion-mnist", "digits"), default="auto")
     p.add_argument("--bucket-cap-mb", type=float, default=0.25)
     p.add_argument("--report", default="", help="write DIR/rank-<r>.json")
+    env = os.environ.get
+    p.add_argument("--checkpoint-every", type=int,
+                   default=int(env("DGT_CHECKPOINT_EVERY", "0")),
+                   help="checkpoint every N iterations (0 = never; $DGT_CHECKPOINT_EVERY)")
+    p.add_argument("--checkpoint-dir", default=env("DGT_CHECKPOINT_DIR", ""),
+                   help="where: one step-<t> folder each ($DGT_CHECKPOINT_DIR)")
+    p.add_argument("--resume", default=env("DGT_RESUME", ""),
+                   help="a step-<t> folder, or a checkpoint folder (its newest complete "
+                        "step; $DGT_RESUME)")
     a = p.parse_args()
+    if a.checkpoint_every and not a.checkpoint_dir:
+        p.error("--checkpoint-every needs --checkpoint-dir D (or $DGT_CHECKPOINT_DIR)")
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")            # torchrun's env: RANK, WORLD_SIZE, ...
     rank = dist.get_rank()
     torch.manual_seed(a.seed)
     train, test, shape, name = load_data(a.dataset, a.seed)
-    model = DDP(make_model(shape, a.hidden), bucket_cap_mb=a.bucket_cap_mb)
+    net = make_model(shape, a.hidden)
+    opt = torch.optim.Adam(net.parameters(), lr=a.lr)
+    folder = resume_from(a)
+    ck = checkpoint.load(checkpoint.trainer_file(folder, rank)) if folder else None
+    if ck is not None:   # before DDP, which broadcasts rank 0's parameters
+        net.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        torch.set_rng_state(ck["rng"])
+        if rank == 0:
+            print(f"resuming from {folder} (iteration {ck['step']})", flush=True)
+    model = DDP(net, bucket_cap_mb=a.bucket_cap_mb)
     state = None
     if a.comm == "dgt":
         state = dgt.ddp.DgtState(sidecar_args=["--mode", a.mode] if a.mode else [])  # dgt
+        if ck is not None:                                                            # dgt
+            state.load_state_dict(ck["dgt"])                                          # dgt
         model.register_comm_hook(state, dgt.ddp.dgt_hook)                              # dgt
     sampler = DistributedSampler(train, seed=a.seed, drop_last=True)
     loader = DataLoader(train, batch_size=a.batch_size, sampler=sampler, drop_last=True)
-    opt = torch.optim.Adam(model.parameters(), lr=a.lr)
     loss_fn = nn.CrossEntropyLoss()
-    step, epoch, t0 = 0, 0, time.monotonic()
+    step, epoch, skip = (ck["step"], ck["epoch"], ck["batch"]) if ck else (0, 0, 0)
+    t0 = time.monotonic()
     backward_end: list[float] = []
     while step < a.iterations:
         sampler.set_epoch(epoch)
-        for x, y in loader:
+        for batch, (x, y) in enumerate(itertools.islice(loader, skip, None), skip):
             opt.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
             backward_end.append(time.monotonic())
             opt.step()
             step += 1
+            if a.checkpoint_every and step % a.checkpoint_every == 0:
+                save_checkpoint(a.checkpoint_dir, step, epoch, batch + 1, model, opt, state)
             if step >= a.iterations:
                 break
-        epoch += 1
+        epoch, skip = epoch + 1, 0
     acc = accuracy(model.module, test)
     result = {"rank": rank, "comm": a.comm, "mode": a.mode, "dataset": name,
               "iterations": step, "test_accuracy": acc, "param_sha256": sha256(model),
               "seconds": time.monotonic() - t0, "world": dist.get_world_size(),
+              "resumed_from": folder,
+              "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
               "backward_end_s": backward_end[-50:],
               "timings": state.timings[-50:] if state is not None else []}
     if rank == 0:

@@ -69,6 +69,34 @@ def stop_procs(*procs, timeout_s=30):
             p.wait()
 
 
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_after_checkpoint(p, ck, world: int, victim, timeout_s: float = 240) -> int:
+    """Once a complete checkpoint of ``world`` ranks is under ``ck`` (while ``p`` runs),
+    SIGSTOP then SIGKILL the pid ``victim()`` returns (stopped first: the job cannot end
+    in between). Returns that pid."""
+    import signal
+    import time
+
+    from dgt import checkpoint
+    t_end = time.monotonic() + timeout_s
+    while checkpoint.latest(str(ck), world) is None:
+        assert p.poll() is None, p.communicate()[0]
+        assert time.monotonic() < t_end, f"no checkpoint within {timeout_s} s"
+        time.sleep(0.02)
+    pid = victim()
+    os.kill(pid, signal.SIGSTOP)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
 @pytest.fixture
 def train(tmp_path):
     return lambda *a, **kw: run_train(tmp_path, *a, **kw)

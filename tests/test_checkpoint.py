@@ -5,13 +5,13 @@ import fcntl
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+
+from conftest import alive, kill_after_checkpoint
 
 from dgt import checkpoint
 from dgt.contribution import ContributionScores
@@ -166,14 +166,6 @@ def test_a_resumed_run_ends_bitwise_where_an_uninterrupted_one_does(tmp_path, mo
     assert resumed["iterations"] == whole["iterations"] == 20
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 def test_a_killed_trainer_restarts_from_the_checkpoint_and_leaves_nothing(tmp_path):
     run_dir, ck, report = tmp_path / "run", tmp_path / "ck", tmp_path / "r.json"
@@ -184,15 +176,9 @@ def test_a_killed_trainer_restarts_from_the_checkpoint_and_leaves_nothing(tmp_pa
                                      "--run-dir", run_dir, "--report", report))],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        t_end = time.monotonic() + 240
-        while checkpoint.latest(str(ck), 2) is None:
-            assert p.poll() is None, p.communicate()[0]
-            assert time.monotonic() < t_end, "no checkpoint within 240 s"
-            time.sleep(0.02)
-        pids = json.loads((run_dir / "pids.json").read_text())
-        victim = next(x["pid"] for x in pids if x["kind"] == "trainer" and x["rank"] == 1)
-        os.kill(victim, signal.SIGSTOP)   # mid-run for sure: the job cannot end now
-        os.kill(victim, signal.SIGKILL)
+        kill_after_checkpoint(p, ck, 2, lambda: next(
+            x["pid"] for x in json.loads((run_dir / "pids.json").read_text())
+            if x["kind"] == "trainer" and x["rank"] == 1))
         out, _ = p.communicate(timeout=300)
     finally:
         if p.poll() is None:
@@ -207,7 +193,7 @@ def test_a_killed_trainer_restarts_from_the_checkpoint_and_leaves_nothing(tmp_pa
     everyone = first + json.loads((run_dir / "pids.json").read_text())
     assert len(everyone) == 8
     # nothing left behind: no process, socket file, shared memory segment or lock
-    assert not [x for x in everyone if _alive(x["pid"])]
+    assert not [x for x in everyone if alive(x["pid"])]
     for folder in (run_dir, run_dir / "attempt-1"):
         assert not [f for f in os.listdir(folder) if f.endswith(".sock")]
     sidecars = {x["pid"] for x in everyone if x["kind"] == "sidecar"}

@@ -9,7 +9,8 @@ import sys
 import time
 
 import pytest
-from conftest import stop_procs
+import torch
+from conftest import alive, kill_after_checkpoint, stop_procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "ddp_train.py")
@@ -95,6 +96,83 @@ def test_mode_tcp_is_reproducible_and_equals_gloo(tmp_path, gloo):
     # two workers, nothing lost: (a + b) / 2 and DDP's a / 2 + b / 2 are the same
     # float32 bits, so the hook's mean equals gloo's all-reduce exactly
     assert shas[0] == {gloo[0]["param_sha256"]}
+
+
+# ------------------------------------------------------------- checkpoint and resume
+RESUME = ("--dataset", "digits", "--hidden", 32, "--bucket-cap-mb", 0.01)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["tcp", "dgt", "topk"])   # topk: the residual and the
+def test_a_resumed_example_ends_bitwise_where_an_uninterrupted_one_does(tmp_path, mode):
+    # scores decide which blocks go: a sidecar that forgot its state ends elsewhere
+    ck = tmp_path / "ck"
+    _, whole_run, whole = torchrun(tmp_path, "whole", 2, "--comm", "dgt", "--mode",
+                                   mode, *RESUME, "--iterations", 20,
+                                   "--checkpoint-every", 10, "--checkpoint-dir", ck)
+    step10 = ck / "step-00000010"
+    assert sorted(os.listdir(step10)) == ["sidecar-0.pt", "sidecar-1.pt",
+                                          "trainer-0.pt", "trainer-1.pt"]
+    saved = torch.load(step10 / "trainer-1.pt", weights_only=True)["dgt"]
+    assert saved["iteration"] == 10 and saved["sidecar_state"] == str(step10 / "sidecar-1.pt")
+    p, resumed_run, resumed = torchrun(tmp_path, "resumed", 2, "--comm", "dgt", "--mode",
+                                       mode, *RESUME, "--iterations", 20, "--resume", step10)
+    assert blocks_lost(whole_run) == blocks_lost(resumed_run) == 0, \
+        "precondition: runs without loss"
+    assert f"resuming from {step10} (iteration 10)" in p.stdout
+    assert len({r["param_sha256"] for r in whole}) == 1
+    assert [r["param_sha256"] for r in resumed] == [r["param_sha256"] for r in whole]
+    assert resumed[0]["iterations"] == 20
+
+
+def blocks_lost(run_dir) -> int:
+    """Blocks lost on every channel of every sidecar of a finished job."""
+    return sum(ch["blocks_lost"] for n in os.listdir(run_dir)
+               if n.startswith("sidecar-") and n.endswith(".json")
+               for ch in json.loads((run_dir / n).read_text())["channels"].values())
+
+
+def _sidecar_pids(run_dir, world):
+    return [json.loads((run_dir / f"endpoints-{r}.json").read_text())["pid"]
+            for r in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_restarts_a_killed_trainer_from_the_checkpoint_and_leaves_nothing(
+        tmp_path):
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    run_dir = out / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", "--max-restarts", "1", EXAMPLE, "--comm", "dgt",
+           "--mode", "tcp", *map(str, RESUME), "--iterations", "200",
+           "--checkpoint-every", "10", "--checkpoint-dir", str(ck),
+           "--report", str(out / "rep")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=REPO, env=dict(os.environ, DGT_RUN_DIR=str(run_dir),
+                                            OMP_NUM_THREADS="1"))
+    try:
+        def rank1_trainer():   # rank 1's sidecar's parent
+            with open(f"/proc/{_sidecar_pids(run_dir, 2)[1]}/stat") as f:
+                return int(f.read().split(")")[-1].split()[1])
+        kill_after_checkpoint(p, ck, 2, rank1_trainer)
+        first = _sidecar_pids(run_dir, 2)
+        log, _ = p.communicate(timeout=400)
+    finally:
+        stop_procs(p)
+    assert p.returncode == 0, log[-4000:] + _logs(run_dir)
+    results = [json.loads((out / "rep" / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert {r["restart_count"] for r in results} == {1}
+    assert results[0]["iterations"] == 200
+    assert results[0]["resumed_from"].startswith(str(ck / "step-"))
+    assert results[0]["param_sha256"] == results[1]["param_sha256"]
+    second = _sidecar_pids(run_dir / "restart-1", 2)
+    # nothing left behind by either generation: process, socket file, shared memory
+    assert not [pid for pid in first + second if alive(pid)]
+    for folder in (run_dir, run_dir / "restart-1"):
+        assert not [n for n in os.listdir(folder) if n.endswith(".sock")]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("dgt-")
+                and n.split("-")[1].isdigit() and int(n.split("-")[1]) in first + second]
 
 
 # ------------------------------------------------------------------ in one process

@@ -115,7 +115,12 @@ def _first_layout(state: DgtState) -> None:
         raise ValueError(f"dgt_hook: the loaded hook state lays out {len(state.layout_numels)} "
                          f"parameters ({sum(state.layout_numels)} elements), this model "
                          f"{len(flat.numels)} ({flat.n}); load this model's checkpoint")
-    state.node.client.register(_Params(params))
+    client = state.node.client
+    client.register(_Params(params), resume=state.sidecar_state)
+    if client.next_step != state.iteration:
+        raise ValueError(f"dgt_hook: the hook state is at iteration {state.iteration}, "
+                         f"its sidecar resumes at {client.next_step}; save and load "
+                         f"state_dict() and save_sidecar() together")
     state._flat, state.layout_numels = flat, flat.numels
     for ps, gs in state._first:
         _stage(state, flat.slices(ps), gs)

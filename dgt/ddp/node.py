@@ -159,8 +159,11 @@ class NodeLink:
                timeout_s: float) -> "NodeLink":
         import torch.distributed as dist
         from ..launch import _die_with_parent
-        run_dir = os.environ.get("DGT_RUN_DIR") or os.path.join(default_run_dir(),
-                                                                 f"torchrun-{env.tag}")
+        run_dir = os.environ.get("DGT_RUN_DIR")
+        if not run_dir:
+            run_dir = os.path.join(default_run_dir(), f"torchrun-{env.tag}")
+        elif env.restart_count:   # a failed generation's sidecars may still be stopping
+            run_dir = os.path.join(run_dir, f"restart-{env.restart_count}")
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
         host = os.environ.get("DGT_HOST") or route_source(env.master_addr,

@@ -2,6 +2,7 @@
 the node's sidecar (which it does not)."""
 from __future__ import annotations
 
+import os
 import time
 
 #: version of :meth:`DgtState.state_dict`'s layout; load_state_dict refuses others
@@ -40,9 +41,13 @@ class DgtState:
         >>> model.register_comm_hook(state, dgt_hook)
         >>> for x, y in loader:
         >>>     opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        >>> state.save_sidecar("sidecar-0.pt")      # residual, scores, ... (the sidecar's)
         >>> torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
         >>>             "dgt": state.state_dict()}, "ckpt.pt")
         >>> state.close()
+        >>> # resume (a new process): load_state_dict() before the first backward
+        >>> state = DgtState()
+        >>> state.load_state_dict(torch.load("ckpt.pt", weights_only=True)["dgt"])
     """
 
     def __init__(self, process_group=None, socket_path: str | None = None,
@@ -56,6 +61,9 @@ class DgtState:
         self.iteration = 0
         #: parameter sizes in the flat vector's order (fixed at the first iteration)
         self.layout_numels: list[int] | None = None
+        #: the file the sidecar last wrote its state to (:meth:`save_sidecar`), or the
+        #: one it resumes from at the first iteration (:meth:`load_state_dict`)
+        self.sidecar_state: str | None = None
         #: per iteration: {"iteration", "buckets": [[index, handed_s, elements]],
         #: "push_s", "pulled_s"} on time.monotonic(); the last TIMINGS_KEPT iterations
         self.timings: list[dict] = []
@@ -73,15 +81,34 @@ class DgtState:
     # -- checkpoint ------------------------------------------------------------------
     def state_dict(self) -> dict:
         """What resuming needs from the hook: ``{"version", "iteration",
-        "layout_numels"}`` (ints; picklable, ``torch.save``-able). The sidecar-side
-        state (residuals, contribution scores) is the sidecar's."""
+        "layout_numels", "sidecar_state"}`` (ints and a path; picklable,
+        ``torch.save``-able). The sidecar-side state (residual, contribution scores,
+        adaptive k, generator, iterations pushed) is model-sized: the sidecar writes it
+        to its own file (:meth:`save_sidecar`) and this dict names that file."""
         return {"version": STATE_VERSION, "iteration": int(self.iteration),
                 "layout_numels": None if self.layout_numels is None
-                else [int(n) for n in self.layout_numels]}
+                else [int(n) for n in self.layout_numels],
+                "sidecar_state": self.sidecar_state}
+
+    def save_sidecar(self, path: str) -> None:
+        """Have this rank's sidecar write its state to ``path`` now, with ``torch.save``
+        (atomically), between two iterations: after the first iteration, before the
+        next backward. :meth:`state_dict` then names ``path`` (absolute), and a state
+        loaded from it resumes the sidecar from there. Raises RuntimeError before the
+        first iteration, :class:`dgt.PeerFailure` when the sidecar cannot write it."""
+        if self._flat is None:
+            raise RuntimeError("save_sidecar() after the first iteration: the sidecar "
+                               "has no model laid out before it")
+        path = os.path.abspath(path)
+        self.node.client.save_state(path)
+        self.sidecar_state = path
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned. Raises ValueError for another
-        version, or a layout that differs from this model's (a different model)."""
+        """Restore what :meth:`state_dict` returned, before the first backward: the
+        sidecar resumes from the file it names at the first iteration (bitwise where
+        the checkpoint's run would have gone on). Raises ValueError for another version,
+        a layout that differs from this model's (a different model), or a state that
+        names a sidecar file when this state's sidecar has already started pushing."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a dgt hook state of version {STATE_VERSION}: "
                              f"{type(state).__name__} {getattr(state, 'get', dict)('version')}; "
@@ -93,8 +120,13 @@ class DgtState:
                              f"({sum(numels)} elements), this one "
                              f"{len(self.layout_numels)} ({sum(self.layout_numels)}); load "
                              f"the checkpoint of this model")
+        sidecar_state = state.get("sidecar_state")
+        if sidecar_state and self._flat is not None:
+            raise ValueError("load the hook state before the first backward: this "
+                             "state's sidecar has already pushed")
         self.iteration = int(state["iteration"])
         self.layout_numels = None if numels is None else [int(n) for n in numels]
+        self.sidecar_state = sidecar_state
 
     def __getstate__(self) -> dict:
         return {"process_group": None, "socket_path": self.socket_path,
@@ -107,6 +139,7 @@ class DgtState:
         self.sidecar_args = list(d["sidecar_args"])
         self.timeout_s = d["timeout_s"]
         self.iteration, self.layout_numels, self.timings = 0, None, []
+        self.sidecar_state = None
         self._reset_live()
         self.load_state_dict(d["state"])
 

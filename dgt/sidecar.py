@@ -402,8 +402,9 @@ class Sidecar:
         if self.done.is_set():
             return
         self.failed = PeerFailure(message, rank, why, blamed)
-        failure.write(self.node.run_dir, failure.FailureRecord(
-            "sidecar", self.rank, why, message, self.failed.ranks))
+        if why is not FailureReason.STOPPED or rank is not None:   # a plain stop: none
+            failure.write(self.node.run_dir, failure.FailureRecord(
+                "sidecar", self.rank, why, message, self.failed.ranks))
         log.log(level, "rank %d: %s", self.rank, message)
         try:   # telling the others is best effort; stopping is not
             if propagate:

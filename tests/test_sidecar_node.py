@@ -176,6 +176,8 @@ def test_torchrun_variables_a_runtime_run_dir_a_ready_line_and_a_quiet_sigterm(t
     assert (xdg / "dgt" / "sidecar-0.json").exists()
     assert os.listdir(cwd) == []          # nothing in the current directory
     assert " ERROR " not in err and "stopped by signal" in err, err
+    # a requested stop is no failure: no record for the launcher to read (breaker round 4)
+    assert not list((xdg / "dgt").glob("failure-*.json"))
 
 
 def test_a_small_udp_buffer_is_in_the_summary_and_the_report(tmp_path):

@@ -32,11 +32,16 @@ from typing import Iterator
 from scapy.fields import (ByteEnumField, ByteField, ConditionalField, FlagsField,
                           IntField, LongField, ShortField, StrLenField, XLongField,
                           XShortField, XStrFixedLenField)
+from scapy.error import log_runtime
 from scapy.layers.inet import TCP, UDP
 from scapy.packet import Packet, bind_layers, split_layers
 
 from dgt.transport import wire
 from dgt.tools.ports import PortSpec
+
+# scapy's readers log "packet has been truncated" themselves; read_pcap reports the cut
+# once, in its status, so their warning would be a second line
+log_runtime.setLevel(logging.ERROR)
 
 # ---------------------------------------------------------------------------------------
 # scapy layer
@@ -230,10 +235,8 @@ def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord
     if magic == b"\x0a\x0d\x0d\x0a":
         yield from _read_pcapng(path, status)
         return
-    from scapy.error import Scapy_Exception, log_runtime
+    from scapy.error import Scapy_Exception
     from scapy.utils import RawPcapReader
-    # scapy logs "packet has been truncated" itself; we report the cut once, in status
-    log_runtime.setLevel(logging.ERROR)
     try:
         reader = RawPcapReader(str(path))
     except Scapy_Exception as e:   # bad magic, short global header

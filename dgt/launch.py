@@ -34,6 +34,7 @@ import time
 
 from . import checkpoint, failure
 from .atomic import write_json
+from .interrupt import raise_keyboard_interrupt_on
 from .config import (DIGITS_TRAIN_SAMPLES, CheckpointConfig, JobConfig, TransmissionConfig,
                      to_argv)
 from .rendezvous import QUIET_TORCH_ENV
@@ -422,10 +423,6 @@ def check_paths(job: JobConfig) -> None:
                              f"{torch.__version__}); use --device cpu")
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def resume_from(ckpt: CheckpointConfig, job: JobConfig, tx: TransmissionConfig) -> str:
     """``--resume``'s step folder ("" when not given), its files checked against this
     run's flags (dgt.checkpoint.resolve, check_resume). Raises ValueError naming the
@@ -457,8 +454,7 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print, metrics=None,
     SIGTERM, SIGINT and SIGHUP stop every child process and clean up (even when the
     launcher was started in the background with SIGINT ignored)."""
     t0 = time.monotonic()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _raise_interrupt)
+    raise_keyboard_interrupt_on(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     j = Job(job, tx, log, metrics, ckpt)
     try:   # a busy run dir, a missing testbed or root: say so before anything starts
         j.lock()

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dgt.interrupt import raise_keyboard_interrupt_on
 from dgt.progress import CellProgress
 
 log = logging.getLogger("dgt.tools.bench")
@@ -378,12 +379,6 @@ def stop_group(p: subprocess.Popen, grace_s: float = 10.0) -> None:
             p.wait(wait_s)
         except subprocess.TimeoutExpired:
             continue
-
-
-def _raise_interrupt(signum, frame):
-    for sig in (signal.SIGTERM, signal.SIGHUP):   # a second one must not cut the cleanup
-        signal.signal(sig, signal.SIG_IGN)
-    raise KeyboardInterrupt
 
 
 def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> dict:
@@ -1055,8 +1050,7 @@ def cmd_bench(a) -> int:
         os.path.basename(sys.argv[0]) == "dgt" else shlex.join(["dgt", "bench"] + sys.argv[2:])
     # SIGTERM and SIGHUP stop the bench as Ctrl-C does: every cell's job is stopped and
     # the testbed removed on the way out (the default action would leave them running)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_interrupt)
+    raise_keyboard_interrupt_on(signal.SIGTERM, signal.SIGHUP, ignore_repeats=True)
     try:
         if a.what == "goodput":
             rate = _csv(a.rates)[0] if a.rates else "1gbit"

@@ -202,9 +202,9 @@ def cmd_capture(args) -> int:
         channels=ports.parse_channels(args.channel) if args.channel else None)
     import signal
 
-    def _term(signum, frame):  # SIGTERM stops like Ctrl-C: close the file, print stats
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, _term)
+    from dgt.interrupt import raise_keyboard_interrupt_on
+    # SIGTERM stops like Ctrl-C: close the file, print stats
+    raise_keyboard_interrupt_on(signal.SIGTERM)
     st = capture.run_capture(cfg)
     print(capture.format_stats(st))
     if args.json:

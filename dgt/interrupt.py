@@ -1,0 +1,65 @@
+"""Stop signals as Ctrl-C, in the process that asked for it and nowhere else.
+
+A command that owns cleanup (``dgt train``: the children; ``dgt bench``: every cell's job
+and the testbed) turns SIGTERM and SIGHUP into ``KeyboardInterrupt`` so that its
+``finally`` blocks run. A Python signal handler is inherited by ``os.fork``, though, and
+libraries fork behind our back: pyroute2 forks a child to enter a network namespace and
+stops it with SIGTERM; ``multiprocessing``'s fork context does the same. A handler that
+raised there unwound the forked copy of the parent's whole stack, so the copy ran the
+parent's cleanup: it removed the testbed under the parent (CI saw ``dgt bench`` fail with
+``/var/run/netns/...-sw: No such file`` and hang).
+
+:func:`raise_keyboard_interrupt_on` installs a handler that raises only in the process
+that installed it; a forked child that receives the signal dies of it, as with the
+default action. Forked children also get the default actions back at once
+(``os.register_at_fork``), SIGINT included (Python's own SIGINT handler raises
+KeyboardInterrupt too, so a Ctrl-C to the process group would unwind the copy as well),
+so a later signal does not reach Python code there at all.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+_owner_pid: int | None = None
+_installed: set[int] = set()
+_fork_hook_registered = False
+
+
+def raise_keyboard_interrupt_on(*signums: int, ignore_repeats: bool = False) -> None:
+    """From now on each of ``signums`` raises KeyboardInterrupt in this process.
+
+    ``ignore_repeats``: the first such signal also sets SIG_IGN for all of ``signums``,
+    so a second one cannot cut the cleanup short. In a forked child every one of them
+    has its default action (the child dies of it). Main thread only (``signal.signal``
+    raises ValueError elsewhere).
+    """
+    global _owner_pid, _fork_hook_registered
+    _owner_pid = os.getpid()
+    _installed.update(signums)
+
+    def handler(signum, frame):
+        if os.getpid() != _owner_pid:    # a forked copy: die as the default action would
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if ignore_repeats:
+            for s in signums:
+                signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for s in signums:
+        signal.signal(s, handler)
+    if not _fork_hook_registered:
+        os.register_at_fork(after_in_child=_defaults_in_child)
+        _fork_hook_registered = True
+
+
+def _defaults_in_child() -> None:
+    if os.getpid() == _owner_pid:
+        return
+    for s in _installed | {signal.SIGINT}:
+        try:   # SIGINT too: Python's default raises there, and would unwind the copy
+            signal.signal(s, signal.SIG_DFL)
+        except ValueError:   # forked from a thread other than the main one
+            pass

@@ -1,0 +1,66 @@
+"""dgt.interrupt: SIGTERM/SIGHUP become KeyboardInterrupt in the process that asked,
+and never in a forked copy of it (pyroute2 and multiprocessing fork behind our back and
+stop their children with SIGTERM; a raising handler there once ran the parent's cleanup
+in the copy and removed the bench's testbed under it)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from dgt.interrupt import raise_keyboard_interrupt_on
+    marker = sys.argv[1]
+    raise_keyboard_interrupt_on(signal.SIGTERM, signal.SIGHUP, ignore_repeats=True)
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:                       # the forked copy: what a library's child is
+            os.close(r)
+            try:
+                os.write(w, b"x")
+                while True:
+                    time.sleep(0.05)
+            except KeyboardInterrupt:      # the parent's cleanup, run in the copy
+                open(marker, "a").write("child unwound\\n")
+                os._exit(3)
+        os.close(w)
+        os.read(r, 1)                      # the child is in its loop
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status), flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)   # the owner itself: KeyboardInterrupt
+        time.sleep(5)
+        print("owner not interrupted", flush=True)
+    except KeyboardInterrupt:
+        print("owner interrupted", flush=True)
+        # the first signal set SIG_IGN for both (ignore_repeats)
+        print("repeat", signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, flush=True)
+""")
+
+
+def test_a_forked_copy_dies_of_sigterm_and_the_owner_gets_keyboard_interrupt(tmp_path):
+    marker = tmp_path / "marker"
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(marker)], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.split("\n")
+    assert f"child {-signal.SIGTERM}" in lines, p.stdout
+    assert "owner interrupted" in lines, p.stdout
+    assert "repeat True" in lines, p.stdout
+    assert not marker.exists(), marker.read_text()
+
+
+def test_sigint_in_a_forked_copy_kills_it_without_unwinding(tmp_path):
+    """Ctrl-C reaches the whole process group: Python's own SIGINT handler would raise
+    in the copy too, so forks get the default action for SIGINT as well."""
+    marker = tmp_path / "marker"
+    script = SCRIPT.replace("os.kill(pid, signal.SIGTERM)", "os.kill(pid, signal.SIGINT)")
+    p = subprocess.run([sys.executable, "-c", script, str(marker)], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert f"child {-signal.SIGINT}" in p.stdout.split("\n"), p.stdout
+    assert not marker.exists()

@@ -21,11 +21,11 @@ from .errors import PeerFailure
 from .failure import FailureReason
 from .config import TransmissionConfig
 from .layout import BlockLayout
+from .parts import PartPush
 from .planner import PushPlanner
-from .scheduler.assign import DROPPED
 from .scheduler.pacing import PortPacing
 from .transport.counters import Counters
-from .transport.sender import SEND_EARLY_S, PushSender, TcpFrame
+from .transport.sender import PushSender
 
 
 @dataclass
@@ -76,45 +76,23 @@ class WorkerAgent:
         self.pulls: dict[int, np.ndarray] = {}   # shard -> received bitmap
         self.pull_waiter: asyncio.Future | None = None
         self.iteration = 0
-        self.sending = False   # between plan() and END: our push is on the port
+        self.sending = False   # our push has blocks on the port (dgt.parts)
         # per-iteration trace (dgt.trace): wall-clock marks of the push in flight, each
         # shard's PULL, and how many of our blocks did not arrive
         self.marks: dict[str, float] = {}
         self.pull_at: dict[int, float] = {}
         self.not_arrived = 0
+        self.parts = PartPush(self)   # the push, whole or in parts (wait-free backprop)
 
     # -- push -------------------------------------------------------------------------
     async def push(self, t: int, loss: float | None, timeout_s: float) -> float:
-        """Run iteration ``t`` to the applied aggregate. Returns k. Raises PeerFailure
-        when a shard's PULL does not come within ``timeout_s``. The messages and their
-        times come from transport.sender.PushSender; this only writes them out."""
+        """Run iteration ``t`` to the applied aggregate: what its parts (dgt.parts) did
+        not send yet, then the PULLs. Returns k. Raises PeerFailure when a shard's PULL
+        does not come within ``timeout_s``."""
         self.iteration = t
-        self.sending = True
-        self.marks, self.pull_at = {}, {}
-        chan, k = self.planner.plan(self.grad, loss)
-        lay, me, links, sender = self.layout, self.rank, self.links, self.sender
-        blocks = self.planner.work.numpy().reshape(lay.n_blocks, lay.block_elems)
+        lay, me, links = self.layout, self.rank, self.links
         self.pull_waiter = asyncio.get_running_loop().create_future()
-        # the reliable frames view the work buffer: it is rewritten only by the next
-        # plan(), after every shard's PULL, i.e. after each shard has these bytes
-        for f in sender.start(t, chan, blocks, self.ranges, me, time.monotonic()):
-            links.send_tcp(f.shard, f.frame)
-        self.marks["reliable_sent_s"] = time.time()
-        lo, hi = lay.shard_lo(me), lay.shard_hi(me)   # in-process, after the network
-        links.local_push(t, blocks[lo:hi], chan[lo:hi] != DROPPED, time.monotonic())
-        while not sender.done:
-            for out in sender.datagrams_to_send(time.monotonic(), links.tcp_backlog):
-                if isinstance(out, TcpFrame):
-                    links.send_tcp(out.shard, out.frame)
-                else:
-                    sender.sent(out, links.send_udp(out.channel, out.shard, out.rows),
-                                time.monotonic())
-            at = sender.get_timer()
-            if at is not None and at - time.monotonic() > SEND_EARLY_S:
-                await asyncio.sleep(at - time.monotonic())
-        self.sending = False
-        self.marks["end_s"] = time.time()
-        links.push_sent()
+        k = await self.parts.push(t, loss)
         if len(self.pulls) < lay.n_shards:
             try:
                 await asyncio.wait_for(asyncio.shield(self.pull_waiter), timeout_s)

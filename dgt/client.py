@@ -55,6 +55,9 @@ class Client:
         self.grad: np.ndarray | None = None
         self.aggregate: np.ndarray | None = None
         self.last_k: float | None = None
+        #: CLOCK_MONOTONIC (s) when the last push's first block left the sidecar, None
+        #: when none left it (one node)
+        self.last_first_sent: float | None = None
         self.next_step = 0
         self.closed = False
 
@@ -226,8 +229,20 @@ class Client:
         sidecar's trace counts comm time from it; default now). Raises PeerFailure."""
         self._send({"op": "push", "t": int(step), "loss": loss,
                     "start": time.monotonic() if start is None else start})
-        self.last_k = self._recv("pulled").get("k")
+        msg = self._recv("pulled")
+        self.last_k, self.last_first_sent = msg.get("k"), msg.get("first_sent")
         self.next_step += 1
+
+    def push_part(self, step: int, ranges: list[tuple[int, int]]) -> None:
+        """Hand over part of iteration ``step`` before its :meth:`push_buffer`: the
+        element ranges ``ranges`` ([lo, hi) of ``self.grad``, ints, never one element
+        twice in an iteration) are final in the shared buffer. The sidecar sends the
+        blocks they complete at once (wait-free backpropagation, :mod:`dgt.parts`);
+        ``push_buffer`` then sends the rest. Does not wait for an answer: a part the
+        sidecar refuses fails the job, and the next ``push_buffer`` raises
+        PeerFailure saying why."""
+        self._send({"op": "part", "t": int(step),
+                    "ranges": [[int(lo), int(hi)] for lo, hi in ranges]})
 
     @staticmethod
     def _is_view(p: torch.Tensor, g: torch.Tensor, off: int) -> bool:

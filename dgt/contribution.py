@@ -42,6 +42,23 @@ class ContributionScores:
             self.scores.mul_(self.alpha).add_(mag, alpha=1.0 - self.alpha)
         return self.scores
 
+    def update_rows(self, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Fold blocks ``rows`` ((m,) int64) of one push, ``blocks`` ((m, block_elems)
+        float32), into their scores (a push handed over in parts); returns their scores
+        ((m,) float32), bitwise what :meth:`update` gives those rows. Raises
+        RuntimeError before the first :meth:`update` (the first push is one whole)."""
+        if self._fresh:
+            raise RuntimeError("the first push scores every block at once (update)")
+        mag = blocks.abs().mean(dim=1)
+        out = self.scores[rows].mul_(self.alpha).add_(mag, alpha=1.0 - self.alpha)
+        self.scores[rows] = out
+        return out
+
+    @property
+    def fresh(self) -> bool:
+        """No push folded in yet."""
+        return self._fresh
+
     def state_dict(self) -> dict:
         """The scores ((n_blocks,) float32, on CPU) and whether none was folded in yet:
         what a checkpoint needs to resume bitwise (``torch.save``-able, no sockets)."""

@@ -30,6 +30,13 @@ class Residual:
             g.add_(self.residual)
         return g
 
+    def compensate_rows(self, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """``blocks += residual`` of blocks ``rows`` ((m,) int64); ``blocks``: (m,
+        block_elems) float32. Returns ``blocks`` (a push handed over in parts)."""
+        if self.enabled and not self.empty:
+            blocks.add_(self.residual.view(-1, self.block_elems)[rows])
+        return blocks
+
     def update(self, g: torch.Tensor, arrived: torch.Tensor) -> None:
         """``arrived``: (n_blocks,) bool, True where the block reached its shard."""
         if not self.enabled:

@@ -59,6 +59,38 @@ class PushPlanner:
         self.k_history.append(k)
         return chan, k
 
+    def iteration_k(self, loss: float | None) -> float:
+        """k of the next push (adaptive k takes the loss once per iteration), logged in
+        ``k_history``; for a push in parts (:meth:`plan_rows`)."""
+        k = self.adaptive.update(loss) if self.adaptive else self.cfg.k
+        k = 1.0 if self.cfg.mode == "tcp" else k
+        self.k_history.append(k)
+        return k
+
+    def plan_rows(self, grad: torch.Tensor, rows: np.ndarray, k: float) -> np.ndarray:
+        """Plan blocks ``rows`` ((m,) int64, ascending) of a push handed over in parts
+        (wait-free backpropagation, docs/ddp.md): compensate them from ``grad``
+        ((padded,) float32) into ``work``, fold them into the scores, rank them among
+        themselves and give the top ``ceil(k m)`` TCP, the rest the UDP bands. Returns
+        their channels ((m,) int8, as :meth:`plan`). Every block of the push goes
+        through here exactly once; the compensated values and scores are bitwise those
+        of :meth:`plan`, only the ranking is per part."""
+        cfg, e = self.cfg, self.layout.block_elems
+        idx = torch.from_numpy(rows)
+        g = grad.view(-1, e)[idx]
+        if self.raw_sum is not None:
+            self.raw_sum.view(-1, e)[idx] += g
+        self.residual.compensate_rows(idx, g)
+        self.work.view(-1, e)[idx] = g
+        n_rel = reliable_count(rows.size, k)
+        if cfg.mode == "random":
+            scores = torch.rand(rows.size, generator=self.gen)
+        else:
+            scores = self.scores.update_rows(idx, g)
+        order = rank_blocks(scores, epsilon=cfg.epsilon, n_reliable=n_rel, generator=self.gen)
+        return assign_channels(order, n_rel, cfg.channels,
+                               drop_unreliable=cfg.mode == "topk").numpy()
+
     def settle(self, arrived: np.ndarray, aggregate: np.ndarray) -> None:
         """After every PULL: ``arrived`` (n_blocks,) bool, ``aggregate`` (padded,)
         float32 as applied. The blocks that did not arrive go into the residual."""

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from . import checkpoint, datapath, failure, ipc
+from . import checkpoint, datapath, failure, ipc, parts
 from .agent import WorkerAgent
 from .atomic import write_json
 from .errors import PeerFailure
@@ -119,6 +119,7 @@ class Sidecar:
         self.failed: PeerFailure | None = None
         self.done = asyncio.Event()
         self.trainer = TrainerLink(self.rank, {"register": self._register, "push": self._push,
+                                    "part": lambda m: parts.part_op(self, m),
                                     "save": lambda m: checkpoint.save_op(self, m)},
                                    self.fail, self.finish, self.done,
                                    {"world": self.world, "job": self.node.job})
@@ -256,7 +257,8 @@ class Sidecar:
                                   self.cfg.peer_timeout_s)
         self.pushing = None
         self.pushes += 1
-        self.trainer.send({"op": "pulled", "t": t, "k": k})
+        self.trainer.send({"op": "pulled", "t": t, "k": k,
+                           "first_sent": self.agent.parts.first_sent})
         self.trace.end(self.agent, k)
 
     def _check_closed(self, t: int) -> None:

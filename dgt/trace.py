@@ -3,10 +3,12 @@ in the run directory.
 
 Each line (``"kind": "iteration"``) holds, for iteration ``t`` of this node's worker:
 
-- ``push_start_s``, ``reliable_sent_s``, ``end_s``, ``pull_s`` (``{shard: s}``),
-  ``apply_s``: wall-clock times (``time.time()``, seconds since the epoch) of the
-  trainer's push (when the trainer called ``push_pull``; it passes its clock along), the
-  last reliable frame handed to TCP, END sent to every shard, each shard's PULL taken,
+- ``push_start_s``, ``first_sent_s``, ``reliable_sent_s``, ``end_s``, ``pull_s``
+  (``{shard: s}``), ``apply_s``: wall-clock times (``time.time()``, seconds since the
+  epoch) of the trainer's push (when the trainer called ``push_pull``, or the DDP hook
+  got the last bucket; it passes its clock along), the iteration's first block sent to
+  a remote shard (with a push in parts, dgt.parts, during backward, before
+  ``push_start_s``; null on one node), the last reliable frame handed to TCP, END sent to every shard, each shard's PULL taken,
   and the aggregate applied (the trainer told);
 - ``comm_s``: the communication time, ``apply - push_start`` on CLOCK_MONOTONIC (host-
   wide: the trainer and its sidecar share it, also in testbed namespaces);
@@ -108,6 +110,7 @@ class Trace:
         self.pull_wait_hist.observe(max(0.0, pull_wait))
         line = {"kind": "iteration", "rank": self.rank, "t": self.t,
                 "push_start_s": self.start_wall,
+                "first_sent_s": marks.get("first_sent_s"),
                 "reliable_sent_s": marks.get("reliable_sent_s"), "end_s": end_s,
                 "pull_s": {str(s): v for s, v in sorted(pulls.items())},
                 "apply_s": wall, "comm_s": comm_s, "pull_wait_s": pull_wait,

@@ -1,6 +1,6 @@
 """The sidecar's side of the trainer's Unix socket (dgt.ipc): one trainer per sidecar,
-one JSON line per message, ``register`` / ``push`` / ``bye`` in, ``registered`` /
-``pulled`` / ``error`` out.
+one JSON line per message, ``register`` / ``part`` / ``push`` / ``save`` / ``bye`` in,
+``registered`` / ``pulled`` / ``saved`` / ``error`` out.
 
 A connection that closes before its first line is a probe (another sidecar checking
 whether this socket is live: dgt.unixsock), not a trainer; a second trainer gets an

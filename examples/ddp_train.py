@@ -126,6 +126,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dataset", choices=("auto", "fashion-mnist", "digits"), default="auto")
     p.add_argument("--bucket-cap-mb", type=float, default=0.25)
+    p.add_argument("--no-overlap", action="store_true",
+                   help="--comm dgt: push the whole vector after backward (as dgt.Client) "
+                        "instead of each bucket as DDP hands it over")
     p.add_argument("--report", default="", help="write DIR/rank-<r>.json")
     env = os.environ.get
     p.add_argument("--checkpoint-every", type=int,
@@ -158,7 +161,8 @@ def main() -> None:
     model = DDP(net, bucket_cap_mb=a.bucket_cap_mb)
     state = None
     if a.comm == "dgt":
-        state = dgt.ddp.DgtState(sidecar_args=["--mode", a.mode] if a.mode else [])  # dgt
+        state = dgt.ddp.DgtState(sidecar_args=["--mode", a.mode] if a.mode else [],  # dgt
+                                 overlap=not a.no_overlap)                           # dgt
         if ck is not None:                                                            # dgt
             state.load_state_dict(ck["dgt"])                                          # dgt
         model.register_comm_hook(state, dgt.ddp.dgt_hook)                              # dgt

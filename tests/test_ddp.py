@@ -98,6 +98,47 @@ def test_mode_tcp_is_reproducible_and_equals_gloo(tmp_path, gloo):
     assert shas[0] == {gloo[0]["param_sha256"]}
 
 
+OVERLAP_JOB = os.path.join(REPO, "tests", "ddp_overlap_job.py")
+
+
+def overlap_job(tmp_path, name, *args):
+    """tests/ddp_overlap_job.py (2 trainers, the first layer's backward sleeps 0.3 s)
+    under torchrun; its rank results."""
+    out, run_dir = tmp_path / name, tmp_path / name / "run"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", OVERLAP_JOB, "--out", str(out), *args],
+                       capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env=dict(os.environ, DGT_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:] + _logs(run_dir)
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+
+
+def first_push_before_backward_ends(result) -> list[bool]:
+    """Per iteration after the first: did the sidecar send the iteration's first block
+    (CLOCK_MONOTONIC, the sidecar's) before DDP handed over the last bucket (the end of
+    backward)? The order of two timestamps of one clock, not a duration."""
+    return [t["first_sent_s"] is not None and t["first_sent_s"] < t["buckets"][-1][1]
+            for t in result["timings"][1:]]
+
+
+@pytest.mark.timeout(600)
+def test_the_first_buckets_push_starts_before_backward_ends(tmp_path):
+    # wait-free backpropagation: the later layers' buckets are pushed while the first
+    # layer's backward still sleeps; the whole-vector push (dgt.Client's way) only after
+    parted = overlap_job(tmp_path, "parts", "--mode", "dgt")
+    for r in parted:
+        assert len(r["timings"]) == 4 and len(r["timings"][-1]["buckets"]) >= 2
+        assert all(first_push_before_backward_ends(r)), r["timings"]
+        for t in r["timings"][1:]:
+            assert t["buckets"][0][1] <= t["part_s"] <= t["first_sent_s"] < t["push_s"]
+    assert parted[0]["param_sha256"] == parted[1]["param_sha256"]
+    whole = overlap_job(tmp_path, "whole", "--mode", "dgt", "--no-overlap")
+    for r in whole:
+        assert not any(first_push_before_backward_ends(r)), r["timings"]
+    # no block lost on loopback: the same blocks reach the shards, the same bits
+    assert whole[0]["param_sha256"] == parted[0]["param_sha256"]
+
+
 # ------------------------------------------------------------- checkpoint and resume
 RESUME = ("--dataset", "digits", "--hidden", 32, "--bucket-cap-mb", 0.01)
 

@@ -111,7 +111,8 @@ def batch_rows(datagram_bytes: int) -> int:
 class _Stream:
     """One shard's UDP blocks: [(channel, (n, size) uint8 datagrams)], best band first."""
 
-    __slots__ = ("shard", "segments", "seg", "pos", "charged", "give_up", "refused_since")
+    __slots__ = ("shard", "segments", "seg", "pos", "charged", "give_up", "refused_since",
+                 "tailed")
 
     def __init__(self, shard: int, segments: list):
         self.shard, self.segments = shard, segments
@@ -120,6 +121,7 @@ class _Stream:
         self.charged = 0         # rows whose tokens are taken, not yet sent
         self.give_up: float | None = None   # stop waiting for its TCP backlog then
         self.refused_since: float | None = None   # first refused send of this band
+        self.tailed: set[int] = set()   # channels whose tail marker is out
 
 
 class Unpaced:
@@ -154,69 +156,107 @@ class PushSender:
         self._due: dict[int, float] = {}     # stream -> when its next batch is due
         self._inflight: set[int] = set()     # streams with a batch out, not yet sent()
         self._tails: list[UdpBatch] = []
-        self._begun = True
+        self._wake: list[int] = []           # idle streams given new blocks
+        self.final = True
+        self.ranges: list[tuple[int, int]] = []
+        self.local: int | None = None
 
     # -- one push ---------------------------------------------------------------------
     def start(self, iteration: int, chan: np.ndarray, blocks: np.ndarray,
               ranges: list[tuple[int, int]], local: int | None, now: float) -> list[TcpFrame]:
-        """Begin push ``iteration``. ``chan``: (n_blocks,) int8 channel per block (0
-        reliable, 1..7 UDP, -1 dropped); ``blocks``: (n_blocks, block_elems) float32,
-        read (not copied) until END; ``ranges``: [lo, hi) blocks of each shard;
-        ``local``: the shard fed in-process (not sent here), or None. Returns the
-        reliable frames, to send first and in order. Raises RuntimeError when the last
+        """Begin push ``iteration`` of every block at once. ``chan``: (n_blocks,) int8
+        channel per block (0 reliable, 1..7 UDP, -1 dropped); ``blocks``: (n_blocks,
+        block_elems) float32, read (not copied) until END; ``ranges``: [lo, hi) blocks
+        of each shard; ``local``: the shard fed in-process (not sent here), or None.
+        Returns the reliable frames, to send first and in order. Raises RuntimeError
+        when the last push is not done. The same as :meth:`begin`, :meth:`add` of all
+        blocks and :meth:`finish`."""
+        self.begin(iteration, ranges, local)
+        frames = self.add(np.arange(chan.size), chan, blocks)
+        self.finish()
+        return frames
+
+    # -- a push in parts (wait-free backpropagation) ------------------------------------
+    def begin(self, iteration: int, ranges: list[tuple[int, int]],
+              local: int | None) -> None:
+        """Open push ``iteration`` with no block yet: :meth:`add` hands over blocks as
+        they become final, :meth:`finish` says that no more come (then the tail markers
+        and END go once every block added is sent). Raises RuntimeError when the last
         push is not done."""
         if not self.done:
             raise RuntimeError(f"push {iteration} started before push {self.iteration} "
                                f"sent its END")
-        self.iteration, self.done = iteration, False
+        self.iteration, self.done, self.final = iteration, False, False
         n_shards = len(ranges)
+        self.ranges, self.local = ranges, local
         self.counts = np.zeros((n_shards, wire.MAX_CHANNELS), np.int64)
         self.remote = [s for s in range(n_shards) if s != local]
-        ctr = self.counters
-        frames = []
-        for s, (lo, hi) in enumerate(ranges):   # reliable first: the important blocks
-            sc = chan[lo:hi]
+        # from rank+1 on: senders start apart
+        order = [(self.rank + off) % n_shards for off in range(1, n_shards + 1)]
+        self._streams = [_Stream(s, []) for s in order if s != local]
+        self._due, self._inflight, self._tails, self._wake = {}, set(), [], []
+
+    def add(self, rows: np.ndarray, chan: np.ndarray, blocks: np.ndarray) -> list[TcpFrame]:
+        """Blocks ``rows`` ((m,) int64 block indices, ascending, none added before in
+        this push) are final, on channels ``chan`` ((m,) int8, as in :meth:`start`);
+        ``blocks``: (n_blocks, block_elems) float32, the whole push's blocks (rows read,
+        not copied, until END). Returns their reliable frames (one INDEXED ``BLOCKS``
+        per remote shard), to send now and in order; their UDP blocks join each shard's
+        stream behind what it still has to send."""
+        ctr, frames = self.counters, []
+        for s, (lo, hi) in enumerate(self.ranges):   # reliable first: the important blocks
+            a, b = np.searchsorted(rows, (lo, hi))
+            if a == b:
+                continue
+            rs, sc = rows[a:b], chan[a:b]
             sent = int(np.count_nonzero(sc != DROPPED))
             ctr.blocks_unsent += sc.size - sent
-            if s == local:
+            if s == self.local:
                 ctr.blocks_local += sent
                 continue
-            rel = np.flatnonzero(sc == 0)
-            self.counts[s, 0] = rel.size
+            rel = rs[sc == 0]
+            self.counts[s, 0] += rel.size
             if rel.size:
-                # all reliable (tcp mode): a view of ``blocks``, no gather
-                data = blocks[lo:hi] if rel.size == hi - lo else blocks[lo + rel]
+                # contiguous (tcp mode): a view of ``blocks``, no gather
+                data = blocks[rel[0]:rel[-1] + 1] if rel[-1] - rel[0] + 1 == rel.size \
+                    else blocks[rel]
                 frame = wire.encode_parts(
                     MsgType.BLOCKS, session=self.session, sender=self.rank, shard=s,
-                    iteration=iteration, channel=0, block=int(lo + rel[0]),
+                    iteration=self.iteration, channel=0, block=int(rel[0]),
                     count=rel.size, flags=Flag.INDEXED, key=self.key,
-                    parts=wire.indexed_blocks_parts(lo + rel, data))
+                    parts=wire.indexed_blocks_parts(rel, data))
                 frames.append(TcpFrame(s, frame, "blocks"))
                 ctr.channels[0].blocks_sent += rel.size
                 ctr.channels[0].bytes_sent += sum(memoryview(b).nbytes for b in frame)
-        self._streams = []
-        for off in range(1, n_shards + 1):   # from rank+1 on: senders start apart
-            s = (self.rank + off) % n_shards
-            if s == local:
-                continue
-            lo, hi = ranges[s]
-            segments = []
+        for j, st in enumerate(self._streams):
+            lo, hi = self.ranges[st.shard]
+            a, b = np.searchsorted(rows, (lo, hi))
+            idle = st.seg == len(st.segments)
             for c in range(1, wire.MAX_CHANNELS):
-                idx = lo + np.flatnonzero(chan[lo:hi] == c)
-                self.counts[s, c] = idx.size
+                idx = rows[a:b][chan[a:b] == c]
+                self.counts[st.shard, c] += idx.size
                 if not idx.size:
                     continue
                 dgrams = wire.encode_block_datagrams(
-                    session=self.session, sender=self.rank, shard=s, iteration=iteration,
-                    channel=c, indices=idx, blocks=blocks[idx], key=self.key)
-                segments.append((c, dgrams))
+                    session=self.session, sender=self.rank, shard=st.shard,
+                    iteration=self.iteration, channel=c, indices=idx, blocks=blocks[idx],
+                    key=self.key)
+                st.segments.append((c, dgrams))
                 ctr.channels[c].blocks_sent += idx.size
                 ctr.channels[c].bytes_sent += dgrams.size
-            if segments:
-                self._streams.append(_Stream(s, segments))
-        self._due, self._inflight, self._tails = {}, set(), []
-        self._begun = False
+            if idle and st.seg < len(st.segments) and j not in self._inflight:
+                self._wake.append(j)   # started (or restarted) by datagrams_to_send
         return frames
+
+    def finish(self) -> None:
+        """No block comes after those added: each channel's tail marker goes after its
+        last block (now, for a channel already through), then END per shard."""
+        self.final = True
+        for st in self._streams:
+            through = {c for c, _ in st.segments[:st.seg]} - \
+                {c for c, _ in st.segments[st.seg:]} - st.tailed
+            for c in sorted(through):
+                self._tail_after(st, c)
 
     def datagrams_to_send(self, now: float, tcp_backlog: Callable[[int], int]) -> list:
         """What to send at ``now`` (the first call after :meth:`start` starts the UDP
@@ -224,14 +264,14 @@ class PushSender:
         due (a :class:`UdpBatch` each; report each with :meth:`sent`), and once every
         stream is through, END per shard (:class:`TcpFrame`, then :attr:`done`).
         ``tcp_backlog(shard)``: bytes our TCP connection to it has not sent yet."""
-        if not self._begun:
-            self._begun = True
-            for j, st in enumerate(self._streams):
-                # a bucket idle since the last push is full; start with one batch at
-                # most, so the N-1 first batches together fit the egress queue
-                size = st.segments[0][1].shape[1]
-                self.pacing.hold(st.shard, now, now, batch_rows(size) * size)
-                self._take(j, now, tcp_backlog)
+        for j in self._wake:
+            st = self._streams[j]
+            # a bucket idle since the last push (or part) is full; start with one batch
+            # at most, so the N-1 first batches together fit the egress queue
+            size = st.segments[st.seg][1].shape[1]
+            self.pacing.hold(st.shard, now, now, batch_rows(size) * size)
+            self._take(j, now, tcp_backlog)
+        self._wake = []
         out: list = self._tails
         self._tails = []
         waited: set[int] = set()   # streams that looked at their backlog in this call
@@ -250,7 +290,8 @@ class PushSender:
             c, dgrams = st.segments[st.seg]
             out.append(UdpBatch(c, st.shard, dgrams[st.pos:st.pos + st.charged]))
             self._inflight.add(j)
-        if not self._due and not self._inflight and not self._tails and not self.done:
+        if self.final and not self._due and not self._inflight and not self._tails \
+                and not self.done:
             out += self._end_frames()
         return out
 
@@ -285,8 +326,9 @@ class PushSender:
             st.charged, st.pos = 0, dgrams.shape[0]
         st.refused_since = None
         if st.pos == dgrams.shape[0]:
-            self._tails.append(self._tail(c, st.shard, int(self.counts[st.shard, c])))
             st.seg, st.pos = st.seg + 1, 0
+            if self.final and c not in {c2 for c2, _ in st.segments[st.seg:]}:
+                self._tail_after(st, c)
         if st.seg < len(st.segments):
             self._due[j] = now   # the next batch: charged in datagrams_to_send
         else:
@@ -297,9 +339,10 @@ class PushSender:
         now), or None when the push is done."""
         if self.done:
             return None
-        if self._tails or not self._due or not self._begun:
+        if self._tails or self._wake or (self.final and not self._due):
             return float("-inf")
-        return min(self._due.values())
+        # +inf: nothing to send until more blocks are added (or finish)
+        return min(self._due.values(), default=float("inf"))
 
     # -- rules ------------------------------------------------------------------------
     def retry_after(self, datagram_bytes: int) -> float:
@@ -334,6 +377,11 @@ class PushSender:
                 return
         st.charged = min(batch_rows(size), n - st.pos)
         self._due[j] = now + self.pacing.delay(st.shard, st.charged * size, now)
+
+    def _tail_after(self, st: _Stream, channel: int) -> None:
+        """Channel ``channel`` to ``st``'s shard is through: its tail marker is due."""
+        st.tailed.add(channel)
+        self._tails.append(self._tail(channel, st.shard, int(self.counts[st.shard, channel])))
 
     def _tail(self, channel: int, shard: int, count: int) -> UdpBatch:
         """Channel ``channel``'s tail marker to ``shard``: END on that channel, after its

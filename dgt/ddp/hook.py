@@ -63,12 +63,17 @@ def dgt_hook(state: DgtState, bucket) -> torch.futures.Future[torch.Tensor]:
 
     Each bucket's gradients (float32, on CPU or one CUDA device) are written, as DDP
     hands the bucket over during backward, into their slices of the flat vector that
-    the node's sidecar pushes (shared memory; CUDA buckets are gathered into one device
-    vector and copied to the host once, at the push). When the iteration's last bucket
-    arrives, the sidecar pushes the whole vector: blocks ranked by contribution, the top
-    k over TCP, the rest over the UDP channels with their DSCP marks, error feedback
-    keeping what did not arrive (Zhou et al., DGT, FGCS 2021). Every bucket's future
-    then resolves to its slice of the mean gradient, the same bytes on every replica.
+    the node's sidecar pushes (shared memory), and the sidecar is told at once which
+    elements are final: it sends the blocks they complete while backward computes the
+    next buckets (wait-free backpropagation: ranked by contribution among the part's
+    blocks, the top k over TCP, the rest over the UDP channels with their DSCP marks,
+    error feedback keeping what did not arrive; Zhou et al., DGT, FGCS 2021). When the
+    iteration's last bucket arrives, the sidecar sends the blocks still unsent, then
+    END, and every bucket's future resolves to its slice of the mean gradient, the same
+    bytes on every replica. The first iteration (before the layout is known) and a
+    state made with ``overlap=False`` push the whole vector after the last bucket,
+    ranked all together, as ``dgt.Client.push_pull`` does. CUDA buckets are copied to
+    the host once each (through a pinned buffer) as they come.
 
     Returns a ``torch.futures.Future`` whose value is ``bucket.buffer()`` (the bucket's
     tensor, float32, 1-D) overwritten with the mean. Raises TypeError for a bucket that
@@ -92,20 +97,45 @@ def dgt_hook(state: DgtState, bucket) -> torch.futures.Future[torch.Tensor]:
         # first iteration: the layout is known once every bucket has been seen
         state._first.append((params, grads))
     else:
-        _stage(state, state._flat.slices(params), grads)
+        slices = state._flat.slices(params)
+        _stage(state, slices, grads, to_host=state.overlap)
+        if state.overlap and not bucket.is_last():   # its blocks go now
+            state._record("part_s", state.now(), first=True)
+            state.node.client.push_part(state.node.client.next_step, _ranges(slices))
     state._pending.append((fut, buf, params, grads))
     if bucket.is_last():
         _push_pull(state)
     return fut
 
 
-def _stage(state: DgtState, slices, grads) -> None:
-    """Write a bucket's gradients into their slices of the pushed vector."""
+def _stage(state: DgtState, slices, grads, to_host: bool) -> None:
+    """Write a bucket's gradients into their slices of the pushed vector: the shared
+    memory itself on CPU; on CUDA the device vector, or, with ``to_host`` (the bucket
+    is pushed as a part), the shared memory through the pinned buffer (its one
+    device-to-host copy)."""
     flat = state._flat
-    dst = flat.dev_flat if flat.dev_flat is not None else \
-        torch.from_numpy(state.node.client.grad)
+    host = torch.from_numpy(state.node.client.grad)
     for (off, n), g in zip(slices, grads):
-        dst[off:off + n].copy_(g.reshape(-1))
+        src = g.reshape(-1)
+        if flat.dev_flat is None:
+            host[off:off + n].copy_(src)
+        elif to_host:
+            flat.pinned[off:off + n].copy_(src)
+            host[off:off + n].copy_(flat.pinned[off:off + n])
+        else:
+            flat.dev_flat[off:off + n].copy_(src)
+
+
+def _ranges(slices) -> list[list[int]]:
+    """The element ranges [lo, hi) that ``slices`` ((offset, elements) each) cover,
+    adjacent ones merged."""
+    out: list[list[int]] = []
+    for off, n in sorted(slices):
+        if out and out[-1][1] == off:
+            out[-1][1] = off + n
+        else:
+            out.append([off, off + n])
+    return out
 
 
 def _first_layout(state: DgtState) -> None:
@@ -123,23 +153,26 @@ def _first_layout(state: DgtState) -> None:
                          f"state_dict() and save_sidecar() together")
     state._flat, state.layout_numels = flat, flat.numels
     for ps, gs in state._first:
-        _stage(state, flat.slices(ps), gs)
+        _stage(state, flat.slices(ps), gs, to_host=False)
     state._first = []
 
 
 def _push_pull(state: DgtState) -> None:
-    """The last bucket is in: push, wait for the aggregate, resolve every bucket."""
+    """The last bucket is in: push (the rest), wait for the aggregate, resolve every
+    bucket."""
     pending, state._pending = state._pending, []
+    whole = state._flat is None or not state.overlap   # staged on the device, if CUDA
     if state._flat is None:
         _first_layout(state)
     flat, client = state._flat, state.node.client
     g = torch.from_numpy(client.grad)[: flat.n]
-    if flat.dev_flat is not None:   # the one device-to-host copy of the pushed bytes
+    if flat.dev_flat is not None and whole:   # the one device-to-host copy
         flat.pinned.copy_(flat.dev_flat)
         g.copy_(flat.pinned)
     start = state.now()
     state._record("push_s", start)
     client.push_buffer(client.next_step, None, start)
+    state._record("first_sent_s", client.last_first_sent)
     state._record("pulled_s", state.now())
     state.iteration += 1
     a = torch.from_numpy(client.aggregate)[: flat.n]

@@ -30,6 +30,10 @@ class DgtState:
     ``timeout_s``: every wait for the sidecar (its start, each push-pull), in seconds;
     on expiry :class:`dgt.PeerFailure` is raised rather than hanging.
 
+    ``overlap``: push each bucket's blocks as DDP hands the bucket over, while backward
+    goes on (wait-free backpropagation; the default). False: push the whole vector
+    after the last bucket, ranked all together, as ``dgt.Client.push_pull`` does.
+
     Example::
         >>> # xdoctest: +SKIP
         >>> import torch.distributed as dist
@@ -52,11 +56,12 @@ class DgtState:
 
     def __init__(self, process_group=None, socket_path: str | None = None,
                  sidecar_args: list[str] | tuple[str, ...] = (), timeout_s: float = 60.0,
-                 connect: bool = True):
+                 connect: bool = True, overlap: bool = True):
         self.process_group = process_group
         self.socket_path = socket_path
         self.sidecar_args = list(sidecar_args)
         self.timeout_s = float(timeout_s)
+        self.overlap = bool(overlap)
         #: DDP iterations whose buckets were all averaged (the next push's iteration)
         self.iteration = 0
         #: parameter sizes in the flat vector's order (fixed at the first iteration)
@@ -65,7 +70,10 @@ class DgtState:
         #: one it resumes from at the first iteration (:meth:`load_state_dict`)
         self.sidecar_state: str | None = None
         #: per iteration: {"iteration", "buckets": [[index, handed_s, elements]],
-        #: "push_s", "pulled_s"} on time.monotonic(); the last TIMINGS_KEPT iterations
+        #: "part_s" (the first part handed over; absent without one), "push_s" (the last
+        #: bucket's push), "first_sent_s" (the sidecar's first block sent; None on one
+        #: node), "pulled_s"} on CLOCK_MONOTONIC (time.monotonic(), the sidecar's clock
+        #: too); the last TIMINGS_KEPT iterations
         self.timings: list[dict] = []
         self._reset_live()
         if connect:
@@ -131,13 +139,14 @@ class DgtState:
     def __getstate__(self) -> dict:
         return {"process_group": None, "socket_path": self.socket_path,
                 "sidecar_args": self.sidecar_args, "timeout_s": self.timeout_s,
-                "state": self.state_dict()}
+                "overlap": self.overlap, "state": self.state_dict()}
 
     def __setstate__(self, d: dict) -> None:
         self.process_group = d["process_group"]
         self.socket_path = d["socket_path"]
         self.sidecar_args = list(d["sidecar_args"])
         self.timeout_s = d["timeout_s"]
+        self.overlap = d.get("overlap", True)
         self.iteration, self.layout_numels, self.timings = 0, None, []
         self.sidecar_state = None
         self._reset_live()
@@ -165,12 +174,14 @@ class DgtState:
         if self._node is not None:
             self._node.close()
 
-    def _record(self, key: str, value) -> None:
+    def _record(self, key: str, value, first: bool = False) -> None:
+        """Note ``value`` under ``key`` in this iteration's timings (``first``: only
+        the first value)."""
         if self._current is None:
             self._current = {"iteration": self.iteration, "buckets": []}
         if key == "bucket":
             self._current["buckets"].append(value)
-        else:
+        elif not first or key not in self._current:
             self._current[key] = value
         if key == "pulled_s":
             self.timings.append(self._current)

@@ -114,10 +114,32 @@ def resume_from(a) -> str | None:
     return newest
 
 
+class TimedAllReduce:
+    """State of :func:`timed_allreduce`: ``timings`` as ``DgtState.timings`` has them
+    (per iteration, ``{"buckets": [[index, handed_s, elements]]}``, time.monotonic())."""
+
+    def __init__(self):
+        self.timings: list[dict] = []
+        self.buckets: list[list] = []
+
+
+def timed_allreduce(state: TimedAllReduce,
+                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all-reduce (torch's ``allreduce_hook``), noting when each bucket came."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    state.buckets.append([bucket.index(), time.monotonic(), bucket.buffer().numel()])
+    if bucket.is_last():
+        state.timings.append({"buckets": state.buckets})
+        state.buckets = []
+    return allreduce_hook(None, bucket)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--comm", choices=("gloo", "dgt"), default="dgt",
-                   help="gloo: DDP's own all-reduce; dgt: the dgt comm hook")
+    p.add_argument("--comm", choices=("gloo", "gloo-timed", "dgt"), default="dgt",
+                   help="gloo: DDP's own all-reduce; gloo-timed: the same through torch's "
+                        "allreduce_hook, noting when each bucket is handed over (the "
+                        "hook's timings, for comparing comm time); dgt: the dgt comm hook")
     p.add_argument("--mode", default=None, help="dgt's --mode (dgt, tcp, topk, random)")
     p.add_argument("--iterations", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32, help="per trainer")
@@ -159,13 +181,16 @@ def main() -> None:
         if rank == 0:
             print(f"resuming from {folder} (iteration {ck['step']})", flush=True)
     model = DDP(net, bucket_cap_mb=a.bucket_cap_mb)
-    state = None
+    state = timed = None
     if a.comm == "dgt":
         state = dgt.ddp.DgtState(sidecar_args=["--mode", a.mode] if a.mode else [],  # dgt
                                  overlap=not a.no_overlap)                           # dgt
         if ck is not None:                                                            # dgt
             state.load_state_dict(ck["dgt"])                                          # dgt
         model.register_comm_hook(state, dgt.ddp.dgt_hook)                              # dgt
+    elif a.comm == "gloo-timed":
+        timed = TimedAllReduce()
+        model.register_comm_hook(timed, timed_allreduce)
     sampler = DistributedSampler(train, seed=a.seed, drop_last=True)
     loader = DataLoader(train, batch_size=a.batch_size, sampler=sampler, drop_last=True)
     loss_fn = nn.CrossEntropyLoss()
@@ -193,7 +218,7 @@ def main() -> None:
               "resumed_from": folder,
               "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
               "backward_end_s": backward_end[-50:],
-              "timings": state.timings[-50:] if state is not None else []}
+              "timings": (state or timed).timings[-50:] if (state or timed) else []}
     if rank == 0:
         print(f"{a.comm}: {step} iterations on {name}, test accuracy {acc:.4f}, "
               f"SHA-256 {result['param_sha256'][:16]}, {result['seconds']:.1f} s", flush=True)

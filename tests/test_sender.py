@@ -295,3 +295,68 @@ def test_synth_and_the_goodput_sender_encode_no_message_of_their_own():
     send = next(n for n in goodput.body if isinstance(n, ast.AsyncFunctionDef)
                 and n.name == "send")
     assert calls(send) == []
+
+
+def test_a_push_in_parts_sends_each_part_at_once_and_ends_after_finish():
+    """begin/add/finish (wait-free backpropagation, dgt.parts): each part's reliable
+    frame comes back from add and its UDP blocks go at once; while no part is pending
+    the timer is +inf and neither tail marker nor END goes; finish sends each channel's
+    tail marker once, after its last block, then END with every part's counts."""
+    blocks = _blocks()
+    s = _sender()
+    s.begin(7, RANGES, local=0)
+    assert s.get_timer() == float("inf") and not s.datagrams_to_send(0.0, lambda _: 0)
+    # part 1: blocks 8..11 (shard 2): 8 reliable, 9 and 10 on channel 1, 11 on channel 2
+    frames = s.add(np.array([8, 9, 10, 11]), np.array([0, 1, 1, 2], np.int8), blocks)
+    assert [(f.shard, f.kind) for f in frames] == [(2, "blocks")]
+    log = drive_until_idle(s)
+    assert [(m.shard, m.channel, m.tail) for m in log] == [(2, 1, False), (2, 2, False)]
+    assert s.get_timer() == float("inf") and not s.done
+    # part 2: blocks 0..7: shard 0 is local (counted, not sent); shard 1 and 2 get more
+    frames = s.add(np.arange(8), np.array([0, 1, 2, -1, 1, 0, 1, 2], np.int8), blocks)
+    assert [(f.shard, f.kind) for f in frames] == [(1, "blocks")]
+    log = drive_until_idle(s)
+    assert [(m.shard, m.channel, m.tail) for m in log] == [(1, 1, False), (1, 2, False)]
+    s.finish()
+    log = drive(s)
+    kinds = [(m.shard, getattr(m, "channel", 0), getattr(m, "tail", False),
+              getattr(m, "kind", None)) for _, m, _ in log]
+    # every channel already through: its tail marker at once (shard 2 first: rank 0's
+    # streams start at rank + 1), then END per remote shard
+    assert kinds == [(1, 1, True, None), (1, 2, True, None), (2, 1, True, None),
+                     (2, 2, True, None), (1, 0, False, "end"), (2, 0, False, "end")] or \
+        kinds == [(2, 1, True, None), (2, 2, True, None), (1, 1, True, None),
+                  (1, 2, True, None), (1, 0, False, "end"), (2, 0, False, "end")]
+    ends = {m.shard: wire.unpack_end(wire.decode(bytes(m.frame))[1])
+            for _, m, _ in log if isinstance(m, TcpFrame)}
+    assert list(ends[1][:3]) == [1, 2, 1] and list(ends[2][:3]) == [1, 2, 1]
+    assert s.done and s.counters.blocks_local == 3 and s.counters.blocks_unsent == 1
+
+
+def test_a_part_added_while_its_band_is_pending_defers_the_tail_marker():
+    """A channel's tail marker waits for its last block: blocks of channel 1 added by
+    a later part keep channel 1's marker back until they are sent."""
+    blocks = _blocks()
+    s = _sender()
+    s.begin(3, RANGES, local=0)
+    s.add(np.array([4]), np.array([1], np.int8), blocks)
+    s.add(np.array([5]), np.array([1], np.int8), blocks)
+    s.finish()
+    log = [m for _, m, _ in drive(s)]
+    assert [(m.channel, m.tail, m.rows.shape[0]) for m in log if isinstance(m, UdpBatch)] \
+        == [(1, False, 1), (1, False, 1), (1, True, TAIL_COPIES)]
+    ends = {m.shard: wire.decode(bytes(m.frame)) for m in log if isinstance(m, TcpFrame)}
+    h, payload = ends[1]
+    assert h.type == MsgType.END and list(wire.unpack_end(payload)[:2]) == [0, 2]
+
+
+def drive_until_idle(sender, now=0.0):
+    """Send what is due until the sender waits for more blocks; the UDP batches."""
+    out = []
+    while sender.get_timer() != float("inf"):
+        for m in sender.datagrams_to_send(now, lambda _: 0):
+            assert isinstance(m, UdpBatch)
+            out.append(m)
+            sender.sent(m, len(m.rows), now)
+        now = max(now, sender.get_timer())
+    return out

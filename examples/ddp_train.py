@@ -123,9 +123,9 @@ class TimedAllReduce:
         self.buckets: list[list] = []
 
 
-def timed_allreduce(state: TimedAllReduce,
-                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's all-reduce (torch's ``allreduce_hook``), noting when each bucket came."""
+def timed_allreduce(state, bucket):   # no annotations: DDP checks them at run time
+    """DDP's all-reduce (torch's ``allreduce_hook``) of ``bucket``
+    (``dist.GradBucket``), noting when it came; returns its future."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     state.buckets.append([bucket.index(), time.monotonic(), bucket.buffer().numel()])
     if bucket.is_last():

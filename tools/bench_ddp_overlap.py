@@ -68,7 +68,8 @@ def run_once(bed, out: str, args: list[str], a) -> dict:
                 p.kill()
                 p.wait()
     if any(p.returncode for p in procs):
-        raise SystemExit(f"a torchrun failed: see {out}/torchrun-*.log")
+        with open(os.path.join(out, "torchrun-0.log")) as f:
+            raise SystemExit("a torchrun failed; host 0's log ends:\n" + f.read()[-3000:])
     with open(os.path.join(out, "rep", "rank-0.json")) as f:
         return json.load(f)
 

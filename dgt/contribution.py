@@ -43,7 +43,7 @@ class ContributionScores:
         return self.scores
 
     def update_rows(self, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """Fold blocks ``rows`` ((m,) int64) of one push, ``blocks`` ((m, block_elems)
+        """Fold blocks ``rows`` ((m,) int64, or a slice) of one push, ``blocks`` ((m, block_elems)
         float32), into their scores (a push handed over in parts); returns their scores
         ((m,) float32), bitwise what :meth:`update` gives those rows. Raises
         RuntimeError before the first :meth:`update` (the first push is one whole)."""
@@ -51,7 +51,8 @@ class ContributionScores:
             raise RuntimeError("the first push scores every block at once (update)")
         mag = blocks.abs().mean(dim=1)
         out = self.scores[rows].mul_(self.alpha).add_(mag, alpha=1.0 - self.alpha)
-        self.scores[rows] = out
+        if isinstance(rows, torch.Tensor):   # a gathered copy; a slice is a view
+            self.scores[rows] = out
         return out
 
     @property

@@ -31,7 +31,7 @@ class Residual:
         return g
 
     def compensate_rows(self, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """``blocks += residual`` of blocks ``rows`` ((m,) int64); ``blocks``: (m,
+        """``blocks += residual`` of blocks ``rows`` ((m,) int64, or a slice); ``blocks``: (m,
         block_elems) float32. Returns ``blocks`` (a push handed over in parts)."""
         if self.enabled and not self.empty:
             blocks.add_(self.residual.view(-1, self.block_elems)[rows])

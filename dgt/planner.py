@@ -76,12 +76,18 @@ class PushPlanner:
         through here exactly once; the compensated values and scores are bitwise those
         of :meth:`plan`, only the ranking is per part."""
         cfg, e = self.cfg, self.layout.block_elems
-        idx = torch.from_numpy(rows)
-        g = grad.view(-1, e)[idx]
+        if rows[-1] - rows[0] + 1 == rows.size:   # one run of blocks (a bucket): views
+            idx = slice(int(rows[0]), int(rows[-1]) + 1)
+            g = self.work.view(-1, e)[idx]
+            g.copy_(grad.view(-1, e)[idx])
+        else:
+            idx = torch.from_numpy(rows)
+            g = grad.view(-1, e)[idx]
         if self.raw_sum is not None:
             self.raw_sum.view(-1, e)[idx] += g
         self.residual.compensate_rows(idx, g)
-        self.work.view(-1, e)[idx] = g
+        if isinstance(idx, torch.Tensor):
+            self.work.view(-1, e)[idx] = g
         n_rel = reliable_count(rows.size, k)
         if cfg.mode == "random":
             scores = torch.rand(rows.size, generator=self.gen)

@@ -73,14 +73,14 @@ class Fabric:
         return len(rows)
 
     async def step(self, t, grads, parts=()):
-        """``parts``: element ranges handed over (dgt.parts) before the push, in turn,
-        as the DDP hook does bucket by bucket; the push sends the rest."""
+        """``parts``: lists of element ranges handed over (dgt.parts) before the push,
+        in turn, as the DDP hook does bucket by bucket; the push sends the rest."""
         for r, g in enumerate(grads):
             self.grads[r][: g.size] = g
 
         async def one(agent):
-            for lo, hi in parts:
-                agent.parts.add(t, [[lo, hi]])
+            for ranges in parts:
+                agent.parts.add(t, [list(r) for r in ranges])
                 await asyncio.sleep(0)   # the other agents' parts go in between
             await agent.push(t, None, 5.0)
         await asyncio.gather(*(one(a) for a in self.agents))
@@ -199,8 +199,10 @@ def test_non_finite_blocks_never_reach_the_model():
 
 
 # -- a push in parts (wait-free backpropagation, dgt.parts) ---------------------------
-#: the hook's buckets: last layers first, cut inside blocks (16 elements a block here)
-PARTS = ((3001, 5000), (1234, 3001), (1000, 1234))   # the push sends [0, 1000)
+#: the hook's buckets: last layers first, cut inside blocks (16 elements a block here);
+#: the second is two runs of blocks, the third completes the blocks between them
+PARTS = (((3001, 5000),), ((1234, 2000), (2500, 3001)), ((2000, 2500), (1000, 1234)))
+# the push sends [0, 1000)
 
 
 @pytest.mark.parametrize("mode", ["dgt", "topk", "random"])

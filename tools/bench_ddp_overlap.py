@@ -5,7 +5,7 @@ backpropagation), the dgt hook pushing the whole vector after backward (the
 ``allreduce_hook``, timed: ``--comm gloo-timed``). As root::
 
     python -m dgt.tools.bench_ddp_overlap [--hosts 2] [--nproc 1] [--hidden 1024] \\
-        [--iterations 100] [--rounds 1] [--json out.json]
+        [--iterations 100] [--batch-size 32] [--rounds 1] [--json out.json]
 
 Brings up ``dgt testbed``'s hosts (prefix ``dgtov``, htb-prio at ``--rate``), runs
 ``examples/ddp_train.py`` with one torchrun per host (c10d rendezvous, as
@@ -18,8 +18,12 @@ CLOCK_MONOTONIC):
   gradient, i.e. what the overlap did not hide;
 - ``iteration_ms``: the median time between two consecutive ends of ``backward()``
   (forward, backward, communication, optimiser step: the whole iteration);
+- ``after_first_bucket_ms``: the median of (last bucket handed over) - (first bucket
+  handed over): the backward left after the first bucket, the most a push in parts
+  can hide;
 - ``lead_ms`` (hook with parts): the median of (last bucket handed over) - (first
-  block sent by the sidecar): how long before the end of backward its push began.
+  block sent by the sidecar): how long before the end of backward its push began
+  (negative: after).
 
 Prints one line per run and the load average before and after. Timing belongs here,
 never in tests.
@@ -56,7 +60,7 @@ def run_once(bed, out: str, args: list[str], a) -> dict:
             "--rdzv-conf", f"is_host={int(h == 0)}", "--local-addr", bed.host_addr(h),
             EXAMPLE, *args, "--dataset", "digits", "--hidden", str(a.hidden),
             "--iterations", str(a.iterations), "--bucket-cap-mb", str(a.bucket_cap_mb),
-            "--report", os.path.join(out, "rep")],
+            "--batch-size", str(a.batch_size), "--report", os.path.join(out, "rep")],
             env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
         log.close()
     try:
@@ -81,6 +85,8 @@ def summarise(res: dict) -> dict:
     last = [t["buckets"][-1][1] for t in timings]
     out = {"exposed_ms": statistics.median(1e3 * (e - b) for e, b in zip(ends, last)),
            "iteration_ms": statistics.median(1e3 * (b - a) for a, b in zip(ends, ends[1:])),
+           "after_first_bucket_ms": statistics.median(
+               1e3 * (t["buckets"][-1][1] - t["buckets"][0][1]) for t in timings),
            "buckets": len(timings[-1]["buckets"]), "test_accuracy": res["test_accuracy"],
            "param_sha256": res["param_sha256"][:16]}
     leads = [1e3 * (b - t["first_sent_s"]) for t, b in zip(timings, last)
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=1024, help="MLP width (digits)")
     p.add_argument("--iterations", type=int, default=100)
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=32, help="per trainer")
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--json", default="")

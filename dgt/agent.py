@@ -5,7 +5,8 @@ for the decisions and transport.sender for the messages: ``g = grad +
 residual``; update contribution scores; rank; assign channels; send reliable blocks
 (TCP), local blocks (in-process to the colocated shard), unreliable blocks (UDP, paced,
 one DSCP per channel), then END per shard; wait for every shard's PULL;
-``residual_b = g_b`` where the block did not arrive.
+``residual_b = g_b`` where the block did not arrive. The sending is dgt.parts's: the
+whole vector at once, or (the DDP hook) in parts while backward runs.
 """
 from __future__ import annotations
 

@@ -141,7 +141,9 @@ def main() -> None:
         p.error("--checkpoint-every needs --checkpoint-dir D (or $DGT_CHECKPOINT_DIR)")
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")            # torchrun's env: RANK, WORLD_SIZE, ...
+    # torchrun's env (RANK, WORLD_SIZE, ...); dgt's call scopes the group's store by the
+    # restart generation, so a restarted gloo never reads the failed one's addresses
+    dgt.ddp.init_process_group("gloo")                                              # dgt
     rank = dist.get_rank()
     torch.manual_seed(a.seed)
     train, test, shape, name = load_data(a.dataset, a.seed)

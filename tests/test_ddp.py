@@ -139,10 +139,6 @@ def _sidecar_pids(run_dir, world):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.skip(reason="flaky on this 2-core machine (2026-12-02: 2 of 4 runs failed, "
-                  "one in gloo's own connectFullMesh of the restarted generation, "
-                  "'Connection refused'); kept to run by hand until the restart path "
-                  "is made deterministic (issue 17 stays open)")
 def test_torchrun_restarts_a_killed_trainer_from_the_checkpoint_and_leaves_nothing(
         tmp_path):
     out, ck = tmp_path / "out", tmp_path / "ck"
@@ -298,3 +294,43 @@ def test_attaching_to_a_foreign_sidecar_is_one_line(group, args, expected):
         assert proc.poll() is None   # the other job's sidecar is left alone
     finally:   # a sidecar in its rendezvous wait (world 2) may not stop at SIGTERM
         stop_procs(proc, timeout_s=5)
+
+
+def test_a_generation_is_agreed_past_a_dead_generations_keys():
+    """torchrun's store keeps the keys of a failed generation; the next generation's
+    ranks agree on one new number whichever rank comes first, and never take a dead
+    rank's question or answer for their own."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dgt.ddp import generation
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+
+    def client():
+        return dist.TCPStore("127.0.0.1", master.port, is_master=False,
+                             timeout=timedelta(seconds=30))
+
+    def run(world, first):
+        got, threads = {}, []
+        for r in [first] + [r for r in range(world) if r != first]:
+            t = threading.Thread(target=lambda r=r: got.__setitem__(
+                r, generation.agree(client(), r, world, 30)))
+            t.start()
+            threads.append(t)
+            time.sleep(0.2)   # the order of arrival, not a timing assert
+        for t in threads:
+            t.join(60)
+        return got
+
+    assert run(3, first=0) == {0: 1, 1: 1, 2: 1}
+    # a generation that died after rank 1 and 2 asked, before rank 0 answered
+    master.set(f"{generation.PREFIX}/ask/1", "dead-nonce")
+    master.set(f"{generation.PREFIX}/ask/2", "dead-nonce")
+    master.set(f"{generation.PREFIX}/tell/1/dead-nonce", "7")
+    master.add(f"{generation.PREFIX}/counter", 1)   # its rank 0 took number 2
+    assert run(3, first=1) == {0: 3, 1: 3, 2: 3}    # rank 1 first: reads no stale answer
+    assert run(3, first=0) == {0: 4, 1: 4, 2: 4}
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not join generation 5"):
+        generation.agree(client(), 0, 2, 0.5)

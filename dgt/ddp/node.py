@@ -27,6 +27,7 @@ from ..client import Client
 from ..config import default_run_dir
 from ..errors import PeerFailure
 from ..rendezvous import QUIET_TORCH_ENV
+from . import generation
 
 #: how long close() waits for the sidecar to end on its own before SIGTERM
 CLOSE_GRACE_S = 30.0
@@ -169,7 +170,10 @@ class NodeLink:
         host = os.environ.get("DGT_HOST") or route_source(env.master_addr,
                                                           env.master_port or 9)
         store = dist.distributed_c10d._get_default_store()
-        key = f"dgt/{env.tag}/sidecar-store"
+        # a store of this generation's own (dgt.ddp.init_process_group) needs no restart
+        # count in the key, which differs between hosts; torchrun's bare store does
+        key = ("dgt/sidecar-store" if generation.current is not None
+               else f"dgt/{env.tag}/sidecar-store")
         listener = None
         if rank == 0:   # rank 0's sidecar hosts the sidecars' store on a port bound here
             listener = socket.create_server((host, 0), backlog=1024,

@@ -20,7 +20,8 @@ Checkpoint and resume (bitwise: a resumed run ends with the uninterrupted run's 
 optimiser, loop position, the hook's state_dict()) and, under ``--comm dgt``,
 sidecar-<r>.pt (the sidecar's residual, scores, ...); ``--resume D`` (its newest
 complete step) or ``--resume D/step-<t>``. Under ``torchrun --max-restarts M`` a
-restarted generation resumes from the newest complete step in D by itself.
+restarted generation resumes from the newest complete step in D by itself;
+``dgt.ddp.init_process_group`` gives each generation its own keys in torchrun's store.
 """
 from __future__ import annotations
 

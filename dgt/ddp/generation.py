@@ -53,7 +53,8 @@ def agree(store, rank: int, world: int, timeout_s: float) -> int:
             if pending and time.monotonic() > t_end:
                 raise TimeoutError(f"ranks {sorted(pending)} did not join generation {gen} "
                                    f"within {timeout_s:.0f} s")
-            time.sleep(POLL_S if pending else 0)
+            if pending:
+                time.sleep(POLL_S)
         return gen
     nonce = uuid.uuid4().hex
     store.set(f"{PREFIX}/ask/{rank}", nonce)

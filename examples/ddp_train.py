@@ -20,7 +20,8 @@ Checkpoint and resume (bitwise: a resumed run ends with the uninterrupted run's 
 optimiser, loop position, the hook's state_dict()) and, under ``--comm dgt``,
 sidecar-<r>.pt (the sidecar's residual, scores, ...); ``--resume D`` (its newest
 complete step) or ``--resume D/step-<t>``. Under ``torchrun --max-restarts M`` a
-restarted generation resumes from the newest complete step in D by itself.
+restarted generation resumes from the newest complete step in D by itself;
+``dgt.ddp.init_process_group`` gives each generation its own keys in torchrun's store.
 """
 from __future__ import annotations
 
@@ -166,7 +167,9 @@ def main() -> None:
         p.error("--checkpoint-every needs --checkpoint-dir D (or $DGT_CHECKPOINT_DIR)")
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")            # torchrun's env: RANK, WORLD_SIZE, ...
+    # torchrun's env (RANK, WORLD_SIZE, ...); dgt's call scopes the group's store by the
+    # restart generation, so a restarted gloo never reads the failed one's addresses
+    dgt.ddp.init_process_group("gloo")                                              # dgt
     rank = dist.get_rank()
     torch.manual_seed(a.seed)
     train, test, shape, name = load_data(a.dataset, a.seed)

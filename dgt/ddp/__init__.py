@@ -4,9 +4,10 @@ The node's sidecar (one per trainer) starts from the state object under torchrun
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``)
 and stops with the job. See docs/ddp.md.
 """
+from .generation import init_process_group
 from .state import DgtState
 
-__all__ = ["DgtState", "dgt_hook"]
+__all__ = ["DgtState", "dgt_hook", "init_process_group"]
 
 
 def __getattr__(name):

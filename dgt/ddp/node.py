@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -27,9 +28,12 @@ from ..client import Client
 from ..config import default_run_dir
 from ..errors import PeerFailure
 from ..rendezvous import QUIET_TORCH_ENV
+from . import generation
 
 #: how long close() waits for the sidecar to end on its own before SIGTERM
 CLOSE_GRACE_S = 30.0
+#: how long a restarted generation waits for the failed one's sidecar to end by itself
+REAP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -166,10 +170,15 @@ class NodeLink:
             run_dir = os.path.join(run_dir, f"restart-{env.restart_count}")
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
+        for folder in {run_dir, _previous_run_dir(env)} - {None}:
+            reap_sidecar(folder, rank, env.run_id)
         host = os.environ.get("DGT_HOST") or route_source(env.master_addr,
                                                           env.master_port or 9)
         store = dist.distributed_c10d._get_default_store()
-        key = f"dgt/{env.tag}/sidecar-store"
+        # a store of this generation's own (dgt.ddp.init_process_group) needs no restart
+        # count in the key, which differs between hosts; torchrun's bare store does
+        key = ("dgt/sidecar-store" if generation.current is not None
+               else f"dgt/{env.tag}/sidecar-store")
         listener = None
         if rank == 0:   # rank 0's sidecar hosts the sidecars' store on a port bound here
             listener = socket.create_server((host, 0), backlog=1024,
@@ -233,12 +242,75 @@ class NodeLink:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for name in os.listdir(ipc.shm_dir()):   # a sidecar killed before its first push
-            if name.startswith(f"dgt-{self.proc.pid}-"):
-                try:
-                    os.unlink(os.path.join(ipc.shm_dir(), name))
-                except OSError:
-                    pass
+        _remove_shm(self.proc.pid)   # a sidecar killed before its first push
+
+
+def _remove_shm(pid: int) -> None:
+    """Unlink the shared memory of sidecar ``pid`` (``/dev/shm/dgt-<pid>-*``)."""
+    for name in os.listdir(ipc.shm_dir()):
+        if name.startswith(f"dgt-{pid}-"):
+            try:
+                os.unlink(os.path.join(ipc.shm_dir(), name))
+            except OSError:
+                pass
+
+
+def _previous_run_dir(env: TorchrunEnv) -> str | None:
+    """The run folder of this host's last generation (None at the first)."""
+    if not env.restart_count:
+        return None
+    run_dir = os.environ.get("DGT_RUN_DIR")
+    if not run_dir:
+        return os.path.join(default_run_dir(), f"torchrun-{env.tag[:env.tag.rindex('-g')]}"
+                                               f"-g{env.restart_count - 1}")
+    return run_dir if env.restart_count == 1 else \
+        os.path.join(run_dir, f"restart-{env.restart_count - 1}")
+
+
+def reap_sidecar(run_dir: str, rank: int, run_id: str,
+                 timeout_s: float = REAP_GRACE_S) -> int | None:
+    """Make sure the sidecar a failed generation of this job ran for ``rank`` in
+    ``run_dir`` (its ``endpoints-<rank>.json``) is gone before this generation starts
+    one: wait up to ``timeout_s`` seconds for it to end (torchrun's SIGTERM, or
+    ``PR_SET_PDEATHSIG``, has told it to), SIGKILL it past that, then remove its Unix
+    socket and shared memory. A pid that is not a dgt sidecar of this job on that socket
+    (ended and reused) is left alone. Returns the pid it waited for, or None."""
+    sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
+    try:
+        with open(os.path.join(run_dir, f"endpoints-{rank}.json")) as f:
+            pid = int(json.load(f)["pid"])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None   # no sidecar ran there, or it has ended
+    job = argv[argv.index("--job") + 1] if "--job" in argv[:-1] else "none"
+    if "dgt.sidecar" not in argv or sock not in argv or job != run_id:
+        return None
+    t_end = time.monotonic() + timeout_s
+    while _running(pid) and time.monotonic() < t_end:
+        time.sleep(0.02)
+    if _running(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        while _running(pid) and time.monotonic() < t_end + 5.0:
+            time.sleep(0.02)
+    try:
+        os.unlink(sock)
+    except OSError:
+        pass
+    _remove_shm(pid)
+    return pid
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, waiting for its parent, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _last_line(path: str) -> str:

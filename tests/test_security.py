@@ -57,7 +57,13 @@ def test_a_stranger_at_start_up_cannot_stop_a_job_without_a_secret(tmp_path):
 
 
 def test_with_a_secret_an_attacked_job_ends_with_the_clean_run_s_bits(tmp_path):
-    secret = ("--secret", "s3cret-of-this-job")
+    # a fixed 10 s deadline: a block that the attack's CPU load delays is late, never
+    # lost (a lost block changes the bits as designed, and on a loaded 2-core machine
+    # the default 50 ms floor made this comparison a matter of luck); tail markers end
+    # each wait as soon as a band is in, so nothing waits the 10 s
+    secret = ("--secret", "s3cret-of-this-job", "--deadline-ms", 10000)
     _, clean = run_train(tmp_path / "clean", *JOB, *secret)
     r, _ = _attacked(tmp_path, "attacked", *secret)
+    lost = {c: v["lost"] for c, v in r["channels"].items() if v.get("lost")}
+    assert not lost, lost
     assert r["param_sha256"] == clean["param_sha256"]

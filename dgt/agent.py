@@ -97,7 +97,8 @@ class WorkerAgent:
         self.pull_waiter = asyncio.get_running_loop().create_future()
         # the reliable frames view the work buffer: it is rewritten only by the next
         # plan(), after every shard's PULL, i.e. after each shard has these bytes
-        for f in sender.start(t, chan, blocks, self.ranges, me, time.monotonic()):
+        for f in sender.start(t, chan, blocks, self.ranges, me, time.monotonic(),
+                              self.planner.coded):
             links.send_tcp(f.shard, f.frame)
         self.marks["reliable_sent_s"] = time.time()
         lo, hi = lay.shard_lo(me), lay.shard_hi(me)   # in-process, after the network

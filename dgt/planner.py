@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import codec
 from .config import TransmissionConfig
 from .contribution import ContributionScores
 from .feedback import Residual
@@ -34,6 +35,13 @@ class PushPlanner:
         self.raw_sum = torch.zeros(layout.padded, dtype=torch.float64) \
             if cfg.check_conservation else None
         self.applied_sum = torch.zeros_like(self.raw_sum) if self.raw_sum is not None else None
+        self.codings = cfg.band_codings()   # channel -> dgt.transport.wire.Coding
+        self.local = (layout.shard_lo(rank), layout.shard_hi(rank))
+        #: this push's coded bands: channel -> (coding, block indices (m,) sorted int64,
+        #: payloads (m, coded bytes) uint8), for transport.sender.PushSender.start
+        self.coded: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+        self.coded_index: torch.Tensor | None = None   # (m,) int64, every coded block
+        self.coding_error: torch.Tensor | None = None  # (m, block_elems) g - decoded
 
     def plan(self, grad: torch.Tensor, loss: float | None) -> tuple[np.ndarray, float]:
         """Compensate ``grad`` ((padded,) float32) into ``work``, score, rank and
@@ -57,11 +65,41 @@ class PushPlanner:
         chan = assign_channels(order, n_rel, cfg.channels,
                                drop_unreliable=cfg.mode == "topk").numpy()
         self.k_history.append(k)
+        self._code(chan)
         return chan, k
+
+    def _code(self, chan: np.ndarray) -> None:
+        """Code the blocks of every band with a reduced form (``--band-codec``), but
+        not those of the colocated shard (they never touch the wire), into
+        :attr:`coded`; keep their coding error ``g - decode(encode(g))``."""
+        self.coded, self.coded_index, self.coding_error = {}, None, None
+        if not any(self.codings):
+            return
+        e = self.layout.block_elems
+        blocks = self.work.view(-1, e)
+        lo, hi = self.local
+        index, error = [], []
+        for c, coding in enumerate(self.codings):
+            if not coding:
+                continue
+            idx = np.flatnonzero(chan == c)
+            idx = idx[(idx < lo) | (idx >= hi)]
+            if not idx.size:
+                continue
+            ti = torch.from_numpy(idx)
+            g = blocks[ti]   # a gathered copy
+            rows = codec.encode(coding, g)
+            self.coded[c] = (coding, idx, rows)
+            index.append(ti)
+            error.append(g.sub_(torch.from_numpy(codec.decode(coding, rows, e))))
+        if index:
+            self.coded_index, self.coding_error = torch.cat(index), torch.cat(error)
 
     def settle(self, arrived: np.ndarray, aggregate: np.ndarray) -> None:
         """After every PULL: ``arrived`` (n_blocks,) bool, ``aggregate`` (padded,)
-        float32 as applied. The blocks that did not arrive go into the residual."""
-        self.residual.update(self.work, torch.from_numpy(arrived))
+        float32 as applied. The blocks that did not arrive go into the residual, and the
+        coding error of the coded blocks that did."""
+        self.residual.update(self.work, torch.from_numpy(arrived), self.coded_index,
+                             self.coding_error)
         if self.applied_sum is not None:
             self.applied_sum += torch.from_numpy(aggregate).double() * self.layout.n_shards

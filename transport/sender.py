@@ -158,11 +158,15 @@ class PushSender:
 
     # -- one push ---------------------------------------------------------------------
     def start(self, iteration: int, chan: np.ndarray, blocks: np.ndarray,
-              ranges: list[tuple[int, int]], local: int | None, now: float) -> list[TcpFrame]:
+              ranges: list[tuple[int, int]], local: int | None, now: float,
+              coded: dict | None = None) -> list[TcpFrame]:
         """Begin push ``iteration``. ``chan``: (n_blocks,) int8 channel per block (0
         reliable, 1..7 UDP, -1 dropped); ``blocks``: (n_blocks, block_elems) float32,
         read (not copied) until END; ``ranges``: [lo, hi) blocks of each shard;
-        ``local``: the shard fed in-process (not sent here), or None. Returns the
+        ``local``: the shard fed in-process (not sent here), or None; ``coded``:
+        channel -> (coding, block indices (m,) sorted, payloads (m, coded bytes) uint8)
+        for the bands sent in a reduced form (dgt.codec; docs/wire.md, "Block
+        codings"), holding every block of that channel to the remote shards. Returns the
         reliable frames, to send first and in order. Raises RuntimeError when the last
         push is not done."""
         if not self.done:
@@ -206,9 +210,18 @@ class PushSender:
                 self.counts[s, c] = idx.size
                 if not idx.size:
                     continue
+                coding, data = wire.Coding.FP32, None
+                if coded and c in coded:   # the payloads, coded already: this shard's
+                    coding, cidx, rows = coded[c]
+                    a, b = np.searchsorted(cidx, (lo, hi))
+                    data = rows[a:b]
+                    if b - a != idx.size:
+                        raise ValueError(f"coded band {c} holds {b - a} blocks of shard "
+                                         f"{s}, the channel {idx.size}")
                 dgrams = wire.encode_block_datagrams(
                     session=self.session, sender=self.rank, shard=s, iteration=iteration,
-                    channel=c, indices=idx, blocks=blocks[idx], key=self.key)
+                    channel=c, indices=idx, blocks=blocks[idx] if data is None else data,
+                    key=self.key, coding=coding)
                 segments.append((c, dgrams))
                 ctr.channels[c].blocks_sent += idx.size
                 ctr.channels[c].bytes_sent += dgrams.size

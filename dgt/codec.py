@@ -45,7 +45,8 @@ def encode(coding: int, blocks: torch.Tensor) -> np.ndarray:
     if coding != Coding.INT8:
         raise ValueError(f"no block codec for coding {coding}")
     out = np.empty((m, 4 + e), np.uint8)
-    amax = torch.maximum(blocks.amax(dim=1, keepdim=True), -blocks.amin(dim=1, keepdim=True))
+    amax = torch.maximum(blocks.amax(dim=1, keepdim=True),
+                         -blocks.amin(dim=1, keepdim=True)).abs_()   # +0, never -0
     c127 = torch.full_like(amax, 127.0)   # tensor / tensor: one correctly rounded f32
     scale = torch.div(amax, c127)         # division (scalar / tensor is 127 * (1 / a))
     # y = x * (127 / max|x|): |y| <= 127; 0 * inf = NaN for a zero block, hence 0 there

@@ -102,8 +102,10 @@ def main(argv=None) -> int:
                    help="train: the --band-codec values to run, ';'-separated when one "
                         "holds commas (e.g. 'fp32;2:bf16,3:int8')")
     p.add_argument("--json", default="")
-    p.add_argument("flags", nargs="*", help="train: flags for dgt train (after --)")
-    a = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = p.parse_args(argv[:cut])
+    a.flags = argv[cut + 1:]   # train: flags for dgt train, after --
     load0 = os.getloadavg()
     if a.part == "speed":
         res = speed(a.mb, a.block_elems, a.repeat)

@@ -10,9 +10,10 @@ into ``--block-elems`` blocks::
     python -m dgt.tools.bench_codec speed [--mb 25] [--repeat 20] [--json out.json]
 
 ``train``: the same ``dgt train`` job once per band codec, one after the other in one
-invocation (same seed, same iterations), on loopback: bytes each node sends per
-iteration (BLOCKS payloads and headers its sidecar counted, all channels, plus PULLs),
-the UDP share of it, the final test accuracy, whether the replicas stayed identical,
+invocation (same seed, same iterations), on loopback: push bytes each node sends per
+iteration (BLOCKS frames and datagrams, headers included, as its sidecar counted them
+on every channel: the report's ``bytes_per_round`` / workers; PULLs are not in it), the
+UDP share of it, the final test accuracy, whether the replicas stayed identical,
 and the parameter SHA-256::
 
     python -m dgt.tools.bench_codec train [--codecs fp32,bf16,int8] [--json out.json] \\

@@ -530,3 +530,16 @@ def test_a_tcp_blocks_frame_with_a_coding_is_rejected():
                       payload=wire.pack_indexed_blocks(idx, np.zeros((2, ELEMS), np.float32)))
     assert s.receive_frame(*wire.decode(buf), now=0) == [Rejected("bad_coding")]
     assert not s.received.any()
+
+
+def test_a_displaced_coded_copy_takes_back_its_own_bytes():
+    """A coded UDP copy of a block that then comes over TCP is recounted as a duplicate,
+    and its channel's delivered bytes go back by that copy's size, not an f32 one's."""
+    s = session(n_workers=1)
+    rows, _ = _coded(0, [11], wire.Coding.INT8, ch=2)
+    s.receive_datagram(rows[0].tobytes(), 0)
+    assert s.counters.channels[2].bytes_delivered == rows.shape[1]
+    s.receive_frame(*tcp_blocks(0, [10, 11]), now=0)
+    assert s.counters.channels[2].blocks_delivered == 0
+    assert s.counters.channels[2].bytes_delivered == 0
+    assert s.counters.channels[2].blocks_duplicate == 1

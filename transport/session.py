@@ -112,6 +112,7 @@ class ShardSession:
         self.received = np.zeros((n_workers, n), bool)
         # the channel each received row came on: a reliable copy displaces an unreliable one
         self.channel_of = np.zeros((n_workers, n), np.int8)
+        self.coding_of = np.zeros((n_workers, n), np.int8)   # and its coding (wire.Coding)
         self.per_channel = np.zeros((n_workers, wire.MAX_CHANNELS), np.int64)
         self.end_counts: list[np.ndarray | None] = [None] * n_workers
         self.tail = np.full((n_workers, wire.MAX_CHANNELS), -1, np.int64)  # marker counts
@@ -442,6 +443,7 @@ class ShardSession:
         size = rows.shape[1]
         self.received[w, r] = True
         self.channel_of[w, r] = chs
+        self.coding_of[w, r] = coding
         per = np.bincount(chs, minlength=wire.MAX_CHANNELS)
         self.per_channel[w] += per
         for c in np.flatnonzero(per):
@@ -474,6 +476,7 @@ class ShardSession:
             return [Rejected("duplicate")]
         self.received[w, row] = True
         self.channel_of[w, row] = h.channel
+        self.coding_of[w, row] = coding
         self.per_channel[w, h.channel] += 1
         ch.blocks_delivered += 1
         ch.bytes_delivered += nbytes
@@ -532,11 +535,14 @@ class ShardSession:
         gone = rows[udp]
         self.received[w, gone] = False
         per = np.bincount(chans[udp], minlength=wire.MAX_CHANNELS)
+        size = (self.coded_payload[self.coding_of[w, gone]] + self.datagram_bytes
+                - self.block_payload)   # each copy's datagram bytes, by its coding
+        nbytes = np.bincount(chans[udp], weights=size, minlength=wire.MAX_CHANNELS)
         self.per_channel[w] -= per
         for c in np.flatnonzero(per):
             cc = self.counters.channels[c]
             cc.blocks_delivered -= int(per[c])
-            cc.bytes_delivered -= int(per[c]) * self.datagram_bytes
+            cc.bytes_delivered -= int(nbytes[c])
             cc.blocks_duplicate += int(per[c])
         return seen & ~udp
 

@@ -55,7 +55,8 @@ class TransmissionConfig:
                         "random low-score blocks")
     error_feedback: bool = _f(True, "keep undelivered blocks in a residual and resend")
     band_codec: str = _f("fp32", "how each UDP band codes its blocks: one of fp32 | fp16 "
-                         "| bf16 | int8 (one f32 scale per block) for every band, or "
+                         "| bf16 | int8 | int4 (int: one f32 scale per block) for every "
+                         "band, or "
                          "CHANNEL:CODEC pairs, e.g. 2:bf16,3:int8 (unnamed bands fp32); "
                          "the coding error stays in the residual. Coded bands change "
                          "the aggregate's bits (so --mode tcp no longer equals dgt), "

@@ -25,16 +25,22 @@ def _reference(coding, g):
         u = g.view(np.uint32)
         b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")   # round to nearest even
         return b.view(np.uint8), (b.astype(np.uint32) << 16).view(np.float32)
+    levels = np.float32(127 if coding == Coding.INT8 else 7)
     a = np.abs(g).max(axis=1, keepdims=True)
-    s = a / np.float32(127)
+    s = a / levels
     with np.errstate(divide="ignore"):
-        r = np.where(a > 0, np.float32(127) / a, np.float32(0))
+        r = np.where(a > 0, levels / a, np.float32(0))
     q = np.rint(g * r).astype(np.int8)
-    rows = np.concatenate([s.astype("<f4").view(np.uint8), q.view(np.uint8)], axis=1)
+    packed = q.view(np.uint8)
+    if coding == Coding.INT4:   # byte j: value 2j low nibble, 2j + 1 high nibble
+        nib = np.zeros((q.shape[0], (q.shape[1] + 1) // 2 * 2), np.uint8)
+        nib[:, :q.shape[1]] = packed & 0x0F
+        packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+    rows = np.concatenate([s.astype("<f4").view(np.uint8), packed], axis=1)
     return rows, q.astype(np.float32) * s
 
 
-@pytest.mark.parametrize("coding", [Coding.FP16, Coding.BF16, Coding.INT8])
+@pytest.mark.parametrize("coding", [Coding.FP16, Coding.BF16, Coding.INT8, Coding.INT4])
 def test_encode_and_decode_are_the_spec_s_formulas_bit_for_bit(coding):
     g = _blocks()
     g[5] = 0.0   # a zero block: int8 scale 0, q 0
@@ -50,7 +56,17 @@ def test_encode_and_decode_are_the_spec_s_formulas_bit_for_bit(coding):
         assert q.min() >= -127 and q.max() <= 127 and np.abs(q).max(axis=1)[6] == 127
 
 
-@pytest.mark.parametrize("coding", [Coding.FP16, Coding.BF16, Coding.INT8])
+def test_int4_packs_two_values_a_byte_also_for_an_odd_block():
+    g = np.array([[1.0, -1.0, 0.5, -0.25, 3.5]], np.float32)   # a = 3.5, s = 0.5
+    rows = codec.encode(Coding.INT4, torch.from_numpy(g))
+    assert rows[0, :4].view("<f4")[0] == np.float32(0.5)
+    # q = 2, -2, 1, -0 (-0.5 rounds to even 0), 7: bytes 0xE2, 0x01, 0x07
+    assert rows[0, 4:].tolist() == [0xE2, 0x01, 0x07]
+    assert codec.decode(Coding.INT4, rows, 5).tolist() == [[1.0, -1.0, 0.5, 0.0, 3.5]]
+    assert np.array_equal(rows, _reference(Coding.INT4, g)[0])
+
+
+@pytest.mark.parametrize("coding", [Coding.FP16, Coding.BF16, Coding.INT8, Coding.INT4])
 def test_decode_reads_rows_straight_out_of_datagrams(coding):
     """Rows as the shard sees them: strided, read-only views into received bytes."""
     g = _blocks(8)
@@ -62,7 +78,7 @@ def test_decode_reads_rows_straight_out_of_datagrams(coding):
     assert np.array_equal(codec.decode(coding, view, E), codec.decode(coding, rows, E))
 
 
-@pytest.mark.parametrize("coding", [Coding.FP16, Coding.BF16, Coding.INT8])
+@pytest.mark.parametrize("coding", [Coding.FP16, Coding.BF16, Coding.INT8, Coding.INT4])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_non_finite_block_decodes_non_finite_and_its_neighbours_do_not(coding, bad):
     g = _blocks(3)

@@ -193,7 +193,7 @@ def test_non_finite_blocks_never_reach_the_model():
 
 # -- coded bands (dgt.codec): the coding error is the residual's, as a lost block is ----
 
-CODECS = ["fp16", "bf16", "int8", "1:fp32,2:bf16,3:int8"]
+CODECS = ["fp16", "bf16", "int8", "int4", "1:fp32,2:bf16,3:int4"]
 
 
 @pytest.mark.parametrize("band_codec", CODECS)
@@ -214,7 +214,7 @@ def test_conservation_invariant_with_coded_bands(band_codec, drop):
                for a in fab.agents)
 
 
-@pytest.mark.parametrize("band_codec", ["fp16", "bf16", "int8"])
+@pytest.mark.parametrize("band_codec", ["fp16", "bf16", "int8", "int4"])
 def test_a_lost_and_a_delivered_coded_block_both_conserve(band_codec):
     """One push, one worker's view: a delivered coded block leaves exactly
     g - decode(encode(g)) in the residual (nonzero), a lost one leaves g; the shard

@@ -467,7 +467,7 @@ def _coded(sender, blocks, coding, it=0, ch=1, key=None, flags_coding=None):
     return rows, data.numpy()
 
 
-@pytest.mark.parametrize("coding", [wire.Coding.FP16, wire.Coding.BF16, wire.Coding.INT8])
+@pytest.mark.parametrize("coding", list(wire.Coding)[1:])
 @pytest.mark.parametrize("gro", [False, True])
 @pytest.mark.parametrize("key", [None, b"k"])
 def test_a_coded_block_arrives_with_its_coding(coding, gro, key):
@@ -483,7 +483,9 @@ def test_a_coded_block_arrives_with_its_coding(coding, gro, key):
     dec = np.concatenate([codec.decode(coding, e.data.reshape(-1, e.data.shape[-1]), ELEMS)
                           for e in got])
     assert sorted(int(r) for e in got for r in np.atleast_1d(e.rows)) == [2, 4, 5]
-    assert np.allclose(dec, data, rtol=0.02, atol=0.05) and not np.array_equal(dec, data)
+    # within half a step of the coarsest coding (int4: max|x| / 14) and not exact
+    assert np.abs(dec - data).max() <= np.abs(data).max() / 14 and \
+        not np.array_equal(dec, data)
     assert s.counters.channels[1].blocks_delivered == 3
     assert s.counters.channels[1].bytes_delivered == rows.size
     ev = s.receive_frame(*end(0, [0, 3]), now=0)

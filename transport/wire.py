@@ -91,12 +91,13 @@ class Flag(enum.IntFlag):
 class Coding(enum.IntEnum):
     """How a UDP BLOCKS payload codes its block: flags bits 2-4 (``CODING_MASK``).
     Source: docs/wire.md, "Block codings". The name in lower case is the
-    ``--band-codec`` word (``fp32``, ``fp16``, ``bf16``, ``int8``)."""
+    ``--band-codec`` word (``fp32``, ``fp16``, ``bf16``, ``int8``, ``int4``)."""
 
     FP32 = 0   # E x f32 LE: the block as it is (every message but coded UDP BLOCKS)
     FP16 = 1   # E x IEEE-754 binary16 LE, round to nearest even
     BF16 = 2   # E x bfloat16 LE (the top 16 bits of the f32), round to nearest even
     INT8 = 3   # f32 LE scale s, then E x int8 q: value = q * s (symmetric, per block)
+    INT4 = 4   # f32 LE scale s, then ceil(E/2) bytes of two 4-bit q (-7..7): q * s
 
 
 #: flags bits 2-4 carry the coding of a UDP BLOCKS payload (``Coding``)
@@ -118,6 +119,8 @@ def coded_payload_bytes(coding: int, block_elems: int) -> int | None:
         return 2 * block_elems
     if coding == Coding.INT8:
         return 4 + block_elems
+    if coding == Coding.INT4:
+        return 4 + (block_elems + 1) // 2
     return None
 
 

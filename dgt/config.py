@@ -54,6 +54,13 @@ class TransmissionConfig:
     epsilon: float = _f(0.0, "Slim-DP exploration: share of reliable slots given to "
                         "random low-score blocks")
     error_feedback: bool = _f(True, "keep undelivered blocks in a residual and resend")
+    band_codec: str = _f("fp32", "how each UDP band codes its blocks: one of fp32 | fp16 "
+                         "| bf16 | int8 | int4 (int: one f32 scale per block) for every "
+                         "band, or "
+                         "CHANNEL:CODEC pairs, e.g. 2:bf16,3:int8 (unnamed bands fp32); "
+                         "the coding error stays in the residual. Coded bands change "
+                         "the aggregate's bits (so --mode tcp no longer equals dgt), "
+                         "never the replicas' agreement")
     pace_mbit: float = _f(PACE_AUTO, "egress rate per node in Mbit/s, split in equal "
                           "shares over the peers for TCP (kernel pacing) and UDP alike: "
                           "auto (the egress link's HTB rate, else its speed; unpaced on "
@@ -103,6 +110,7 @@ class TransmissionConfig:
             raise ValueError(f"--alpha must be in [0, 1), got {self.alpha}")
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon}")
+        self.band_codings()
         if not 0.0 <= self.drop_udp < 1.0:
             raise ValueError(f"--drop-udp must be in [0, 1), got {self.drop_udp}")
         if not 4096 <= self.udp_buffer_bytes <= 1 << 30:
@@ -126,6 +134,27 @@ class TransmissionConfig:
             raise ValueError(f"--deadline-max-ms must be in 0..--peer-timeout-s x 1000 "
                              f"({1000.0 * self.peer_timeout_s:g}), got "
                              f"{self.deadline_max_ms:g}")
+
+    def band_codings(self) -> list[int]:
+        """``--band-codec`` as the coding of each channel (``MAX_UDP_CHANNELS + 1``
+        ints, dgt.transport.wire.Coding; channel 0, the reliable one, is always fp32).
+        Raises ValueError that says what to write."""
+        from .transport.wire import Coding
+        names = {c.name.lower(): int(c) for c in Coding}
+        out = [0] * (MAX_UDP_CHANNELS + 1)
+        text = self.band_codec.strip().lower()
+        how = (f"--band-codec takes one of {' | '.join(names)} for every UDP band, or "
+               f"CHANNEL:CODEC pairs with CHANNEL in 1..--channels ({self.channels}), "
+               f"e.g. 2:bf16,3:int8; got {self.band_codec!r}")
+        if text in names:
+            return [0] + [names[text]] * MAX_UDP_CHANNELS
+        for item in text.split(","):
+            c, _, name = item.strip().partition(":")
+            if not c.strip().isdigit() or name.strip() not in names \
+                    or not 1 <= int(c) <= self.channels:
+                raise ValueError(how)
+            out[int(c)] = names[name.strip()]
+        return out
 
 
 #: a peer silent for an hour is dead; larger values overflow the store's timeouts

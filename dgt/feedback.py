@@ -37,19 +37,28 @@ class Residual:
             blocks.add_(self.residual.view(-1, self.block_elems)[rows])
         return blocks
 
-    def update(self, g: torch.Tensor, arrived: torch.Tensor) -> None:
-        """``arrived``: (n_blocks,) bool, True where the block reached its shard."""
+    def update(self, g: torch.Tensor, arrived: torch.Tensor,
+               coded: torch.Tensor | None = None, error: torch.Tensor | None = None
+               ) -> None:
+        """``arrived``: (n_blocks,) bool, True where the block reached its shard.
+        ``coded``: (m,) int64, blocks sent in a reduced form (dgt.codec), and ``error``:
+        (m, block_elems) float32, their ``g - decode(encode(g))``: a coded block that
+        arrived keeps its coding error, one that did not keeps ``g`` whole."""
         if not self.enabled:
             return
+        n = arrived.numel()
         if bool(arrived.all()):   # the common case on a clean link: nothing to keep
             if not self.empty:
                 self.residual.zero_()
                 self.empty = True
-            return
-        n = arrived.numel()
-        keep = (~arrived).to(g.dtype).view(n, 1)   # broadcast per block: no (padded,) mask
-        torch.mul(g.view(n, -1), keep, out=self.residual.view(n, -1))
-        self.empty = False
+        else:
+            keep = (~arrived).to(g.dtype).view(n, 1)   # per block: no (padded,) mask
+            torch.mul(g.view(n, -1), keep, out=self.residual.view(n, -1))
+            self.empty = False
+        if coded is not None and coded.numel():
+            sel = arrived[coded]
+            self.residual.view(n, -1)[coded[sel]] = error[sel]
+            self.empty = False
 
     def state_dict(self) -> dict:
         """The residual ((padded,) float32, on CPU; empty when disabled) for a

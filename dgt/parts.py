@@ -95,7 +95,7 @@ class PartPush:
         blocks = agent.planner.work.numpy().reshape(-1, self.e)
         # the reliable frames view the work buffer: its rows are rewritten only by the
         # next iteration's plan, after every shard's PULL, i.e. after each has them
-        frames = agent.sender.add(rows, chan, blocks)
+        frames = agent.sender.add(rows, chan, blocks, agent.planner.coded)
         for f in frames:
             agent.links.send_tcp(f.shard, f.frame)
         if frames:

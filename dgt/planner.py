@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import codec
 from .config import TransmissionConfig
 from .contribution import ContributionScores
 from .feedback import Residual
@@ -34,6 +35,14 @@ class PushPlanner:
         self.raw_sum = torch.zeros(layout.padded, dtype=torch.float64) \
             if cfg.check_conservation else None
         self.applied_sum = torch.zeros_like(self.raw_sum) if self.raw_sum is not None else None
+        self.codings = cfg.band_codings()   # channel -> dgt.transport.wire.Coding
+        self.local = (layout.shard_lo(rank), layout.shard_hi(rank))
+        #: the coded bands of the blocks planned last (a whole push or a part): channel
+        #: -> (coding, block indices (m,) sorted int64, payloads (m, coded bytes) uint8),
+        #: for transport.sender.PushSender.add
+        self.coded: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+        self._coded_index: list[torch.Tensor] = []   # this push's coded blocks, (m,) int64
+        self._coding_error: list[torch.Tensor] = []  # their g - decoded, (m, block_elems)
 
     def plan(self, grad: torch.Tensor, loss: float | None) -> tuple[np.ndarray, float]:
         """Compensate ``grad`` ((padded,) float32) into ``work``, score, rank and
@@ -57,6 +66,8 @@ class PushPlanner:
         chan = assign_channels(order, n_rel, cfg.channels,
                                drop_unreliable=cfg.mode == "topk").numpy()
         self.k_history.append(k)
+        self._coded_index, self._coding_error = [], []
+        self.coded = self._code(np.arange(n), chan)
         return chan, k
 
     def iteration_k(self, loss: float | None) -> float:
@@ -65,6 +76,7 @@ class PushPlanner:
         k = self.adaptive.update(loss) if self.adaptive else self.cfg.k
         k = 1.0 if self.cfg.mode == "tcp" else k
         self.k_history.append(k)
+        self._coded_index, self._coding_error = [], []
         return k
 
     def plan_rows(self, grad: torch.Tensor, rows: np.ndarray, k: float) -> np.ndarray:
@@ -94,12 +106,54 @@ class PushPlanner:
         else:
             scores = self.scores.update_rows(idx, g)
         order = rank_blocks(scores, epsilon=cfg.epsilon, n_reliable=n_rel, generator=self.gen)
-        return assign_channels(order, n_rel, cfg.channels,
+        chan = assign_channels(order, n_rel, cfg.channels,
                                drop_unreliable=cfg.mode == "topk").numpy()
+        self.coded = self._code(rows, chan)
+        return chan
+
+    @property
+    def coded_index(self) -> torch.Tensor | None:
+        """(m,) int64: every block of this push sent in a reduced form, or None."""
+        return torch.cat(self._coded_index) if self._coded_index else None
+
+    @property
+    def coding_error(self) -> torch.Tensor | None:
+        """(m, block_elems) float32: their ``g - decode(encode(g))``, or None."""
+        return torch.cat(self._coding_error) if self._coding_error else None
+
+    def _code(self, rows: np.ndarray, chan: np.ndarray) -> dict:
+        """Code blocks ``rows`` ((m,) int64, ascending) of every band with a reduced form
+        (``--band-codec``; ``chan``: their channels, (m,) int8), but not those of the
+        colocated shard (they never touch the wire). Returns their coded bands (as
+        :attr:`coded`) and keeps their coding error ``g - decode(encode(g))`` for
+        :meth:`settle`."""
+        coded: dict = {}
+        if not any(self.codings):
+            return coded
+        e = self.layout.block_elems
+        blocks = self.work.view(-1, e)
+        lo, hi = self.local
+        for c, coding in enumerate(self.codings):
+            if not coding:
+                continue
+            idx = rows[chan == c]
+            idx = idx[(idx < lo) | (idx >= hi)]
+            if not idx.size:
+                continue
+            ti = torch.from_numpy(idx)
+            g = blocks[ti]   # a gathered copy
+            payloads = codec.encode(coding, g)
+            coded[c] = (coding, idx, payloads)
+            self._coded_index.append(ti)
+            decoded = torch.from_numpy(codec.decode(coding, payloads, e))
+            self._coding_error.append(g.sub_(decoded))
+        return coded
 
     def settle(self, arrived: np.ndarray, aggregate: np.ndarray) -> None:
         """After every PULL: ``arrived`` (n_blocks,) bool, ``aggregate`` (padded,)
-        float32 as applied. The blocks that did not arrive go into the residual."""
-        self.residual.update(self.work, torch.from_numpy(arrived))
+        float32 as applied. The blocks that did not arrive go into the residual, and the
+        coding error of the coded blocks that did."""
+        self.residual.update(self.work, torch.from_numpy(arrived), self.coded_index,
+                             self.coding_error)
         if self.applied_sum is not None:
             self.applied_sum += torch.from_numpy(aggregate).double() * self.layout.n_shards

@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import codec
 from .layout import BlockLayout
 from .transport.session import (BlocksArrived, IterationComplete, ShardSession,
                                  WorkerFinalised)
@@ -38,7 +39,13 @@ class ServerShard:
         """Apply session events: copy blocks, record bitmaps, aggregate when complete."""
         for e in events:
             if isinstance(e, BlocksArrived):
-                self.recv[e.sender, e.rows] = e.data
+                if e.coding:   # a coded band: decoded here, before the rank-ordered sum
+                    rows = e.data.reshape(-1, e.data.shape[-1])
+                    dec = codec.decode(e.coding, rows, self.layout.block_elems)
+                    self.recv[e.sender, e.rows] = dec if rows.shape[0] > 1 or \
+                        np.ndim(e.rows) else dec[0]
+                else:
+                    self.recv[e.sender, e.rows] = e.data
             elif isinstance(e, WorkerFinalised):
                 self.bitmaps[e.sender] = e.received
                 self.finalised_by_deadline += e.reason == "deadline"

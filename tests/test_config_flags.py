@@ -37,7 +37,7 @@ def _candidates(f, default):
     if f.type in ("float", float):
         return [str(v) for v in (default / 2, default + 1, 0.25, 5.0, 2.0, 0.0)
                 if v != default]
-    return ["127.0.0.2", "dirichlet:0.5", "abc", "/tmp", "cuda"]
+    return ["127.0.0.2", "dirichlet:0.5", "abc", "/tmp", "cuda", "2:bf16"]
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

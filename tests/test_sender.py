@@ -360,3 +360,33 @@ def drive_until_idle(sender, now=0.0):
             sender.sent(m, len(m.rows), now)
         now = max(now, sender.get_timer())
     return out
+
+
+def test_a_coded_band_sends_the_payloads_it_is_given_with_its_coding():
+    """``coded``: the band's payloads (coded by the worker) go out as they are, each
+    datagram naming the coding in its flags and sized by it; the other bands stay f32,
+    and the byte counters count the coded datagrams."""
+    chan = np.array([0, 1, 2, 2] * 3, np.int8)
+    blocks = _blocks()
+    idx = np.flatnonzero(chan == 2)
+    idx = idx[idx >= 4]                            # shard 0 is local: never coded
+    p = wire.coded_payload_bytes(wire.Coding.INT8, ELEMS)
+    payloads = (np.arange(idx.size * p) % 251).astype(np.uint8).reshape(idx.size, p)
+    s = _sender()
+    s.start(7, chan, blocks, RANGES, 0, 0.0,
+            coded={2: (wire.Coding.INT8, idx, payloads)})
+    log = drive(s)
+    sent = {(m.shard, m.channel): m.rows for _, m, _ in log
+            if isinstance(m, UdpBatch) and not m.tail}
+    for shard in (1, 2):
+        rows = sent[shard, 2]
+        assert rows.shape == (2, wire.HEADER_BYTES + p)
+        for r, i in zip(rows, np.flatnonzero(chan[RANGES[shard][0]:RANGES[shard][1]] == 2)):
+            h, payload = wire.decode(r.tobytes())
+            blk = RANGES[shard][0] + i
+            assert (h.block, wire.coding_of(h.flags)) == (blk, wire.Coding.INT8)
+            assert bytes(payload) == payloads[np.searchsorted(idx, blk)].tobytes()
+        f32 = sent[shard, 1]
+        assert f32.shape == (1, DGRAM) and wire.coding_of(f32[0, 5]) == wire.Coding.FP32
+    assert s.counters.channels[2].bytes_sent == 4 * (wire.HEADER_BYTES + p)
+    assert s.counters.channels[1].bytes_sent == 2 * DGRAM

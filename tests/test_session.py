@@ -448,3 +448,100 @@ def test_the_adaptive_deadline_has_a_floor_and_a_ceiling():
     p.observe(-1.0)
     assert len(p.spreads) == 2 and p.beyond_floor == 1
     assert AdaptiveDeadline(floor_s=0.05, ceiling_s=0.0).deadline_s() == 0.05   # fixed
+
+
+# -- coded bands (docs/wire.md, "Block codings") ------------------------------------------
+
+def _coded(sender, blocks, coding, it=0, ch=1, key=None, flags_coding=None):
+    """Datagrams of ``blocks`` coded as ``coding``; ``flags_coding`` forges the header's."""
+    import torch
+    from dgt import codec
+    data = torch.tensor([[b + 0.1 * i + 1 / 3 for i in range(ELEMS)] for b in blocks],
+                        dtype=torch.float32)
+    rows = wire.encode_block_datagrams(
+        session=S, sender=sender, shard=1, iteration=it, channel=ch,
+        indices=np.array(blocks), blocks=codec.encode(coding, data), key=key,
+        coding=coding)
+    if flags_coding is not None:
+        rows[:, 5] = (rows[:, 5] & (0xFF ^ wire.CODING_MASK)) | (flags_coding << wire.CODING_SHIFT)
+    return rows, data.numpy()
+
+
+@pytest.mark.parametrize("coding", list(wire.Coding)[1:])
+@pytest.mark.parametrize("gro", [False, True])
+@pytest.mark.parametrize("key", [None, b"k"])
+def test_a_coded_block_arrives_with_its_coding(coding, gro, key):
+    """Coded datagrams, one by one or as one GRO run, arrive as their payloads with the
+    coding named, and complete the worker like f32 ones."""
+    from dgt import codec
+    s = session(n_workers=1, key=key)
+    rows, data = _coded(0, [12, 14, 15], coding, key=key)
+    ev = s.receive_datagram(rows.tobytes(), 0) if gro else \
+        [e for r in rows for e in s.receive_datagram(r.tobytes(), 0)]
+    got = [e for e in ev if isinstance(e, BlocksArrived)]
+    assert got and all(e.coding == coding for e in got)
+    dec = np.concatenate([codec.decode(coding, e.data.reshape(-1, e.data.shape[-1]), ELEMS)
+                          for e in got])
+    assert sorted(int(r) for e in got for r in np.atleast_1d(e.rows)) == [2, 4, 5]
+    # within half a step of the coarsest coding (int4: max|x| / 14) and not exact
+    assert np.abs(dec - data).max() <= np.abs(data).max() / 14 and \
+        not np.array_equal(dec, data)
+    assert s.counters.channels[1].blocks_delivered == 3
+    assert s.counters.channels[1].bytes_delivered == rows.size
+    ev = s.receive_frame(*end(0, [0, 3]), now=0)
+    assert kinds(ev) == ["WorkerFinalised", "IterationComplete"]
+
+
+@pytest.mark.parametrize("gro", [False, True])
+def test_an_unknown_coding_or_a_wrong_length_is_counted_and_dropped(gro):
+    s = session(n_workers=1)
+    unknown, _ = _coded(0, [12, 13], wire.Coding.INT8, flags_coding=5)
+    # an f32 payload (4E bytes) labelled int8 (4 + E bytes): a length that does not match
+    relabelled = _rows(0, [14, 15])
+    relabelled[:, 5] |= wire.Coding.INT8 << wire.CODING_SHIFT
+    for rows, reason in ((unknown, "bad_coding"), (relabelled, "bad_length")):
+        if gro:
+            ev = s.receive_datagram(rows.tobytes(), 0)
+        else:
+            ev = [e for r in rows for e in s.receive_datagram(r.tobytes(), 0)]
+        assert set(ev) == {Rejected(reason)}
+        assert s.counters.rejected[reason] == 2
+    assert not s.received.any()
+
+
+def test_a_gro_run_with_one_forged_coding_loses_only_that_datagram():
+    """Rows of one size in one run, one of them with another coding of that size (fp16
+    among bf16) and one with an unknown coding: the vectorised reader keeps each good
+    row with its own coding and drops the unknown one."""
+    s = session(n_workers=1)
+    rows, _ = _coded(0, [10, 11, 12], wire.Coding.BF16)
+    rows[1, 5] = (rows[1, 5] & (0xFF ^ wire.CODING_MASK)) | (wire.Coding.FP16 << wire.CODING_SHIFT)
+    rows[2, 5] = (rows[2, 5] & (0xFF ^ wire.CODING_MASK)) | (7 << wire.CODING_SHIFT)
+    ev = s.receive_datagram(rows.tobytes(), 0)
+    got = {int(r): e.coding for e in ev if isinstance(e, BlocksArrived)
+           for r in np.atleast_1d(e.rows)}
+    assert got == {0: wire.Coding.BF16, 1: wire.Coding.FP16}
+    assert s.counters.rejected["bad_coding"] == 1
+
+
+def test_a_tcp_blocks_frame_with_a_coding_is_rejected():
+    s = session(n_workers=1)
+    idx = np.array([10, 11])
+    buf = wire.encode(MsgType.BLOCKS, session=S, sender=0, shard=1, channel=0, block=10,
+                      count=2, flags=Flag.INDEXED | (wire.Coding.BF16 << wire.CODING_SHIFT),
+                      payload=wire.pack_indexed_blocks(idx, np.zeros((2, ELEMS), np.float32)))
+    assert s.receive_frame(*wire.decode(buf), now=0) == [Rejected("bad_coding")]
+    assert not s.received.any()
+
+
+def test_a_displaced_coded_copy_takes_back_its_own_bytes():
+    """A coded UDP copy of a block that then comes over TCP is recounted as a duplicate,
+    and its channel's delivered bytes go back by that copy's size, not an f32 one's."""
+    s = session(n_workers=1)
+    rows, _ = _coded(0, [11], wire.Coding.INT8, ch=2)
+    s.receive_datagram(rows[0].tobytes(), 0)
+    assert s.counters.channels[2].bytes_delivered == rows.shape[1]
+    s.receive_frame(*tcp_blocks(0, [10, 11]), now=0)
+    assert s.counters.channels[2].blocks_delivered == 0
+    assert s.counters.channels[2].bytes_delivered == 0
+    assert s.counters.channels[2].blocks_duplicate == 1

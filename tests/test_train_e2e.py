@@ -134,3 +134,18 @@ def test_a_closed_stdout_does_not_stop_the_job(tmp_path):
     assert "BrokenPipeError" not in err and "Traceback" not in err, err
     rep = json.loads(report.read_text())
     assert rep["replicas_identical"] and rep["iterations"] == 30
+
+
+def test_coded_bands_send_fewer_bytes_keep_replicas_identical_and_conserve(train):
+    """--band-codec over real sockets: each UDP band's datagrams have its coding's size
+    (docs/wire.md, "Block codings"), the replicas stay identical, and with loss the
+    residuals still hold what was rounded away or lost."""
+    _, r = train("--epochs", 1, "--band-codec", "1:fp16,2:int8,3:int4", "--drop-udp", 0.1,
+                 "--check-conservation")
+    assert r["replicas_identical"]
+    assert r["conservation_rel_error"] < 1e-4
+    ch = r["channels"]
+    size = {c: ch[c]["bytes_sent"] / ch[c]["blocks_sent"] for c in ("udp1", "udp2", "udp3")}
+    assert size == {"udp1": 34 + 2 * 352, "udp2": 34 + 4 + 352, "udp3": 34 + 4 + 176}
+    assert sum(ch[c]["blocks_lost"] for c in ("udp1", "udp2", "udp3")) > 0
+    assert not r["rejected"].get("bad_coding") and not r["rejected"].get("bad_length")

@@ -126,3 +126,29 @@ def test_decoder_on_mutated_valid_messages(flips, cut):
     except WireError:
         return
     assert wire.frame_size(h) == cut and len(p) == h.length
+
+
+def test_the_int8_worked_example_of_the_spec_is_what_the_code_sends():
+    """docs/wire.md's int8 datagram, byte for byte, and its decoded values."""
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from dgt import codec
+    rows = codec.encode(wire.Coding.INT8, torch.tensor([[1.0, -2.0, 0.5, 3.25]]))
+    d = wire.encode_block_datagrams(session=0x0123456789ABCDEF, sender=1, shard=0,
+                                    iteration=7, channel=3, indices=np.array([42]),
+                                    blocks=rows, coding=wire.Coding.INT8)[0]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "wire.md").read_text()
+    dump = text.split("coded as int8")[1].split("```")[1]
+    spec = bytes.fromhex("".join(re.sub(r"^[0-9a-f]{4}  ", "", ln)
+                                 for ln in dump.strip().splitlines()).replace(" ", ""))
+    assert d.tobytes() == spec
+    assert d[5] == wire.Coding.INT8 << wire.CODING_SHIFT
+    h, payload = wire.decode(d.tobytes())
+    assert wire.coding_of(h.flags) == wire.Coding.INT8
+    assert h.length == wire.coded_payload_bytes(wire.Coding.INT8, 4) == 8
+    dec = codec.decode(wire.Coding.INT8, np.frombuffer(payload, np.uint8)[None], 4)
+    assert dec.tolist() == [[np.float32(v) for v in (0.99803156, -1.9960631, 0.511811,
+                                                     3.25)]]

@@ -113,3 +113,18 @@ def test_the_code_counts_only_reasons_of_the_enum():
             found |= set(pat.findall(f.read_text()))
     assert found, "the pattern found nothing: update it"
     assert found <= {r.value for r in Reason}, found - {r.value for r in Reason}
+
+
+def test_block_codings_table_is_the_code(spec):
+    """The codings table says each coding's number, name and size, both ways."""
+    rows = spec["value|name|payload of one block (E values)|bytes"]
+    table = {int(r["value"]): (code(r["name"]), r["bytes"]) for r in rows}
+    assert {v: name for v, (name, _) in table.items()} == \
+        {int(c): c.name for c in wire.Coding}
+    sizes = {"4E": lambda e: 4 * e, "2E": lambda e: 2 * e, "4 + E": lambda e: 4 + e,
+             "4 + ceil(E/2)": lambda e: 4 + -(-e // 2)}
+    for e in (352, 9):
+        assert {v: sizes[size](e) for v, (_, size) in table.items()} == \
+            {int(c): wire.coded_payload_bytes(c, e) for c in wire.Coding}
+    assert wire.CODING_MASK == 0x1C and "`wire.CODING_MASK` = `0x1C`" in SPEC.read_text()
+    assert wire.coded_payload_bytes(max(wire.Coding) + 1, 352) is None

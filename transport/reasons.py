@@ -24,6 +24,7 @@ class Reason(str, enum.Enum):
     BAD_CHANNEL = "bad_channel"
     TOO_LONG = "too_long"
     BAD_LENGTH = "bad_length"
+    BAD_CODING = "bad_coding"
     NO_MAC = "no_mac"
     BAD_MAC = "bad_mac"
     # addressing and timing (transport.session)

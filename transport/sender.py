@@ -163,16 +163,18 @@ class PushSender:
 
     # -- one push ---------------------------------------------------------------------
     def start(self, iteration: int, chan: np.ndarray, blocks: np.ndarray,
-              ranges: list[tuple[int, int]], local: int | None, now: float) -> list[TcpFrame]:
+              ranges: list[tuple[int, int]], local: int | None, now: float,
+              coded: dict | None = None) -> list[TcpFrame]:
         """Begin push ``iteration`` of every block at once. ``chan``: (n_blocks,) int8
         channel per block (0 reliable, 1..7 UDP, -1 dropped); ``blocks``: (n_blocks,
         block_elems) float32, read (not copied) until END; ``ranges``: [lo, hi) blocks
-        of each shard; ``local``: the shard fed in-process (not sent here), or None.
-        Returns the reliable frames, to send first and in order. Raises RuntimeError
-        when the last push is not done. The same as :meth:`begin`, :meth:`add` of all
-        blocks and :meth:`finish`."""
+        of each shard; ``local``: the shard fed in-process (not sent here), or None;
+        ``coded``: the bands sent in a reduced form, as in :meth:`add`. Returns the
+        reliable frames, to send first and in order. Raises RuntimeError when the last
+        push is not done. The same as :meth:`begin`, :meth:`add` of all blocks and
+        :meth:`finish`."""
         self.begin(iteration, ranges, local)
-        frames = self.add(np.arange(chan.size), chan, blocks)
+        frames = self.add(np.arange(chan.size), chan, blocks, coded)
         self.finish()
         return frames
 
@@ -196,13 +198,18 @@ class PushSender:
         self._streams = [_Stream(s, []) for s in order if s != local]
         self._due, self._inflight, self._tails, self._wake = {}, set(), [], []
 
-    def add(self, rows: np.ndarray, chan: np.ndarray, blocks: np.ndarray) -> list[TcpFrame]:
+    def add(self, rows: np.ndarray, chan: np.ndarray, blocks: np.ndarray,
+            coded: dict | None = None) -> list[TcpFrame]:
         """Blocks ``rows`` ((m,) int64 block indices, ascending, none added before in
         this push) are final, on channels ``chan`` ((m,) int8, as in :meth:`start`);
         ``blocks``: (n_blocks, block_elems) float32, the whole push's blocks (rows read,
-        not copied, until END). Returns their reliable frames (one INDEXED ``BLOCKS``
-        per remote shard), to send now and in order; their UDP blocks join each shard's
-        stream behind what it still has to send."""
+        not copied, until END); ``coded``: channel -> (coding, block indices (m,)
+        sorted, payloads (m, coded bytes) uint8) for the bands sent in a reduced form
+        (dgt.codec; docs/wire.md, "Block codings"), holding every block of ``rows`` on
+        that channel to the remote shards. Returns their reliable frames (one INDEXED
+        ``BLOCKS`` per remote shard), to send now and in order; their UDP blocks join
+        each shard's stream behind what it still has to send. Raises ValueError when a
+        coded band does not hold exactly its channel's blocks."""
         ctr, frames = self.counters, []
         for s, (lo, hi) in enumerate(self.ranges):   # reliable first: the important blocks
             a, b = np.searchsorted(rows, (lo, hi))
@@ -237,10 +244,19 @@ class PushSender:
                 self.counts[st.shard, c] += idx.size
                 if not idx.size:
                     continue
+                coding, data = wire.Coding.FP32, None
+                if coded and c in coded:   # the payloads, coded already: this shard's
+                    coding, cidx, payloads = coded[c]
+                    ca, cb = np.searchsorted(cidx, (lo, hi))
+                    data = payloads[ca:cb]
+                    if cb - ca != idx.size:
+                        raise ValueError(f"coded band {c} holds {cb - ca} blocks of shard "
+                                         f"{st.shard}, the channel {idx.size}")
                 dgrams = wire.encode_block_datagrams(
                     session=self.session, sender=self.rank, shard=st.shard,
-                    iteration=self.iteration, channel=c, indices=idx, blocks=blocks[idx],
-                    key=self.key)
+                    iteration=self.iteration, channel=c, indices=idx,
+                    blocks=blocks[idx] if data is None else data, key=self.key,
+                    coding=coding)
                 st.segments.append((c, dgrams))
                 ctr.channels[c].blocks_sent += idx.size
                 ctr.channels[c].bytes_sent += dgrams.size

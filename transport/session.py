@@ -37,6 +37,8 @@ from .wire import Flag, MsgType, WireError
 
 _BLOCK_OFFSET = wire.HEADER_DTYPE.fields["block"][1]
 _TYPE_OFFSET = wire.HEADER_DTYPE.fields["type"][1]
+_FLAGS_OFFSET = wire.HEADER_DTYPE.fields["flags"][1]
+_LENGTH_OFFSET = wire.HEADER_DTYPE.fields["length"][1]   # the header's last field
 _NOT_BLOCK = np.ones(wire.HEADER_BYTES, bool)   # header bytes every datagram of a run shares
 _NOT_BLOCK[_BLOCK_OFFSET:_BLOCK_OFFSET + 4] = False
 
@@ -45,13 +47,16 @@ _NOT_BLOCK[_BLOCK_OFFSET:_BLOCK_OFFSET + 4] = False
 class BlocksArrived:
     """Blocks of ``sender`` for the current iteration. ``rows``: (n,) int64 shard-local
     block rows and ``data`` (n, block_elems) float32 LE view into the message; or, for
-    one UDP block, ``rows`` an int and ``data`` (block_elems,)."""
+    one UDP block, ``rows`` an int and ``data`` (block_elems,). With a ``coding`` other
+    than FP32 (wire.Coding) ``data`` holds the coded payloads instead, (n, coded bytes)
+    or (coded bytes,) uint8, for the shard to decode (dgt.codec)."""
 
     sender: int
     iteration: int
     channel: int
     rows: np.ndarray | int
     data: np.ndarray
+    coding: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +97,10 @@ class ShardSession:
         self.block_payload = block_elems * 4
         self.datagram_bytes = (wire.HEADER_BYTES + self.block_payload
                                + (wire.MAC_BYTES if key else 0))
+        #: coding -> payload bytes of one block (-1: a coding this version does not know)
+        n_codings = (wire.CODING_MASK >> wire.CODING_SHIFT) + 1
+        self.coded_payload = np.array([wire.coded_payload_bytes(c, block_elems) or -1
+                                       for c in range(n_codings)], np.int64)
         self.n_workers = n_workers
         self.deadline_s = deadline_s
         self.deadline_policy = deadline_policy
@@ -103,6 +112,7 @@ class ShardSession:
         self.received = np.zeros((n_workers, n), bool)
         # the channel each received row came on: a reliable copy displaces an unreliable one
         self.channel_of = np.zeros((n_workers, n), np.int8)
+        self.coding_of = np.zeros((n_workers, n), np.int8)   # and its coding (wire.Coding)
         self.per_channel = np.zeros((n_workers, wire.MAX_CHANNELS), np.int64)
         self.end_counts: list[np.ndarray | None] = [None] * n_workers
         self.tail = np.full((n_workers, wire.MAX_CHANNELS), -1, np.int64)  # marker counts
@@ -119,11 +129,18 @@ class ShardSession:
         """One UDP datagram, or a GRO-coalesced run of equal-size datagrams (UDP_GRO,
         udp(7)). Never raises for bad input."""
         self.clock = now
-        if len(buf) > self.datagram_bytes and self.datagram_bytes:
-            # a run of blocks (the hot path) goes straight to the vectorised reader
-            run = None if buf[_TYPE_OFFSET] == MsgType.BLOCKS else \
-                self._receive_small_run(buf, now)
-            return run if run is not None else self._receive_coalesced(buf, now)
+        size = self.datagram_bytes
+        if len(buf) > wire.HEADER_BYTES and buf[_TYPE_OFFSET] == MsgType.BLOCKS:
+            # a GRO run of equal-size datagrams: the first one's size is the stride (each
+            # row is checked against its coding's size); one message goes on below
+            size = wire.HEADER_BYTES + int.from_bytes(
+                buf[_LENGTH_OFFSET:_LENGTH_OFFSET + 4], "big") + (
+                wire.MAC_BYTES if buf[_FLAGS_OFFSET] & Flag.MAC else 0)
+            if wire.HEADER_BYTES < size < len(buf):   # the hot path: vectorised reader
+                return self._receive_coalesced(buf, now, size)
+        elif len(buf) > size and size:
+            run = self._receive_small_run(buf, now)
+            return run if run is not None else self._receive_coalesced(buf, now, size)
         try:
             h, payload = wire.decode(buf)   # the MAC comes after the cheap checks
         except WireError as e:
@@ -146,9 +163,12 @@ class ShardSession:
         if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
                 or h.flags & Flag.INDEXED:
             return [self._reject("bad_udp_message")]
-        if len(payload) != self.block_payload:
+        coding = wire.coding_of(h.flags)
+        if self.coded_payload[coding] < 0:
+            return [self._reject("bad_coding")]
+        if len(payload) != self.coded_payload[coding]:
             return [self._reject("bad_length")]
-        return self._block(h, payload, len(buf))
+        return self._block(h, payload, len(buf), coding)
 
     def receive_frame(self, h: wire.Header, payload: memoryview, now: float) -> list:
         """One TCP frame already split by :class:`~dgt.transport.framing.Deframer`
@@ -158,6 +178,8 @@ class ShardSession:
         if h.type == MsgType.BLOCKS:
             if h.channel != RELIABLE or not h.flags & Flag.INDEXED:
                 return [self._reject("bad_tcp_blocks")]
+            if wire.coding_of(h.flags):   # the reliable channel carries f32 only
+                return [self._reject("bad_coding")]
             try:
                 idx, data = wire.unpack_indexed_blocks(payload, h.count, self.block_elems)
             except WireError as e:
@@ -257,11 +279,10 @@ class ShardSession:
             return "bad_sender"
         return None
 
-    def _receive_coalesced(self, buf, now: float) -> list:
-        """Vectorised path for n datagrams of ``datagram_bytes`` each (plus a possibly
+    def _receive_coalesced(self, buf, now: float, size: int) -> list:
+        """Vectorised path for n datagrams of ``size`` bytes each (plus a possibly
         shorter tail, handled alone): one numpy pass over all headers, no per-block
         Python work unless a MAC must be checked."""
-        size = self.datagram_bytes
         n = len(buf) // size
         rows = np.frombuffer(buf, np.uint8, n * size).reshape(n, size)
         events = self._receive_run(rows, now)
@@ -283,7 +304,7 @@ class ShardSession:
                 for e in self.receive_datagram(mv[off:off + size], now)]
 
     def _receive_run(self, rows: np.ndarray, now: float) -> list:
-        """``rows``: (n, datagram_bytes) uint8, n datagrams of one GRO run."""
+        """``rows``: (n, size) uint8, n datagrams of one GRO run."""
         n, size = rows.shape
         events: list = []
         head = rows[:, :wire.HEADER_BYTES]
@@ -291,13 +312,17 @@ class ShardSession:
             return events + self._receive_uniform(rows, now)
         hdr = head.copy().view(wire.HEADER_DTYPE).reshape(n)
         mac = wire.Flag.MAC if self.key else 0
+        coding = (hdr["flags"] & wire.CODING_MASK) >> wire.CODING_SHIFT
+        payload = self.coded_payload[coding]
         checks = (
             ("bad_magic", hdr["magic"] != wire.MAGIC),
             ("bad_version", hdr["version"] != wire.VERSION),
             ("bad_udp_message", (hdr["type"] != MsgType.BLOCKS) | (hdr["channel"] == RELIABLE)
              | (hdr["channel"] >= wire.MAX_CHANNELS) | (hdr["count"] != 1)
              | ((hdr["flags"] & (Flag.INDEXED | Flag.MAC)) != mac)),
-            ("bad_length", hdr["length"] != self.block_payload),
+            ("bad_coding", payload < 0),
+            ("bad_length", (hdr["length"] != payload)
+             | (wire.HEADER_BYTES + payload + (wire.MAC_BYTES if mac else 0) != size)),
             ("stray", hdr["session"] != self.session),
             ("wrong_shard", hdr["shard"] != self.shard),
             ("bad_sender", hdr["sender"] >= self.n_workers),
@@ -342,10 +367,12 @@ class ShardSession:
         cur = ok & ~late   # future and stale left ``ok`` before the MAC
         row_all = hdr["block"].astype(np.int64) - self.lo
         idx = np.flatnonzero(cur)
-        touched = np.unique(w_all[idx]) if idx.size else ()
-        for wk in touched:
-            sel = idx[w_all[idx] == wk]
-            events += self._deliver(int(wk), row_all[sel], ch_all[sel], rows[sel])
+        # one coding per run in practice (one band, one socket); a mix is split
+        for wk, ck in (np.unique(np.stack([w_all[idx], coding[idx]]), axis=1).T
+                       if idx.size else ()):
+            sel = idx[(w_all[idx] == wk) & (coding[idx] == ck)]
+            events += self._deliver(int(wk), row_all[sel], ch_all[sel], rows[sel],
+                                    int(ck))
         return events
 
     def _receive_uniform(self, rows: np.ndarray, now: float) -> list:
@@ -362,7 +389,10 @@ class ShardSession:
         if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
                 or h.flags & (Flag.INDEXED | Flag.MAC) != (Flag.MAC if self._mac else 0):
             bad = "bad_udp_message"
-        elif h.length != self.block_payload:
+        elif self.coded_payload[wire.coding_of(h.flags)] < 0:
+            bad = "bad_coding"
+        elif h.length != self.coded_payload[wire.coding_of(h.flags)] \
+                or wire.frame_size(h) != rows.shape[1]:
             bad = "bad_length"
         if bad:
             return [self._reject(bad, n)]
@@ -389,12 +419,15 @@ class ShardSession:
         untimely = self._untimely(h, r.size, r.size)
         if untimely is not None:
             return events + [untimely]
-        return events + self._deliver(w, r, np.full(r.size, ch, np.int64), rows)
+        return events + self._deliver(w, r, np.full(r.size, ch, np.int64), rows,
+                                      wire.coding_of(h.flags))
 
-    def _deliver(self, w: int, r: np.ndarray, chs: np.ndarray, rows: np.ndarray) -> list:
-        """Accept worker ``w``'s datagrams ``rows`` ((m, size) uint8) for shard rows ``r``
-        on channels ``chs`` (both (m,) int64): drop duplicates (already received, or twice
-        in this run), count, and emit the blocks."""
+    def _deliver(self, w: int, r: np.ndarray, chs: np.ndarray, rows: np.ndarray,
+                 coding: int = 0) -> list:
+        """Accept worker ``w``'s datagrams ``rows`` ((m, size) uint8, coded as
+        ``coding``) for shard rows ``r`` on channels ``chs`` (both (m,) int64): drop
+        duplicates (already received, or twice in this run), count, and emit the
+        blocks."""
         if not r.size:
             return []
         first, order = self._scratch, np.arange(r.size)
@@ -410,19 +443,22 @@ class ShardSession:
         size = rows.shape[1]
         self.received[w, r] = True
         self.channel_of[w, r] = chs
+        self.coding_of[w, r] = coding
         per = np.bincount(chs, minlength=wire.MAX_CHANNELS)
         self.per_channel[w] += per
         for c in np.flatnonzero(per):
             cc = self.counters.channels[c]
             cc.blocks_delivered += int(per[c])
             cc.bytes_delivered += int(per[c]) * size
-        data = rows[:, wire.HEADER_BYTES:wire.HEADER_BYTES + self.block_payload]
-        events: list = [BlocksArrived(w, self.iteration, int(chs[0]), r, data.view("<f4"))]
+        data = rows[:, wire.HEADER_BYTES:wire.HEADER_BYTES + self.coded_payload[coding]]
+        events: list = [BlocksArrived(w, self.iteration, int(chs[0]), r,
+                                      data if coding else data.view("<f4"), coding)]
         if self.end_counts[w] is not None and not self.finalised[w] and self._complete(w):
             events += self._finalise(w, "complete")
         return events
 
-    def _block(self, h: wire.Header, payload: memoryview, nbytes: int) -> list:
+    def _block(self, h: wire.Header, payload: memoryview, nbytes: int,
+               coding: int = 0) -> list:
         """Fast path for one UDP block: scalar checks, no per-datagram array work."""
         bad = self._check_addressing(h)
         if bad:
@@ -440,11 +476,12 @@ class ShardSession:
             return [Rejected("duplicate")]
         self.received[w, row] = True
         self.channel_of[w, row] = h.channel
+        self.coding_of[w, row] = coding
         self.per_channel[w, h.channel] += 1
         ch.blocks_delivered += 1
         ch.bytes_delivered += nbytes
-        events: list = [BlocksArrived(w, h.iteration, h.channel, row,
-                                      np.frombuffer(payload, "<f4"))]
+        events: list = [BlocksArrived(w, h.iteration, h.channel, row, np.frombuffer(
+            payload, np.uint8 if coding else "<f4"), coding)]
         if self.end_counts[w] is not None and self._complete(w):
             events += self._finalise(w, "complete")
         return events
@@ -498,11 +535,14 @@ class ShardSession:
         gone = rows[udp]
         self.received[w, gone] = False
         per = np.bincount(chans[udp], minlength=wire.MAX_CHANNELS)
+        size = (self.coded_payload[self.coding_of[w, gone]] + self.datagram_bytes
+                - self.block_payload)   # each copy's datagram bytes, by its coding
+        nbytes = np.bincount(chans[udp], weights=size, minlength=wire.MAX_CHANNELS)
         self.per_channel[w] -= per
         for c in np.flatnonzero(per):
             cc = self.counters.channels[c]
             cc.blocks_delivered -= int(per[c])
-            cc.bytes_delivered -= int(per[c]) * self.datagram_bytes
+            cc.bytes_delivered -= int(nbytes[c])
             cc.blocks_duplicate += int(per[c])
         return seen & ~udp
 

@@ -88,6 +88,42 @@ class Flag(enum.IntFlag):
     INDEXED = 0x02  # BLOCKS payload = count x u32 block indices, then count blocks
 
 
+class Coding(enum.IntEnum):
+    """How a UDP BLOCKS payload codes its block: flags bits 2-4 (``CODING_MASK``).
+    Source: docs/wire.md, "Block codings". The name in lower case is the
+    ``--band-codec`` word (``fp32``, ``fp16``, ``bf16``, ``int8``, ``int4``)."""
+
+    FP32 = 0   # E x f32 LE: the block as it is (every message but coded UDP BLOCKS)
+    FP16 = 1   # E x IEEE-754 binary16 LE, round to nearest even
+    BF16 = 2   # E x bfloat16 LE (the top 16 bits of the f32), round to nearest even
+    INT8 = 3   # f32 LE scale s, then E x int8 q: value = q * s (symmetric, per block)
+    INT4 = 4   # f32 LE scale s, then ceil(E/2) bytes of two 4-bit q (-7..7): q * s
+
+
+#: flags bits 2-4 carry the coding of a UDP BLOCKS payload (``Coding``)
+CODING_SHIFT = 2
+CODING_MASK = 0x07 << CODING_SHIFT
+
+
+def coding_of(flags: int) -> int:
+    """The coding number in header ``flags`` (0..7; not all are a :class:`Coding`)."""
+    return (flags & CODING_MASK) >> CODING_SHIFT
+
+
+def coded_payload_bytes(coding: int, block_elems: int) -> int | None:
+    """Payload bytes of one block of ``block_elems`` values coded as ``coding``; None
+    for a coding this version does not know (the datagram is ``bad_coding``)."""
+    if coding == Coding.FP32:
+        return 4 * block_elems
+    if coding in (Coding.FP16, Coding.BF16):
+        return 2 * block_elems
+    if coding == Coding.INT8:
+        return 4 + block_elems
+    if coding == Coding.INT4:
+        return 4 + (block_elems + 1) // 2
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     """A decoded header. Field meanings are in the module docstring."""
@@ -328,15 +364,22 @@ def unpack_pull(payload: memoryview, n_blocks: int, block_elems: int
 
 def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: int,
                            channel: int, indices: np.ndarray, blocks: np.ndarray,
-                           key: bytes | None = None) -> np.ndarray:
+                           key: bytes | None = None, coding: int = Coding.FP32
+                           ) -> np.ndarray:
     """Encode one UDP datagram per block, vectorised.
 
-    ``indices``: (n,) int; ``blocks``: (n, block_elems) float32. Returns a (n, size) uint8
-    array; row i is the datagram for block ``indices[i]``. All rows have one size, which
-    is what UDP GSO needs.
+    ``indices``: (n,) int; ``blocks``: (n, block_elems) float32, or with a ``coding``
+    other than FP32 the coded payloads, (n, coded_payload_bytes) uint8 (dgt.codec).
+    Returns a (n, size) uint8 array; row i is the datagram for block ``indices[i]``. All
+    rows have one size, which is what UDP GSO needs.
     """
-    n, elems = blocks.shape
-    plen = elems * 4
+    if coding == Coding.FP32:
+        n, elems = blocks.shape
+        plen = elems * 4
+        payload = np.ascontiguousarray(blocks, "<f4").view(np.uint8).reshape(n, plen)
+    else:
+        n, plen = blocks.shape
+        payload = blocks
     size = HEADER_BYTES + plen + (MAC_BYTES if key else 0)
     out = np.empty((n, size), np.uint8)
     hdr = np.empty(n, HEADER_DTYPE)
@@ -344,7 +387,7 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     hdr["version"] = VERSION
     hdr["type"] = MsgType.BLOCKS
     hdr["channel"] = channel
-    hdr["flags"] = Flag.MAC if key else 0
+    hdr["flags"] = (Flag.MAC if key else 0) | (int(coding) << CODING_SHIFT)
     hdr["session"] = session
     hdr["sender"] = sender
     hdr["shard"] = shard
@@ -353,8 +396,7 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     hdr["count"] = 1
     hdr["length"] = plen
     out[:, :HEADER_BYTES] = hdr.view(np.uint8).reshape(n, HEADER_BYTES)
-    out[:, HEADER_BYTES:HEADER_BYTES + plen] = (
-        np.ascontiguousarray(blocks, "<f4").view(np.uint8).reshape(n, plen))
+    out[:, HEADER_BYTES:HEADER_BYTES + plen] = payload
     if key:
         for i in range(n):  # a keyed hash has no vector form; MAC is opt-in
             out[i, HEADER_BYTES + plen:] = np.frombuffer(

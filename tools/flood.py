@@ -58,7 +58,10 @@ class IterationSniffer(threading.Thread):
             ihl = (pkt[14] & 0x0F) * 4
             tcp = pkt[14 + ihl:]
             src, dst = struct.unpack_from("!HH", tcp, 0)
-            if src not in self.ports and dst not in self.ports:   # PULLs: from them
+            # only what a sidecar's port sends (PULLs, on the worker's connection):
+            # frames *to* those ports may be other attackers' forgeries (fuzz.py runs
+            # several sniffers at once), and their garbage ranges would be believed
+            if src not in self.ports:
                 continue
             d = tcp[(tcp[12] >> 4) * 4:]
             if d[:3] == b"DG\x01" and len(d) >= wire.HEADER_BYTES:

@@ -72,8 +72,9 @@ def _in_job(rng: random.Random, job: dict) -> bytes:
     buf = wire.encode(mtype, session=job["session"], sender=w, shard=r,
                       iteration=(job["iteration"] - rng.choice([0, 0, 0, 1, 2, -1])) & 0xFFFFFFFF,
                       channel=rng.randrange(1, 4),
-                      block=rng.randrange(job["lo"], max(job["hi"], job["lo"] + 1)),
-                      count=count, payload=rng.randbytes(n),
+                      block=rng.randrange(job["lo"], max(job["hi"], job["lo"] + 1))
+                      & 0xFFFFFFFF,
+                      count=count & 0xFFFFFFFF, payload=rng.randbytes(n),
                       flags=wire.Flag.MAC if job["mac"] else 0)
     return buf + rng.randbytes(wire.MAC_BYTES) if job["mac"] else buf
 

@@ -152,3 +152,35 @@ def test_without_a_secret_malformed_values_are_counted_not_raised(tmp_path):
         assert sorted(r0.gather("dgt/ep", check_endpoint)) == [0, 1]
     finally:
         del r1, r0
+
+
+def test_ddp_garbage_in_torchrun_s_store_is_one_line_not_a_traceback():
+    # dgt.ddp agrees its generation through torchrun's store: a stranger who lists the
+    # keys answers rank 1's question before rank 0 does
+    from dgt.ddp import generation
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=30))
+    stranger = TCPStore("127.0.0.1", master.port, is_master=False,
+                        wait_for_workers=False, timeout=timedelta(seconds=30))
+    out: dict = {}
+
+    def rank_1():
+        try:
+            out["gen"] = generation.agree(master, 1, 2, 30)
+        except Exception as e:   # noqa: BLE001 - what it raises is the point
+            out["error"] = e
+
+    t = threading.Thread(target=rank_1)
+    t.start()
+    ask = f"{generation.PREFIX}/ask/1"
+    stranger.wait([ask], timedelta(seconds=30))
+    stranger.set(f"{generation.PREFIX}/tell/1/{stranger.get(ask).decode()}", "garbage")
+    t.join(60)
+    assert isinstance(out.get("error"), TimeoutError), out
+    assert "malformed" in str(out["error"]) and "\n" not in str(out["error"])
+    from dgt.ddp.node import _sidecar_store
+    for raw in (b"garbage", b"[]", b'["h", 0]', b'[1, 2]', b"\xff"):
+        with pytest.raises(PeerFailure) as e:
+            _sidecar_store(raw, "dgt/sidecar-store")
+        assert e.value.ranks == [] and "malformed" in str(e.value)
+    assert _sidecar_store(b'["127.0.0.1", 5]', "k") == ("127.0.0.1", 5)

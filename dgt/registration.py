@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import random
+from collections import Counter
 from typing import Callable
 
 from .config import PACE_AUTO, NodeConfig, TransmissionConfig
@@ -30,22 +31,74 @@ STARTUP_GRACE_S = 10.0
 
 
 def exchange_endpoints(node: NodeConfig, cfg: TransmissionConfig, me: dict,
-                       on_store: Callable[[Rendezvous], None]
+                       on_store: Callable[[Rendezvous], None],
+                       rejected: Counter | None = None
                        ) -> tuple[Rendezvous, int, dict[int, dict]]:
     """Publish this node's endpoints ``me`` and gather every rank's. Returns (the store,
     the session id: 64 random bits drawn by rank 0, rank -> endpoint). ``on_store`` gets
     the store as soon as it is joined: from then on a failure is published there (the
-    others' waits end with it, naming the rank). Raises PeerFailure."""
+    others' waits end with it, naming the rank). Values that fail their check are
+    counted in ``rejected`` (``store_rejected``) and ignored. Raises PeerFailure."""
     rdv = Rendezvous(node.master_addr, node.master_port, node.world, node.rank,
-                     cfg.peer_timeout_s + STARTUP_GRACE_S, listen_fd=node.master_listen_fd)
+                     cfg.peer_timeout_s + STARTUP_GRACE_S, listen_fd=node.master_listen_fd,
+                     secret=cfg.secret, job=node.job, rejected=rejected)
     on_store(rdv)
     if node.rank == 0:
         rdv.set("dgt/session/0", str(random.SystemRandom().getrandbits(64)))
     rdv.set(f"dgt/ep/{node.rank}", json.dumps(me))
-    rdv.wait(["dgt/session/0"])
-    session = int(rdv.store.get("dgt/session/0"))
-    peers = {r: json.loads(v) for r, v in rdv.gather("dgt/ep").items()}
+    session = rdv.wait(["dgt/session/0"], check_session)["dgt/session/0"]
+    peers = rdv.gather("dgt/ep", check_endpoint)
     return rdv, session, peers
+
+
+def check_session(_key: str, text: str) -> int:
+    """The session id as stored: a decimal integer in [0, 2^64)."""
+    session = int(text)
+    if not 0 <= session < 1 << 64:
+        raise ValueError("session id out of range")
+    return session
+
+
+def _is_port(p) -> bool:
+    return type(p) is int and 0 < p < 1 << 16
+
+
+def check_endpoint(key: str, text: str) -> dict:
+    """A rank's endpoints as stored under ``dgt/ep/<rank>``: a JSON object with that
+    ``rank``, ``host`` (str), ``tcp_port`` and ``udp_ports`` (ports 1..65535) and
+    ``pid`` (int). Raises ValueError/TypeError/KeyError otherwise."""
+    ep = json.loads(text)
+    if not (type(ep) is dict and ep["rank"] == int(key.rsplit("/", 1)[1])
+            and isinstance(ep["host"], str) and ep["host"] and _is_port(ep["tcp_port"])
+            and type(ep["udp_ports"]) is list and all(map(_is_port, ep["udp_ports"]))
+            and type(ep["pid"]) is int):
+        raise ValueError("not an endpoint record")
+    return ep
+
+
+def check_model_entry(_key: str, text: str) -> tuple[int, str, int]:
+    """``dgt/n_params/<rank>``: "<parameters> <SHA-256 hex or empty> <start iteration>"
+    -> (parameters, SHA-256, start)."""
+    n, sha, start = text.split(" ")
+    if sha and not is_sha256(sha):
+        raise ValueError("not a SHA-256")
+    n, start = int(n), int(start)
+    if not 0 < n < 1 << 31 or start < 0:
+        raise ValueError("out of range")
+    return n, sha, start
+
+
+def is_sha256(sha) -> bool:
+    """``sha`` is a SHA-256 as ``hexdigest()`` writes it (64 lowercase hex digits)."""
+    return isinstance(sha, str) and len(sha) == 64 and all(
+        c in "0123456789abcdef" for c in sha)
+
+
+def check_ready(_key: str, text: str) -> str:
+    """``dgt/ready/<rank>``: "1"."""
+    if text != "1":
+        raise ValueError("not '1'")
+    return text
 
 
 def check_model_size(n_params, rank: int) -> int:
@@ -62,18 +115,18 @@ def agree_model(rdv: Rendezvous, rank: int, n_params: int, sha: str,
     iteration ``start`` (dgt.checkpoint; 0: a new run) and, where they sent one, the
     same SHA-256 of the initial parameters ("" : none sent)."""
     rdv.set(f"dgt/n_params/{rank}", f"{n_params} {sha} {start}")
-    agreed = {r: v.split(" ") for r, v in rdv.gather("dgt/n_params").items()}
-    sizes = {r: int(v[0]) for r, v in agreed.items()}
+    agreed = rdv.gather("dgt/n_params", check_model_entry)
+    sizes = {r: v[0] for r, v in agreed.items()}
     if len(set(sizes.values())) != 1:
         raise PeerFailure(f"trainers registered different model sizes: {sizes}; every "
                           f"rank must train the same model", None,
                           FailureReason.MISMATCH)
-    starts = {r: v[2] if len(v) > 2 else "0" for r, v in agreed.items()}
+    starts = {r: v[2] for r, v in agreed.items()}
     if len(set(starts.values())) != 1:
         raise PeerFailure(f"ranks resume from different iterations: {starts}; give "
                           f"every rank the same checkpoint step", None,
                           FailureReason.MISMATCH)
-    shas = {r: v[1] if len(v) > 1 else "" for r, v in agreed.items()}
+    shas = {r: v[1] for r, v in agreed.items()}
     apart = [r for r, h in sorted(shas.items()) if h and shas[0] and h != shas[0]]
     if apart:
         raise PeerFailure(f"rank(s) {apart} start from different parameters than rank "
@@ -93,7 +146,7 @@ async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict]
     :func:`check_pace`. Returns (the config with the pacing rate, the layout, where the
     rate came from or None when it was given). Raises PeerFailure."""
     loop = asyncio.get_running_loop()
-    sha = sha if isinstance(sha, str) else ""   # "": a client that sends none
+    sha = sha if is_sha256(sha) else ""   # "": a client that sends none (or no hex)
     await loop.run_in_executor(None, agree_model, rdv, rank, n_params, sha, start)
     source = None
     if cfg.pace_mbit == PACE_AUTO:
@@ -111,7 +164,7 @@ async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict]
 def barrier(rdv: Rendezvous, rank: int) -> None:
     """Wait until every rank is ready (its peer connections are up)."""
     rdv.set(f"dgt/ready/{rank}", "1")
-    rdv.gather("dgt/ready")
+    rdv.gather("dgt/ready", check_ready)
 
 
 def check_pace(cfg: TransmissionConfig, lay: BlockLayout, world: int, rank: int) -> None:

@@ -4,19 +4,38 @@ Waits poll the store instead of blocking in ``get`` so that a failure anywhere i
 job (published under ``dgt/failed``) ends every wait at once with the failed rank named,
 and so that no wait outlives ``timeout_s``. All methods block: call them from a thread
 (``loop.run_in_executor``), never on the event loop.
+
+The store has no login, and any process that reaches it can list, read, write and delete
+its keys (TCPStore ``list_keys``, ``set``, ``delete_key``). So every value a rank acts on
+is checked before use (``check``: its type and schema; a malformed one is counted in
+``rejected["store_rejected"]``, logged once, and treated as absent), and with a job
+secret (``--secret``) a key's name is derived from the secret and the job
+(:func:`key_name`) and its value carries a keyed BLAKE2b-128 tag over name and value
+(:func:`seal`), so that a stranger can neither find, forge nor move a value.
 """
 from __future__ import annotations
 
+import hmac
 import json
+import logging
 import os
 import socket
 import time
+from collections import Counter
 from datetime import timedelta
+from typing import Callable
 
 from .errors import PeerFailure
 from .failure import FailureReason
+from .transport.reasons import Reason
+from .transport.wire import mac_tag
 
 FAILED = "dgt/failed"
+#: counter key of a store value that failed its check (tag or schema)
+STORE_REJECTED = Reason.STORE_REJECTED.value
+#: a failure record's message is cut to this many characters (one line)
+MESSAGE_CHARS = 500
+log = logging.getLogger("dgt.rendezvous")
 POLL_S = 0.05
 #: torch's C++ logging is ERROR-only in our processes, and never prints C++ stack frames
 #: (set before torch is imported: the launcher puts it in its children's environment)
@@ -69,15 +88,70 @@ def wait_for_listener(host: str, port: int, timeout_s: float,
         time.sleep(min(4 * POLL_S, max(0.0, t_end - time.monotonic())))
 
 
+def key_name(key: bytes | None, scope: str, logical: str) -> str:
+    """The store key of ``logical`` (``dgt/ep/1``): itself without a secret ``key``;
+    with one, ``dgt/`` and 16 hex digits of a keyed BLAKE2b-128 of ``scope`` (the job and
+    the store's port) and ``logical``, so that only a job member can name it."""
+    if key is None:
+        return logical
+    return "dgt/" + mac_tag(key, f"dgt-store-name\0{scope}\0{logical}".encode()).hex()[:16]
+
+
+def seal(key: bytes | None, name: str, value: str) -> str:
+    """``value`` as stored under ``name``: with a secret ``key``, prefixed by the hex
+    keyed BLAKE2b-128 tag of the name and the value and a ``:``; else as it is."""
+    if key is None:
+        return value
+    return mac_tag(key, f"dgt-store-value\0{name}\0{value}".encode()).hex() + ":" + value
+
+
+def unseal(key: bytes | None, name: str, raw: bytes) -> str:
+    """The value :func:`seal` stored under ``name``. Raises ValueError when ``raw`` is
+    not UTF-8 or (with a ``key``) its tag is missing or wrong."""
+    text = raw.decode("utf-8")          # UnicodeDecodeError is a ValueError
+    if key is None:
+        return text
+    tag, sep, value = text.partition(":")
+    if not sep or not hmac.compare_digest(tag, seal(key, name, value).partition(":")[0]):
+        raise ValueError("bad or missing MAC")
+    return value
+
+
+def failure_record(world: int) -> Callable[[str, str], tuple[str, int | None]]:
+    """The check of ``dgt/failed``: ``{"message": str, "rank": int in [0, world) or
+    null}`` -> (the message's first line, at most MESSAGE_CHARS, the rank)."""
+    def check(_key: str, text: str) -> tuple[str, int | None]:
+        info = json.loads(text)
+        message, rank = info["message"], info.get("rank")
+        if not isinstance(message, str) or not message.strip() or not (
+                rank is None or type(rank) is int and 0 <= rank < world):
+            raise ValueError("not a failure record")
+        return message.strip().splitlines()[0][:MESSAGE_CHARS], rank
+    return check
+
+
+def _rank_of(key: str) -> int:
+    return int(key.rsplit("/", 1)[1])
+
+
 class Rendezvous:
     def __init__(self, host: str, port: int, world: int, rank: int, timeout_s: float,
-                 listen_fd: int = -1):
+                 listen_fd: int = -1, secret: str = "", job: str = "",
+                 rejected: Counter | None = None):
         """``listen_fd`` (rank 0): a listening socket to host the store on, passed down
         by the launcher, which bound it, so no other process can take the port between
-        its choice and the bind (TCPStore's ``master_listen_fd``); -1: bind ``port``."""
+        its choice and the bind (TCPStore's ``master_listen_fd``); -1: bind ``port``.
+        ``secret`` (``--secret``; "": none) names and tags every key (:func:`key_name`,
+        :func:`seal`) within ``job``; ``rejected``: where a value that fails its check is
+        counted (``store_rejected``)."""
         self.host, self.port, self.world, self.rank = host, port, world, rank
         self.timeout_s = timeout_s
         self.listen_fd = listen_fd
+        self.key = secret.encode() if secret else None
+        self.scope = f"{job}\0{port}"
+        self.rejected = rejected if rejected is not None else Counter()
+        self._seen_bad: set[tuple[str, bytes]] = set()   # each bad value counted once
+        self._check_failed = failure_record(world)
         self._own_listener = None
         self.store = self._connect(is_master=rank == 0)
 
@@ -124,34 +198,66 @@ class Rendezvous:
                 "store listens on every interface", self.host, e.strerror)
             return None
 
+    def name(self, logical: str) -> str:
+        """The store key of ``logical`` (:func:`key_name`)."""
+        return key_name(self.key, self.scope, logical)
+
     def set(self, key: str, value: str) -> None:
+        """Store ``value`` under the logical ``key`` (named and sealed with the secret)."""
+        name = self.name(key)
         try:
-            self.store.set(key, value)
+            self.store.set(name, seal(self.key, name, value))
         except Exception as e:
             raise PeerFailure(f"rendezvous store lost (rank 0 died?): {e}".splitlines()[0],
                               0, FailureReason.STORE_LOST) from None
 
-    def gather(self, prefix: str) -> dict[int, str]:
-        """Wait until every rank has set ``prefix/<rank>``; return the values.
-        Raises PeerFailure naming a failed rank, or the ranks missing at the timeout."""
+    def gather(self, prefix: str, check: Callable[[str, str], object]) -> dict[int, object]:
+        """Wait until every rank has set ``prefix/<rank>`` to a value that passes
+        ``check`` (``check(key, text)`` returns the parsed value, raises ValueError,
+        TypeError or KeyError); return rank -> parsed value. Raises PeerFailure naming a
+        failed rank, or the ranks missing at the timeout."""
         keys = [f"{prefix}/{r}" for r in range(self.world)]
-        self.wait(keys)
-        try:
-            return {r: self.store.get(k).decode() for r, k in enumerate(keys)}
-        except Exception as e:
-            raise PeerFailure(f"rendezvous store lost (rank 0 died?): {e}".splitlines()[0],
-                              0, FailureReason.STORE_LOST) from None
+        got = self.wait(keys, check)
+        return {_rank_of(k): got[k] for k in keys}
 
-    def wait(self, keys: list[str]) -> None:
+    def _read(self, logical: str, check: Callable[[str, str], object]):
+        """(True, parsed value) when ``logical`` is set and passes ``check``, (False,
+        None) when absent or rejected (counted once per distinct bad value)."""
+        name = self.name(logical)
+        if not self.store.check([name]):
+            return False, None
+        raw = self.store.get(name)
+        try:
+            return True, check(logical, unseal(self.key, name, raw))
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            if (logical, raw) not in self._seen_bad:
+                self._seen_bad.add((logical, raw))
+                self.rejected[STORE_REJECTED] += 1
+                log.warning("rank %d: rendezvous store value of %r rejected (%s); another "
+                            "process wrote to the store", self.rank, logical,
+                            str(e).splitlines()[0][:80] if str(e) else type(e).__name__)
+            return False, None
+
+    def wait(self, keys: list[str], check: Callable[[str, str], object]) -> dict[str, object]:
+        """Wait until every logical key of ``keys`` holds a value that passes ``check``;
+        return key -> parsed value. A valid failure record (``dgt/failed``) ends the
+        wait with PeerFailure naming its rank; at ``timeout_s``, PeerFailure naming the
+        ranks whose keys are absent, or nobody when a rejected value was seen (another
+        process wrote to the store)."""
         t_end = time.monotonic() + self.timeout_s
+        got: dict[str, object] = {}
         while True:
             try:
-                if self.store.check([FAILED]):
-                    info = json.loads(self.store.get(FAILED))
-                    raise PeerFailure(info["message"], info.get("rank"),
-                                      FailureReason.PEER_REPORTED)
-                if self.store.check(keys):
-                    return
+                ok, info = self._read(FAILED, self._check_failed)
+                if ok:
+                    raise PeerFailure(info[0], info[1], FailureReason.PEER_REPORTED)
+                for k in keys:
+                    if k not in got:
+                        ok, value = self._read(k, check)
+                        if ok:
+                            got[k] = value
+                if len(got) == len(keys):
+                    return got
             except PeerFailure:
                 raise
             except Exception as e:
@@ -159,10 +265,18 @@ class Rendezvous:
                                   f"{str(e).splitlines()[0]}", 0,
                                   FailureReason.STORE_LOST) from None
             if time.monotonic() > t_end:
-                missing = [k for k in keys if not self.store.check([k])]
-                ranks = [int(k.rsplit("/", 1)[1]) for k in missing]
+                ranks = [_rank_of(k) for k in keys if k not in got]
+                step = keys[0].rsplit("/", 1)[0]
+                bad = sorted({_rank_of(k) for k, _ in self._seen_bad if k in keys})
+                if bad:
+                    raise PeerFailure(
+                        f"rendezvous step '{step}' did not complete within "
+                        f"{self.timeout_s:.0f} s: the store held rejected values for "
+                        f"rank(s) {bad} ({STORE_REJECTED}), written by another process; "
+                        f"run with --secret, or keep other users off --master-port "
+                        f"{self.port}", None, FailureReason.OTHER, [])
                 raise PeerFailure(f"rank(s) {ranks} did not reach rendezvous step "
-                                  f"'{keys[0].rsplit('/', 1)[0]}' within {self.timeout_s:.0f} s",
+                                  f"'{step}' within {self.timeout_s:.0f} s",
                                   ranks[0] if ranks else None, FailureReason.PEER_SILENT,
                                   ranks)
             time.sleep(POLL_S)
@@ -170,6 +284,6 @@ class Rendezvous:
     def publish_failure(self, message: str, rank: int | None) -> None:
         """Best effort: tell ranks still in a rendezvous wait that the job failed."""
         try:
-            self.store.set(FAILED, json.dumps({"message": message, "rank": rank}))
+            self.set(FAILED, json.dumps({"message": message, "rank": rank}))
         except Exception:
             pass

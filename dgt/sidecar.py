@@ -180,7 +180,8 @@ class Sidecar:
 
         def exchange():
             rdv, session, peers = exchange_endpoints(self.node, self.cfg, me,
-                                                     lambda r: setattr(self, "rdv", r))
+                                                     lambda r: setattr(self, "rdv", r),
+                                                     self.counters.rejected)
             return rdv, session, peers, udp_sources(peers, self.rank)
 
         try:

@@ -55,6 +55,8 @@ class Reason(str, enum.Enum):
     UNVERIFIED_CONTROL = "unverified_control"
     UNEXPECTED_TYPE = "unexpected_type"
     BAD_PULL = "bad_pull"
+    # the rendezvous store (dgt.rendezvous)
+    STORE_REJECTED = "store_rejected"
 
     def __str__(self) -> str:
         return self.value

@@ -48,7 +48,7 @@ def agree(store, rank: int, world: int, timeout_s: float) -> int:
                 if store.check([f"{PREFIX}/ack/{gen}/{r}"]):
                     pending.discard(r)
                 elif store.check([f"{PREFIX}/ask/{r}"]):   # maybe a dead rank's: harmless
-                    nonce = store.get(f"{PREFIX}/ask/{r}").decode()
+                    nonce = store.get(f"{PREFIX}/ask/{r}").decode(errors="replace")
                     store.set(f"{PREFIX}/tell/{r}/{nonce}", str(gen))
             if pending and time.monotonic() > t_end:
                 raise TimeoutError(f"ranks {sorted(pending)} did not join generation {gen} "
@@ -64,7 +64,15 @@ def agree(store, rank: int, world: int, timeout_s: float) -> int:
     except Exception as e:   # torch raises DistStoreError (a RuntimeError) on expiry
         raise TimeoutError(f"rank 0 did not hand rank {rank} its generation within "
                            f"{timeout_s:.0f} s ({str(e).splitlines()[0]})") from None
-    gen = int(store.get(f"{PREFIX}/tell/{rank}/{nonce}"))
+    raw = store.get(f"{PREFIX}/tell/{rank}/{nonce}")
+    try:
+        gen = int(raw)
+    except ValueError:   # torchrun's store has no login: another process wrote there
+        gen = 0
+    if gen < 1:
+        raise TimeoutError(f"rank 0's answer to rank {rank} in torchrun's store is "
+                           f"malformed ({raw[:40]!r}): another process wrote to it; keep "
+                           f"other users off --master-port") from None
     store.set(f"{PREFIX}/ack/{gen}/{rank}", "1")
     return gen
 

@@ -191,7 +191,7 @@ class NodeLink:
             raise PeerFailure(f"rank 0 did not publish the dgt sidecars' store within "
                               f"{timeout_s:.0f} s ({str(e).splitlines()[0]}); construct "
                               f"DgtState() on every rank", 0) from None
-        store_host, store_port = json.loads(store.get(key))
+        store_host, store_port = _sidecar_store(store.get(key), key)
         argv = [sys.executable, "-m", "dgt.sidecar", "--rank", str(rank), "--world",
                 str(world), "--master-addr", store_host, "--master-port", str(store_port),
                 "--host", host, "--socket", sock, "--run-dir", run_dir]
@@ -320,3 +320,17 @@ def _last_line(path: str) -> str:
         return lines[-1] if lines else f"no output (log {path})"
     except OSError:
         return f"no log at {path}"
+
+
+def _sidecar_store(raw: bytes, key: str) -> tuple[str, int]:
+    """``[host, port]`` of the sidecars' store as rank 0 put it under ``key`` in
+    torchrun's store. Raises PeerFailure (nobody blamed) when it is malformed: torchrun's
+    store has no login, and another local process wrote there."""
+    try:
+        host, port = json.loads(raw)
+        if isinstance(host, str) and host and type(port) is int and 0 < port < 1 << 16:
+            return host, port
+    except (ValueError, TypeError):
+        pass
+    raise PeerFailure(f"torchrun's store holds a malformed {key} ({raw[:40]!r}): another "
+                      f"process wrote to it; keep other users off --master-port", None)

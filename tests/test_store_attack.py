@@ -1,0 +1,190 @@
+"""A local stranger writes into the rendezvous store (torch's TCPStore has no login; the
+port is in every sidecar's command line): forged failure records and garbage endpoints.
+With --secret the job completes as if nobody had; without, no value it writes is ever a
+traceback, and a wait it spoils ends in one line that blames nobody."""
+import glob
+import json
+import os
+import socket
+import threading
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from conftest import logs_of, run_train
+from dgt.errors import PeerFailure
+from dgt.rendezvous import Rendezvous, key_name
+from dgt.registration import check_endpoint
+
+FORGED = json.dumps({"message": "rank 2 exploded (forged)", "rank": 2})
+JOB = ("--workers", 3, "--iterations", 8, "--hidden", 64, "--seed", 3)
+
+
+def _store_port(run_dir: str) -> int | None:
+    """--master-port of a sidecar of the job in ``run_dir``, read as any user can: from
+    the process list (/proc/<pid>/cmdline)."""
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(path, "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "dgt.sidecar" in argv and run_dir in argv and "--master-port" in argv:
+            return int(argv[argv.index("--master-port") + 1])
+    return None
+
+
+def _stranger(run_dir: str, stop: threading.Event, keys: dict, seen: dict) -> None:
+    """From the moment a sidecar appears until ``stop``: write ``keys`` (name -> value)
+    into the job's store, over and over."""
+    port = None
+    while port is None and not stop.wait(0.01):
+        port = _store_port(run_dir)
+    if port is None:
+        return
+    s = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                 timeout=timedelta(seconds=60))
+    while not stop.is_set():
+        try:
+            for k, v in keys.items():
+                s.set(k, v)
+        except Exception:   # the store is gone: the job ended
+            return
+        if "writes" not in seen:   # did it write before the rendezvous ended?
+            seen["early"] = not glob.glob(os.path.join(run_dir, "endpoints-*.json"))
+        seen["writes"] = seen.get("writes", 0) + 1
+        stop.wait(0.005)
+
+
+def _run_attacked(tmp_path, keys, *extra, check=True):
+    run_dir = str(tmp_path / "run")
+    stop, seen = threading.Event(), {}
+    t = threading.Thread(target=_stranger, args=(run_dir, stop, keys, seen))
+    t.start()
+    try:
+        p, r = run_train(tmp_path, *JOB, *extra, timeout=300, check=False)
+    finally:
+        stop.set()
+        t.join(60)
+    assert seen.get("writes", 0) > 0, "the stranger never reached the store"
+    return p, r, logs_of(run_dir), seen["early"]
+
+
+@pytest.mark.slow
+def test_with_a_secret_a_stranger_in_the_store_changes_nothing(tmp_path):
+    keys = {"dgt/failed": FORGED, **{f"dgt/ep/{r}": "garbage" for r in range(3)}}
+    p, r, logs, _ = _run_attacked(tmp_path, keys, "--secret", "store-secret-1")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + logs[-3000:]
+    assert r["replicas_identical"]
+    assert "Traceback" not in logs + p.stderr and "forged" not in logs + p.stderr
+    assert not glob.glob(str(tmp_path / "run" / "failure*.json"))
+
+
+@pytest.mark.slow
+def test_without_a_secret_garbage_in_the_store_is_never_a_traceback(tmp_path):
+    # garbage where rank 1's endpoints belong, and a failure record that is not one:
+    # counted and ignored; the endpoint wait then ends in one line, blaming nobody
+    keys = {"dgt/failed": "{not json", "dgt/ep/1": "garbage"}
+    p, r, logs, early = _run_attacked(tmp_path, keys, "--peer-timeout-s", 3)
+    assert "Traceback" not in logs + p.stderr, logs[-3000:] + p.stderr[-2000:]
+    if early:   # (on a loaded machine the rendezvous may end before it gets there)
+        assert "'dgt/failed' rejected" in logs, logs[-3000:]
+    if p.returncode != 0:   # a rank read garbage each time it looked: one line, and
+        # no sidecar blames anyone (rank 1 is alive and innocent)
+        out = p.stdout + p.stderr
+        lines = [ln for ln in out.splitlines() if "dgt train: failed:" in ln]
+        assert len(lines) == 1 and "store_rejected" in lines[0], out[-2000:]
+        for path in glob.glob(str(tmp_path / "run" / "failure-sidecar-*.json")):
+            with open(path) as f:
+                rec = json.load(f)
+            assert rec["blamed"] == [], rec
+        print(lines[0])
+
+
+def _pair(secret=""):
+    """Rank 0 (hosting the store) and rank 1 of a 2-rank rendezvous on a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r0, r1 = (Rendezvous("127.0.0.1", port, 2, rank, 2.0, secret=secret, job="j",
+                         rejected=Counter()) for rank in (0, 1))
+    return r0, r1
+
+
+def _ep(rank):
+    return json.dumps({"rank": rank, "host": "127.0.0.1", "tcp_port": 5000 + rank,
+                       "udp_ports": [6000 + rank], "pid": 1})
+
+
+def test_with_a_secret_a_value_found_by_listing_keys_cannot_be_forged_or_moved(tmp_path):
+    r0, r1 = _pair(secret="store-secret-2")
+    try:
+        r0.set("dgt/ep/0", _ep(0))
+        names = r0.store.list_keys()   # TCPStore lists keys: a stranger sees the names
+        assert all("dgt/ep/0" not in n for n in names)
+        name1 = key_name(r0.key, r0.scope, "dgt/ep/1")
+        # rank 0's sealed value, moved to rank 1's name; then a forged failure under
+        # the real failure key's name
+        r0.store.set(name1, r0.store.get(names[0]))
+        r0.store.set(key_name(r0.key, r0.scope, "dgt/failed"), FORGED)
+        with pytest.raises(PeerFailure) as e:
+            r0.gather("dgt/ep", check_endpoint)
+        assert e.value.ranks == [] and "store_rejected" in str(e.value)
+        assert "\n" not in str(e.value)
+        assert r0.rejected["store_rejected"] == 2
+        r1.set("dgt/ep/1", _ep(1))   # the real rank's value wins
+        assert r0.gather("dgt/ep", check_endpoint)[1]["tcp_port"] == 5001
+    finally:
+        del r1, r0
+
+
+def test_without_a_secret_malformed_values_are_counted_not_raised(tmp_path):
+    r0, r1 = _pair()
+    try:
+        r0.set("dgt/ep/0", _ep(0))
+        for bad in ("garbage", "[]", json.dumps({"rank": 1}), "\xff"):
+            r0.store.set("dgt/ep/1", bad)
+            r0.store.set("dgt/failed", bad)
+            with pytest.raises(PeerFailure) as e:
+                r0.gather("dgt/ep", check_endpoint)
+            assert e.value.ranks == [] and e.value.rank is None, str(e.value)
+        assert r0.rejected["store_rejected"] == 8
+        r0.store.delete_key("dgt/failed")
+        r1.set("dgt/ep/1", _ep(1))
+        assert sorted(r0.gather("dgt/ep", check_endpoint)) == [0, 1]
+    finally:
+        del r1, r0
+
+
+def test_ddp_garbage_in_torchrun_s_store_is_one_line_not_a_traceback():
+    # dgt.ddp agrees its generation through torchrun's store: a stranger who lists the
+    # keys answers rank 1's question before rank 0 does
+    from dgt.ddp import generation
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=30))
+    stranger = TCPStore("127.0.0.1", master.port, is_master=False,
+                        wait_for_workers=False, timeout=timedelta(seconds=30))
+    out: dict = {}
+
+    def rank_1():
+        try:
+            out["gen"] = generation.agree(master, 1, 2, 30)
+        except Exception as e:   # noqa: BLE001 - what it raises is the point
+            out["error"] = e
+
+    t = threading.Thread(target=rank_1)
+    t.start()
+    ask = f"{generation.PREFIX}/ask/1"
+    stranger.wait([ask], timedelta(seconds=30))
+    stranger.set(f"{generation.PREFIX}/tell/1/{stranger.get(ask).decode()}", "garbage")
+    t.join(60)
+    assert isinstance(out.get("error"), TimeoutError), out
+    assert "malformed" in str(out["error"]) and "\n" not in str(out["error"])
+    from dgt.ddp.node import _sidecar_store
+    for raw in (b"garbage", b"[]", b'["h", 0]', b'[1, 2]', b"\xff"):
+        with pytest.raises(PeerFailure) as e:
+            _sidecar_store(raw, "dgt/sidecar-store")
+        assert e.value.ranks == [] and "malformed" in str(e.value)
+    assert _sidecar_store(b'["127.0.0.1", 5]', "k") == ("127.0.0.1", 5)

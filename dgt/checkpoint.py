@@ -17,13 +17,17 @@ rename(2), so a file that exists is complete):
 A folder is complete when every rank's ``trainer-<r>.pt`` is there (each trainer writes
 its file after its sidecar's). Every rank saves after the same iteration (BSP), and
 rank 0 keeps the newest ``KEEP`` complete folders. ``--resume`` takes a step folder, or
-the checkpoint folder itself (its newest complete step).
+the checkpoint folder itself: its newest complete step whose files all load (a step
+with a damaged file, e.g. truncated by a full disk, is skipped with a warning naming
+the file; when no step loads, ValueError names the newest one's damaged file). A step
+folder given by name is used as it is: a damaged file in it is an error naming it.
 
 The pickled state holds tensors and plain Python values only: no socket, no mapping.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import shutil
@@ -36,6 +40,7 @@ from .failure import FailureReason
 KEEP = 2
 FORMAT = 1
 _STEP = re.compile(r"^step-(\d+)$")
+log = logging.getLogger("dgt.checkpoint")
 
 
 def step_dir(root: str, step: int) -> str:
@@ -66,10 +71,33 @@ def complete_steps(root: str, world: int) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def latest(root: str, world: int) -> str | None:
-    """The newest complete step folder under ``root``, or None."""
-    steps = complete_steps(root, world)
-    return steps[-1][1] if steps else None
+def damaged(folder: str, world: int) -> str | None:
+    """Why step ``folder`` cannot be resumed from: the first of its files (every rank's
+    ``sidecar-<r>.pt`` when present, then ``trainer-<r>.pt``) that :func:`load` refuses,
+    as its one-line message; None when every file loads (tensors stay on disk: mmap)."""
+    for r in range(world):
+        side = sidecar_file(folder, r)
+        for path in ([side] if os.path.exists(side) else []) + [trainer_file(folder, r)]:
+            try:
+                load(path, mmap=True)
+            except ValueError as e:
+                return str(e)
+    return None
+
+
+def latest(root: str, world: int, why: list[str] | None = None) -> str | None:
+    """The newest complete step folder under ``root`` whose files all load, or None.
+    Each newer complete folder skipped for a damaged file is appended to ``why`` (its
+    one-line message) when given, else logged as a warning."""
+    for _, folder in reversed(complete_steps(root, world)):
+        bad = damaged(folder, world)
+        if bad is None:
+            return folder
+        if why is None:
+            log.warning("skipping checkpoint %s: %s", folder, bad)
+        else:
+            why.append(bad)
+    return None
 
 
 def resolve(path: str, world: int) -> str:
@@ -86,10 +114,16 @@ def resolve(path: str, world: int) -> str:
                              f"(taken with fewer --workers, or cut short); give the "
                              f"checkpoint folder to use its newest complete step")
         return path
-    folder = latest(path, world)
+    why: list[str] = []
+    folder = latest(path, world, why)
+    if folder is None and why:
+        raise ValueError(f"--resume {path}: no step in it can be resumed from: {why[0]}; "
+                         f"remove the damaged step folder or give another checkpoint")
     if folder is None:
         raise ValueError(f"--resume {path}: no complete checkpoint of {world} workers in "
                          f"it; take one with --checkpoint-every N --checkpoint-dir {path}")
+    for bad in why:
+        log.warning("--resume %s: skipping a newer step: %s", path, bad)
     return folder
 
 

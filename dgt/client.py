@@ -2,7 +2,7 @@
 
 Example::
 
-    client = dgt.Client("/tmp/dgt-0.sock")
+    client = dgt.Client()   # rank 0's sidecar at its default socket (dgt.config)
     client.register(model)
     for step, (x, y) in enumerate(loader):
         loss = loss_fn(model(x), y)
@@ -17,36 +17,58 @@ gradients are gathered on the GPU and copied through a pinned host buffer.
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 
 import numpy as np
 import torch
 
-from . import ipc
+from . import ipc, unixsock
+from .config import LAUNCHED_ENV, default_socket
 from .errors import PeerFailure
 
 
-class Client:
-    """Connects a trainer to its node's sidecar over the Unix socket ``path``.
+def no_sidecar(path: str, waited_s: float, why: str) -> str:
+    """The message for a sidecar socket ``path`` still missing after ``waited_s``."""
+    if os.environ.get(LAUNCHED_ENV):
+        return (f"this rank's sidecar did not open {path} within {waited_s:.0f} s ({why}): "
+                f"it is not ready (still waiting at the rendezvous, frozen or dead); see "
+                f"its log sidecar-<rank>.log in the run dir")
+    return f"no sidecar at {path} after {waited_s:.0f} s ({why}); start 'dgt sidecar' first"
 
-    ``timeout_s`` bounds every wait for the sidecar; on expiry :class:`PeerFailure` is
-    raised rather than hanging.
+
+class Client:
+    """Connects a trainer to its node's sidecar over the Unix socket ``path`` (default:
+    ``dgt sidecar``'s default socket for ``rank``, ``$XDG_RUNTIME_DIR/dgt`` else
+    ``/tmp/dgt-<uid>``, ``sidecar-<rank>.sock``).
+
+    The sidecar must run as this process's user: the client reads the listening
+    process's uid (SO_PEERCRED) and raises :class:`PeerFailure`, naming the socket and
+    that uid, when it differs (another user's process squatting the path). ``timeout_s``
+    bounds every wait for the sidecar; on expiry :class:`PeerFailure` is raised rather
+    than hanging.
     """
 
-    def __init__(self, path: str, timeout_s: float = 60.0, connect_timeout_s: float = 60.0):
-        import time
+    def __init__(self, path: str | None = None, timeout_s: float = 60.0,
+                 connect_timeout_s: float = 60.0, rank: int = 0):
+        if path is None:
+            path = default_socket(rank)
         deadline = time.monotonic() + connect_timeout_s
         while True:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 self.sock.connect(path)
+                unixsock.check_peer(self.sock, path)
                 break
+            except unixsock.NotOurs as e:
+                self.sock.close()
+                raise PeerFailure(str(e)) from None
             except (FileNotFoundError, ConnectionRefusedError) as e:
                 self.sock.close()
                 if time.monotonic() > deadline:
-                    raise PeerFailure(f"no sidecar at {path} after {connect_timeout_s:.0f} s "
-                                      f"({e.strerror}); start 'dgt sidecar' first") from None
+                    raise PeerFailure(no_sidecar(path, connect_timeout_s, e.strerror)) \
+                        from None
                 time.sleep(0.05)
         self.sock.settimeout(timeout_s)
         self.timeout_s = timeout_s

@@ -178,6 +178,19 @@ def default_run_dir() -> str:
     return f"/tmp/dgt-{os.getuid()}"
 
 
+#: set by ``dgt train`` in its processes' environment: it starts the sidecars itself, so
+#: a trainer's missing sidecar is that rank's sidecar not ready, never "start 'dgt
+#: sidecar'" (dgt.client)
+LAUNCHED_ENV = "DGT_LAUNCHED"
+
+
+def default_socket(rank: int) -> str:
+    """The Unix socket of rank ``rank``'s sidecar when --socket is not given:
+    ``sidecar-<rank>.sock`` in :func:`default_run_dir`, a folder only this user can
+    write (dgt.unixsock.private_dir checks it), never shared /tmp itself."""
+    return os.path.join(default_run_dir(), f"sidecar-{rank}.sock")
+
+
 @dataclass
 class NodeConfig:
     """Where this node is and how it finds the others (``dgt sidecar``)."""
@@ -191,7 +204,9 @@ class NodeConfig:
     host: str = _f("127.0.0.1", "address to listen on")
     base_port: int = _f(0, "TCP port base+10*rank, UDP channel c on base+10*rank+c "
                         "(0 = free ports)")
-    socket: str = _f("", "Unix socket for the trainer", shown="/tmp/dgt-<rank>.sock")
+    socket: str = _f("", "Unix socket for the trainer",
+                     shown="$XDG_RUNTIME_DIR/dgt/sidecar-<rank>.sock, else "
+                           "/tmp/dgt-<uid>/sidecar-<rank>.sock")
     run_dir: str = _f("", "where to write endpoints-<rank>.json and sidecar-<rank>.json",
                       shown="$XDG_RUNTIME_DIR/dgt, else /tmp/dgt-<uid>")
     seed: int = _f(0, "seed for ranking ties and exploration")
@@ -205,7 +220,7 @@ class NodeConfig:
 
     def __post_init__(self):
         if not self.socket and self.rank >= 0:
-            self.socket = f"/tmp/dgt-{self.rank}.sock"
+            self.socket = default_socket(self.rank)
         if not self.run_dir:
             self.run_dir = default_run_dir()
 

@@ -35,8 +35,8 @@ import time
 from . import checkpoint, failure
 from .atomic import write_json
 from .interrupt import raise_keyboard_interrupt_on
-from .config import (DIGITS_TRAIN_SAMPLES, CheckpointConfig, JobConfig, TransmissionConfig,
-                     to_argv)
+from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig, JobConfig,
+                     TransmissionConfig, to_argv)
 from .rendezvous import QUIET_TORCH_ENV
 from .report import build_report, diverged, print_summary
 
@@ -147,6 +147,7 @@ class Job:
             store_fd = [self._store_sock.fileno()]
         # torch's C++ log lines and stack frames never reach the user (our line does)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **QUIET_TORCH_ENV)
+        env[LAUNCHED_ENV] = "1"   # a trainer's missing sidecar is ours to start, not theirs
         if self.tx.secret:
             env["DGT_SECRET"] = self.tx.secret
         tx_argv = to_argv(self.tx)   # the secret goes by environment, never by argv

@@ -161,6 +161,35 @@ class Rendezvous:
             # whatever TCPStore's own retries would do
             wait_for_listener(self.host, self.port,
                               max(1.0, self.timeout_s - process_age_s()), self.timeout_s)
+            return self._bounded(lambda: self._connect_store(TCPStore, False))
+        return self._connect_store(TCPStore, True)
+
+    def _bounded(self, connect):
+        """``connect()`` within what is left of timeout_s since start-up. A rank 0 that
+        is frozen (SIGSTOP, a hung host) still has its listening socket accept in the
+        kernel, and TCPStore's handshake then waits forever whatever its timeout; so
+        the wait runs in a daemon thread and ends here naming rank 0."""
+        import threading
+        out: dict = {}
+
+        def run():
+            try:
+                out["store"] = connect()
+            except BaseException as e:   # handed to the caller's thread
+                out["error"] = e
+        t = threading.Thread(target=run, name="dgt-store-connect", daemon=True)
+        t.start()
+        t.join(max(1.0, self.timeout_s - process_age_s()))
+        if "error" in out:
+            raise out["error"]
+        if "store" not in out:
+            raise PeerFailure(f"rank 0 stopped answering (dead or frozen): its rendezvous "
+                              f"store at {self.host}:{self.port} accepts connections but "
+                              f"did not answer within {self.timeout_s:.0f} s of start-up",
+                              0, FailureReason.PEER_SILENT, [0])
+        return out["store"]
+
+    def _connect_store(self, TCPStore, is_master: bool):
         if is_master and self.listen_fd < 0:
             self._own_listener = self._listen()
             if self._own_listener is not None:   # the store owns the descriptor now

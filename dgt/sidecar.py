@@ -28,7 +28,7 @@ from .agent import WorkerAgent
 from .atomic import write_json
 from .errors import PeerFailure
 from .failure import FailureReason
-from .config import (MetricsConfig, NodeConfig, OneLineParser,
+from .config import (MetricsConfig, NodeConfig, OneLineParser, default_run_dir,
                      TransmissionConfig, add_sidecar_arguments, from_args)
 from .layout import BlockLayout
 from .node_report import write_node_results
@@ -42,6 +42,7 @@ from .shard import ServerShard
 from .trainer_link import TrainerLink
 from .transport import messages, wire
 from .transport.aio import FrameProtocol
+from .unixsock import private_dir
 from .transport.channels import channel_dscp
 from .transport.control import (HELLO_TIMEOUT_S, MAX_PENDING_HELLO,  # noqa: F401
                                 CloseConnection, ControlProtocol, PeerFailed, PeerLeft,
@@ -492,6 +493,11 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(f"--base-port {node.base_port} leaves no room for rank {node.rank}'s "
                      f"ports (base + 10*rank + {cfg.channels} must be <= 65535)")
     sock_dir = os.path.dirname(os.path.abspath(node.socket))
+    if default_run_dir() in (sock_dir, os.path.abspath(node.run_dir)):
+        try:   # the defaults: a per-user 0700 folder no other user can squat
+            private_dir(default_run_dir())
+        except PermissionError as e:
+            parser.error(str(e))
     if not os.path.isdir(sock_dir):
         parser.error(f"--socket: directory {sock_dir} does not exist")
     if os.path.exists(node.run_dir) and not os.path.isdir(node.run_dir):

@@ -7,6 +7,12 @@ nobody listens on (ECONNREFUSED: its process died without cleaning up) is stale 
 reclaimed. The path is then bound by us, not replaced (bind(2) fails with EADDRINUSE if
 another process won a race). On exit the file is unlinked only if it is still the one we
 bound (same device and inode), so a sidecar never removes a socket it does not own.
+
+The other side: a trainer (``dgt.Client``) trusts a socket only when the process
+listening on it runs as the trainer's own user (:func:`check_peer`, SO_PEERCRED), so a
+process of another user that took the path cannot pose as the sidecar. The default
+socket lives in a per-user folder (:func:`private_dir`: mode 0700, owned by the user)
+where no other user can create a file.
 """
 from __future__ import annotations
 
@@ -18,6 +24,50 @@ import struct
 
 class SocketInUse(OSError):
     """The path is a live socket, or not a socket at all. The message says what to do."""
+
+
+class NotOurs(PermissionError):
+    """A path (socket or folder) belongs to another user. The message says what to do."""
+
+
+def private_dir(path: str) -> str:
+    """Create the folder ``path`` (mode 0700) if missing and check that it is ours: a
+    real folder (not a symbolic link), owned by this process's uid, not writable by group
+    or others. Returns ``path``; raises NotOurs (a message that names the folder and its
+    owner uid) when another user made it, e.g. to squat the sidecar's socket."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise NotOurs(f"cannot create {path} ({e.strerror}); set XDG_RUNTIME_DIR to a "
+                      f"folder of yours, or give --socket and --run-dir") from None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        what = "is not a folder" if not stat.S_ISDIR(st.st_mode) else \
+            f"is owned by uid {st.st_uid}" if st.st_uid != os.getuid() else \
+            f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+        raise NotOurs(f"{path} {what}; dgt keeps its sockets in a folder only this user "
+                      f"(uid {os.getuid()}) can write: remove it, or set XDG_RUNTIME_DIR, "
+                      f"or give --socket and --run-dir")
+    return path
+
+
+def peer_creds(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of the connected Unix socket
+    ``sock`` (SO_PEERCRED, unix(7)): the credentials it had when it called listen(2)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)
+
+
+def check_peer(sock: socket.socket, path: str) -> None:
+    """Raise NotOurs unless the process listening on ``path`` (``sock``: connected to
+    it) runs as this process's uid. The rule is the same uid, for root too: a trainer
+    never hands its gradients to, nor takes an aggregate from, another user's process."""
+    pid, uid, _ = peer_creds(sock)
+    if uid != os.getuid():
+        raise NotOurs(f"socket {path} is served by uid {uid} (pid {pid}), not by this "
+                      f"user (uid {os.getuid()}): it is not your sidecar; run 'dgt sidecar' "
+                      f"as this user and give its --socket path (default "
+                      f"$XDG_RUNTIME_DIR/dgt or /tmp/dgt-<uid>/sidecar-<rank>.sock)")
 
 
 def _listener_pid(path: str) -> int | None:
@@ -36,14 +86,22 @@ def _listener_pid(path: str) -> int | None:
         probe.connect(path)
     except (ConnectionRefusedError, FileNotFoundError):
         return None   # no listener: a dead process's file
+    except PermissionError:
+        if st.st_uid != os.getuid():
+            raise _foreign(path, st.st_uid) from None
+        return -1
     except OSError:
         return -1     # it exists and answers oddly (e.g. a full backlog): treat as live
     else:
-        creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                 struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[0]
+        return peer_creds(probe)[0]
     finally:
         probe.close()
+
+
+def _foreign(path: str, uid: int) -> SocketInUse:
+    return SocketInUse(f"socket {path} is owned by uid {uid}: a stale socket (or another "
+                       f"user's live one) that this user (uid {os.getuid()}) cannot "
+                       f"remove; ask its owner to remove it, or give --socket another path")
 
 
 def claim(path: str) -> tuple[socket.socket, tuple[int, int]]:
@@ -62,6 +120,8 @@ def claim(path: str) -> tuple[socket.socket, tuple[int, int]]:
                 os.unlink(path)   # stale: its process is gone
             except FileNotFoundError:
                 pass
+            except PermissionError:
+                raise _foreign(path, os.lstat(path).st_uid) from None
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.bind(path)
@@ -69,6 +129,11 @@ def claim(path: str) -> tuple[socket.socket, tuple[int, int]]:
             s.close()
             if e.errno == 98:   # EADDRINUSE: another process bound it meanwhile; probe again
                 continue
+            if isinstance(e, PermissionError):
+                raise SocketInUse(f"--socket {path}: permission denied (this user cannot "
+                                  f"create a file in {os.path.dirname(path) or '.'}); give "
+                                  f"--socket a path in a folder of yours, or leave it out "
+                                  f"for the default") from None
             raise
         st = os.stat(path)
         s.listen(16)

@@ -19,7 +19,9 @@ Checkpoint and resume (bitwise: a resumed run ends with the uninterrupted run's 
 ``--checkpoint-every N --checkpoint-dir D`` writes D/step-<t>/trainer-<r>.pt (model,
 optimiser, loop position, the hook's state_dict()) and, under ``--comm dgt``,
 sidecar-<r>.pt (the sidecar's residual, scores, ...); ``--resume D`` (its newest
-complete step) or ``--resume D/step-<t>``. Under ``torchrun --max-restarts M`` a
+complete step whose files all load; a damaged one is skipped with a warning) or
+``--resume D/step-<t>``. dgt's own errors (a bad DGT_* value, a damaged checkpoint, a
+failed peer) end each trainer with one line and exit status 2, no traceback. Under ``torchrun --max-restarts M`` a
 restarted generation resumes from the newest complete step in D by itself;
 ``dgt.ddp.init_process_group`` gives each generation its own keys in torchrun's store.
 """
@@ -30,6 +32,7 @@ import hashlib
 import itertools
 import json
 import os
+import sys
 import time
 
 import torch
@@ -235,4 +238,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, dgt.PeerFailure) as e:   # dgt's errors say what to do in one line
+        who = f" rank {os.environ['RANK']}" if "RANK" in os.environ else ""
+        print(f"{os.path.basename(sys.argv[0])}{who}: error: {e}", file=sys.stderr,
+              flush=True)
+        sys.exit(2)

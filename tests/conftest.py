@@ -118,3 +118,14 @@ def veth():
         yield ns, "va"
     finally:
         pr_netns.remove(ns)
+
+
+def as_nobody() -> list[str]:
+    """argv prefix that runs a command as uid/gid 65534 (setpriv, util-linux); skips the
+    test, saying why, when not root or without setpriv."""
+    import shutil
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the test runs a process as another user (uid 65534)")
+    if not shutil.which("setpriv"):
+        pytest.skip("needs setpriv (Debian package util-linux)")
+    return ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]

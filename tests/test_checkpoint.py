@@ -219,3 +219,22 @@ def test_the_ddp_hook_state_round_trips_through_torch_save(tmp_path):
     back.layout_numels = [1, 2]
     with pytest.raises(ValueError, match="load the checkpoint of this model"):
         back.load_state_dict(state.state_dict())
+
+
+def test_a_damaged_newest_step_is_skipped_and_none_loadable_names_the_file(tmp_path):
+    # breaker round 5: --resume D took the newest step even with a truncated file in it
+    for step in (10, 20):
+        d = checkpoint.step_dir(str(tmp_path), step)
+        os.makedirs(d)
+        for r in (0, 1):
+            for f in (checkpoint.trainer_file(d, r), checkpoint.sidecar_file(d, r)):
+                checkpoint.save({"format": checkpoint.FORMAT, "x": torch.zeros(64)}, f)
+    bad20 = checkpoint.trainer_file(checkpoint.step_dir(str(tmp_path), 20), 1)
+    os.truncate(bad20, 100)
+    assert checkpoint.resolve(str(tmp_path), 2).endswith("step-00000010")
+    assert checkpoint.latest(str(tmp_path), 2).endswith("step-00000010")
+    os.truncate(checkpoint.sidecar_file(checkpoint.step_dir(str(tmp_path), 10), 0), 50)
+    with pytest.raises(ValueError) as e:
+        checkpoint.resolve(str(tmp_path), 2)
+    assert f"{bad20} is not a dgt checkpoint file" in str(e.value)
+    assert "\n" not in str(e.value)

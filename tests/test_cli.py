@@ -1,4 +1,5 @@
 """Every wrong flag gets one line that says what to do, exit status 2, no traceback."""
+import os
 import subprocess
 import sys
 
@@ -174,7 +175,8 @@ def test_node_flags_read_dgt_then_torchrun_variables():
     node = from_args(NodeConfig, p.parse_args([]), environ=torchrun)
     assert (node.rank, node.world, node.master_addr, node.master_port) == \
         (1, 4, "10.0.0.9", 1234)
-    assert node.socket == "/tmp/dgt-1.sock" and node.run_dir != "."
+    # the default socket is in the per-user run folder, never in shared /tmp itself
+    assert node.socket == os.path.join(node.run_dir, "sidecar-1.sock") and node.run_dir != "."
     env = {**torchrun, "DGT_RANK": "2", "DGT_MASTER_PORT": "2000", "DGT_SEED": "7"}
     node = from_args(NodeConfig, p.parse_args(["--master-port", "3000"]), environ=env)
     assert (node.rank, node.world, node.master_port, node.seed) == (2, 4, 3000, 7)

@@ -1,16 +1,19 @@
 """dgt.Client as a library against a real one-node sidecar: use and misuse."""
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 from torch import nn
 
 import dgt
+from conftest import as_nobody
 
 
 def _free_port():
@@ -195,3 +198,70 @@ def test_strangers_idle_tcp_connections_are_capped_and_timed_out(sidecar, tmp_pa
     rejected = json.loads((tmp_path / "sidecar-0.json").read_text())["rejected"]
     assert rejected.get("evicted_pending") == n - MAX_PENDING_HELLO, rejected
     assert rejected.get("no_hello") == MAX_PENDING_HELLO, rejected
+
+
+def test_client_refuses_a_socket_another_user_listens_on(tmp_path):
+    # breaker round 5: another user binds the path first and poses as the sidecar
+    shared = tempfile.mkdtemp(prefix="dgt-squat-", dir="/tmp")
+    os.chmod(shared, 0o1777)   # like /tmp itself
+    path = os.path.join(shared, "dgt-3.sock")
+    squat = subprocess.Popen(as_nobody() + [
+        "/usr/bin/python3", "-c",
+        "import socket, sys, time\n"
+        "s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(4)\n"
+        "print('up', flush=True); time.sleep(120)", path],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert squat.stdout.readline().strip() == "up"
+        with pytest.raises(dgt.PeerFailure) as e:
+            dgt.Client(path, timeout_s=5, connect_timeout_s=5)
+        msg = str(e.value)
+        assert f"socket {path} is served by uid 65534 (pid {squat.pid})" in msg, msg
+        assert f"not by this user (uid {os.getuid()})" in msg and "\n" not in msg
+    finally:
+        squat.kill()
+        squat.wait()
+        shutil.rmtree(shared)
+
+
+def test_default_socket_and_run_dir_are_a_private_folder_of_this_user(tmp_path, monkeypatch):
+    xdg = tmp_path / "xdg"
+    xdg.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DGT_")}
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                          "--world", "1", "--master-port", str(_free_port())], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert f"socket {xdg}/dgt/sidecar-0.sock" in line, (line, p.poll())
+        assert os.stat(xdg / "dgt").st_mode & 0o777 == 0o700
+        c = dgt.Client(timeout_s=30, connect_timeout_s=30)   # the same default path
+        c.register(nn.Linear(2, 2))
+        c.close()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+@pytest.mark.parametrize("how", ["other-owner", "group-writable"])
+def test_a_default_folder_another_user_could_write_is_refused_in_one_line(tmp_path, how):
+    xdg = tmp_path / "xdg"
+    (xdg / "dgt").mkdir(parents=True)
+    if how == "other-owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root: chown to another user (uid 65534)")
+        os.chown(xdg / "dgt", 65534, 65534)
+        want = "is owned by uid 65534"
+    else:
+        (xdg / "dgt").chmod(0o770)
+        want = "is writable by other users (mode 770)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DGT_")}
+    env["XDG_RUNTIME_DIR"] = str(xdg)
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                        "--world", "1", "--master-port", str(_free_port())], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert f"{xdg}/dgt {want}" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -19,9 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "ddp_train.py")
 
 
-def torchrun(tmp_path, name, nproc, *args, env=None, timeout=300):
+def torchrun(tmp_path, name, nproc, *args, env=None, timeout=300, expect_rc=None):
     """Run the example under ``torchrun --standalone``; return (process, run dir,
-    [rank results])."""
+    [rank results]); ``expect_rc``: a failing run's exit status (no results)."""
     out = tmp_path / name
     run_dir = out / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -30,6 +30,9 @@ def torchrun(tmp_path, name, nproc, *args, env=None, timeout=300):
     penv = dict(os.environ, DGT_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", **(env or {}))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=penv,
                        cwd=REPO)
+    if expect_rc is not None:
+        assert p.returncode == expect_rc, p.stdout[-3000:] + p.stderr[-3000:]
+        return p, run_dir, []
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:] + _logs(run_dir)
     results = [json.loads((out / "rep" / f"rank-{r}.json").read_text())
                for r in range(nproc)]
@@ -419,3 +422,28 @@ def test_a_restarted_generation_reaps_the_failed_ones_sidecar(tmp_path):
         assert reap_sidecar(str(run_dir), 0, "job-a", timeout_s=0.5) is None   # ended
     finally:
         stop_procs(p, timeout_s=5)
+
+
+@pytest.mark.parametrize("case", ["bad DGT_K", "damaged resume file"])
+def test_the_examples_own_errors_are_one_line_per_rank_without_a_traceback(tmp_path, case):
+    # breaker round 5: ~50 lines of tracebacks per rank buried dgt's one-line message
+    env, args = {}, ["--dataset", "digits", "--iterations", 2, "--hidden", 16]
+    if case == "bad DGT_K":
+        env["DGT_K"] = "2"
+        args += ["--comm", "dgt"]
+        want = "--k"
+    else:
+        step = tmp_path / "ck" / "step-00000010"
+        step.mkdir(parents=True)
+        checkpoint.save({"format": checkpoint.FORMAT, "x": torch.zeros(64)},
+                        str(step / "trainer-0.pt"))
+        os.truncate(step / "trainer-0.pt", 100)
+        args += ["--comm", "gloo", "--resume", step]
+        want = f"{step / 'trainer-0.pt'} is not a dgt checkpoint file"
+    p, _, _ = torchrun(tmp_path, "bad", 1, *args, env=env, expect_rc=1, timeout=120)
+    ours = [ln for ln in p.stderr.splitlines() if "ddp_train.py rank 0: error: " in ln]
+    assert len(ours) == 1 and want in ours[0], p.stderr[-3000:]
+    # torchrun's own report of a failed child stays; no frame of the trainer's
+    frames = [ln for ln in p.stderr.splitlines() if ln.lstrip().startswith('File "')
+              and ("ddp_train.py" in ln or f"{os.sep}dgt{os.sep}" in ln)]
+    assert not frames, p.stderr[-3000:]

@@ -1,9 +1,11 @@
 """One node's sidecar as a user runs it: its socket, its files, its flags, its peers."""
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 import dgt
-from conftest import stop_procs
+from conftest import as_nobody, stop_procs
 from dgt.errors import PeerFailure
 
 
@@ -278,3 +280,34 @@ def test_rank_0_s_rendezvous_store_listens_on_master_addr_only(tmp_path):
         assert _listeners(port) == ["0100007F"], _listeners(port)   # 127.0.0.1 only
     finally:
         stop_procs(p)
+
+
+
+@pytest.mark.parametrize("case", ["stale-of-another-user", "unwritable-folder"])
+def test_a_socket_path_this_user_cannot_take_is_one_line_naming_it(case):
+    # breaker round 5: "in use by another process" for a stale root socket nobody
+    # listens on, and a bare "[Errno 13] Permission denied" for --socket /etc/…
+    shared = tempfile.mkdtemp(prefix="dgt-sock-", dir="/tmp")
+    try:
+        os.chmod(shared, 0o1777)   # like /tmp: nobody may remove root's files in it
+        if case == "stale-of-another-user":
+            sock = os.path.join(shared, "dgt-5.sock")
+            stale = socket.socket(socket.AF_UNIX)
+            stale.bind(sock)   # root's, never listening: a dead process's file
+            stale.close()
+            os.chmod(sock, 0o755)
+            want = (f"socket {sock} is owned by uid 0: a stale socket (or another user's "
+                    f"live one) that this user (uid 65534) cannot remove")
+        else:
+            sock = "/etc/dgt-test-brk.sock"
+            want = f"--socket {sock}: permission denied"
+        p = subprocess.run(as_nobody() + [
+            sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0", "--world", "1",
+            "--master-port", str(_free_port()), "--socket", sock, "--run-dir",
+            os.path.join(shared, "run")], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr
+        assert want in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert not os.path.exists("/etc/dgt-test-brk.sock")
+    finally:
+        shutil.rmtree(shared)

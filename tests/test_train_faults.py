@@ -416,3 +416,27 @@ def test_the_killed_or_frozen_rank_is_the_one_the_headline_names(tmp_path, kind,
     assert failed, text
     assert failed[0].startswith((f"rank(s) [{rank}] ", f"{kind} of rank {rank} ")), text
     assert not [x for x in pids if alive(x["pid"])]
+
+
+def test_rank_0_s_sidecar_frozen_at_start_up_is_blamed_by_the_others(tmp_path):
+    """breaker round 5: rank 0's sidecar stopped right after it starts (it hosts the
+    store, whose socket the launcher bound, so connecting works and nothing answers).
+    The other sidecars' rendezvous ends within its bound naming rank 0; no trainer blames
+    its own rank, and none tells the user to start 'dgt sidecar' (dgt train does)."""
+    run_dir = tmp_path / "run"
+    p = start_train(run_dir, "--workers", 3, "--hidden", 64, "--epochs", 1,
+                    "--peer-timeout-s", 5)
+    wait_for(run_dir / "pids.json", p)
+    pids = json.loads((run_dir / "pids.json").read_text())
+    text = _freeze_until_done(p, pids, "sidecar", 0, timeout_s=200)
+    assert p.returncode != 0
+    failed = [ln.split("dgt train: failed: ", 1)[1] for ln in text.splitlines()
+              if "dgt train: failed: " in ln]
+    assert failed and failed[0].startswith("rank(s) [0] stopped answering (dead or "
+                                           "frozen)"), text
+    assert "start 'dgt sidecar'" not in text, text
+    for r in (1, 2):
+        rec = run_dir / f"failure-trainer-{r}.json"
+        if rec.exists():
+            assert json.loads(rec.read_text())["blamed"] == [0], rec.read_text()
+    assert not [x for x in pids if alive(x["pid"])]

@@ -26,6 +26,7 @@ from datetime import timedelta
 from .. import ipc
 from ..client import Client
 from ..config import default_run_dir
+from ..unixsock import private_dir
 from ..errors import PeerFailure
 from ..rendezvous import QUIET_TORCH_ENV
 from . import generation
@@ -165,7 +166,7 @@ class NodeLink:
         from ..launch import _die_with_parent
         run_dir = os.environ.get("DGT_RUN_DIR")
         if not run_dir:
-            run_dir = os.path.join(default_run_dir(), f"torchrun-{env.tag}")
+            run_dir = os.path.join(private_dir(default_run_dir()), f"torchrun-{env.tag}")
         elif env.restart_count:   # a failed generation's sidecars may still be stopping
             run_dir = os.path.join(run_dir, f"restart-{env.restart_count}")
         os.makedirs(run_dir, mode=0o700, exist_ok=True)

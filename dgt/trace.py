@@ -57,6 +57,7 @@ class Trace:
         self.rank, self.counters, self.n_channels = rank, counters, n_channels
         self.file = None
         self.failed = False
+        self.error: str | None = None   # why the trace stopped (a report warning)
         self.prev = self._snapshot()
         self.comm_hist = TimeHistogram()
         self.pull_wait_hist = TimeHistogram()
@@ -142,8 +143,9 @@ class Trace:
             self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
         except OSError as e:
             self.failed = True
-            log.warning("rank %d: per-iteration trace %s stopped: %s", self.rank,
-                        self.path, e.strerror or e)
+            self.error = (f"per-iteration trace {self.path} stopped at iteration "
+                          f"{self.t}: {e.strerror or e}")
+            log.warning("rank %d: %s", self.rank, self.error)
 
 
 # -- reading ---------------------------------------------------------------------------

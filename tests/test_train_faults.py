@@ -381,6 +381,44 @@ def test_a_run_dir_on_a_full_disk_is_one_line(tmp_path):
         assert p.returncode == 2, out
         assert f"dgt train: --run-dir {mnt / 'run'}: No space left on device" in out, out
         assert "Traceback" not in out
+        assert not (mnt / "run" / "lock").exists(), "the refused run left its lock file"
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a small tmpfs as the "
+                    "run dir, so that it fills up during training)")
+def test_a_run_dir_that_fills_during_training_keeps_the_run_and_its_report(tmp_path):
+    """A 64 KiB run dir fills during training (the traces): the sidecars and trainers
+    finish, their end-of-run records reach the launcher through the spill folder
+    (dgt.records), the summary is printed and --report (on another disk) written with
+    the counters, and warnings name each run-dir file that could not be written and
+    why, the stopped traces too."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
+    try:
+        run_dir, report = mnt / "run", tmp_path / "r.json"
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                            "--hidden", "64", "--iterations", "200", "--epochs", "100",
+                            "--run-dir", str(run_dir), "--report", str(report)],
+                           capture_output=True, text=True, timeout=300)
+        out = p.stdout + p.stderr
+        assert p.returncode == 0, out + logs_of(run_dir)
+        assert "replicas identical" in out, out
+        assert "Traceback" not in out
+        r = json.loads(report.read_text())
+        assert r["iterations"] == 200 and r["replicas_identical"], r
+        assert len(r["sidecars"]) == 2 and len(r["param_sha256"]) == 2, r
+        assert sum(ch["blocks_sent"] for ch in r["channels"].values()) > 0, r
+        for rank in (0, 1):
+            for name in (f"sidecar-{rank}.json", f"trainer-{rank}.json"):
+                line = f"could not write {run_dir / name}: No space left on device"
+                assert any(line in w for w in r["warnings"]), r["warnings"]
+                assert line in out, out
+            trace = f"per-iteration trace {run_dir / f'trace-{rank}.jsonl'} stopped at"
+            assert any(trace in w for w in r["warnings"]), r["warnings"]
+            assert trace in out, out
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 

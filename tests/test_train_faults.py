@@ -454,3 +454,17 @@ def test_the_killed_or_frozen_rank_is_the_one_the_headline_names(tmp_path, kind,
     assert failed, text
     assert failed[0].startswith((f"rank(s) [{rank}] ", f"{kind} of rank {rank} ")), text
     assert not [x for x in pids if alive(x["pid"])]
+
+
+def test_a_busy_base_port_is_named(tmp_path):
+    """Rank 1's TCP port (--base-port B: B+10) held by another socket: the headline
+    names that port, not only "a port of rank 1"."""
+    base = free_base_port()
+    with socket.create_server(("127.0.0.1", base + 10)):
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                            "--iterations", "1", "--hidden", "32", "--base-port", str(base),
+                            "--run-dir", str(tmp_path / "run")],
+                           capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    assert f"TCP port {base + 10} of rank 1 is in use" in out, out

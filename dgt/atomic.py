@@ -15,10 +15,14 @@ from typing import BinaryIO, Callable
 def write_atomic(path: str, write: Callable[[BinaryIO], None], fsync: bool = True) -> None:
     """Call ``write(f)`` on a temporary file in ``path``'s folder, then rename(2) it to
     ``path``. ``fsync``: flush it to the disk before the rename (checkpoints, reports:
-    files that must survive a power cut). Raises OSError, or what ``write`` raises (the
-    temporary file is removed)."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    files that must survive a power cut). Raises OSError (its ``filename`` is ``path``
+    when the system call named no file), or what ``write`` raises (the temporary file
+    is removed)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                   prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    except OSError as e:   # the error names the file we were asked to write
+        raise OSError(e.errno, e.strerror, path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -26,11 +30,13 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None], fsync: bool = Tru
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.errno is not None and e.filename is None:
+            raise OSError(e.errno, e.strerror, path) from None   # e.g. ENOSPC in write()
         raise
 
 

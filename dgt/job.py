@@ -31,8 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import checkpoint, failure
-from .atomic import write_json
+from . import checkpoint, failure, records
 from .client import Client
 from .config import CheckpointConfig, JobConfig
 from .errors import PeerFailure
@@ -351,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
             FailureReason.PEER_REPORTED if e.rank is not None else FailureReason.OTHER,
             str(e), e.ranks if e.rank is not None else [ns.rank]))
         return 3
-    write_json(ns.result, result)
+    try:   # a full run dir keeps the result in the spill folder (dgt.records)
+        records.write(ns.result, result)
+    except OSError as e:
+        print(f"dgt trainer {ns.rank}: {e}", file=sys.stderr, flush=True)
+        return 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown (torch/sklearn take ~1.5 s to unload)

@@ -32,7 +32,7 @@ import tempfile
 import time
 
 
-from . import checkpoint, failure
+from . import checkpoint, failure, records
 from .atomic import write_json
 from .interrupt import raise_keyboard_interrupt_on
 from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig, JobConfig,
@@ -84,6 +84,7 @@ class Job:
         self.run_dir = job.run_dir or tempfile.mkdtemp(prefix="dgt-run-")
         os.makedirs(self.run_dir, exist_ok=True)
         self._lock = None
+        self.spill = ""   # dgt.records: where a child's record goes when the run dir is full
         self.checkpoint_dir = self.ckpt.checkpoint_dir or \
             os.path.join(self.run_dir, "checkpoints")
 
@@ -103,10 +104,18 @@ class Job:
             f.close()
             raise RuntimeError(f"--run-dir {self.run_dir} is in use by another dgt train "
                                f"(pid {other}); give each job its own --run-dir") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+        except OSError as e:   # a full disk: leave no empty lock file behind
+            os.unlink(path)
+            try:
+                f.close()   # flushes the pid again: fails again
+            except OSError:
+                pass
+            raise OSError(e.errno, e.strerror, path) from None
         self._lock = f
 
     def _hosts(self) -> list[tuple[str, list[str]]]:
@@ -150,6 +159,8 @@ class Job:
         env[LAUNCHED_ENV] = "1"   # a trainer's missing sidecar is ours to start, not theirs
         if self.tx.secret:
             env["DGT_SECRET"] = self.tx.secret
+        self.spill = self.spill or records.make_spill_dir()
+        env[records.SPILL_ENV] = self.spill
         tx_argv = to_argv(self.tx)   # the secret goes by environment, never by argv
         at = tx_argv.index("--secret")
         del tx_argv[at:at + 2]
@@ -195,6 +206,7 @@ class Job:
         ``attempt-<i>/`` and return where the next attempt resumes: the newest complete
         checkpoint, else ``resume`` (where this one started; "" = the beginning)."""
         self.restarts += 1
+        self.remove_spill()   # the failed attempt's records
         folder = os.path.join(self.run_dir, f"attempt-{self.restarts}")
         os.makedirs(folder)
         for name in os.listdir(self.run_dir):
@@ -340,6 +352,11 @@ class Job:
         if self.own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
+    def remove_spill(self) -> None:
+        if self.spill:
+            shutil.rmtree(self.spill, ignore_errors=True)
+            self.spill = ""
+
 
 def _last_line(path: str) -> str:
     """For a child that left no failure record (e.g. an uncaught Python exception): the
@@ -457,6 +474,14 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print, metrics=None,
     t0 = time.monotonic()
     raise_keyboard_interrupt_on(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     j = Job(job, tx, log, metrics, ckpt)
+    try:
+        return _run(j, t0)
+    finally:
+        j.remove_spill()
+
+
+def _run(j: Job, t0: float) -> tuple[int, dict | None]:
+    job, tx, log = j.job, j.tx, j.log
     try:   # a busy run dir, a missing testbed or root: say so before anything starts
         j.lock()
         j._hosts()
@@ -516,7 +541,7 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print, metrics=None,
         log(f"dgt train: failed: {failure}")
         log(f"dgt train: logs kept in {j.run_dir}")
         return code, None
-    report = build_report(j.run_dir, job, tx, wall_s)
+    report = build_report(j.run_dir, job, tx, wall_s, j.spill)
     report["restarts"] = j.restarts
     print_summary(report, log)
     if job.report:

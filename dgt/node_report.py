@@ -12,15 +12,17 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .atomic import write_json
+from . import records
 
 log = logging.getLogger("dgt.sidecar")
 
 
 def write_node_results(sc) -> None:
     """Write the files of ``sc`` (a dgt.sidecar.Sidecar that has stopped: no callback
-    runs after this, so its counters are final). An unwritable metrics file is a
-    warning; the report's errors (OSError) are raised."""
+    runs after this, so its counters are final). An unwritable metrics or conservation
+    file, or a trace that stopped, is a warning in the report; a report the run dir
+    refuses goes to the spill folder (dgt.records). Raises OSError only when that fails
+    too."""
     socks = sc.sockets
     udp_senders = socks.senders.values()
     report = {
@@ -48,19 +50,34 @@ def write_node_results(sc) -> None:
         sc.agent.k_history else None,
         **sc.counters.to_dict(sc.cfg.channels),
     }
-    path = os.path.join(sc.node.run_dir, f"sidecar-{sc.rank}.json")
     sc.trace.close()   # its last line: what the counters grew since the last push
-    write_json(path, report, indent=1)
+    if sc.trace.error:   # shown by 'dgt train', not only in this sidecar's log
+        report["warnings"] = report["warnings"] + [sc.trace.error]
+    run_dir = sc.node.run_dir
     if sc.endpoint is not None:   # the final exposition, beside the report
         from .metrics import metrics_path
-        try:
-            sc.endpoint.write_textfile(metrics_path(sc.node.run_dir, sc.rank))
-        except OSError as e:
-            log.warning("rank %d: cannot write metrics-%d.prom: %s", sc.rank,
-                        sc.rank, e.strerror or e)
+        _optional(report, metrics_path(run_dir, sc.rank), sc.endpoint.write_textfile)
     agent = sc.agent
     if agent is not None and agent.raw_sum is not None:
-        np.savez(os.path.join(sc.node.run_dir, f"conservation-{sc.rank}.npz"),
-                 raw_sum=agent.raw_sum.numpy(), applied_sum=agent.applied_sum.numpy(),
-                 residual=(agent.residual.residual.double().numpy()
-                           if sc.cfg.error_feedback else np.zeros(sc.layout.padded)))
+        _optional(report, os.path.join(run_dir, f"conservation-{sc.rank}.npz"),
+                  lambda path: np.savez(
+                      path, raw_sum=agent.raw_sum.numpy(),
+                      applied_sum=agent.applied_sum.numpy(),
+                      residual=(agent.residual.residual.double().numpy()
+                                if sc.cfg.error_feedback else np.zeros(sc.layout.padded))))
+    # a full run dir keeps the report in the spill folder (dgt.records), not lost
+    records.write(os.path.join(run_dir, f"sidecar-{sc.rank}.json"), report, indent=1)
+
+
+def _optional(report: dict, path: str, write) -> None:
+    """``write(path)``; an OSError becomes a warning in ``report`` naming ``path``."""
+    try:
+        write(path)
+    except OSError as e:
+        msg = f"could not write {path}: {e.strerror or e}"
+        try:   # np.savez leaves a torn file behind
+            os.unlink(path)
+        except OSError:
+            pass
+        log.warning("%s", msg)
+        report["warnings"] = report["warnings"] + [msg]

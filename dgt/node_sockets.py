@@ -6,6 +6,7 @@ UDP channel c ``B+10r+c`` (0: free ports)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from typing import Callable
 
@@ -40,11 +41,13 @@ class NodeSockets:
         loop = asyncio.get_running_loop()
         cfg, node = self.cfg, self.node
         base = node.base_port + 10 * node.rank if node.base_port else 0
-        self.tcp_sock = sockopts.tcp_listener(node.host, base, self.dscp[0])
+        self.tcp_sock = _naming_port("TCP", base, sockopts.tcp_listener, node.host, base,
+                                     self.dscp[0])
         self.tcp_server = await loop.create_server(accepted, sock=self.tcp_sock)
         for c in range(1, cfg.channels + 1):
-            s = sockopts.udp_socket(node.host, base + c if base else 0, self.dscp[c],
-                                    cfg.udp_buffer_bytes, cfg.udp_buffer_bytes)
+            port = base + c if base else 0
+            s = _naming_port("UDP", port, sockopts.udp_socket, node.host, port,
+                             self.dscp[c], cfg.udp_buffer_bytes, cfg.udp_buffer_bytes)
             for w in buffers.check(s, cfg.udp_buffer_bytes):
                 if w not in self.warnings:   # the same on every channel: once
                     self.warnings.append(w)
@@ -104,3 +107,14 @@ class NodeSockets:
         if self.unix_server is not None:
             self.unix_server.close()
         unixsock.release(self.node.socket, self.socket_owned)
+
+
+def _naming_port(proto: str, port: int, make: Callable, *args):
+    """``make(*args)``; EADDRINUSE is raised again naming ``proto`` and ``port`` (the
+    error's ``filename``, so the message says which port is taken)."""
+    try:
+        return make(*args)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE and port:
+            raise OSError(e.errno, e.strerror, f"{proto} port {port}") from None
+        raise

@@ -15,20 +15,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
-from .trace import channel_totals, comm_times_ms, read_run
+from .trace import channel_totals, comm_times_ms, read_run, skipped_note
 
 
 def load(source: str) -> dict:
-    """{history, comm_ms: {rank: [ms]}, channels: {name: {field: n}}} from a report
-    file or a run directory. Raises ValueError saying what is missing."""
+    """{history, comm_ms: {rank: [ms]}, channels: {name: {field: n}}, notes: [what was
+    skipped]} from a report file or a run directory; a trace's unreadable lines and an
+    unreadable trainer-0.json are skipped and named in ``notes``. Raises ValueError
+    saying what is missing."""
     if os.path.isdir(source):
-        traces = read_run(source)
+        skipped: dict[str, int] = {}
+        traces = read_run(source, skipped)
+        notes = skipped_note(skipped)
         history = []
         path = os.path.join(source, "trainer-0.json")
         if os.path.exists(path):
-            with open(path) as f:
-                history = json.load(f).get("history", [])
+            try:
+                with open(path, "rb") as f:
+                    history = json.loads(f.read())["history"]
+                _checked({"history": history, "channels": {}, "comm_ms": {}}, path)
+            except (OSError, ValueError, KeyError, TypeError):
+                history = []
+                notes.append(f"{path}: unreadable, no accuracy curve")
         if not traces and not history:
             raise ValueError(f"{source} holds no trace-<rank>.jsonl nor trainer-0.json; "
                              f"give a dgt train --run-dir or --report")
@@ -38,7 +48,7 @@ def load(source: str) -> dict:
                 acc = channels.setdefault(name, {})
                 for k, v in ch.items():
                     acc[k] = acc.get(k, 0) + v
-        return _checked({"history": history, "channels": channels,
+        return _checked({"history": history, "channels": channels, "notes": notes,
                          "comm_ms": {r: comm_times_ms(lines)
                                      for r, lines in traces.items()}}, source)
     try:
@@ -144,6 +154,8 @@ def main(ns: argparse.Namespace) -> int:
         data = load(ns.source)
     except ValueError as e:
         ns.parser.error(str(e))
+    for note in data.get("notes", []):
+        print(f"dgt plot: {note}", file=sys.stderr)
     out = ns.out or (ns.source if os.path.isdir(ns.source)
                      else os.path.dirname(os.path.abspath(ns.source)))
     try:

@@ -2,23 +2,15 @@
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 from dataclasses import asdict
 
 import numpy as np
 
+from . import records
 from .trace import comm_times_ms, read_trace, trace_path
 from .transport.counters import merge
-
-
-def _load(pattern: str) -> list[dict]:
-    out = []
-    for path in sorted(glob.glob(pattern)):
-        with open(path) as f:
-            out.append(json.load(f))
-    return sorted(out, key=lambda d: d["rank"])
 
 
 def conservation_error(run_dir: str) -> float | None:
@@ -50,9 +42,11 @@ def comm_ms(run_dir: str, trainers: list[dict]) -> np.ndarray:
     return np.array(trainers[0]["comm_s"]) * 1e3 if trainers else np.zeros(1)
 
 
-def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
-    trainers = _load(os.path.join(run_dir, "trainer-*.json"))
-    sidecars = _load(os.path.join(run_dir, "sidecar-*.json"))
+def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None) -> dict:
+    """The report of a finished run from its records in ``run_dir`` and, for those the
+    run dir refused, in the spill folder ``spill`` (dgt.records)."""
+    trainers, lost_t = records.load(run_dir, "trainer-*.json", spill)
+    sidecars, lost_s = records.load(run_dir, "sidecar-*.json", spill)
     comm = comm_ms(run_dir, trainers)
     traffic = merge(sidecars)
     total_blocks = sum(ch["blocks_sent"] for ch in traffic["channels"].values())
@@ -63,7 +57,7 @@ def build_report(run_dir: str, job, tx, wall_s: float) -> dict:
     rounds = t0.get("rounds", t0.get("iterations", 0))
     bytes_sent = sum(ch["bytes_sent"] for ch in traffic["channels"].values())
     return {
-        "warnings": _warnings(sidecars),
+        "warnings": lost_t + lost_s + _warnings(sidecars),
         "mode": tx.mode,
         "authenticated": bool(tx.secret),   # --secret given: a MAC on every message
         "workload": t0.get("workload"),

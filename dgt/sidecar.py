@@ -522,7 +522,8 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         import uvloop
         return uvloop.run(sidecar.run())
     except OSError as e:
-        what = {errno.EADDRINUSE: f"a port of rank {node.rank} is in use (--base-port "
+        what = {errno.EADDRINUSE: f"{e.filename or 'a port'} of rank {node.rank} is in "
+                                  f"use (--base-port "
                                   f"{node.base_port}: TCP base+10*rank, UDP base+10*rank+c); "
                                   f"pick another --base-port or 0 for free ports",
                 errno.EADDRNOTAVAIL: f"--host {node.host} is not an address of this host",

@@ -19,7 +19,7 @@ import select
 import sys
 import time
 
-from .trace import iterations
+from .trace import iterations, parse_line, skipped_note
 
 #: trace lines per rank the rates and medians are taken over
 WINDOW = 20
@@ -34,7 +34,8 @@ class TraceFollower:
         self.run_dir = run_dir
         self.offsets: dict[int, int] = {}
         self.lines: dict[int, collections.deque] = {}
-        self.partial: dict[int, str] = {}
+        self.partial: dict[int, bytes] = {}
+        self.skipped: dict[str, int] = {}   # trace file -> unreadable lines skipped
 
     def poll(self) -> None:
         try:
@@ -46,17 +47,28 @@ class TraceFollower:
             if not m:
                 continue
             r = int(m.group(1))
-            with open(os.path.join(self.run_dir, name)) as f:
-                f.seek(self.offsets.get(r, 0))
-                chunk = self.partial.get(r, "") + f.read()
-                self.offsets[r] = f.tell()
-            *done, self.partial[r] = chunk.split("\n")
+            try:
+                with open(os.path.join(self.run_dir, name), "rb") as f:
+                    f.seek(self.offsets.get(r, 0))
+                    chunk = self.partial.get(r, b"") + f.read()
+                    self.offsets[r] = f.tell()
+            except OSError:
+                continue
+            *done, self.partial[r] = chunk.split(b"\n")
+            if not self.partial[r].isascii():   # a sidecar writes ASCII: not torn, damaged
+                done.append(self.partial[r])
+                self.partial[r] = b""
             q = self.lines.setdefault(r, collections.deque(maxlen=WINDOW))
-            for ln in done:
-                try:
-                    q.append(json.loads(ln))
-                except ValueError:
-                    continue
+            for raw in done:
+                line = parse_line(raw)
+                if line is not None:
+                    q.append(line)
+                elif raw.strip():
+                    self.skipped[name] = self.skipped.get(name, 0) + 1
+
+    def notes(self) -> list[str]:
+        """What was skipped, once per file (``dgt.trace.skipped_note``)."""
+        return skipped_note(self.skipped)
 
     def rows(self) -> dict[int, dict]:
         out = {}
@@ -146,10 +158,12 @@ def accuracy(run_dir: str | None) -> float | None:
     path = os.path.join(run_dir, "trainer-0.json")
     if os.path.exists(path):
         try:
-            with open(path) as f:
-                return json.load(f)["final_test_accuracy"]
-        except (OSError, ValueError, KeyError):
-            pass
+            with open(path, "rb") as f:
+                acc = json.loads(f.read())["final_test_accuracy"]
+            if isinstance(acc, (int, float)) and not isinstance(acc, bool):
+                return float(acc)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass   # a damaged file: the log's last accuracy instead
     try:
         with open(os.path.join(run_dir, "trainer-0.log"), errors="replace") as f:
             found = _ACC.findall(f.read()[-20000:])
@@ -158,8 +172,20 @@ def accuracy(run_dir: str | None) -> float | None:
         return None
 
 
-def render(rows: dict[int, dict], source: str, acc: float | None):
-    """The rich Table of ``rows``."""
+def is_run_dir(path: str) -> bool:
+    """Whether ``path`` holds what ``dgt train`` or a sidecar leaves in its run dir: a
+    ``lock``, a ``trace-<rank>.jsonl`` or ``sidecar-<rank>.*`` file."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(n == "lock" or re.fullmatch(r"trace-\d+\.jsonl|sidecar-\d+\..+", n)
+               for n in names)
+
+
+def render(rows: dict[int, dict], source: str, acc: float | None,
+           notes: list[str] | None = None):
+    """The rich Table of ``rows``; ``notes`` (e.g. lines skipped) go into its caption."""
     from rich.table import Table
     chans: list[str] = []
     for row in rows.values():
@@ -183,10 +209,8 @@ def render(rows: dict[int, dict], source: str, acc: float | None):
             ch = row["channels"].get(c, {"blocks_per_s": 0.0, "loss": 0.0})
             cells.append(f"{ch['blocks_per_s']:.0f} {ch['loss']:.0%}")
         t.add_row(*cells)
-    if not rows:
-        t.caption = "waiting for the first iteration (q quits)"
-    else:
-        t.caption = "q quits"
+    t.caption = "; ".join((notes or []) + [
+        "waiting for the first iteration (q quits)" if not rows else "q quits"])
     return t
 
 
@@ -216,6 +240,10 @@ def main(ns: argparse.Namespace) -> int:
         if ns.once and not os.path.isdir(ns.run_dir):
             ns.parser.error(f"{ns.run_dir} does not exist; give the job's --run-dir "
                             f"(without --once, dgt top waits for it to appear)")
+        if ns.once and not is_run_dir(ns.run_dir):
+            ns.parser.error(f"{ns.run_dir} is not a run dir (no lock, trace-<rank>.jsonl "
+                            f"or sidecar-<rank> files); give the job's --run-dir "
+                            f"(without --once, dgt top waits for the job to start there)")
         source = TraceFollower(ns.run_dir)
         label = ns.run_dir
     from rich.console import Console
@@ -227,7 +255,8 @@ def main(ns: argparse.Namespace) -> int:
             ep, why = next(iter(errors.items()))
             ns.parser.error(f"no metrics endpoint answered ({ep}: {why}); is the job "
                             f"running with --metrics-port?")
-        console.print(render(source.rows(), label, accuracy(ns.run_dir)))
+        console.print(render(source.rows(), label, accuracy(ns.run_dir),
+                             getattr(source, "notes", list)()))
         return 0
     import termios
     import tty
@@ -240,8 +269,8 @@ def main(ns: argparse.Namespace) -> int:
                   screen=False) as live:
             while True:
                 source.poll()
-                live.update(render(source.rows(), label, accuracy(ns.run_dir)),
-                            refresh=True)
+                live.update(render(source.rows(), label, accuracy(ns.run_dir),
+                                   getattr(source, "notes", list)()), refresh=True)
                 if _quit_pressed(ns.interval_s):
                     break
     except KeyboardInterrupt:

@@ -57,6 +57,7 @@ class Trace:
         self.rank, self.counters, self.n_channels = rank, counters, n_channels
         self.file = None
         self.failed = False
+        self.error: str | None = None   # why the trace stopped (a report warning)
         self.prev = self._snapshot()
         self.comm_hist = TimeHistogram()
         self.pull_wait_hist = TimeHistogram()
@@ -142,31 +143,76 @@ class Trace:
             self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
         except OSError as e:
             self.failed = True
-            log.warning("rank %d: per-iteration trace %s stopped: %s", self.rank,
-                        self.path, e.strerror or e)
+            self.error = (f"per-iteration trace {self.path} stopped at iteration "
+                          f"{self.t}: {e.strerror or e}")
+            log.warning("rank %d: %s", self.rank, self.error)
 
 
 # -- reading ---------------------------------------------------------------------------
-def read_trace(path: str) -> list[dict]:
-    """The lines of one trace file; a torn last line (the sidecar was killed while
-    writing) is skipped."""
+def parse_line(raw: bytes) -> dict | None:
+    """One trace line (bytes, without its newline) as a dict, or None when it is not a
+    line a sidecar writes: not UTF-8, not JSON, not an object, an iteration line whose
+    fields are not numbers, or ``channels`` that are not counters (a damaged or foreign
+    file; the readers skip and count it)."""
+    try:
+        line = json.loads(raw.decode("utf-8"))
+    except ValueError:   # UnicodeDecodeError is one
+        return None
+    if not isinstance(line, dict):
+        return None
+    chans = line.get("channels", {})
+    if not isinstance(chans, dict) or not all(
+            isinstance(ch, dict) and all(_number(v) for v in ch.values())
+            for ch in chans.values()):
+        return None
+    if line.get("kind") == "iteration" and not all(
+            _number(line.get(k)) for k in _ITERATION_NUMBERS):
+        return None
+    return line
+
+
+_ITERATION_NUMBERS = ("t", "push_start_s", "apply_s", "comm_s", "k", "lost")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_trace(path: str, skipped: dict[str, int] | None = None) -> list[dict]:
+    """The lines of one trace file (``parse_line``). A torn last line (the sidecar was
+    killed while writing) is skipped; any other unreadable line is skipped and counted
+    in ``skipped[basename(path)]`` when ``skipped`` is given. Raises OSError."""
     out = []
-    with open(path) as f:
-        for ln in f:
-            try:
-                out.append(json.loads(ln))
-            except ValueError:
-                continue
+    bad = 0
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    for i, raw in enumerate(lines):
+        line = parse_line(raw)
+        if line is not None:
+            out.append(line)
+        elif raw.strip() and not (i == len(lines) - 1 and raw.isascii()):
+            bad += 1
+    if bad and skipped is not None:
+        skipped[os.path.basename(path)] = bad
     return out
 
 
-def read_run(run_dir: str) -> dict[int, list[dict]]:
-    """{rank: trace lines} of every ``trace-<rank>.jsonl`` in ``run_dir``."""
+def skipped_note(skipped: dict[str, int]) -> list[str]:
+    """One line per trace file with unreadable lines, e.g. ``trace-0.jsonl: 2
+    unreadable lines skipped``."""
+    return [f"{name}: {n} unreadable line{'s' if n != 1 else ''} skipped"
+            for name, n in sorted(skipped.items())]
+
+
+def read_run(run_dir: str, skipped: dict[str, int] | None = None) -> dict[int, list[dict]]:
+    """{rank: trace lines} of every ``trace-<rank>.jsonl`` in ``run_dir`` (``read_trace``;
+    ``skipped`` counts the unreadable lines per file)."""
     out = {}
     for path in glob.glob(os.path.join(run_dir, "trace-*.jsonl")):
-        lines = read_trace(path)
-        rank = int(os.path.basename(path)[len("trace-"):-len(".jsonl")])
-        out[rank] = lines
+        rank = os.path.basename(path)[len("trace-"):-len(".jsonl")]
+        if rank.isdigit():
+            out[int(rank)] = read_trace(path, skipped)
     return dict(sorted(out.items()))
 
 

@@ -1,5 +1,6 @@
 """'dgt top' in tmux against a live 4-worker job, and 'dgt plot' on a real report."""
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -121,3 +122,68 @@ def test_plot_refuses_a_report_whose_fields_have_the_wrong_type(tmp_path, field,
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "is not a dgt train report" in p.stderr
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    from conftest import run_train
+    tmp = tmp_path_factory.mktemp("clean")
+    run_train(tmp, "--workers", 2, "--hidden", 32, "--iterations", 12)
+    return tmp / "run"
+
+
+#: the breaker's damages to trace-0.jsonl: a line ``[]``, an iteration line with its
+#: numbers replaced by "abc", non-UTF-8 bytes appended; and all three at once
+DAMAGES = {"list": ["list"], "abc": ["abc"], "bytes": ["bytes"],
+           "all": ["list", "abc", "bytes"]}
+
+
+@pytest.fixture(params=sorted(DAMAGES))
+def damaged_run(request, clean_run, tmp_path):
+    """A copy of a real run dir with trace-0.jsonl damaged, and trainer-0.json ``[]``.
+    Returns (run dir, how many unreadable lines trace-0.jsonl holds)."""
+    run = tmp_path / "run"
+    shutil.copytree(clean_run, run)
+    kinds = DAMAGES[request.param]
+    trace = run / "trace-0.jsonl"
+    lines = trace.read_bytes().split(b"\n")
+    it = [i for i, ln in enumerate(lines) if b'"kind":"iteration"' in ln][1]
+    bad = [b"[]"] if "list" in kinds else []
+    if "abc" in kinds:
+        bad.append(re.sub(rb'":(-?[0-9.e+-]+)([,}])', rb'":"abc"\2', lines[it]))
+    lines[it:it] = bad
+    trace.write_bytes(b"\n".join(lines) + (b"\x00\xff\xfe" if "bytes" in kinds else b""))
+    (run / "trainer-0.json").write_text("[]")
+    return run, len(kinds)
+
+
+def test_top_skips_and_counts_the_unreadable_lines_of_a_damaged_trace(damaged_run):
+    run, n = damaged_run
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "top", str(run), "--once"],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, COLUMNS="200"))   # no cell cut short
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "Traceback" not in out, out
+    note = f"trace-0.jsonl: {n} unreadable line{'s' if n > 1 else ''} skipped"
+    assert note in " ".join(out.split()), out
+    assert sorted(rows(p.stdout)) == [0, 1], out
+
+
+def test_plot_skips_and_counts_the_unreadable_lines_of_a_damaged_trace(damaged_run,
+                                                                       tmp_path):
+    run, n = damaged_run
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "plot", str(run), "--out",
+                        str(tmp_path / "png")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    note = f"trace-0.jsonl: {n} unreadable line{'s' if n > 1 else ''} skipped"
+    assert p.stderr.count(note) == 1, p.stderr
+    assert f"{run / 'trainer-0.json'}: unreadable" in p.stderr, p.stderr
+    assert len(list((tmp_path / "png").iterdir())) == 4
+
+
+def test_top_once_on_a_folder_that_is_not_a_run_dir_says_so(tmp_path):
+    (tmp_path / "other.txt").write_text("x")
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "top", str(tmp_path), "--once"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"{tmp_path} is not a run dir" in p.stderr and "waiting" not in p.stdout

@@ -381,6 +381,52 @@ def test_a_run_dir_on_a_full_disk_is_one_line(tmp_path):
         assert p.returncode == 2, out
         assert f"dgt train: --run-dir {mnt / 'run'}: No space left on device" in out, out
         assert "Traceback" not in out
+        assert not (mnt / "run" / "lock").exists(), "the refused run left its lock file"
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a small tmpfs as the "
+                    "run dir, so that it fills up during training)")
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_a_run_dir_that_fills_during_training_keeps_the_run_and_its_report(tmp_path,
+                                                                           terminal):
+    """A 64 KiB run dir fills during training (the traces): the sidecars and trainers
+    finish, their end-of-run records reach the launcher through the spill folder
+    (dgt.records), the summary is printed and --report (on another disk) written with
+    the counters, and warnings name each run-dir file that could not be written and
+    why, the stopped traces too. On a terminal rank 0's trainer prints its epoch lines
+    into the full run dir (trainer-0.log), which must not stop it either."""
+    if terminal and shutil.which("script") is None:
+        pytest.skip("needs script(1) for a terminal (Debian package bsdutils)")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
+    try:
+        run_dir, report = mnt / "run", tmp_path / "r.json"
+        cmd = [sys.executable, "-m", "dgt.cli", "train", "--workers", "2", "--hidden",
+               "64", "--iterations", "200", "--epochs", "100", "--run-dir", str(run_dir),
+               "--report", str(report)]
+        if terminal:   # script(1) runs it on a pseudo-terminal; -e: its exit status
+            cmd = ["script", "-qec", " ".join(cmd), "/dev/null"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, COLUMNS="200"))
+        out = (p.stdout + p.stderr).replace("\r", "\n")
+        assert p.returncode == 0, out + logs_of(run_dir)
+        assert "replicas identical" in out, out
+        assert "Traceback" not in out
+        r = json.loads(report.read_text())
+        assert r["iterations"] == 200 and r["replicas_identical"], r
+        assert len(r["sidecars"]) == 2 and len(r["param_sha256"]) == 2, r
+        assert sum(ch["blocks_sent"] for ch in r["channels"].values()) > 0, r
+        for rank in (0, 1):
+            for name in (f"sidecar-{rank}.json", f"trainer-{rank}.json"):
+                line = f"could not write {run_dir / name}: No space left on device"
+                assert any(line in w for w in r["warnings"]), r["warnings"]
+                assert line in out, out
+            trace = f"per-iteration trace {run_dir / f'trace-{rank}.jsonl'} stopped at"
+            assert any(trace in w for w in r["warnings"]), r["warnings"]
+            assert trace in out, out
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 
@@ -440,3 +486,17 @@ def test_rank_0_s_sidecar_frozen_at_start_up_is_blamed_by_the_others(tmp_path):
         if rec.exists():
             assert json.loads(rec.read_text())["blamed"] == [0], rec.read_text()
     assert not [x for x in pids if alive(x["pid"])]
+
+
+def test_a_busy_base_port_is_named(tmp_path):
+    """Rank 1's TCP port (--base-port B: B+10) held by another socket: the headline
+    names that port, not only "a port of rank 1"."""
+    base = free_base_port()
+    with socket.create_server(("127.0.0.1", base + 10)):
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                            "--iterations", "1", "--hidden", "32", "--base-port", str(base),
+                            "--run-dir", str(tmp_path / "run")],
+                           capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    assert f"TCP port {base + 10} of rank 1 is in use" in out, out

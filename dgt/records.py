@@ -1,0 +1,95 @@
+"""End-of-run records (``sidecar-<rank>.json``, ``trainer-<rank>.json``) that survive a
+full or broken run dir.
+
+A process that finished its part of the run writes its record to the run dir; when that
+write fails (ENOSPC, EIO, the folder gone) the record goes to the *spill folder* instead:
+``$DGT_RECORD_SPILL`` (``dgt train`` makes one per job in /dev/shm, mode 0700, and
+removes it when it exits), else ``/dev/shm/dgt-records-<uid>`` (a sidecar started by
+hand). The spilled file has the record's base name and holds ``{"path": the run-dir
+path, "error": what failed, "record": the record}``. ``dgt train`` reads records from
+both places (``load``) and turns each spilled one into a warning naming the run-dir file
+and the errno text; the run and its ``--report`` are kept. No process fails because its
+record could not be written to the run dir (it fails only when the spill folder fails
+too).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import tempfile
+
+from .atomic import write_json
+
+SPILL_ENV = "DGT_RECORD_SPILL"
+log = logging.getLogger("dgt.records")
+
+
+def spill_dir() -> str:
+    """Where a record goes when the run dir refuses it (made 0700 when missing)."""
+    path = os.environ.get(SPILL_ENV)
+    if not path:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(base, f"dgt-records-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def make_spill_dir() -> str:
+    """A fresh spill folder for one ``dgt train`` job (0700, in /dev/shm where there is
+    one, else $TMPDIR): pass it to the children as ``$DGT_RECORD_SPILL``."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return tempfile.mkdtemp(prefix="dgt-records-", dir=base)
+
+
+def write(path: str, record: dict, indent: int | None = None) -> str | None:
+    """Write ``record`` to ``path`` atomically (dgt.atomic). When that fails, write it
+    to the spill folder, log a warning naming ``path``, and return the warning's text
+    (None when ``path`` was written). Raises OSError only when the spill folder fails
+    too (the error names both)."""
+    try:
+        write_json(path, record, indent=indent)
+        return None
+    except OSError as e:
+        error = f"could not write {path}: {e.strerror or e}"
+    try:
+        spilled = os.path.join(spill_dir(), os.path.basename(path))
+        write_json(spilled, {"path": path, "error": error, "record": record}, indent=indent)
+    except OSError as e2:
+        raise OSError(e2.errno, f"{error}; nor {e2.filename or spill_dir()}: "
+                      f"{e2.strerror or e2}") from None
+    log.warning("%s; kept in %s instead", error, spilled)
+    return error
+
+
+def load(run_dir: str, pattern: str, spill: str | None) -> tuple[list[dict], list[str]]:
+    """The records matching ``pattern`` (e.g. ``"sidecar-*.json"``) from ``run_dir`` and,
+    for names not there, from the spill folder ``spill``; sorted by ``rank``. Returns
+    (records, warnings: one per spilled record, naming the run-dir file and the error).
+    A record that cannot be read or parsed is skipped with a warning naming it."""
+    found: dict[str, dict] = {}
+    warnings: list[str] = []
+    for path in sorted(glob.glob(os.path.join(run_dir, pattern))):
+        rec = _read(path, warnings)
+        if rec is not None:
+            found[os.path.basename(path)] = rec
+    for path in sorted(glob.glob(os.path.join(spill, pattern))) if spill else []:
+        name = os.path.basename(path)
+        wrapped = _read(path, warnings)
+        if name in found or not isinstance(wrapped, dict) or "record" not in wrapped:
+            continue
+        found[name] = wrapped["record"]
+        warnings.append(f"{wrapped.get('error', 'could not write ' + name)} (the run dir "
+                        f"is full or gone); its numbers are in this report")
+    recs = [r for r in found.values() if isinstance(r, dict) and "rank" in r]
+    return sorted(recs, key=lambda d: d["rank"]), warnings
+
+
+def _read(path: str, warnings: list[str]):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        warnings.append(f"cannot read {path}: {getattr(e, 'strerror', None) or e}")
+        return None

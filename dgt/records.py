@@ -21,26 +21,28 @@ import os
 import tempfile
 
 from .atomic import write_json
+from .ipc import shm_dir
+from .unixsock import private_dir
 
 SPILL_ENV = "DGT_RECORD_SPILL"
 log = logging.getLogger("dgt.records")
 
 
 def spill_dir() -> str:
-    """Where a record goes when the run dir refuses it (made 0700 when missing)."""
+    """Where a record goes when the run dir refuses it: ``$DGT_RECORD_SPILL``, else this
+    user's ``dgt-records-<uid>`` in the shared-memory folder, created 0700 and checked to
+    be ours (dgt.unixsock.private_dir raises NotOurs when another user made it)."""
     path = os.environ.get(SPILL_ENV)
-    if not path:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = os.path.join(base, f"dgt-records-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
+    if path:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
+    return private_dir(os.path.join(shm_dir(), f"dgt-records-{os.getuid()}"))
 
 
 def make_spill_dir() -> str:
-    """A fresh spill folder for one ``dgt train`` job (0700, in /dev/shm where there is
-    one, else $TMPDIR): pass it to the children as ``$DGT_RECORD_SPILL``."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    return tempfile.mkdtemp(prefix="dgt-records-", dir=base)
+    """A fresh spill folder for one ``dgt train`` job (0700, in the shared-memory folder
+    dgt.ipc.shm_dir): pass it to the children as ``$DGT_RECORD_SPILL``."""
+    return tempfile.mkdtemp(prefix="dgt-records-", dir=shm_dir())
 
 
 def write(path: str, record: dict, indent: int | None = None) -> str | None:

@@ -45,9 +45,9 @@ def private_dir(path: str) -> str:
         what = "is not a folder" if not stat.S_ISDIR(st.st_mode) else \
             f"is owned by uid {st.st_uid}" if st.st_uid != os.getuid() else \
             f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
-        raise NotOurs(f"{path} {what}; dgt keeps its sockets in a folder only this user "
-                      f"(uid {os.getuid()}) can write: remove it, or set XDG_RUNTIME_DIR, "
-                      f"or give --socket and --run-dir")
+        raise NotOurs(f"{path} {what}; dgt keeps its sockets and spilled records in a "
+                      f"folder only this user (uid {os.getuid()}) can write: remove it, or "
+                      f"set XDG_RUNTIME_DIR, or give --socket and --run-dir")
     return path
 
 

@@ -125,7 +125,7 @@ def as_nobody() -> list[str]:
     test, saying why, when not root or without setpriv."""
     import shutil
     if os.geteuid() != 0:
-        pytest.skip("needs root: the test runs a process as another user (uid 65534)")
+        pytest.skip(reason="needs root: the test runs a process as another user (uid 65534)")
     if not shutil.which("setpriv"):
-        pytest.skip("needs setpriv (Debian package util-linux)")
+        pytest.skip(reason="needs setpriv (Debian package util-linux)")
     return ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]

@@ -251,7 +251,7 @@ def test_a_default_folder_another_user_could_write_is_refused_in_one_line(tmp_pa
     (xdg / "dgt").mkdir(parents=True)
     if how == "other-owner":
         if os.geteuid() != 0:
-            pytest.skip("needs root: chown to another user (uid 65534)")
+            pytest.skip(reason="needs root: chown to another user (uid 65534)")
         os.chown(xdg / "dgt", 65534, 65534)
         want = "is owned by uid 65534"
     else:

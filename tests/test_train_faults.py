@@ -398,7 +398,7 @@ def test_a_run_dir_that_fills_during_training_keeps_the_run_and_its_report(tmp_p
     why, the stopped traces too. On a terminal rank 0's trainer prints its epoch lines
     into the full run dir (trainer-0.log), which must not stop it either."""
     if terminal and shutil.which("script") is None:
-        pytest.skip("needs script(1) for a terminal (Debian package bsdutils)")
+        pytest.skip(reason="needs script(1) for a terminal (Debian package bsdutils)")
     mnt = tmp_path / "tiny"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)

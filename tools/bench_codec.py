@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from dgt import codec
+from dgt.atomic import write_json
 from dgt.transport.wire import Coding
 
 
@@ -129,8 +130,7 @@ def main(argv=None) -> int:
     res["loadavg_before"], res["loadavg_after"] = load0, os.getloadavg()
     print(f"load average before {load0}, after {res['loadavg_after']}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.json, res, indent=1)
     return 0
 
 

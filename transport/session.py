@@ -38,6 +38,8 @@ _BLOCK_OFFSET = wire.HEADER_DTYPE.fields["block"][1]
 _TYPE_OFFSET = wire.HEADER_DTYPE.fields["type"][1]
 _FLAGS_OFFSET = wire.HEADER_DTYPE.fields["flags"][1]
 _LENGTH_OFFSET = wire.HEADER_DTYPE.fields["length"][1]   # the header's last field
+# the flags as ints: ``int & IntFlag`` runs enum code, several times a plain ``&``
+_MAC, _INDEXED = int(Flag.MAC), int(Flag.INDEXED)
 _NOT_BLOCK = np.ones(wire.HEADER_BYTES, bool)   # header bytes every datagram of a run shares
 _NOT_BLOCK[_BLOCK_OFFSET:_BLOCK_OFFSET + 4] = False
 
@@ -140,7 +142,7 @@ class ShardSession:
             # row is checked against its coding's size); one message goes on below
             size = wire.HEADER_BYTES + int.from_bytes(
                 buf[_LENGTH_OFFSET:_LENGTH_OFFSET + 4], "big") + (
-                wire.MAC_BYTES if buf[_FLAGS_OFFSET] & Flag.MAC else 0)
+                wire.MAC_BYTES if buf[_FLAGS_OFFSET] & _MAC else 0)
             if wire.HEADER_BYTES < size < len(buf):   # the hot path: vectorised reader
                 return self._receive_coalesced(buf, now, size)
         elif len(buf) > size and size:
@@ -157,14 +159,16 @@ class ShardSession:
                 or self._check_udp_shape(h)
             if bad:
                 return [self._reject(bad)]
-            if not h.flags & Flag.MAC:
+            if not h.flags & _MAC:
                 return [self._reject("no_mac")]
             if not self._mac.match_one(buf, self._pad_of(h)):   # decode checked the length
                 return [self._reject("bad_mac")]
-        if h.type == MsgType.END and h.channel != RELIABLE and not h.flags & Flag.INDEXED:
-            return self._tail_marker(h, len(payload), checked)
-        if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
-                or h.flags & Flag.INDEXED:
+            if h.type != MsgType.BLOCKS:   # _check_udp_shape: a tail marker
+                return self._tail_marker(h, len(payload), checked)
+        elif h.type == MsgType.END and h.channel != RELIABLE and not h.flags & _INDEXED:
+            return self._tail_marker(h, len(payload))
+        elif h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
+                or h.flags & _INDEXED:
             return [self._reject("bad_udp_message")]
         coding = wire.coding_of(h.flags)
         if self.coded_payload[coding] < 0:
@@ -289,7 +293,7 @@ class ShardSession:
         (so a forgery cannot make the MAC's pads be derived for blocks the shard does
         not own): a one-block BLOCKS on a UDP channel within the shard's range, or a
         tail marker (END on a UDP channel, block 0)."""
-        if h.channel == RELIABLE or h.flags & Flag.INDEXED:
+        if h.channel == RELIABLE or h.flags & _INDEXED:
             return "bad_udp_message"
         if h.type == MsgType.BLOCKS:
             if h.count != 1:
@@ -356,7 +360,7 @@ class ShardSession:
         if not (head != head[0]).any(axis=0)[_NOT_BLOCK].any():
             return events + self._receive_uniform(rows, now)
         hdr = head.copy().view(wire.HEADER_DTYPE).reshape(n)
-        mac = wire.Flag.MAC if self.key else 0
+        mac = _MAC if self.key else 0
         coding = (hdr["flags"] & wire.CODING_MASK) >> wire.CODING_SHIFT
         payload = self.coded_payload[coding]
         checks = (
@@ -364,7 +368,7 @@ class ShardSession:
             ("bad_version", hdr["version"] != wire.VERSION),
             ("bad_udp_message", (hdr["type"] != MsgType.BLOCKS) | (hdr["channel"] == RELIABLE)
              | (hdr["channel"] >= wire.MAX_CHANNELS) | (hdr["count"] != 1)
-             | ((hdr["flags"] & (Flag.INDEXED | Flag.MAC)) != mac)),
+             | ((hdr["flags"] & (_INDEXED | _MAC)) != mac)),
             ("bad_coding", payload < 0),
             ("bad_length", (hdr["length"] != payload)
              | (wire.HEADER_BYTES + payload + (wire.MAC_BYTES if mac else 0) != size)),
@@ -440,7 +444,7 @@ class ShardSession:
             return [self._reject(e.reason, n)]
         bad = self._check_addressing(h)
         if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
-                or h.flags & (Flag.INDEXED | Flag.MAC) != (Flag.MAC if self._mac else 0):
+                or h.flags & (_INDEXED | _MAC) != (_MAC if self._mac else 0):
             bad = "bad_udp_message"
         elif self.coded_payload[wire.coding_of(h.flags)] < 0:
             bad = "bad_coding"

@@ -338,8 +338,20 @@ class UdpMac:
 @functools.lru_cache(maxsize=8)
 def udp_mac(key: bytes) -> UdpMac:
     """The :class:`UdpMac` of job key ``key`` (the UTF-8 bytes of ``--secret``), made once
-    per key (the hash matrix: about 1 MiB, derived in a few ms)."""
+    per key (the hash matrix: about 1 MiB, derived in a few ms).
+
+    The first one also makes this process's BLAS single-threaded (threadpoolctl): the
+    hash's matrix products are one GRO run each, too small to share, and a BLAS that
+    hands them to a second thread leaves that thread spinning after each call, which on
+    a loaded host slowed the whole keyed receive path by half (docs/security.md)."""
+    _single_threaded_blas()
     return UdpMac(key)
+
+
+@functools.lru_cache(maxsize=1)
+def _single_threaded_blas() -> None:
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(1, user_api="blas")
 
 
 def encode_datagram(msg_type: int, *, session: int, sender: int, shard: int = 0,

@@ -108,11 +108,11 @@ class ShardSession:
         self.key = key
         self._mac = wire.udp_mac(key) if key is not None else None
         #: iteration -> (sender, channel, type) -> MAC pads (wire.UdpMac): of the shard's
-        #: blocks by row, (hi - lo, 4) uint32, or of a tail marker, 4 ints
+        #: blocks by row, (hi - lo, 4) float64, or of a tail marker, 4 ints
         self._pads: dict[int, dict] = {}
         # the keyed hash converts a GRO run's words into this (wire.UdpMac.sums)
-        self._words = np.empty((64, min(self.block_payload // 2 + wire.HEADER_BYTES // 2,
-                                        2046))) if key is not None else None
+        self._words = wire.UdpMac.scratch(64, min(self.datagram_bytes // 2, 2040)) \
+            if key is not None else None
         self.counters = counters or Counters()
         self.iteration = 0
         n = hi - lo
@@ -304,7 +304,7 @@ class ShardSession:
         return "bad_udp_message"
 
     def _block_pads(self, w: int, it: int, ch: int) -> np.ndarray:
-        """(hi - lo, 4) uint32: the MAC pads of worker ``w``'s BLOCKS datagrams of
+        """(hi - lo, 4) float64: the MAC pads of worker ``w``'s BLOCKS datagrams of
         iteration ``it`` on channel ``ch``, by shard row (wire.UdpMac.pad_range); made
         once per (worker, iteration, channel)."""
         per = self._pads.get(it)
@@ -313,7 +313,8 @@ class ShardSession:
         pads = per.get((w, ch, MsgType.BLOCKS))
         if pads is None:
             pads = per[(w, ch, MsgType.BLOCKS)] = self._mac.pad_range(
-                self.session, w, self.shard, it, ch, MsgType.BLOCKS, self.lo, self.hi)
+                self.session, w, self.shard, it, ch, MsgType.BLOCKS, self.lo,
+                self.hi).astype(np.float64)
         return pads
 
     def _pad_of(self, h: wire.Header):
@@ -399,14 +400,15 @@ class ShardSession:
             # iteration and channel
             idx = None if ok.all() else np.flatnonzero(ok)
             sel = np.arange(n) if idx is None else idx
-            pads = np.empty((sel.size, wire.UDP_MAC_ROWS), np.uint32)
+            pads = np.empty((sel.size, wire.UDP_MAC_ROWS))
             keys = np.stack([w_all[sel], it[sel], ch_all[sel]])
             brow = hdr["block"][sel].astype(np.int64) - self.lo
             for wk, itk, ck in np.unique(keys, axis=1).T:
                 m = (keys[0] == wk) & (keys[1] == itk) & (keys[2] == ck)
                 pads[m] = self._block_pads(int(wk), int(itk), int(ck))[brow[m]]
-            good = self._mac.match(rows if idx is None else rows[idx], pads, self._words)
-            if not good.all():
+            good = self._mac.match_all(rows if idx is None else rows[idx], pads,
+                                       self._words)
+            if good is not None:
                 self.counters.rejected["bad_mac"] += int((~good).sum())
                 events.append(Rejected("bad_mac"))
                 if idx is None:
@@ -467,8 +469,10 @@ class ShardSession:
             bad = self._outside_window(h)
             if bad:
                 return events + [self._reject(bad, r.size)]
-            good = self._mac.match(rows, self._block_pads(w, h.iteration, ch)[r], self._words)
-            if not good.all():
+            table = self._block_pads(w, h.iteration, ch)
+            good = self._mac.match_all(rows, lambda out: np.take(table, r, axis=0, out=out,
+                                                                 mode="clip"), self._words)
+            if good is not None:
                 events.append(self._reject("bad_mac", int((~good).sum())))
                 rows, r = rows[good], r[good]
                 if not r.size:

@@ -259,54 +259,94 @@ class UdpMac:
         return pads[off:off + hi - lo]
 
     # -- the hash -----------------------------------------------------------------------
-    def sums(self, msgs: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
-        """(n, 4) float64 integers below 2^53, congruent to H_K of each message mod p.
-        ``msgs``: (n, L) uint8, L <= ``UDP_MAC_MAX_BYTES``, last axis contiguous (rows of
-        a GRO run, a view). ``scratch``: a float64 (>= n, >= min(L // 2, 2046)) buffer
-        to convert into (else one is allocated). Raises ValueError for L too long."""
+    #: scratch columns before the words: a constant 1 (times the length's term) and the
+    #: 4 pads (times the identity), so one matrix product adds them
+    HEAD = 1 + UDP_MAC_ROWS
+
+    @staticmethod
+    def scratch(rows: int, words: int) -> np.ndarray:
+        """A float64 buffer for :meth:`sums` of up to ``rows`` messages of up to
+        ``words`` 16-bit words (+ an odd byte): column 0 holds 1, never written again."""
+        out = np.empty((rows, UdpMac.HEAD + words + 1))
+        out[:, 0] = 1.0
+        return out
+
+    @functools.lru_cache(maxsize=16)
+    def _operand(self, length: int) -> np.ndarray:
+        """(HEAD + ceil(L/2), 4) float64, contiguous: the length's term, the identity
+        (for the pads), then K's word columns, for a message of ``length`` bytes."""
+        words = (length + 1) // 2
+        return np.concatenate([self.matrix[0:1] * length, np.eye(UDP_MAC_ROWS),
+                               self.matrix[1:1 + words]])
+
+    def sums(self, msgs: np.ndarray, pads=None, scratch: np.ndarray | None = None
+             ) -> np.ndarray:
+        """(n, 4) float64 integers below 2^53, congruent mod p to H_K of each message
+        plus its pad. ``msgs``: (n, L) uint8, L <= ``UDP_MAC_MAX_BYTES``, last axis
+        contiguous (rows of a GRO run, a view). ``pads``: (n, 4) values in [0, p), or a
+        callable that writes them into the (n, 4) float64 view it is given, or None (no
+        pad). ``scratch``: from :meth:`scratch`, large enough, else one is allocated.
+        Raises ValueError for L too long."""
         n, length = msgs.shape
         if length > UDP_MAC_MAX_BYTES:
             raise ValueError(f"UDP MAC: message of {length} B > {UDP_MAC_MAX_BYTES} B")
-        w = length // 2
+        w, odd = length // 2, length % 2
         words = msgs[:, :2 * w].view("<u2")
-        seg = _EXACT_TERMS - 2          # + the length and an odd last byte: exact
-        if scratch is None or scratch.shape[0] < n or scratch.shape[1] < min(w, seg):
-            scratch = np.empty((n, min(w, seg)))
-        h = np.zeros((n, UDP_MAC_ROWS))
-        for a in range(0, w, seg):
-            b = min(a + seg, w)
-            part = scratch[:n, :b - a]
-            np.copyto(part, words[:, a:b], casting="unsafe")
-            s = part @ self.matrix[1 + a:1 + b]
-            if w > seg:
-                np.fmod(s, UDP_MAC_PRIME, out=s)
-            h += s
-        h += self.matrix[0] * length
-        if length % 2:   # the last byte is a word of its own (a zero high byte)
-            h += msgs[:, -1:] * self.matrix[1 + w]
-        return h
+        head = self.HEAD
+        if head + w + odd > _EXACT_TERMS:   # long: a sum mod p per 2,046 words
+            h = np.zeros((n, UDP_MAC_ROWS))
+            seg = _EXACT_TERMS - 2
+            for a in range(0, w, seg):
+                b = min(a + seg, w)
+                part = words[:, a:b].astype(np.float64) @ self.matrix[1 + a:1 + b]
+                h += np.fmod(part, UDP_MAC_PRIME)
+            h += self.matrix[0] * length
+            if odd:
+                h += msgs[:, -1:] * self.matrix[1 + w]
+            if pads is not None:
+                add = np.empty((n, UDP_MAC_ROWS))
+                pads(add) if callable(pads) else np.copyto(add, pads, casting="unsafe")
+                h += add
+            return h
+        if scratch is None or scratch.shape[0] < n or scratch.shape[1] < head + w + odd:
+            scratch = self.scratch(n, w)
+        part = scratch[:n, :head + w + odd]
+        if pads is None:
+            part[:, 1:head] = 0.0
+        elif callable(pads):
+            pads(part[:, 1:head])
+        else:
+            np.copyto(part[:, 1:head], pads, casting="unsafe")
+        np.copyto(part[:, head:head + w], words, casting="unsafe")
+        if odd:   # the last byte is a word of its own (a zero high byte)
+            part[:, head + w] = msgs[:, -1]
+        return part @ self._operand(length)
 
     def tags(self, msgs: np.ndarray, pads: np.ndarray) -> np.ndarray:
         """(n, 16) uint8: the tags of ``msgs`` ((n, L) uint8) with ``pads`` ((n, 4)
         values in [0, p)): 4 x u32 LE, (H_K(m) + pad) mod p."""
-        h = self.sums(msgs)
-        h += pads
-        np.fmod(h, UDP_MAC_PRIME, out=h)
+        h = self.sums(msgs, pads).astype(np.int64) % UDP_MAC_PRIME
         return h.astype("<u4").view(np.uint8)
 
-    def match(self, rows: np.ndarray, pads: np.ndarray,
-              scratch: np.ndarray | None = None) -> np.ndarray:
+    def match(self, rows: np.ndarray, pads, scratch: np.ndarray | None = None
+              ) -> np.ndarray:
         """(n,) bool: which of ``rows`` ((n, L + 16) uint8, last axis contiguous: whole
         messages ending in their tags) carry the tag of their message and ``pads``
-        ((n, 4)). Every value of every tag is compared (no early exit); a tag value
-        >= p never matches."""
+        ((n, 4), or a callable: see :meth:`sums`). Every value of every tag is compared
+        (no early exit); a tag value >= p never matches."""
+        good = self.match_all(rows, pads, scratch)
+        return np.ones(rows.shape[0], bool) if good is None else good
+
+    def match_all(self, rows: np.ndarray, pads, scratch: np.ndarray | None = None):
+        """:meth:`match`, but None when every row matches (the usual case: one
+        reduction less)."""
         end = rows.shape[1] - MAC_BYTES
         if end > UDP_MAC_MAX_BYTES:
             return np.zeros(rows.shape[0], bool)
-        h = self.sums(rows[:, :end], scratch)
-        h += pads
-        np.fmod(h, UDP_MAC_PRIME, out=h)
-        return (h == rows[:, end:].view("<u4")).all(axis=1)
+        h = self.sums(rows[:, :end], pads, scratch).astype(np.int64)
+        h %= UDP_MAC_PRIME   # (an integer remainder: libm's fmod is slower)
+        eq = h == rows[:, end:].view("<u4")
+        return None if eq.all() else eq.all(axis=1)
 
     def match_one(self, buf, pad) -> bool:
         """:meth:`match` for one message ``buf`` (bytes-like: the message and its tag)

@@ -19,7 +19,7 @@ def session(n_workers=3, lo=10, hi=20, deadline_s=0.05, key=None):
 
 
 def dgram(sender, block, it=0, ch=1, sess=S, shard=1, val=1.0, key=None):
-    return wire.encode_datagram(MsgType.BLOCKS, session=sess, sender=sender, shard=shard, iteration=it,
+    return wire.encode(MsgType.BLOCKS, session=sess, sender=sender, shard=shard, iteration=it,
                        channel=ch, block=block, count=1,
                        payload=np.full(ELEMS, val, np.float32).tobytes(), key=key)
 
@@ -232,7 +232,7 @@ def test_any_gro_run_equals_one_by_one(runs, split):
 
 def marker(sender, ch, count, it=0, sess=S, shard=1, payload=b"", key=None):
     """A UDP channel's tail marker: END on channel ``ch`` after its last block."""
-    return wire.encode_datagram(MsgType.END, session=sess, sender=sender, shard=shard, iteration=it,
+    return wire.encode(MsgType.END, session=sess, sender=sender, shard=shard, iteration=it,
                        channel=ch, count=count, payload=payload, key=key)
 
 

@@ -76,7 +76,7 @@ def test_vectorised_datagrams_equal_single_encodes(key):
     batch = wire.encode_block_datagrams(session=SESSION, sender=1, shard=2, iteration=5,
                                         channel=3, indices=idx, blocks=blocks, key=key)
     for i in range(7):
-        one = wire.encode_datagram(MsgType.BLOCKS, session=SESSION, sender=1, shard=2, iteration=5,
+        one = wire.encode(MsgType.BLOCKS, session=SESSION, sender=1, shard=2, iteration=5,
                           channel=3, block=int(idx[i]), count=1, payload=blocks[i].tobytes(),
                           key=key)
         assert batch[i].tobytes() == one

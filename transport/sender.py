@@ -404,9 +404,9 @@ class PushSender:
         last block and in the same queue, so the shard need not wait out the deadline
         for blocks that were lost (transport.session). Best effort: a marker that is
         refused or lost leaves the deadline in charge."""
-        frame = wire.encode_datagram(MsgType.END, session=self.session, sender=self.rank,
-                                     shard=shard, iteration=self.iteration,
-                                     channel=channel, count=count, key=self.key)
+        frame = wire.encode(MsgType.END, session=self.session, sender=self.rank,
+                            shard=shard, iteration=self.iteration, channel=channel,
+                            count=count, key=self.key)
         rows = np.frombuffer(frame, np.uint8)[None].repeat(TAIL_COPIES, axis=0)
         return UdpBatch(channel, shard, rows, tail=True)
 

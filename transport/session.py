@@ -23,6 +23,7 @@ Rules (docs/architecture.md, "One BSP iteration"):
 """
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,8 +39,6 @@ _BLOCK_OFFSET = wire.HEADER_DTYPE.fields["block"][1]
 _TYPE_OFFSET = wire.HEADER_DTYPE.fields["type"][1]
 _FLAGS_OFFSET = wire.HEADER_DTYPE.fields["flags"][1]
 _LENGTH_OFFSET = wire.HEADER_DTYPE.fields["length"][1]   # the header's last field
-# the flags as ints: ``int & IntFlag`` runs enum code, several times a plain ``&``
-_MAC, _INDEXED = int(Flag.MAC), int(Flag.INDEXED)
 _NOT_BLOCK = np.ones(wire.HEADER_BYTES, bool)   # header bytes every datagram of a run shares
 _NOT_BLOCK[_BLOCK_OFFSET:_BLOCK_OFFSET + 4] = False
 
@@ -106,13 +105,7 @@ class ShardSession:
         self.deadline_s = deadline_s
         self.deadline_policy = deadline_policy
         self.key = key
-        self._mac = wire.udp_mac(key) if key is not None else None
-        #: iteration -> (sender, channel, type) -> MAC pads (wire.UdpMac): of the shard's
-        #: blocks by row, (hi - lo, 4) float64, or of a tail marker, 4 ints
-        self._pads: dict[int, dict] = {}
-        # the keyed hash converts a GRO run's words into this (wire.UdpMac.sums)
-        self._words = wire.UdpMac.scratch(64, min(self.datagram_bytes // 2, 2040)) \
-            if key is not None else None
+        self._mac = wire.keyed_state(key) if key is not None else None
         self.counters = counters or Counters()
         self.iteration = 0
         n = hi - lo
@@ -142,7 +135,7 @@ class ShardSession:
             # row is checked against its coding's size); one message goes on below
             size = wire.HEADER_BYTES + int.from_bytes(
                 buf[_LENGTH_OFFSET:_LENGTH_OFFSET + 4], "big") + (
-                wire.MAC_BYTES if buf[_FLAGS_OFFSET] & _MAC else 0)
+                wire.MAC_BYTES if buf[_FLAGS_OFFSET] & Flag.MAC else 0)
             if wire.HEADER_BYTES < size < len(buf):   # the hot path: vectorised reader
                 return self._receive_coalesced(buf, now, size)
         elif len(buf) > size and size:
@@ -153,29 +146,29 @@ class ShardSession:
         except WireError as e:
             run = self._receive_small_run(buf, now)
             return run if run is not None else [self._reject(e.reason)]
-        checked = self._mac is not None
-        if checked:   # every cheap check first: a forgery that fails one costs no hash
-            bad = self._check_addressing(h) or self._outside_window(h) \
-                or self._check_udp_shape(h)
+        if self._mac is not None:
+            bad = self._check_addressing(h) or self._outside_window(h)
             if bad:
                 return [self._reject(bad)]
-            if not h.flags & _MAC:
+            if not h.flags & Flag.MAC:
                 return [self._reject("no_mac")]
-            if not self._mac.match_one(buf, self._pad_of(h)):   # decode checked the length
+            mv = memoryview(buf).cast("B")
+            end = wire.HEADER_BYTES + h.length   # decode checked len(buf) == end + MAC
+            m = self._mac.copy()
+            m.update(mv[:end])
+            if not hmac.compare_digest(m.digest(), mv[end:]):
                 return [self._reject("bad_mac")]
-            if h.type != MsgType.BLOCKS:   # _check_udp_shape: a tail marker
-                return self._tail_marker(h, len(payload), checked)
-        elif h.type == MsgType.END and h.channel != RELIABLE and not h.flags & _INDEXED:
+        if h.type == MsgType.END and h.channel != RELIABLE and not h.flags & Flag.INDEXED:
             return self._tail_marker(h, len(payload))
-        elif h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
-                or h.flags & _INDEXED:
+        if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
+                or h.flags & Flag.INDEXED:
             return [self._reject("bad_udp_message")]
         coding = wire.coding_of(h.flags)
         if self.coded_payload[coding] < 0:
             return [self._reject("bad_coding")]
         if len(payload) != self.coded_payload[coding]:
             return [self._reject("bad_length")]
-        return self._block(h, payload, len(buf), coding, checked)
+        return self._block(h, payload, len(buf), coding)
 
     def receive_frame(self, h: wire.Header, payload: memoryview, now: float) -> list:
         """One TCP frame already split by :class:`~dgt.transport.framing.Deframer`
@@ -244,8 +237,6 @@ class ShardSession:
         self.finalised[:] = False
         self.prev_end_at, self.end_at = self.end_at, self.prev_end_at
         self.end_at[:] = np.nan
-        for it in [it for it in self._pads if it < self.iteration - 1]:
-            del self._pads[it]   # a MAC is checked for t - 1 (late) and t only
 
     # -- internals --------------------------------------------------------------------
     def _reject(self, reason: str, n: int = 1) -> Rejected:
@@ -288,47 +279,6 @@ class ShardSession:
             return "bad_sender"
         return None
 
-    def _check_udp_shape(self, h: wire.Header) -> str | None:
-        """The checks of a datagram's type, channel and block that come before its MAC
-        (so a forgery cannot make the MAC's pads be derived for blocks the shard does
-        not own): a one-block BLOCKS on a UDP channel within the shard's range, or a
-        tail marker (END on a UDP channel, block 0)."""
-        if h.channel == RELIABLE or h.flags & _INDEXED:
-            return "bad_udp_message"
-        if h.type == MsgType.BLOCKS:
-            if h.count != 1:
-                return "bad_udp_message"
-            return None if self.lo <= h.block < self.hi else "bad_block"
-        if h.type == MsgType.END:
-            return None if h.block == 0 else "bad_tail"
-        return "bad_udp_message"
-
-    def _block_pads(self, w: int, it: int, ch: int) -> np.ndarray:
-        """(hi - lo, 4) float64: the MAC pads of worker ``w``'s BLOCKS datagrams of
-        iteration ``it`` on channel ``ch``, by shard row (wire.UdpMac.pad_range); made
-        once per (worker, iteration, channel)."""
-        per = self._pads.get(it)
-        if per is None:
-            per = self._pads[it] = {}
-        pads = per.get((w, ch, MsgType.BLOCKS))
-        if pads is None:
-            pads = per[(w, ch, MsgType.BLOCKS)] = self._mac.pad_range(
-                self.session, w, self.shard, it, ch, MsgType.BLOCKS, self.lo,
-                self.hi).astype(np.float64)
-        return pads
-
-    def _pad_of(self, h: wire.Header):
-        """The MAC pad of the one datagram ``h`` (its cheap checks passed)."""
-        if h.type == MsgType.BLOCKS:
-            return self._block_pads(h.sender, h.iteration, h.channel)[h.block - self.lo]
-        per = self._pads.setdefault(h.iteration, {})   # a tail marker (block 0)
-        pad = per.get((h.sender, h.channel, h.type))
-        if pad is None:
-            pad = per[(h.sender, h.channel, h.type)] = tuple(self._mac.pad_chunk(
-                self.session, h.sender, self.shard, h.iteration, h.channel, h.type,
-                0)[0].tolist())
-        return pad
-
     def _receive_coalesced(self, buf, now: float, size: int) -> list:
         """Vectorised path for n datagrams of ``size`` bytes each (plus a possibly
         shorter tail, handled alone): one numpy pass over all headers, no per-block
@@ -361,7 +311,7 @@ class ShardSession:
         if not (head != head[0]).any(axis=0)[_NOT_BLOCK].any():
             return events + self._receive_uniform(rows, now)
         hdr = head.copy().view(wire.HEADER_DTYPE).reshape(n)
-        mac = _MAC if self.key else 0
+        mac = wire.Flag.MAC if self.key else 0
         coding = (hdr["flags"] & wire.CODING_MASK) >> wire.CODING_SHIFT
         payload = self.coded_payload[coding]
         checks = (
@@ -369,7 +319,7 @@ class ShardSession:
             ("bad_version", hdr["version"] != wire.VERSION),
             ("bad_udp_message", (hdr["type"] != MsgType.BLOCKS) | (hdr["channel"] == RELIABLE)
              | (hdr["channel"] >= wire.MAX_CHANNELS) | (hdr["count"] != 1)
-             | ((hdr["flags"] & (_INDEXED | _MAC)) != mac)),
+             | ((hdr["flags"] & (Flag.INDEXED | Flag.MAC)) != mac)),
             ("bad_coding", payload < 0),
             ("bad_length", (hdr["length"] != payload)
              | (wire.HEADER_BYTES + payload + (wire.MAC_BYTES if mac else 0) != size)),
@@ -396,19 +346,10 @@ class ShardSession:
                 events.append(Rejected(reason))
                 ok &= ~bad
         if self._mac is not None and ok.any():
-            # the whole run's MACs at once (wire.UdpMac.match), pads per worker,
-            # iteration and channel
+            # one C-level hash per datagram; slicing and comparing are done per run
             idx = None if ok.all() else np.flatnonzero(ok)
-            sel = np.arange(n) if idx is None else idx
-            pads = np.empty((sel.size, wire.UDP_MAC_ROWS))
-            keys = np.stack([w_all[sel], it[sel], ch_all[sel]])
-            brow = hdr["block"][sel].astype(np.int64) - self.lo
-            for wk, itk, ck in np.unique(keys, axis=1).T:
-                m = (keys[0] == wk) & (keys[1] == itk) & (keys[2] == ck)
-                pads[m] = self._block_pads(int(wk), int(itk), int(ck))[brow[m]]
-            good = self._mac.match_all(rows if idx is None else rows[idx], pads,
-                                       self._words)
-            if good is not None:
+            good = wire.tags_match(self._mac, rows if idx is None else rows[idx])
+            if not good.all():
                 self.counters.rejected["bad_mac"] += int((~good).sum())
                 events.append(Rejected("bad_mac"))
                 if idx is None:
@@ -446,7 +387,7 @@ class ShardSession:
             return [self._reject(e.reason, n)]
         bad = self._check_addressing(h)
         if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
-                or h.flags & (_INDEXED | _MAC) != (_MAC if self._mac else 0):
+                or h.flags & (Flag.INDEXED | Flag.MAC) != (Flag.MAC if self._mac else 0):
             bad = "bad_udp_message"
         elif self.coded_payload[wire.coding_of(h.flags)] < 0:
             bad = "bad_coding"
@@ -469,10 +410,8 @@ class ShardSession:
             bad = self._outside_window(h)
             if bad:
                 return events + [self._reject(bad, r.size)]
-            table = self._block_pads(w, h.iteration, ch)
-            good = self._mac.match_all(rows, lambda out: np.take(table, r, axis=0, out=out,
-                                                                 mode="clip"), self._words)
-            if good is not None:
+            good = wire.tags_match(self._mac, rows)
+            if not good.all():
                 events.append(self._reject("bad_mac", int((~good).sum())))
                 rows, r = rows[good], r[good]
                 if not r.size:
@@ -519,16 +458,14 @@ class ShardSession:
         return events
 
     def _block(self, h: wire.Header, payload: memoryview, nbytes: int,
-               coding: int = 0, checked: bool = False) -> list:
-        """Fast path for one UDP block: scalar checks, no per-datagram array work.
-        ``checked``: the addressing and the block's range were checked (before a MAC)."""
+               coding: int = 0) -> list:
+        """Fast path for one UDP block: scalar checks, no per-datagram array work."""
+        bad = self._check_addressing(h)
+        if bad:
+            return [self._reject(bad)]
         row = h.block - self.lo
-        if not checked:
-            bad = self._check_addressing(h)
-            if bad:
-                return [self._reject(bad)]
-            if not 0 <= row < self.hi - self.lo:
-                return [self._reject("bad_block")]
+        if not 0 <= row < self.hi - self.lo:
+            return [self._reject("bad_block")]
         w = h.sender
         ch = self.counters.channels[h.channel]
         untimely = self._untimely(h, 1, 1)
@@ -627,15 +564,13 @@ class ShardSession:
         self.deadline[w] = now + (p.deadline_s() if p is not None else self.deadline_s)
         return []
 
-    def _tail_marker(self, h: wire.Header, payload_bytes: int, checked: bool = False
-                     ) -> list:
-        """A UDP channel's tail marker: ``h.count`` blocks were sent on ``h.channel``.
-        ``checked``: the addressing was checked (before a MAC)."""
-        bad = None if checked else self._check_addressing(h)
+    def _tail_marker(self, h: wire.Header, payload_bytes: int) -> list:
+        """A UDP channel's tail marker: ``h.count`` blocks were sent on ``h.channel``."""
+        bad = self._check_addressing(h)
         if bad:
             return [self._reject(bad)]
         w, c = h.sender, h.channel
-        if payload_bytes or h.count > self.hi - self.lo or h.block:
+        if payload_bytes or h.count > self.hi - self.lo:
             return [self._reject("bad_tail")]
         if h.iteration > self.iteration:
             return [self._reject("future")]

@@ -20,8 +20,7 @@ Layout (network byte order, 34 bytes)::
     26  4    count        number of blocks (BLOCKS/PULL), total blocks sent (END)
     30  4    length       payload length in bytes
     34  ...  payload
-    ..  16   mac          iff flags & MAC: over header+payload, keyed BLAKE2b-128 on
-                          TCP, the Carter-Wegman UDP MAC on UDP (:class:`UdpMac`)
+    ..  16   mac          keyed BLAKE2b-128 over header+payload, iff flags & MAC
 
 Block payloads are IEEE-754 binary32, little-endian (the layout of every CPU and GPU
 that trains models, so a block is a view, never a byte swap).
@@ -168,271 +167,22 @@ def keyed_state(key: bytes):
     return hashlib.blake2b(digest_size=MAC_BYTES, key=key)
 
 
-# ---------------------------------------------------------------------------------------
-# The UDP MAC: a Carter-Wegman MAC (docs/wire.md, "The UDP MAC")
-# ---------------------------------------------------------------------------------------
-
-#: the prime of the linear hash; the hash of a message is 4 values mod p (a 16-byte tag)
-UDP_MAC_PRIME = (1 << 26) - 5
-UDP_MAC_ROWS = 4
-#: blocks per pad keystream (one PRF call serves this many block indices)
-UDP_MAC_CHUNK = 256
-#: the longest message the UDP MAC covers (header + payload, bytes)
-UDP_MAC_MAX_BYTES = 65535
-#: columns of the hash key: the length, then one per 16-bit word
-UDP_MAC_COLUMNS = 1 + (UDP_MAC_MAX_BYTES + 1) // 2
-#: products a float64 sum may hold and stay exact: 2048 * (2^16 - 1) * (p - 1) < 2^53
-_EXACT_TERMS = 2048
-_NONCE = struct.Struct("!QHHIBBI")   # session sender shard iteration channel type chunk
-_TAG = struct.Struct("<4I")
-
-
-def _uniform_mod_p(xof, n: int) -> np.ndarray:
-    """The first ``n`` values of ``xof`` (a SHAKE object) read as u32 LE words, each
-    masked to its low 26 bits and kept only when below ``UDP_MAC_PRIME`` (rejection
-    sampling: uniform in [0, p)). Returns (n,) uint32."""
-    m = n + 64
-    while True:   # a shortfall needs over 64 rejections (p = 2^26 - 5): never seen
-        v = np.frombuffer(xof.digest(4 * m), "<u4") & np.uint32((1 << 26) - 1)
-        v = v[v < UDP_MAC_PRIME]
-        if v.size >= n:
-            return v[:n]
-        m *= 2
-
-
-class UdpMac:
-    """The MAC of UDP datagrams for one job key: a Carter-Wegman MAC (Wegman and
-    Carter, JCSS 1981): tag = (H_K(m) + pad(nonce)) mod p, row by row.
-
-    - H_K: the linear hash over GF(p), p = 2^26 - 5, of the message's 16-bit LE words
-      and its length, with a secret 4 x ``UDP_MAC_COLUMNS`` matrix K: for two different
-      messages of at most 65,535 bytes, H_K(m) - H_K(m') is uniform in GF(p)^4, so a
-      forgery succeeds with probability at most p^-4 < 2^-103 per try.
-    - pad: 4 values uniform in [0, p), from SHAKE128 keyed with the pad key over the
-      nonce (session, sender, shard, iteration, channel, type, block >> 8): one PRF
-      call gives the pads of 256 block indices.
-
-    The hash is computed exactly in float64 BLAS (every partial sum is an integer below
-    2^53), for a whole GRO run at once. Keys: BLAKE2b-256 of the job key with
-    personalisation ``dgt-udp-mac-hash`` (K, expanded by SHAKE128) and
-    ``dgt-udp-mac-pads`` (the pad key). Every byte layout is in docs/wire.md, "The UDP
-    MAC". Not thread-safe (a chunk cache): one per key, from :func:`udp_mac`."""
-
-    #: pad chunks kept (4 KiB each), so the parts of one push share their pads
-    CACHE_CHUNKS = 4096
-
-    def __init__(self, key: bytes):
-        hash_key = hashlib.blake2b(digest_size=32, key=key,
-                                   person=b"dgt-udp-mac-hash").digest()
-        self.pad_key = hashlib.blake2b(digest_size=32, key=key,
-                                       person=b"dgt-udp-mac-pads").digest()
-        k = _uniform_mod_p(hashlib.shake_128(hash_key), UDP_MAC_ROWS * UDP_MAC_COLUMNS)
-        #: (UDP_MAC_COLUMNS, 4) float64: row j is column j of K (j = 0: the length)
-        self.matrix = k.reshape(UDP_MAC_COLUMNS, UDP_MAC_ROWS).astype(np.float64)
-        self._chunks: dict[bytes, np.ndarray] = {}
-
-    # -- pads ---------------------------------------------------------------------------
-    def pad_chunk(self, session: int, sender: int, shard: int, iteration: int,
-                  channel: int, msg_type: int, chunk: int) -> np.ndarray:
-        """(UDP_MAC_CHUNK, 4) uint32: the pads of blocks ``chunk * 256 + i``, values in
-        [0, p). Read-only (cached)."""
-        nonce = _NONCE.pack(session, sender, shard, iteration, channel, msg_type, chunk)
-        pads = self._chunks.get(nonce)
-        if pads is None:
-            pads = _uniform_mod_p(hashlib.shake_128(self.pad_key + nonce),
-                                  UDP_MAC_CHUNK * UDP_MAC_ROWS).reshape(UDP_MAC_CHUNK,
-                                                                        UDP_MAC_ROWS)
-            pads.flags.writeable = False
-            if len(self._chunks) >= self.CACHE_CHUNKS:
-                del self._chunks[next(iter(self._chunks))]   # the oldest
-            self._chunks[nonce] = pads
-        return pads
-
-    def pad_range(self, session: int, sender: int, shard: int, iteration: int,
-                  channel: int, msg_type: int, lo: int, hi: int) -> np.ndarray:
-        """(hi - lo, 4) uint32: the pads of blocks ``lo .. hi - 1``."""
-        c0, c1 = lo // UDP_MAC_CHUNK, (hi - 1) // UDP_MAC_CHUNK
-        parts = [self.pad_chunk(session, sender, shard, iteration, channel, msg_type, c)
-                 for c in range(c0, c1 + 1)]
-        pads = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        off = lo - c0 * UDP_MAC_CHUNK
-        return pads[off:off + hi - lo]
-
-    # -- the hash -----------------------------------------------------------------------
-    #: scratch columns before the words: a constant 1 (times the length's term) and the
-    #: 4 pads (times the identity), so one matrix product adds them
-    HEAD = 1 + UDP_MAC_ROWS
-
-    @staticmethod
-    def scratch(rows: int, words: int) -> np.ndarray:
-        """A float64 buffer for :meth:`sums` of up to ``rows`` messages of up to
-        ``words`` 16-bit words (+ an odd byte): column 0 holds 1, never written again."""
-        out = np.empty((rows, UdpMac.HEAD + words + 1))
-        out[:, 0] = 1.0
-        return out
-
-    @functools.lru_cache(maxsize=16)
-    def _operand(self, length: int) -> np.ndarray:
-        """(HEAD + ceil(L/2), 4) float64, contiguous: the length's term, the identity
-        (for the pads), then K's word columns, for a message of ``length`` bytes."""
-        words = (length + 1) // 2
-        return np.concatenate([self.matrix[0:1] * length, np.eye(UDP_MAC_ROWS),
-                               self.matrix[1:1 + words]])
-
-    def sums(self, msgs: np.ndarray, pads=None, scratch: np.ndarray | None = None
-             ) -> np.ndarray:
-        """(n, 4) float64 integers below 2^53, congruent mod p to H_K of each message
-        plus its pad. ``msgs``: (n, L) uint8, L <= ``UDP_MAC_MAX_BYTES``, last axis
-        contiguous (rows of a GRO run, a view). ``pads``: (n, 4) values in [0, p), or a
-        callable that writes them into the (n, 4) float64 view it is given, or None (no
-        pad). ``scratch``: from :meth:`scratch`, large enough, else one is allocated.
-        Raises ValueError for L too long."""
-        n, length = msgs.shape
-        if length > UDP_MAC_MAX_BYTES:
-            raise ValueError(f"UDP MAC: message of {length} B > {UDP_MAC_MAX_BYTES} B")
-        w, odd = length // 2, length % 2
-        words = msgs[:, :2 * w].view("<u2")
-        head = self.HEAD
-        if head + w + odd > _EXACT_TERMS:   # long: a sum mod p per 2,046 words
-            h = np.zeros((n, UDP_MAC_ROWS))
-            seg = _EXACT_TERMS - 2
-            for a in range(0, w, seg):
-                b = min(a + seg, w)
-                part = words[:, a:b].astype(np.float64) @ self.matrix[1 + a:1 + b]
-                h += np.fmod(part, UDP_MAC_PRIME)
-            h += self.matrix[0] * length
-            if odd:
-                h += msgs[:, -1:] * self.matrix[1 + w]
-            if pads is not None:
-                add = np.empty((n, UDP_MAC_ROWS))
-                pads(add) if callable(pads) else np.copyto(add, pads, casting="unsafe")
-                h += add
-            return h
-        if scratch is None or scratch.shape[0] < n or scratch.shape[1] < head + w + odd:
-            scratch = self.scratch(n, w)
-        part = scratch[:n, :head + w + odd]
-        if pads is None:
-            part[:, 1:head] = 0.0
-        elif callable(pads):
-            pads(part[:, 1:head])
-        else:
-            np.copyto(part[:, 1:head], pads, casting="unsafe")
-        np.copyto(part[:, head:head + w], words, casting="unsafe")
-        if odd:   # the last byte is a word of its own (a zero high byte)
-            part[:, head + w] = msgs[:, -1]
-        return part @ self._operand(length)
-
-    def tags(self, msgs: np.ndarray, pads: np.ndarray) -> np.ndarray:
-        """(n, 16) uint8: the tags of ``msgs`` ((n, L) uint8) with ``pads`` ((n, 4)
-        values in [0, p)): 4 x u32 LE, (H_K(m) + pad) mod p."""
-        h = self.sums(msgs, pads).astype(np.int64) % UDP_MAC_PRIME
-        return h.astype("<u4").view(np.uint8)
-
-    def match(self, rows: np.ndarray, pads, scratch: np.ndarray | None = None
-              ) -> np.ndarray:
-        """(n,) bool: which of ``rows`` ((n, L + 16) uint8, last axis contiguous: whole
-        messages ending in their tags) carry the tag of their message and ``pads``
-        ((n, 4), or a callable: see :meth:`sums`). Every value of every tag is compared
-        (no early exit); a tag value >= p never matches."""
-        good = self.match_all(rows, pads, scratch)
-        return np.ones(rows.shape[0], bool) if good is None else good
-
-    def match_all(self, rows: np.ndarray, pads, scratch: np.ndarray | None = None):
-        """:meth:`match`, but None when every row matches (the usual case: one
-        reduction less)."""
-        end = rows.shape[1] - MAC_BYTES
-        if end > UDP_MAC_MAX_BYTES:
-            return np.zeros(rows.shape[0], bool)
-        h = self.sums(rows[:, :end], pads, scratch).astype(np.int64)
-        h %= UDP_MAC_PRIME   # (an integer remainder: libm's fmod is slower)
-        eq = h == rows[:, end:].view("<u4")
-        return None if eq.all() else eq.all(axis=1)
-
-    def match_one(self, buf, pad) -> bool:
-        """:meth:`match` for one message ``buf`` (bytes-like: the message and its tag)
-        and ``pad`` (4 ints or a (4,) array), without per-row array work."""
-        end = len(buf) - MAC_BYTES
-        if end % 2 or not 0 < end // 2 <= _EXACT_TERMS - 2:
-            return bool(self.match(np.frombuffer(buf, np.uint8).reshape(1, -1),
-                                   np.asarray(pad).reshape(1, UDP_MAC_ROWS))[0])
-        w = end // 2
-        # exact: the sum of 2046 products, the length's and the pad stay below 2^53
-        s0, s1, s2, s3 = (self._columns(w) @ np.frombuffer(buf, "<u2", w)).tolist()
-        k0, k1, k2, k3 = self._length_terms(end)
-        r0, r1, r2, r3 = pad if type(pad) is tuple else pad.tolist()
-        t0, t1, t2, t3 = _TAG.unpack_from(buf, end)
-        p = float(UDP_MAC_PRIME)
-        return not (abs((s0 + k0 + r0) % p - t0) + abs((s1 + k1 + r1) % p - t1)
-                    + abs((s2 + k2 + r2) % p - t2) + abs((s3 + k3 + r3) % p - t3))
-
-    @functools.lru_cache(maxsize=16)
-    def _columns(self, words: int) -> np.ndarray:
-        """(4, words) float64, contiguous: K's word columns for one message."""
-        return np.ascontiguousarray(self.matrix[1:1 + words].T)
-
-    @functools.lru_cache(maxsize=16)
-    def _length_terms(self, length: int) -> tuple:
-        return tuple(float(k * length) for k in self.matrix[0])
-
-
-@functools.lru_cache(maxsize=8)
-def udp_mac(key: bytes) -> UdpMac:
-    """The :class:`UdpMac` of job key ``key`` (the UTF-8 bytes of ``--secret``), made once
-    per key (the hash matrix: about 1 MiB, derived in a few ms).
-
-    The first one also makes this process's BLAS single-threaded (threadpoolctl): the
-    hash's matrix products are one GRO run each, too small to share, and a BLAS that
-    hands them to a second thread leaves that thread spinning after each call, which on
-    a loaded host slowed the whole keyed receive path by half (docs/security.md)."""
-    _single_threaded_blas()
-    return UdpMac(key)
-
-
-@functools.lru_cache(maxsize=1)
-def _single_threaded_blas() -> None:
-    from threadpoolctl import threadpool_limits
-    threadpool_limits(1, user_api="blas")
-
-
-def encode_datagram(msg_type: int, *, session: int, sender: int, shard: int = 0,
-                    iteration: int = 0, channel: int = 0, block: int = 0, count: int = 0,
-                    payload=b"", flags: int = 0, key: bytes | None = None) -> bytes:
-    """:func:`encode` for a UDP datagram: with ``key`` the MAC is the UDP MAC
-    (:class:`UdpMac`), not BLAKE2b. Raises :class:`WireError` (``too_long``) for a
-    message over ``UDP_MAC_MAX_BYTES``."""
-    if key is None:
-        return encode(msg_type, session=session, sender=sender, shard=shard,
-                      iteration=iteration, channel=channel, block=block, count=count,
-                      payload=payload, flags=flags)
-    n = memoryview(payload).nbytes
-    if HEADER_BYTES + n > UDP_MAC_MAX_BYTES:
-        raise WireError("too_long", f"datagram {HEADER_BYTES + n} B > {UDP_MAC_MAX_BYTES} B")
-    msg = HEADER.pack(MAGIC, VERSION, msg_type, channel, flags | Flag.MAC, session, sender,
-                      shard, iteration, block, count, n) + bytes(payload)
-    mac = udp_mac(key)
-    pads = mac.pad_chunk(session, sender, shard, iteration, channel, msg_type,
-                         block // UDP_MAC_CHUNK)[block % UDP_MAC_CHUNK]
-    return msg + mac.tags(np.frombuffer(msg, np.uint8)[None], pads[None]).tobytes()
-
-
-def check_datagram_mac(buf, h: Header, key: bytes) -> None:
-    """Verify the UDP MAC of the one whole datagram ``buf`` (header ``h``, length
-    checked). Raises :class:`WireError` (``no_mac``, ``bad_mac``)."""
-    if not h.flags & Flag.MAC:
-        raise WireError("no_mac")
-    mac = udp_mac(key)
-    pad = mac.pad_chunk(h.session, h.sender, h.shard, h.iteration, h.channel, h.type,
-                        h.block // UDP_MAC_CHUNK)[h.block % UDP_MAC_CHUNK]
-    if not mac.match_one(memoryview(buf).cast("B"), pad):
-        raise WireError("bad_mac")
-
-
-def decode_datagram(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
-    """:func:`decode` for a UDP datagram: with ``key`` a valid UDP MAC is required."""
-    h, payload = decode(buf)
-    if key is not None:
-        check_datagram_mac(buf, h, key)
-    return h, payload
+def tags_match(state, rows) -> np.ndarray:
+    """Verify the MACs of ``rows`` ((n, size) uint8, C-contiguous: n whole messages of
+    one size, each ending in its 16-byte tag) with ``state`` (:func:`keyed_state`).
+    Returns (n,) bool. One C-level hash per message, no per-message slicing of numpy
+    arrays; the tags are compared all at once, every byte of every tag (no early exit,
+    as ``hmac.compare_digest``)."""
+    n, size = rows.shape
+    end = size - MAC_BYTES
+    mv = memoryview(rows).cast("B") if n else b""
+    tags = bytearray(n * MAC_BYTES)
+    for i, off in enumerate(range(0, n * size, size)):
+        h = state.copy()
+        h.update(mv[off:off + end])
+        tags[i * MAC_BYTES:(i + 1) * MAC_BYTES] = h.digest()
+    got = np.frombuffer(tags, np.uint8).reshape(n, MAC_BYTES)
+    return ~(got != rows[:, end:]).any(axis=1)
 
 
 def encode_parts(msg_type: int, *, session: int, sender: int, shard: int = 0,
@@ -647,15 +397,8 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     hdr["length"] = plen
     out[:, :HEADER_BYTES] = hdr.view(np.uint8).reshape(n, HEADER_BYTES)
     out[:, HEADER_BYTES:HEADER_BYTES + plen] = payload
-    if key:   # the UDP MAC, for all of them at once
-        if HEADER_BYTES + plen > UDP_MAC_MAX_BYTES:
-            raise WireError("too_long", f"datagram {HEADER_BYTES + plen} B > "
-                            f"{UDP_MAC_MAX_BYTES} B")
-        mac = udp_mac(key)
-        idx = np.asarray(indices, np.int64)
-        if n:
-            lo, hi = int(idx.min()), int(idx.max()) + 1
-            pads = mac.pad_range(session, sender, shard, iteration, channel,
-                                 MsgType.BLOCKS, lo, hi)[idx - lo]
-            out[:, HEADER_BYTES + plen:] = mac.tags(out[:, :HEADER_BYTES + plen], pads)
+    if key:
+        for i in range(n):  # a keyed hash has no vector form; MAC is opt-in
+            out[i, HEADER_BYTES + plen:] = np.frombuffer(
+                mac_tag(key, out[i, :HEADER_BYTES + plen].data), np.uint8)
     return out

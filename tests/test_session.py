@@ -125,6 +125,21 @@ def test_mac_required_when_keyed():
     assert s.receive_datagram(dgram(0, 11, key=b"x"), now=0) == [Rejected("bad_mac")]
 
 
+def test_with_a_key_a_block_outside_the_shard_or_a_non_udp_kind_costs_no_hash():
+    """The checks that need no key come before the MAC: a forgery (wrong key) of a
+    block outside the shard's range is bad_block, one of a TCP kind bad_udp_message,
+    never bad_mac; a real block of the range still needs its MAC."""
+    s = session(key=b"k")
+    assert s.receive_datagram(dgram(0, 25, key=b"x"), now=0) == [Rejected("bad_block")]
+    assert s.receive_datagram(dgram(0, 10, ch=0, key=b"x"), now=0) == \
+        [Rejected("bad_udp_message")]
+    hello = wire.encode(MsgType.HELLO, session=S, sender=0, shard=1, channel=1, key=b"x")
+    assert s.receive_datagram(hello, now=0) == [Rejected("bad_udp_message")]
+    assert s.receive_datagram(dgram(0, 10, key=b"x"), now=0) == [Rejected("bad_mac")]
+    assert kinds(s.receive_datagram(dgram(0, 10, key=b"k"), now=0)) == ["BlocksArrived"]
+    assert s.counters.rejected["bad_mac"] == 1
+
+
 def test_replayed_sequence_is_deterministic():
     """Replaying one scripted packet sequence gives the same events and bitmaps."""
     script = [("d", dgram(0, 10)), ("d", dgram(1, 15, ch=3)), ("f", end(0, [0, 1])),

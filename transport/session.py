@@ -39,6 +39,8 @@ _BLOCK_OFFSET = wire.HEADER_DTYPE.fields["block"][1]
 _TYPE_OFFSET = wire.HEADER_DTYPE.fields["type"][1]
 _FLAGS_OFFSET = wire.HEADER_DTYPE.fields["flags"][1]
 _LENGTH_OFFSET = wire.HEADER_DTYPE.fields["length"][1]   # the header's last field
+# the flags as ints: ``int & IntFlag`` runs enum code, several times a plain ``&``
+_MAC, _INDEXED = int(Flag.MAC), int(Flag.INDEXED)
 _NOT_BLOCK = np.ones(wire.HEADER_BYTES, bool)   # header bytes every datagram of a run shares
 _NOT_BLOCK[_BLOCK_OFFSET:_BLOCK_OFFSET + 4] = False
 
@@ -135,7 +137,7 @@ class ShardSession:
             # row is checked against its coding's size); one message goes on below
             size = wire.HEADER_BYTES + int.from_bytes(
                 buf[_LENGTH_OFFSET:_LENGTH_OFFSET + 4], "big") + (
-                wire.MAC_BYTES if buf[_FLAGS_OFFSET] & Flag.MAC else 0)
+                wire.MAC_BYTES if buf[_FLAGS_OFFSET] & _MAC else 0)
             if wire.HEADER_BYTES < size < len(buf):   # the hot path: vectorised reader
                 return self._receive_coalesced(buf, now, size)
         elif len(buf) > size and size:
@@ -146,11 +148,13 @@ class ShardSession:
         except WireError as e:
             run = self._receive_small_run(buf, now)
             return run if run is not None else [self._reject(e.reason)]
-        if self._mac is not None:
-            bad = self._check_addressing(h) or self._outside_window(h)
+        checked = self._mac is not None
+        if checked:   # every cheap check first: a forgery that fails one costs no hash
+            bad = self._check_addressing(h) or self._outside_window(h) \
+                or self._check_udp_shape(h)
             if bad:
                 return [self._reject(bad)]
-            if not h.flags & Flag.MAC:
+            if not h.flags & _MAC:
                 return [self._reject("no_mac")]
             mv = memoryview(buf).cast("B")
             end = wire.HEADER_BYTES + h.length   # decode checked len(buf) == end + MAC
@@ -158,17 +162,19 @@ class ShardSession:
             m.update(mv[:end])
             if not hmac.compare_digest(m.digest(), mv[end:]):
                 return [self._reject("bad_mac")]
-        if h.type == MsgType.END and h.channel != RELIABLE and not h.flags & Flag.INDEXED:
+            if h.type != MsgType.BLOCKS:   # _check_udp_shape: a tail marker
+                return self._tail_marker(h, len(payload), checked)
+        elif h.type == MsgType.END and h.channel != RELIABLE and not h.flags & _INDEXED:
             return self._tail_marker(h, len(payload))
-        if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
-                or h.flags & Flag.INDEXED:
+        elif h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
+                or h.flags & _INDEXED:
             return [self._reject("bad_udp_message")]
         coding = wire.coding_of(h.flags)
         if self.coded_payload[coding] < 0:
             return [self._reject("bad_coding")]
         if len(payload) != self.coded_payload[coding]:
             return [self._reject("bad_length")]
-        return self._block(h, payload, len(buf), coding)
+        return self._block(h, payload, len(buf), coding, checked)
 
     def receive_frame(self, h: wire.Header, payload: memoryview, now: float) -> list:
         """One TCP frame already split by :class:`~dgt.transport.framing.Deframer`
@@ -176,7 +182,7 @@ class ShardSession:
         adapter's business and are rejected here."""
         self.clock = now
         if h.type == MsgType.BLOCKS:
-            if h.channel != RELIABLE or not h.flags & Flag.INDEXED:
+            if h.channel != RELIABLE or not h.flags & _INDEXED:
                 return [self._reject("bad_tcp_blocks")]
             if wire.coding_of(h.flags):   # the reliable channel carries f32 only
                 return [self._reject("bad_coding")]
@@ -279,6 +285,18 @@ class ShardSession:
             return "bad_sender"
         return None
 
+    def _check_udp_shape(self, h: wire.Header) -> str | None:
+        """The checks of a datagram's kind and block that need no key, made before its
+        MAC (so a forgery that fails one costs no keyed hash): a one-block BLOCKS on a
+        UDP channel within the shard's range, or a tail marker (END on a UDP channel)."""
+        if h.channel == RELIABLE or h.flags & _INDEXED:
+            return "bad_udp_message"
+        if h.type == MsgType.BLOCKS:
+            if h.count != 1:
+                return "bad_udp_message"
+            return None if self.lo <= h.block < self.hi else "bad_block"
+        return None if h.type == MsgType.END else "bad_udp_message"
+
     def _receive_coalesced(self, buf, now: float, size: int) -> list:
         """Vectorised path for n datagrams of ``size`` bytes each (plus a possibly
         shorter tail, handled alone): one numpy pass over all headers, no per-block
@@ -311,7 +329,7 @@ class ShardSession:
         if not (head != head[0]).any(axis=0)[_NOT_BLOCK].any():
             return events + self._receive_uniform(rows, now)
         hdr = head.copy().view(wire.HEADER_DTYPE).reshape(n)
-        mac = wire.Flag.MAC if self.key else 0
+        mac = _MAC if self.key else 0
         coding = (hdr["flags"] & wire.CODING_MASK) >> wire.CODING_SHIFT
         payload = self.coded_payload[coding]
         checks = (
@@ -319,7 +337,7 @@ class ShardSession:
             ("bad_version", hdr["version"] != wire.VERSION),
             ("bad_udp_message", (hdr["type"] != MsgType.BLOCKS) | (hdr["channel"] == RELIABLE)
              | (hdr["channel"] >= wire.MAX_CHANNELS) | (hdr["count"] != 1)
-             | ((hdr["flags"] & (Flag.INDEXED | Flag.MAC)) != mac)),
+             | ((hdr["flags"] & (_INDEXED | _MAC)) != mac)),
             ("bad_coding", payload < 0),
             ("bad_length", (hdr["length"] != payload)
              | (wire.HEADER_BYTES + payload + (wire.MAC_BYTES if mac else 0) != size)),
@@ -387,7 +405,7 @@ class ShardSession:
             return [self._reject(e.reason, n)]
         bad = self._check_addressing(h)
         if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
-                or h.flags & (Flag.INDEXED | Flag.MAC) != (Flag.MAC if self._mac else 0):
+                or h.flags & (_INDEXED | _MAC) != (_MAC if self._mac else 0):
             bad = "bad_udp_message"
         elif self.coded_payload[wire.coding_of(h.flags)] < 0:
             bad = "bad_coding"
@@ -458,14 +476,16 @@ class ShardSession:
         return events
 
     def _block(self, h: wire.Header, payload: memoryview, nbytes: int,
-               coding: int = 0) -> list:
-        """Fast path for one UDP block: scalar checks, no per-datagram array work."""
-        bad = self._check_addressing(h)
-        if bad:
-            return [self._reject(bad)]
+               coding: int = 0, checked: bool = False) -> list:
+        """Fast path for one UDP block: scalar checks, no per-datagram array work.
+        ``checked``: the addressing and the block's range were checked (before a MAC)."""
         row = h.block - self.lo
-        if not 0 <= row < self.hi - self.lo:
-            return [self._reject("bad_block")]
+        if not checked:
+            bad = self._check_addressing(h)
+            if bad:
+                return [self._reject(bad)]
+            if not 0 <= row < self.hi - self.lo:
+                return [self._reject("bad_block")]
         w = h.sender
         ch = self.counters.channels[h.channel]
         untimely = self._untimely(h, 1, 1)
@@ -564,9 +584,11 @@ class ShardSession:
         self.deadline[w] = now + (p.deadline_s() if p is not None else self.deadline_s)
         return []
 
-    def _tail_marker(self, h: wire.Header, payload_bytes: int) -> list:
-        """A UDP channel's tail marker: ``h.count`` blocks were sent on ``h.channel``."""
-        bad = self._check_addressing(h)
+    def _tail_marker(self, h: wire.Header, payload_bytes: int, checked: bool = False
+                     ) -> list:
+        """A UDP channel's tail marker: ``h.count`` blocks were sent on ``h.channel``.
+        ``checked``: the addressing was checked (before a MAC)."""
+        bad = None if checked else self._check_addressing(h)
         if bad:
             return [self._reject(bad)]
         w, c = h.sender, h.channel

@@ -372,8 +372,10 @@ def coded_pull_parts(plain: np.ndarray, payloads: np.ndarray, received: np.ndarr
     ((n - m, E) float32: the blocks not coded, in block order), ``payloads`` ((m, P)
     uint8: the coded ones, in block order, P = ``coded_payload_bytes``), then the
     worker's ``received`` bitmap and the ``coded`` bitmap ((n,) bool each, packed as
-    :func:`pack_pull`'s). Nothing is copied but the bitmaps."""
-    return (np.ascontiguousarray(plain, "<f4"), np.ascontiguousarray(payloads, np.uint8),
+    :func:`pack_pull`'s). Nothing is copied but the bitmaps. (Flat views: a memoryview
+    cannot cast an empty 2-D array, which is what all blocks coded, or none, give.)"""
+    return (np.ascontiguousarray(plain, "<f4").reshape(-1),
+            np.ascontiguousarray(payloads, np.uint8).reshape(-1),
             np.packbits(received.astype(bool)).tobytes(),
             np.packbits(coded.astype(bool)).tobytes())
 

@@ -9,7 +9,8 @@ rename(2), so a file that exists is complete):
   augmentation generator, and the history so far;
 - ``sidecar-<r>.pt`` (:func:`sidecar_state_dict`): the worker agent's error-feedback
   residual, contribution scores (EMA), adaptive-k state, exploration/ranking generator
-  and iteration counter, and the shard's adaptive-deadline state. The trainer asks its
+  and iteration counter, the shard's adaptive-deadline state and its residual
+  (``--pull-codec``, dgt.pull_codec). The trainer asks its
   sidecar to write it (``{"op": "save", "path": ...}`` over the Unix socket, before it
   writes its own file): the residual is model-sized, so it goes from the sidecar's
   memory to the file, never through the trainer's control channel.
@@ -207,8 +208,9 @@ def prune(root: str, world: int, keep: int = KEEP, writing: int | None = None) -
 def sidecar_state_dict(sidecar) -> dict:
     """A registered :class:`dgt.sidecar.Sidecar`'s state between two iterations: the
     worker agent's residual ((padded,) float32), contribution scores ((n_blocks,)
-    float32), adaptive-k and generator state, the iterations pushed, and the adaptive
-    deadline's window. Tensors are copies on CPU."""
+    float32), adaptive-k and generator state, the iterations pushed, the adaptive
+    deadline's window, and the shard's residual (dgt.pull_codec; None without
+    --pull-codec). Tensors are copies on CPU."""
     agent, plan, lay = sidecar.agent, sidecar.agent.planner, sidecar.layout
     return {"format": FORMAT, "rank": sidecar.rank, "world": sidecar.world,
             "n_blocks": lay.n_blocks, "block_elems": lay.block_elems,
@@ -216,7 +218,9 @@ def sidecar_state_dict(sidecar) -> dict:
             "residual": plan.residual.state_dict(), "scores": plan.scores.state_dict(),
             "adaptive_k": plan.adaptive.state_dict() if plan.adaptive else None,
             "generator": plan.gen.get_state(), "k_history": list(plan.k_history),
-            "deadline": sidecar.adaptive.state_dict() if sidecar.adaptive else None}
+            "deadline": sidecar.adaptive.state_dict() if sidecar.adaptive else None,
+            "shard_residual": sidecar.shard.coder.state_dict() if sidecar.shard.coder
+            else None}
 
 
 def load_sidecar_state(sidecar, state: dict) -> None:
@@ -240,6 +244,8 @@ def load_sidecar_state(sidecar, state: dict) -> None:
     plan.k_history[:] = state["k_history"]
     if sidecar.adaptive is not None and state["deadline"] is not None:
         sidecar.adaptive.load_state_dict(state["deadline"])
+    if sidecar.shard.coder is not None and state.get("shard_residual") is not None:
+        sidecar.shard.coder.load_state_dict(state["shard_residual"])
     t = int(state["iterations"])
     sidecar.pushes = t
     agent.iteration = t - 1 if t else 0

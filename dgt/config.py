@@ -17,6 +17,8 @@ from .layout import DEFAULT_BLOCK_BYTES
 from .transport.channels import MAX_UDP_CHANNELS
 
 MODES = ("dgt", "tcp", "topk", "random")
+#: --pull-codec words (dgt.transport.wire.Coding's names in lower case)
+PULL_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PACE_AUTO = -1.0   # --pace-mbit auto: the sidecar resolves it from the egress link
 
@@ -53,7 +55,8 @@ class TransmissionConfig:
     alpha: float = _f(0.3, "contribution EMA factor (DGT_CONTRI_ALPHA)")
     epsilon: float = _f(0.0, "Slim-DP exploration: share of reliable slots given to "
                         "random low-score blocks")
-    error_feedback: bool = _f(True, "keep undelivered blocks in a residual and resend")
+    error_feedback: bool = _f(True, "keep undelivered blocks in a residual and resend "
+                              "(and what --band-codec and --pull-codec round away)")
     band_codec: str = _f("fp32", "how each UDP band codes its blocks: one of fp32 | fp16 "
                          "| bf16 | int8 | int4 (int: one f32 scale per block) for every "
                          "band, or "
@@ -61,6 +64,14 @@ class TransmissionConfig:
                          "the coding error stays in the residual. Coded bands change "
                          "the aggregate's bits (so --mode tcp no longer equals dgt), "
                          "never the replicas' agreement")
+    pull_codec: str = _f("fp32", "how a shard codes the low-contribution blocks of its "
+                         "PULL (two-sided error feedback): fp32 (none) | fp16 | bf16 | "
+                         "int8 | int4; the shard keeps the coding error in its own "
+                         "residual, every replica applies the same bytes",
+                         choices=PULL_CODECS)
+    pull_coded_fraction: float = _f(0.5, "share of each shard's aggregate blocks, "
+                                    "lowest mean |aggregate + shard residual| first, "
+                                    "that --pull-codec codes (0..1)")
     pace_mbit: float = _f(PACE_AUTO, "egress rate per node in Mbit/s, split in equal "
                           "shares over the peers for TCP (kernel pacing) and UDP alike: "
                           "auto (the egress link's HTB rate, else its speed; unpaced on "
@@ -111,6 +122,9 @@ class TransmissionConfig:
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon}")
         self.band_codings()
+        if not 0.0 <= self.pull_coded_fraction <= 1.0:
+            raise ValueError(f"--pull-coded-fraction must be in [0, 1], got "
+                             f"{self.pull_coded_fraction:g}")
         if not 0.0 <= self.drop_udp < 1.0:
             raise ValueError(f"--drop-udp must be in [0, 1), got {self.drop_udp}")
         if not 4096 <= self.udp_buffer_bytes <= 1 << 30:
@@ -134,6 +148,11 @@ class TransmissionConfig:
             raise ValueError(f"--deadline-max-ms must be in 0..--peer-timeout-s x 1000 "
                              f"({1000.0 * self.peer_timeout_s:g}), got "
                              f"{self.deadline_max_ms:g}")
+
+    def pull_coding(self) -> int:
+        """``--pull-codec`` as a dgt.transport.wire.Coding (0: PULLs all f32)."""
+        from .transport.wire import Coding
+        return int(Coding[self.pull_codec.upper()])
 
     def band_codings(self) -> list[int]:
         """``--band-codec`` as the coding of each channel (``MAX_UDP_CHANNELS + 1``

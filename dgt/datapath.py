@@ -18,6 +18,7 @@ from .agent import Links, WorkerAgent
 from .config import TransmissionConfig
 from .layout import BlockLayout
 from .peer_links import PeerLinks
+from .pull_codec import PullCoder
 from .pull_sender import PullSender
 from .scheduler.deadline import AdaptiveDeadline, DeadlinePolicy
 from .shard import ServerShard
@@ -52,11 +53,12 @@ def build(cfg: TransmissionConfig, lay: BlockLayout, rank: int, session: int,
                                  hi=lay.shard_hi(rank), block_elems=lay.block_elems,
                                  n_workers=lay.n_shards, deadline_s=floor, key=key,
                                  counters=counters, deadline_policy=adaptive)
-    shard = ServerShard(lay, rank, shard_session, send_pull)
+    shard = ServerShard(lay, rank, shard_session, send_pull, pull_coder(cfg, lay, rank))
     agent: WorkerAgent | None = None
     pulls = PullSender(session=session, rank=rank, key=key, layout=lay,
                        pace_mbit=cfg.pace_mbit, links=links, conn_of=conn_of,
-                       sending=lambda: agent.sending, iteration=lambda: agent.iteration)
+                       sending=lambda: agent.sending, iteration=lambda: agent.iteration,
+                       coded=lambda: shard.coded_pull)
     agent = WorkerAgent(cfg, lay, rank, session, key, grad.array, grad.array,
                         Links(send_tcp=links.send_tcp, send_udp=links.send_udp,
                               local_push=shard.local_push,
@@ -64,3 +66,13 @@ def build(cfg: TransmissionConfig, lay: BlockLayout, rank: int, session: int,
                               tcp_backlog=links.tcp_backlog, push_sent=pulls.flush),
                         counters, seed=seed)
     return DataPath(grad, shard, agent, pulls, adaptive, floor)
+
+
+def pull_coder(cfg: TransmissionConfig, lay: BlockLayout, rank: int) -> PullCoder | None:
+    """Shard ``rank``'s PULL codec (``--pull-codec``, ``--pull-coded-fraction``), or
+    None when its PULLs go all f32 (fp32, or a fraction that codes no block)."""
+    coding, n = cfg.pull_coding(), lay.shard_blocks(rank)
+    if not coding or int(cfg.pull_coded_fraction * n) == 0:
+        return None
+    return PullCoder(coding, cfg.pull_coded_fraction, n, lay.block_elems,
+                     keep_residual=cfg.error_feedback)

@@ -2,7 +2,8 @@
 counters per channel, rejections, pacing, deadlines, warnings), the final Prometheus
 exposition ``metrics-<rank>.prom`` when --metrics-port is set, and with
 --check-conservation ``conservation-<rank>.npz`` (float64 running sums: raw gradient,
-applied aggregate x N, final residual) for the conservation check of
+applied aggregate x N, final residual, the shard's final residual (--pull-codec) placed
+in its range, and N) for the conservation check of
 docs/architecture.md. Report keys are documented in docs/metrics.md."""
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def write_node_results(sc) -> None:
         "rank": sc.rank, "host": sc.node.host, "tcp_port": socks.tcp_port,
         "udp_ports": socks.udp_ports, "session": f"{sc.session_id:016x}",
         "pushes": sc.pushes, "pulls_held": sc.pulls_held,
+        # PULL bytes to remote workers (header + payload + MAC), and the aggregate
+        # blocks that went coded (--pull-codec)
+        "pull_bytes_sent": sc.pulls.bytes_sent if sc.pulls else 0,
+        "pull_blocks_coded": sc.shard.coder.coded_blocks if sc.shard and sc.shard.coder
+        else 0,
         "failed": str(sc.failed) if sc.failed else None,
         "warnings": socks.warnings,
         "config": {k: v for k, v in asdict(sc.cfg).items() if k != "secret"},
@@ -64,7 +70,8 @@ def write_node_results(sc) -> None:
                       path, raw_sum=agent.raw_sum.numpy(),
                       applied_sum=agent.applied_sum.numpy(),
                       residual=(agent.residual.residual.double().numpy()
-                                if sc.cfg.error_feedback else np.zeros(sc.layout.padded))))
+                                if sc.cfg.error_feedback else np.zeros(sc.layout.padded)),
+                      shard_residual=_shard_residual(sc), n_workers=sc.world))
     # a full run dir keeps the report in the spill folder (dgt.records), not lost
     records.write(os.path.join(run_dir, f"sidecar-{sc.rank}.json"), report, indent=1)
 
@@ -81,3 +88,15 @@ def _optional(report: dict, path: str, write) -> None:
             pass
         log.warning("%s", msg)
         report["warnings"] = report["warnings"] + [msg]
+
+
+def _shard_residual(sc) -> np.ndarray:
+    """The shard's residual (dgt.pull_codec) in its range of the (padded,) float64
+    vector, zero elsewhere (and everywhere without --pull-codec)."""
+    out = np.zeros(sc.layout.padded)
+    coder = sc.shard.coder
+    if coder is not None:
+        e = sc.layout.block_elems
+        out[sc.layout.shard_lo(sc.rank) * e:sc.layout.shard_hi(sc.rank) * e] = \
+            coder.residual.reshape(-1)
+    return out

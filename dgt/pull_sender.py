@@ -17,6 +17,7 @@ import numpy as np
 from .agent import TCP_BACKLOG_SLACK
 from .layout import BlockLayout
 from .peer_links import PeerLinks
+from .pull_codec import CodedPull
 from .scheduler.pacing import HeldPulls, OwnQueueGate, flow_share
 from .transport import messages
 from .transport.aio import FrameProtocol
@@ -25,13 +26,17 @@ from .transport.aio import FrameProtocol
 class PullSender:
     """``conn_of(worker)``: the accepted connection that worker's PULLs go on, or None;
     ``sending()``: True while our own push is on the port; ``iteration()``: the
-    iteration of our push. ``held``: PULLs that waited (the report's ``pulls_held``)."""
+    iteration of our push; ``coded()``: the shard's coded PULL of the iteration
+    (dgt.pull_codec, ``--pull-codec``) or None. ``held``: PULLs that waited (the
+    report's ``pulls_held``)."""
 
     def __init__(self, *, session: int, rank: int, key: bytes | None, layout: BlockLayout,
                  pace_mbit: float, links: PeerLinks,
                  conn_of: Callable[[int], FrameProtocol | None],
-                 sending: Callable[[], bool], iteration: Callable[[], int]):
+                 sending: Callable[[], bool], iteration: Callable[[], int],
+                 coded: Callable[[], CodedPull | None] = lambda: None):
         self.session, self.rank, self.key, self.layout = session, rank, key, layout
+        self.coded = coded
         self.links, self.conn_of, self.sending, self.iteration = (links, conn_of,
                                                                   sending, iteration)
         world = layout.n_shards
@@ -40,6 +45,7 @@ class PullSender:
             self.held_pulls = HeldPulls(flow_share(pace_mbit, world - 1), TCP_BACKLOG_SLACK)
             self.own_udp = OwnQueueGate(flow_share(pace_mbit, 1))
         self.held = 0
+        self.bytes_sent = 0   # PULL frames to remote workers (the report's pull_bytes_sent)
         self._timer: asyncio.TimerHandle | None = None
 
     def send(self, conn: FrameProtocol, worker: int, iteration: int,
@@ -47,9 +53,11 @@ class PullSender:
         """PULL(``iteration``) to ``worker``: ``aggregate`` ((shard blocks * block
         elements,) float32, sent as a view: the shard never writes it again) and
         ``received`` ((shard blocks,) bool, the worker's received bitmap)."""
-        lay = self.layout
+        lay, coded = self.layout, self.coded()
         frame = messages.pull(self.session, self.rank, iteration, lay.shard_lo(self.rank),
-                              aggregate, received, self.key)
+                              aggregate, received, self.key,
+                              coded.wire_parts() if coded is not None else None)
+        self.bytes_sent += sum(memoryview(p).nbytes for p in frame)
         self.links.pace(conn)
         if self.held_pulls is not None and (
                 self.sending() or self.links.tcp_backlog(worker) > TCP_BACKLOG_SLACK

@@ -15,8 +15,9 @@ from .transport.counters import merge
 
 def conservation_error(run_dir: str) -> float | None:
     """Relative error of the conservation invariant (docs/architecture.md):
-    ``||sum(aggregate * N) + sum_w residual_w - sum_w,t g_w,t|| / ||sum_w,t g_w,t||``,
-    from the float64 sums the sidecars saved (``--check-conservation``)."""
+    ``||sum(aggregate * N) + sum_w residual_w + N sum_s residual_s - sum_w,t g_w,t||
+    / ||sum_w,t g_w,t||`` (residual_s: shard s's, dgt.pull_codec), from the float64
+    sums the sidecars saved (``--check-conservation``)."""
     files = sorted(glob.glob(os.path.join(run_dir, "conservation-*.npz")))
     if not files:
         return None
@@ -24,7 +25,10 @@ def conservation_error(run_dir: str) -> float | None:
     for path in files:
         z = np.load(path)
         raw = z["raw_sum"] if raw is None else raw + z["raw_sum"]
-        residual = z["residual"] if residual is None else residual + z["residual"]
+        res = z["residual"]
+        if "shard_residual" in z:
+            res = res + float(z["n_workers"]) * z["shard_residual"]
+        residual = res if residual is None else residual + res
         applied = z["applied_sum"]  # identical on every node
     denom = float(np.linalg.norm(raw)) or 1.0
     return float(np.linalg.norm(applied + residual - raw) / denom)
@@ -63,6 +67,10 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "workload": t0.get("workload"),
         "rounds": rounds,
         "bytes_per_round": bytes_sent / rounds if rounds else None,
+        # PULL frames on the wire, all nodes, per round (--pull-codec shrinks them)
+        "pull_bytes_per_round": (sum(s.get("pull_bytes_sent", 0) for s in sidecars)
+                                 / rounds if rounds else None),
+        "pull_blocks_coded": sum(s.get("pull_blocks_coded", 0) for s in sidecars),
         "class_histograms": t0.get("class_histograms"),
         "workers": job.workers,
         "iterations": trainers[0]["iterations"] if trainers else 0,
@@ -152,6 +160,10 @@ def print_summary(r: dict, log=print) -> None:
         per = "round" if w and w["algo"] == "fedavg" else "iteration"
         log(f"{'MB sent per ' + per:<22}{r['bytes_per_round'] / 1e6:.2f} (all nodes; "
             f"{r['bytes_per_round'] / 1e6 / r['workers']:.2f} per node)")
+    if r.get("pull_bytes_per_round"):
+        per = "round" if w and w["algo"] == "fedavg" else "iter."
+        log(f"{'MB pulled per ' + per:<22}{r['pull_bytes_per_round'] / 1e6:.2f} (all "
+            f"nodes; {r['pull_bytes_per_round'] / 1e6 / r['workers']:.2f} per node)")
     summary_comm(r, log)
     log(f"{'replicas identical':<22}{r['replicas_identical']}  ({r['param_sha256'][0][:16]}…)")
     if r["conservation_rel_error"] is not None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import codec
 from .layout import BlockLayout
+from .pull_codec import CodedPull, PullCoder
 from .transport.session import (BlocksArrived, IterationComplete, ShardSession,
                                  WorkerFinalised)
 
@@ -23,11 +24,19 @@ from .transport.session import (BlocksArrived, IterationComplete, ShardSession,
 class ServerShard:
     """``on_pull(worker, iteration, aggregate, received)`` is called once per worker per
     iteration with the shard's aggregate ((shard_blocks * block_elems,) float32, the mean
-    over workers) and that worker's received bitmap ((shard_blocks,) bool)."""
+    over workers) and that worker's received bitmap ((shard_blocks,) bool).
+
+    With ``coder`` (dgt.pull_codec, ``--pull-codec``) the aggregate is first compensated
+    with the shard's residual and its low-contribution blocks replaced by their decoded
+    coded form; ``coded_pull`` then holds the PULL's coded form (the same for every
+    worker) until the next aggregate, else None."""
 
     def __init__(self, layout: BlockLayout, rank: int, session: ShardSession,
-                 on_pull: Callable[[int, int, np.ndarray, np.ndarray], None]):
+                 on_pull: Callable[[int, int, np.ndarray, np.ndarray], None],
+                 coder: PullCoder | None = None):
         self.layout, self.rank, self.session, self.on_pull = layout, rank, session, on_pull
+        self.coder = coder
+        self.coded_pull: CodedPull | None = None
         self.n_workers = session.n_workers
         n = layout.shard_blocks(rank)
         self.recv = np.zeros((self.n_workers, n, layout.block_elems), np.float32)
@@ -72,6 +81,8 @@ class ServerShard:
         if bad.size:
             self._exclude_non_finite(bad, acc)
         acc /= np.float32(self.n_workers)
+        if self.coder is not None:   # two-sided error feedback: the PULL side
+            self.coded_pull = self.coder.code(acc)
         flat = acc.reshape(-1)
         self.bitmaps = [None] * self.n_workers
         self.session.advance()

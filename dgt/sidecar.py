@@ -34,6 +34,7 @@ from .layout import BlockLayout
 from .node_report import write_node_results
 from .node_sockets import NodeSockets
 from .peer_links import PeerLinks, drain
+from .pull_codec import decode_pull
 from .pull_sender import PullSender
 from .registration import agree, barrier, check_model_size, exchange_endpoints
 from .rendezvous import POLL_S, Rendezvous, check_resolves
@@ -344,8 +345,14 @@ class Sidecar:
                     self.control.confirm(e.conn)
                 self._arm_timer()
             elif isinstance(e, PullArrived):
+                agg = e.aggregate
+                if e.coding and self.agent is not None:   # --pull-codec of that shard
+                    agg = decode_pull(e, self.layout.block_elems)
+                    if agg is None:
+                        self.counters.rejected["non_finite_pull"] += 1
+                        continue
                 if self.agent is None or not self.agent.on_pull(
-                        e.shard, e.iteration, e.aggregate, e.received):
+                        e.shard, e.iteration, agg, e.received):
                     self.counters.rejected["bad_pull"] += 1
             elif isinstance(e, CloseConnection):
                 p = self.conns.get(e.conn)

@@ -145,8 +145,10 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_anything_start
 @pytest.mark.parametrize("mode", [("--mode", "tcp"), ("--mode", "dgt"),
                                   # topk keeps a residual and ranks by the scores: the
                                   # sidecar's state decides the bits
-                                  ("--mode", "topk", "--adaptive-k")],
-                         ids=["tcp", "dgt", "topk"])
+                                  ("--mode", "topk", "--adaptive-k"),
+                                  # the shard's residual (dgt.pull_codec) is state too
+                                  ("--mode", "dgt", "--pull-codec", "int4")],
+                         ids=["tcp", "dgt", "topk", "dgt-pull-int4"])
 def test_a_resumed_run_ends_bitwise_where_an_uninterrupted_one_does(tmp_path, mode):
     from conftest import run_train
     ck = tmp_path / "ck"

@@ -149,3 +149,29 @@ def test_coded_bands_send_fewer_bytes_keep_replicas_identical_and_conserve(train
     assert size == {"udp1": 34 + 2 * 352, "udp2": 34 + 4 + 352, "udp3": 34 + 4 + 176}
     assert sum(ch[c]["blocks_lost"] for c in ("udp1", "udp2", "udp3")) > 0
     assert not r["rejected"].get("bad_coding") and not r["rejected"].get("bad_length")
+
+
+def test_coded_pulls_conserve_with_the_shard_residual_and_fail_without(train, tmp_path):
+    """--pull-codec over real sockets (two-sided error feedback): with coded bands, loss
+    and coded PULLs, the invariant holds once the shards' residuals are counted, the
+    replicas stay identical and the PULLs are smaller. Without the shard residual
+    (--no-error-feedback, no loss and f32 bands, so no worker residual either: only
+    the shards' rounding is dropped) the invariant fails."""
+    _, r = train("--epochs", 1, "--band-codec", "1:fp16,2:int8,3:int4", "--drop-udp", 0.1,
+                 "--pull-codec", "int4", "--pull-coded-fraction", 0.5,
+                 "--check-conservation")
+    assert r["replicas_identical"]
+    assert sum(ch["blocks_lost"] for ch in r["channels"].values()) > 0
+    assert r["conservation_rel_error"] < 1e-4
+    assert r["pull_blocks_coded"] > 0
+    f32_pulls = (r["workers"] - 1) * r["workload"]["gradient_bytes"]   # all nodes
+    assert r["pull_bytes_per_round"] < 0.7 * f32_pulls
+    assert not r["rejected"]
+    from conftest import run_train
+    d = tmp_path / "off"
+    d.mkdir()
+    _, off = run_train(d, "--epochs", 1, "--pull-codec", "int4", "--no-error-feedback",
+                       "--deadline-ms", 3000, "--check-conservation")
+    assert sum(ch["blocks_lost"] for ch in off["channels"].values()) == 0
+    assert off["replicas_identical"]
+    assert off["conservation_rel_error"] > 1e-4

@@ -88,12 +88,19 @@ class PeerLeft(Event):
 @dataclass(frozen=True, slots=True)
 class PullArrived(Event):
     """Shard ``shard``'s PULL of ``iteration``: ``aggregate`` (n_blocks * block_elems,)
-    float32 view into the frame (copy what you keep), ``received`` (n_blocks,) bool."""
+    float32 view into the frame (copy what you keep), ``received`` (n_blocks,) bool.
+    A coded PULL (``coding`` != 0, docs/wire.md "PULL") has in ``aggregate`` only the
+    blocks not marked in ``coded`` ((n_blocks,) bool), in block order, and the others
+    in ``payloads`` ((m, coded bytes) uint8 view, in block order), for the node side
+    to decode (dgt.pull_codec.decode_pull)."""
 
     shard: int
     iteration: int
     aggregate: np.ndarray
     received: np.ndarray
+    coding: int = 0
+    coded: np.ndarray | None = None
+    payloads: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +302,13 @@ class ControlProtocol:
             return [self._reject(Reason.NOT_READY)]
         if h.shard != h.sender or (h.block, h.count) != rng:
             return [self._reject(Reason.BAD_PULL)]
+        coding = wire.coding_of(h.flags)
         try:
+            if coding:   # --pull-codec: plain blocks, coded blocks, two bitmaps
+                agg, payloads, received, coded = wire.unpack_coded_pull(
+                    payload, h.count, self.block_elems, coding)
+                return [PullArrived(h.shard, h.iteration, agg, received, coding, coded,
+                                    payloads)]
             agg, received = wire.unpack_pull(payload, h.count, self.block_elems)
         except wire.WireError as e:
             return [self._reject(e.reason)]

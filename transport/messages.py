@@ -34,11 +34,19 @@ def error(session: int, sender: int, failed: int | None, message: str,
 
 
 def pull(session: int, shard: int, iteration: int, lo: int, aggregate: np.ndarray,
-         received: np.ndarray, key: bytes | None) -> list:
+         received: np.ndarray, key: bytes | None, coded=None) -> list:
     """PULL(``iteration``) from ``shard``, whose blocks start at ``lo``: ``aggregate``
     ((count * block elements,) float32, sent as a view: do not write it until sent) and
-    ``received`` ((count,) bool: the worker's blocks that arrived). A list of buffers
-    for one write."""
+    ``received`` ((count,) bool: the worker's blocks that arrived). With ``coded`` (a
+    ``(coding, plain, payloads, coded)`` tuple, ``wire.coded_pull_parts``' arguments
+    but ``received``: ``--pull-codec``), the blocks marked in ``coded`` go in that
+    coding instead and ``aggregate`` is not sent. A list of buffers for one write."""
+    if coded is None:
+        parts, flags = wire.pull_parts(aggregate, received), 0
+    else:
+        coding, plain, payloads, mask = coded
+        parts = wire.coded_pull_parts(plain, payloads, received, mask)
+        flags = int(coding) << wire.CODING_SHIFT
     return wire.encode_parts(MsgType.PULL, session=session, sender=shard, shard=shard,
                              iteration=iteration, block=lo, count=received.size,
-                             parts=wire.pull_parts(aggregate, received), key=key)
+                             parts=parts, flags=flags, key=key)

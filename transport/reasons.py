@@ -55,6 +55,7 @@ class Reason(str, enum.Enum):
     UNVERIFIED_CONTROL = "unverified_control"
     UNEXPECTED_TYPE = "unexpected_type"
     BAD_PULL = "bad_pull"
+    NON_FINITE_PULL = "non_finite_pull"
     # the rendezvous store (dgt.rendezvous)
     STORE_REJECTED = "store_rejected"
 

@@ -89,18 +89,21 @@ class Flag(enum.IntFlag):
 
 
 class Coding(enum.IntEnum):
-    """How a UDP BLOCKS payload codes its block: flags bits 2-4 (``CODING_MASK``).
+    """How a UDP BLOCKS payload codes its block, and a PULL its coded blocks: flags
+    bits 2-4 (``CODING_MASK``).
     Source: docs/wire.md, "Block codings". The name in lower case is the
-    ``--band-codec`` word (``fp32``, ``fp16``, ``bf16``, ``int8``, ``int4``)."""
+    ``--band-codec`` and ``--pull-codec`` word (``fp32``, ``fp16``, ``bf16``, ``int8``,
+    ``int4``)."""
 
-    FP32 = 0   # E x f32 LE: the block as it is (every message but coded UDP BLOCKS)
+    FP32 = 0   # E x f32 LE: the block as it is (all but coded UDP BLOCKS and PULL)
     FP16 = 1   # E x IEEE-754 binary16 LE, round to nearest even
     BF16 = 2   # E x bfloat16 LE (the top 16 bits of the f32), round to nearest even
     INT8 = 3   # f32 LE scale s, then E x int8 q: value = q * s (symmetric, per block)
     INT4 = 4   # f32 LE scale s, then ceil(E/2) bytes of two 4-bit q (-7..7): q * s
 
 
-#: flags bits 2-4 carry the coding of a UDP BLOCKS payload (``Coding``)
+#: flags bits 2-4 carry the coding of a UDP BLOCKS payload, and of a PULL's coded blocks
+#: (``Coding``)
 CODING_SHIFT = 2
 CODING_MASK = 0x07 << CODING_SHIFT
 
@@ -360,6 +363,48 @@ def unpack_pull(payload: memoryview, n_blocks: int, block_elems: int
     agg = np.frombuffer(payload, "<f4", n_vals)
     bits = np.unpackbits(np.frombuffer(payload, np.uint8, offset=n_vals * 4))[:n_blocks]
     return agg, bits.astype(bool)
+
+
+def coded_pull_parts(plain: np.ndarray, payloads: np.ndarray, received: np.ndarray,
+                     coded: np.ndarray) -> tuple:
+    """A coded PULL's payload (docs/wire.md, "PULL"; the header's ``coding`` flags name
+    the coding of the coded blocks) as parts for :func:`encode_parts`: ``plain``
+    ((n - m, E) float32: the blocks not coded, in block order), ``payloads`` ((m, P)
+    uint8: the coded ones, in block order, P = ``coded_payload_bytes``), then the
+    worker's ``received`` bitmap and the ``coded`` bitmap ((n,) bool each, packed as
+    :func:`pack_pull`'s). Nothing is copied but the bitmaps. (Flat views: a memoryview
+    cannot cast an empty 2-D array, which is what all blocks coded, or none, give.)"""
+    return (np.ascontiguousarray(plain, "<f4").reshape(-1),
+            np.ascontiguousarray(payloads, np.uint8).reshape(-1),
+            np.packbits(received.astype(bool)).tobytes(),
+            np.packbits(coded.astype(bool)).tobytes())
+
+
+def unpack_coded_pull(payload: memoryview, n_blocks: int, block_elems: int, coding: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of :func:`coded_pull_parts`: (plain ((n - m) * E,) f32 view, payloads
+    (m, P) uint8 view, received (n,) bool, coded (n,) bool), m = the coded bitmap's
+    count of set bits among its first n (padding bits are ignored, as the received
+    bitmap's). Raises :class:`WireError`: ``bad_coding`` for a coding that is FP32 or
+    unknown, ``bad_length`` when the payload is not exactly what the coded bitmap
+    (the last ceil(n/8) bytes) announces."""
+    size = coded_payload_bytes(coding, block_elems)
+    if coding == Coding.FP32 or size is None:
+        raise WireError("bad_coding", f"PULL coding {coding}")
+    nbits = (n_blocks + 7) // 8
+    if len(payload) < 2 * nbits:
+        raise WireError("bad_length", f"coded PULL payload {len(payload)} B")
+    tail = np.frombuffer(payload, np.uint8, 2 * nbits, len(payload) - 2 * nbits)
+    bits = np.unpackbits(tail).reshape(2, -1)[:, :n_blocks].astype(bool)
+    m = int(np.count_nonzero(bits[1]))
+    plain_vals = (n_blocks - m) * block_elems
+    need = 4 * plain_vals + m * size + 2 * nbits
+    if len(payload) != need:
+        raise WireError("bad_length", f"coded PULL payload {len(payload)} B, its coded "
+                        f"bitmap says {need} B")
+    plain = np.frombuffer(payload, "<f4", plain_vals)
+    coded_rows = np.frombuffer(payload, np.uint8, m * size, 4 * plain_vals)
+    return plain, coded_rows.reshape(m, size), bits[0], bits[1]
 
 
 def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: int,

@@ -207,8 +207,8 @@ def prune(root: str, world: int, keep: int = KEEP, writing: int | None = None) -
 def sidecar_state_dict(sidecar) -> dict:
     """A registered :class:`dgt.sidecar.Sidecar`'s state between two iterations: the
     worker agent's residual ((padded,) float32), contribution scores ((n_blocks,)
-    float32), adaptive-k and generator state, the iterations pushed, and the adaptive
-    deadline's window. Tensors are copies on CPU."""
+    float32), adaptive-k and generator state, the iterations pushed, the adaptive
+    deadline's window, and the time budget's measured rates. Tensors are copies on CPU."""
     agent, plan, lay = sidecar.agent, sidecar.agent.planner, sidecar.layout
     return {"format": FORMAT, "rank": sidecar.rank, "world": sidecar.world,
             "n_blocks": lay.n_blocks, "block_elems": lay.block_elems,
@@ -216,7 +216,8 @@ def sidecar_state_dict(sidecar) -> dict:
             "residual": plan.residual.state_dict(), "scores": plan.scores.state_dict(),
             "adaptive_k": plan.adaptive.state_dict() if plan.adaptive else None,
             "generator": plan.gen.get_state(), "k_history": list(plan.k_history),
-            "deadline": sidecar.adaptive.state_dict() if sidecar.adaptive else None}
+            "deadline": sidecar.adaptive.state_dict() if sidecar.adaptive else None,
+            "time_budget": plan.budget.state_dict() if plan.budget else None}
 
 
 def load_sidecar_state(sidecar, state: dict) -> None:
@@ -240,6 +241,8 @@ def load_sidecar_state(sidecar, state: dict) -> None:
     plan.k_history[:] = state["k_history"]
     if sidecar.adaptive is not None and state["deadline"] is not None:
         sidecar.adaptive.load_state_dict(state["deadline"])
+    if plan.budget is not None and state.get("time_budget") is not None:
+        plan.budget.load_state_dict(state["time_budget"])   # the rates measured
     t = int(state["iterations"])
     sidecar.pushes = t
     agent.iteration = t - 1 if t else 0

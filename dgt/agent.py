@@ -24,6 +24,7 @@ from .config import TransmissionConfig
 from .layout import BlockLayout
 from .parts import PartPush
 from .planner import PushPlanner
+from .push_meter import PushMeter
 from .scheduler.pacing import PortPacing
 from .transport.counters import Counters
 from .transport.sender import PushSender
@@ -39,6 +40,7 @@ class Links:
     waiting_for: Callable[[int], list[int]] = lambda t: []  # ranks shard me awaits in t
     tcp_backlog: Callable[[int], int] = lambda s: 0  # bytes our TCP to that node has unsent
     push_sent: Callable[[], None] = lambda: None       # our push has left (END sent)
+    udp_backlog: Callable[[], int] = lambda: 0       # bytes our UDP sockets have unsent
 
 
 #: unsent TCP bytes to a node below which its UDP blocks may start (two GSO batches)
@@ -84,6 +86,10 @@ class WorkerAgent:
         self.pull_at: dict[int, float] = {}
         self.not_arrived = 0
         self.parts = PartPush(self)   # the push, whole or in parts (wait-free backprop)
+        # --time-budget-ms: each push's bytes and seconds on the link, for the budget
+        self.meter = PushMeter(counters, links.tcp_backlog, links.udp_backlog,
+                               [s for s in range(layout.n_shards) if s != rank]) \
+            if self.planner.budget is not None else None
 
     # -- push -------------------------------------------------------------------------
     async def push(self, t: int, loss: float | None, timeout_s: float) -> float:
@@ -94,6 +100,8 @@ class WorkerAgent:
         lay, me, links = self.layout, self.rank, self.links
         self.pull_waiter = asyncio.get_running_loop().create_future()
         k = await self.parts.push(t, loss)
+        if self.meter is not None:
+            self.meter.end_sent()
         if len(self.pulls) < lay.n_shards:
             try:
                 await asyncio.wait_for(asyncio.shield(self.pull_waiter), timeout_s)
@@ -134,3 +142,5 @@ class WorkerAgent:
         self.pull_waiter = None
         self.not_arrived = int(arrived.size - np.count_nonzero(arrived))
         self.planner.settle(arrived, self.aggregate)
+        if self.meter is not None:
+            self.meter.settle(self.planner, self.parts.first_sent, self.parts.idle_s)

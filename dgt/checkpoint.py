@@ -209,8 +209,9 @@ def sidecar_state_dict(sidecar) -> dict:
     """A registered :class:`dgt.sidecar.Sidecar`'s state between two iterations: the
     worker agent's residual ((padded,) float32), contribution scores ((n_blocks,)
     float32), adaptive-k and generator state, the iterations pushed, the adaptive
-    deadline's window, and the shard's residual (dgt.pull_codec; None without
-    --pull-codec). Tensors are copies on CPU."""
+    deadline's window, the time budget's measured rates (None when off), and the
+    shard's residual (dgt.pull_codec; None without --pull-codec). Tensors are copies on
+    CPU."""
     agent, plan, lay = sidecar.agent, sidecar.agent.planner, sidecar.layout
     return {"format": FORMAT, "rank": sidecar.rank, "world": sidecar.world,
             "n_blocks": lay.n_blocks, "block_elems": lay.block_elems,
@@ -219,6 +220,7 @@ def sidecar_state_dict(sidecar) -> dict:
             "adaptive_k": plan.adaptive.state_dict() if plan.adaptive else None,
             "generator": plan.gen.get_state(), "k_history": list(plan.k_history),
             "deadline": sidecar.adaptive.state_dict() if sidecar.adaptive else None,
+            "time_budget": plan.budget.state_dict() if plan.budget else None,
             "shard_residual": sidecar.shard.coder.state_dict() if sidecar.shard.coder
             else None}
 
@@ -244,6 +246,8 @@ def load_sidecar_state(sidecar, state: dict) -> None:
     plan.k_history[:] = state["k_history"]
     if sidecar.adaptive is not None and state["deadline"] is not None:
         sidecar.adaptive.load_state_dict(state["deadline"])
+    if plan.budget is not None and state.get("time_budget") is not None:
+        plan.budget.load_state_dict(state["time_budget"])   # the rates measured
     if sidecar.shard.coder is not None and state.get("shard_residual") is not None:
         sidecar.shard.coder.load_state_dict(state["shard_residual"])
     t = int(state["iterations"])

@@ -19,9 +19,9 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         ckpt = from_args(CheckpointConfig, ns)
     except ValueError as e:
         parser.error(str(e))
-    if ns.k_min is not None and not tx.adaptive_k:
-        parser.error("--k-min only applies with --adaptive-k; add --adaptive-k or drop "
-                     "--k-min")
+    if ns.k_min is not None and not tx.adaptive_k and not tx.time_budget_ms:
+        parser.error("--k-min only applies with --adaptive-k or --time-budget-ms; add "
+                     "one of them or drop --k-min")
     if ns.local_steps is not None and job.algo != "fedavg":
         parser.error("--local-steps only applies with --algo fedavg; add --algo fedavg or "
                      "drop --local-steps")

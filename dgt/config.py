@@ -49,6 +49,11 @@ class TransmissionConfig:
     k: float = _f(0.5, "reliable fraction of blocks (0..1)")
     k_min: float = _f(0.2, "floor of the adaptive reliable fraction")
     adaptive_k: bool = _f(False, "shrink k with the loss: k = max(k*loss/loss0, k_min)")
+    time_budget_ms: float = _f(0.0, "time budget of each push on the link, ms (0 = off): "
+                               "a worker sends, best rank first, only the blocks that "
+                               "fit this budget at the rate its last 5 pushes achieved "
+                               "(median), never fewer than ceil(min(k_min, k) x blocks); "
+                               "the rest stays in the residual")
     channels: int = _f(3, f"unreliable UDP channels (1..{MAX_UDP_CHANNELS})")
     block_bytes: int = _f(DEFAULT_BLOCK_BYTES, "block size in bytes (multiple of 4; "
                           "1408 fits one block per datagram in a 1500 B MTU)")
@@ -111,6 +116,13 @@ class TransmissionConfig:
         if self.adaptive_k and not 0.0 <= self.k_min <= self.k:
             raise ValueError(f"--k-min must be in [0, --k] with --adaptive-k, got "
                              f"{self.k_min}")
+        if self.time_budget_ms and not 0.0 <= self.k_min <= 1.0:
+            raise ValueError(f"--k-min must be in [0, 1] with --time-budget-ms (the "
+                             f"budget's floor), got {self.k_min}")
+        if not 0.0 <= self.time_budget_ms <= 1000.0 * MAX_PEER_TIMEOUT_S:
+            raise ValueError(f"--time-budget-ms must be 0 (off) or a push time in ms up "
+                             f"to {1000.0 * MAX_PEER_TIMEOUT_S:g}, got "
+                             f"{self.time_budget_ms:g}")
         if not 1 <= self.channels <= MAX_UDP_CHANNELS:
             raise ValueError(f"--channels must be 1..{MAX_UDP_CHANNELS}, got "
                              f"{self.channels}")

@@ -63,7 +63,8 @@ def build(cfg: TransmissionConfig, lay: BlockLayout, rank: int, session: int,
                         Links(send_tcp=links.send_tcp, send_udp=links.send_udp,
                               local_push=shard.local_push,
                               waiting_for=shard_session.waiting_for,
-                              tcp_backlog=links.tcp_backlog, push_sent=pulls.flush),
+                              tcp_backlog=links.tcp_backlog, push_sent=pulls.flush,
+                              udp_backlog=links.udp_backlog),
                         counters, seed=seed)
     return DataPath(grad, shard, agent, pulls, adaptive, floor)
 

@@ -52,6 +52,8 @@ def write_node_results(sc) -> None:
         "udp_icmp_errors": sum(b.icmp_errors for b in udp_senders),
         # the kernel filter's refusals and full receive buffers (transport.sockfilter)
         "udp_kernel_drops": socks.kernel_drops(),
+        "blocks_cut_by_budget": sc.agent.meter.cut_total if sc.agent and
+        sc.agent.meter else 0,
         "k_mean": float(np.mean(sc.agent.k_history)) if sc.agent and
         sc.agent.k_history else None,
         **sc.counters.to_dict(sc.cfg.channels),

@@ -45,12 +45,13 @@ class PartPush:
         self.t: int | None = None                    # the iteration open, if any
         self.k: float | None = None
         self.first_sent: float | None = None
+        self.idle_s = 0.0   # after first_sent: s the sender waited for the next part
         self.wake = asyncio.Event()
         self.pump: asyncio.Task | None = None
 
     def _open(self, t: int) -> None:
         agent = self.agent
-        self.t, self.k, self.first_sent = t, None, None
+        self.t, self.k, self.first_sent, self.idle_s = t, None, None, 0.0
         agent.marks, agent.pull_at = {}, {}
         self.final[:agent.layout.n_params] = False
         self.planned[:] = False
@@ -150,7 +151,10 @@ class PartPush:
             if at == float("inf"):   # idle until the next part (or the push)
                 agent.sending = False
                 links.push_sent()
+                idle_from = time.monotonic()
                 await self.wake.wait()
+                if self.first_sent is not None:
+                    self.idle_s += time.monotonic() - max(idle_from, self.first_sent)
                 agent.sending = True
             elif sender.final:
                 await asyncio.sleep(at - now)

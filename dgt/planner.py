@@ -7,6 +7,8 @@ arrive. Compression (which blocks go where) and memory (the residual) stay separ
 pieces, as in GRACE."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -15,7 +17,10 @@ from .config import TransmissionConfig
 from .contribution import ContributionScores
 from .feedback import Residual
 from .layout import BlockLayout
-from .scheduler.assign import AdaptiveK, assign_channels, rank_blocks, reliable_count
+from .scheduler.assign import (DROPPED, AdaptiveK, assign_channels, rank_blocks,
+                               reliable_count)
+from .scheduler.budget import TimeBudget
+from .transport import wire
 
 
 class PushPlanner:
@@ -43,6 +48,15 @@ class PushPlanner:
         self.coded: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
         self._coded_index: list[torch.Tensor] = []   # this push's coded blocks, (m,) int64
         self._coding_error: list[torch.Tensor] = []  # their g - decoded, (m, block_elems)
+        #: --time-budget-ms (dgt.scheduler.budget), fed by the agent after each push;
+        #: ``budget_cut``: remote blocks this push did not send for it (channel -1)
+        self.budget = TimeBudget(cfg.time_budget_ms / 1000.0) if cfg.time_budget_ms \
+            else None
+        self.budget_cut = 0
+        if self.budget is not None:
+            self._remote = torch.ones(layout.n_blocks, dtype=torch.bool)
+            self._remote[self.local[0]:self.local[1]] = False
+            self._chan_cost = self._wire_cost()
 
     def plan(self, grad: torch.Tensor, loss: float | None) -> tuple[np.ndarray, float]:
         """Compensate ``grad`` ((padded,) float32) into ``work``, score, rank and
@@ -64,7 +78,9 @@ class PushPlanner:
             scores = self.scores.update(g, self.layout.block_elems)
         order = rank_blocks(scores, epsilon=cfg.epsilon, n_reliable=n_rel, generator=self.gen)
         chan = assign_channels(order, n_rel, cfg.channels,
-                               drop_unreliable=cfg.mode == "topk").numpy()
+                               drop_unreliable=cfg.mode == "topk")
+        self.budget_cut = 0
+        chan = self._fit_budget(None, order, chan).numpy()
         self.k_history.append(k)
         self._coded_index, self._coding_error = [], []
         self.coded = self._code(np.arange(n), chan)
@@ -77,6 +93,7 @@ class PushPlanner:
         k = 1.0 if self.cfg.mode == "tcp" else k
         self.k_history.append(k)
         self._coded_index, self._coding_error = [], []
+        self.budget_cut = 0
         return k
 
     def plan_rows(self, grad: torch.Tensor, rows: np.ndarray, k: float) -> np.ndarray:
@@ -107,8 +124,41 @@ class PushPlanner:
             scores = self.scores.update_rows(idx, g)
         order = rank_blocks(scores, epsilon=cfg.epsilon, n_reliable=n_rel, generator=self.gen)
         chan = assign_channels(order, n_rel, cfg.channels,
-                               drop_unreliable=cfg.mode == "topk").numpy()
+                               drop_unreliable=cfg.mode == "topk")
+        chan = self._fit_budget(torch.from_numpy(rows), order, chan).numpy()
         self.coded = self._code(rows, chan)
+        return chan
+
+    def _wire_cost(self) -> torch.Tensor:
+        """(MAX_CHANNELS + 1,) float64: wire bytes one remote block costs on each
+        channel (transport.counters' units): reliable, its f32 payload and its u32
+        index in the INDEXED frame; a UDP band, its datagram (header, coded payload,
+        MAC with --secret). The last entry, 0, is channel -1's (not sent)."""
+        e, mac = self.layout.block_elems, wire.MAC_BYTES if self.cfg.secret else 0
+        cost = [4 * e + 4] + [wire.HEADER_BYTES + wire.coded_payload_bytes(c, e) + mac
+                              for c in self.codings[1:]]
+        return torch.tensor(cost + [0], dtype=torch.float64)
+
+    def _fit_budget(self, rows: torch.Tensor | None, order: torch.Tensor,
+                    chan: torch.Tensor) -> torch.Tensor:
+        """--time-budget-ms: blocks ``rows`` ((m,) int64; None: all) were ranked
+        ``order`` ((m,) int64 positions into rows, best first) and given channels
+        ``chan`` ((m,) int8). The remote blocks ranked beyond what fits the budget
+        (the reliable share first, then the UDP bands in order: the rank order) get
+        channel -1, not sent, kept whole by error feedback; the first
+        ``ceil(min(k_min, k) m)`` ranks (at least one) always go. Blocks of the
+        colocated shard cost the link nothing and are never cut. Returns ``chan``."""
+        if self.budget is None:
+            return chan
+        n, m = self.layout.n_blocks, chan.numel()
+        remote = self._remote if rows is None else self._remote[rows]
+        cost = self._chan_cost[chan.long()] * remote   # chan -1: the last entry, 0
+        floor = max(1, math.ceil(min(self.cfg.k_min, self.cfg.k) * m))
+        keep = self.budget.fit(cost[order], floor, m / n)
+        cut = order[keep:]
+        cut = cut[cost[cut] > 0]
+        chan[cut] = DROPPED
+        self.budget_cut += cut.numel()
         return chan
 
     @property

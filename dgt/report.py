@@ -88,6 +88,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "channel_block_share": shares,
         "blocks_unsent": traffic["blocks_unsent"],
         "blocks_local": traffic["blocks_local"],
+        "blocks_cut_by_budget": sum(s.get("blocks_cut_by_budget", 0) for s in sidecars),
         "tail_markers": traffic["tail_markers"],
         "rejected": traffic["rejected"],
         "emulated_drops": sum(s.get("emulated_drops", 0) for s in sidecars),
@@ -180,6 +181,9 @@ def print_summary(r: dict, log=print) -> None:
     if r["rejected"]:
         extra += ", rejected " + ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items()))
     log(extra)
+    if r.get("blocks_cut_by_budget"):
+        log(f"time budget: {r['blocks_cut_by_budget']} remote blocks not sent (of the "
+            f"unsent), kept in the residual; per iteration in trace-<rank>.jsonl")
     if r.get("deadline_finalised") or r.get("tail_finalised"):
         log(f"workers finalised with blocks lost: {r.get('tail_finalised', 0)} at their "
             f"tail markers, {r.get('deadline_finalised', 0)} at the deadline")

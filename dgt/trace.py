@@ -15,6 +15,11 @@ Each line (``"kind": "iteration"``) holds, for iteration ``t`` of this node's wo
 - ``pull_wait_s``: from END sent to the last PULL;
 - ``k``: the reliable fraction used; ``lost``: this worker's blocks that did not reach
   their shard (from the PULL bitmaps; blocks mode topk never sent are not lost);
+- with ``--time-budget-ms`` (dgt.push_meter): ``budget_cut``, the remote blocks this
+  push did not send for the budget (channel -1; also in ``blocks_unsent``);
+  ``budget_allowance_bytes``, the bytes it was planned with (null before the first
+  measurement); ``push_bytes`` and ``push_send_s``, what it sent and how long that
+  took to leave this node (the budget's next measurement);
 - ``channels``: per channel, how much each counter of ``dgt.transport.counters``
   grew since the previous line (blocks and bytes sent, delivered, late, lost, ...);
   ``blocks_unsent``, ``blocks_local``, ``tail_markers``, ``rejected``: the same for the
@@ -116,6 +121,8 @@ class Trace:
                 "pull_s": {str(s): v for s, v in sorted(pulls.items())},
                 "apply_s": wall, "comm_s": comm_s, "pull_wait_s": pull_wait,
                 "k": k, "lost": lost, **d}
+        if agent.meter is not None:   # --time-budget-ms: what it cut, what it measured
+            line.update(agent.meter.last)
         self._write(line)
 
     def close(self) -> None:

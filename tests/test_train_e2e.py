@@ -152,15 +152,17 @@ def test_coded_bands_send_fewer_bytes_keep_replicas_identical_and_conserve(train
 
 
 def test_coded_pulls_conserve_with_the_shard_residual_and_fail_without(train, tmp_path):
-    """--pull-codec over real sockets (two-sided error feedback): with coded bands, loss
-    and coded PULLs, the invariant holds once the shards' residuals are counted, the
+    """--pull-codec over real sockets (two-sided error feedback): with coded bands, loss,
+    the time budget cutting (paced to 200 Mbit/s, a 30 ms budget) and coded PULLs, the
+    invariant holds once the shards' residuals are counted, the
     replicas stay identical and the PULLs are smaller. Without the shard residual
     (--no-error-feedback, no loss and f32 bands, so no worker residual either: only
     the shards' rounding is dropped) the invariant fails."""
     _, r = train("--epochs", 1, "--band-codec", "1:fp16,2:int8,3:int4", "--drop-udp", 0.1,
                  "--pull-codec", "int4", "--pull-coded-fraction", 0.5,
-                 "--check-conservation")
+                 "--pace-mbit", 200, "--time-budget-ms", 30, "--check-conservation")
     assert r["replicas_identical"]
+    assert r["blocks_cut_by_budget"] > 0
     assert sum(ch["blocks_lost"] for ch in r["channels"].values()) > 0
     assert r["conservation_rel_error"] < 1e-4
     assert r["pull_blocks_coded"] > 0

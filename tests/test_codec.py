@@ -3,6 +3,7 @@ in plain numpy: what an independent implementation would compute, bit for bit.""
 import numpy as np
 import pytest
 import torch
+from conftest import requires_tool
 
 from dgt import codec
 from dgt.transport.wire import Coding, coded_payload_bytes
@@ -154,3 +155,21 @@ def test_fp32_and_unknown_codings_and_wrong_widths_are_refused():
             codec.decode(c, np.zeros((2, 4 * E), np.uint8), E)
     with pytest.raises(ValueError):
         codec.decode(Coding.INT8, np.zeros((2, E), np.uint8), E)
+
+
+@requires_tool("git", "bench_codec --against (reads dgt/codec.py at a revision)")
+def test_the_speed_benchmark_times_every_coding_against_a_revision():
+    """tools/bench_codec.py speed: every reduced form, each way, and the same code at a
+    git revision in turn (no timing asserted: the figures are the benchmark's)."""
+    from dgt.tools import bench_codec
+    threads = torch.get_num_threads()
+    try:
+        res = bench_codec.speed(mb=0.05, repeat=1, against="HEAD")
+    finally:
+        torch.set_num_threads(threads)
+    assert set(res["codings"]) == {"fp16", "bf16", "int8", "int4"}
+    for v in res["codings"].values():
+        for k in ("encode", "decode", "decode_datagrams"):
+            assert v[f"{k}_gbps"] > 0 and v[f"against_{k}_gbps"] > 0 and v[f"{k}_ratio"] > 0
+    with pytest.raises(ValueError, match="give a revision of this checkout"):
+        bench_codec.speed(mb=0.05, repeat=1, against="no-such-revision")

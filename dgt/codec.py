@@ -66,28 +66,27 @@ def _quantise(blocks: torch.Tensor, levels: float, out: np.ndarray) -> None:
     ``out`` ((m, 4 + E) or (m, 4 + ceil(E/2)) uint8), one chunk of rows at a time."""
     m, e = blocks.shape
     n = _chunk_rows(e, m)
-    y, a, r = torch.empty(n, e), torch.empty(n, 1), torch.empty(n, 1)
-    lv = torch.full((n, 1), levels)   # tensor / tensor: one correctly rounded division
-    s = torch.from_numpy(np.empty((m, 1), np.float32))   # (scalar / tensor is not)
-    packed = torch.from_numpy(out)[:, 4:]
+    y, r = torch.empty(n, e), torch.empty(n, 1)
+    a = torch.empty(m, 1)
+    lv = torch.full((max(m, 1), 1), levels)   # tensor / tensor: one correctly rounded
+    packed = torch.from_numpy(out)[:, 4:]     # division (scalar / tensor is not)
     if levels == 7.0:   # a chunk's q as int8, an odd E padded with a 0
         q = torch.zeros(n, e + e % 2, dtype=torch.int8)
         pairs = q.view(torch.int16)   # little-endian: value 2j in the low byte
+        shifted = torch.empty_like(pairs)
     for i in range(0, m, n):
-        k = min(n, m - i)
-        x = blocks[i:i + k]
-        torch.amax(torch.abs(x, out=y[:k]), 1, True, out=a[:k])   # +0, never -0
-        torch.div(a[:k], lv[:k], out=s[i:i + k])
-        torch.div(lv[:k], a[:k], out=r[:k]).clamp_(max=_F32_MAX)   # a = 0: r = FLT_MAX
-        torch.mul(x, r[:k], out=y[:k]).round_()           # half to even
+        k, x, ak = min(n, m - i), blocks[i:i + n], a[i:i + n]
+        torch.amax(torch.abs(x, out=y[:k]), 1, True, out=ak)   # +0, never -0
+        torch.div(lv[:k], ak, out=r[:k]).clamp_(max=_F32_MAX)   # a = 0: r = FLT_MAX
+        torch.mul(x, r[:k], out=y[:k]).round_()                 # half to even
         if levels == 127.0:   # the conversions below are exact: integral, in range
             packed[i:i + k].view(torch.int8).copy_(y[:k])
             continue
-        q[:k, :e].copy_(y[:k])   # int8 pairs a, b -> int16 0xbbaa -> byte 0xBA
-        w = pairs[:k].bitwise_and_(0x0F0F)         # 0x0B0A
-        w.bitwise_or_(w >> 4).bitwise_and_(0xFF)   # 0x00BA (an odd E's pad: 0 again)
-        packed[i:i + k].copy_(w)
-    out[:, :4] = s.numpy().view(np.uint8)
+        q[:k, :e].copy_(y[:k])   # q of values 2j, 2j + 1 = u, v: int16 0xvvuu
+        w = pairs[:k].bitwise_and_(0x0F0F)                               # 0x0V0U
+        w.bitwise_or_(torch.bitwise_right_shift(w, 4, out=shifted[:k]))  # 0x0VVU
+        packed[i:i + k].copy_(w.bitwise_and_(0xFF))   # 0x00VU (an odd E's pad: 0 again)
+    out[:, :4] = torch.div(a, lv[:m]).numpy().view(np.uint8)   # s
 
 
 def decode(coding: int, rows: np.ndarray, block_elems: int) -> np.ndarray:

@@ -8,11 +8,12 @@ of each delivered coded block in its residual (dgt.feedback), as it keeps a lost
 whole. The byte layouts are the wire's (``dgt.transport.wire.Coding``, docs/wire.md,
 "Block codings").
 
-Speed: every pass is one of torch's vectorised kernels, writing into an array numpy
-allocated (numpy asks for huge pages: few page faults), and int8/int4 go through the
-blocks one L2-sized chunk at a time, so the input is read from memory once. One core
-codes and decodes several GB/s of float32: ``python -m dgt.tools.bench_codec speed``
-(tools/bench_codec.py), figures in docs/bench/codecs.md.
+Speed: every pass is one of torch's vectorised kernels; decode and the int8/int4
+encoder write into arrays numpy allocates (numpy asks for huge pages: few page faults),
+and int8/int4 go through the blocks one L2-sized chunk at a time, so the input is read
+from memory once. One core codes and decodes 2 GB/s of float32 or more:
+``python -m dgt.tools.bench_codec speed`` (tools/bench_codec.py), figures in
+docs/bench/codecs.md.
 
 Sources: fp16 gradient compression as in PyTorch's ``fp16_compress_hook`` and GeoMX;
 per-block symmetric int8 as in QSGD-style quantisers (Alistarh et al., NeurIPS 2017)
@@ -53,11 +54,10 @@ def encode(coding: int, blocks: torch.Tensor) -> np.ndarray:
     p = coded_payload_bytes(coding, e)
     if coding == Coding.FP32 or p is None:
         raise ValueError(f"no block codec for coding {coding}")
-    out = np.empty((m, p), np.uint8)
     if coding in _HALF:
-        torch.from_numpy(out).view(_HALF[coding]).copy_(blocks)
-    else:
-        _quantise(blocks, _LEVELS[coding], out)
+        return blocks.to(_HALF[coding]).view(torch.uint8).numpy()
+    out = np.empty((m, p), np.uint8)
+    _quantise(blocks, _LEVELS[coding], out)
     return out
 
 

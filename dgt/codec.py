@@ -6,8 +6,14 @@ shard decodes to float32 (:func:`decode`) before its rank-ordered sum, so the
 aggregate's bits do not depend on who decoded; the worker keeps ``g - decode(encode(g))``
 of each delivered coded block in its residual (dgt.feedback), as it keeps a lost block
 whole. The byte layouts are the wire's (``dgt.transport.wire.Coding``, docs/wire.md,
-"Block codings"); the conversions are torch's vectorised ones (one core: several GB/s
-for fp16/bf16, see ``tools/codec_bench.py``).
+"Block codings").
+
+Speed: every pass is one of torch's vectorised kernels; decode and the int8/int4
+encoder write into arrays numpy allocates (numpy asks for huge pages: few page faults),
+and int8/int4 go through the blocks one L2-sized chunk at a time, so the input is read
+from memory once. One core codes and decodes 2 GB/s of float32 or more:
+``python -m dgt.tools.bench_codec speed`` (tools/bench_codec.py), figures in
+docs/bench/codecs.md.
 
 Sources: fp16 gradient compression as in PyTorch's ``fp16_compress_hook`` and GeoMX;
 per-block symmetric int8 as in QSGD-style quantisers (Alistarh et al., NeurIPS 2017)
@@ -25,79 +31,105 @@ import torch
 
 from .transport.wire import Coding, coded_payload_bytes
 
-#: 1.5 x 2^23: x + MAGIC rounds x (|x| <= 2^22) to an integer, half to even, in the
-#: low mantissa bits of the float32 (the classic float-to-int rounding trick)
-_ROUND_MAGIC = 12582912.0
+_HALF = {Coding.FP16: torch.float16, Coding.BF16: torch.bfloat16}
+_LEVELS = {Coding.INT8: 127.0, Coding.INT4: 7.0}
+#: float32 bytes of one chunk of the int8/int4 passes: the chunk and its scratch stay
+#: in a core's L2 cache
+_CHUNK_BYTES = 1 << 19
+_F32_MAX = float(np.finfo(np.float32).max)
+_HIGH_NIBBLES = -0x0F10   # 0xF0F0 as an int16
 
 
 def encode(coding: int, blocks: torch.Tensor) -> np.ndarray:
-    """Code ``blocks`` ((m, E) float32, C-contiguous) as ``coding``; returns the payloads,
+    """Code ``blocks`` ((m, E) float32) as ``coding``; returns the payloads,
     (m, coded_payload_bytes(coding, E)) uint8, one row per block (docs/wire.md, "Block
-    codings"). fp16/bf16: IEEE round to nearest even (fp16 overflows to inf above
-    65504). int8: ``a = max|x|``, ``s = a / 127`` (f32, sent),
-    ``q = round_half_even(x * (127 / a))`` in -127..127 (q = 0 when a = 0); int4 the
-    same with 7 for 127, two q a byte (the even value in the low nibble). A block with a
-    NaN or inf gets a non-finite s, so it decodes non-finite and the shard keeps it out of the sum as any non-finite block.
-    Raises ValueError for FP32 or an unknown coding."""
+    codings"). fp16/bf16: IEEE round to nearest even (fp16: 65520 and above is
+    inf). int8: ``a = max|x|``, ``s = a / 127`` (f32, sent),
+    ``r = min(127 / a, FLT_MAX)``, ``q = round_half_even(x * r)`` in -127..127 (so
+    q = 0 for a zero block); int4 the same with 7 for 127, two q a byte (the even value
+    in the low nibble). A block with a NaN or inf gets a non-finite s (its q are
+    unspecified), so it decodes non-finite and the shard keeps it out of the sum as any
+    non-finite block. Raises ValueError for FP32 or an unknown coding."""
     m, e = blocks.shape
-    if coding in (Coding.FP16, Coding.BF16):
-        half = blocks.to(torch.float16 if coding == Coding.FP16 else torch.bfloat16)
-        return half.view(torch.uint8).numpy()
-    if coding not in (Coding.INT8, Coding.INT4):
+    p = coded_payload_bytes(coding, e)
+    if coding == Coding.FP32 or p is None:
         raise ValueError(f"no block codec for coding {coding}")
-    levels = 127.0 if coding == Coding.INT8 else 7.0
-    out = np.empty((m, coded_payload_bytes(coding, e)), np.uint8)
-    amax = torch.maximum(blocks.amax(dim=1, keepdim=True),
-                         -blocks.amin(dim=1, keepdim=True)).abs_()   # +0, never -0
-    c127 = torch.full_like(amax, levels)  # tensor / tensor: one correctly rounded f32
-    scale = torch.div(amax, c127)         # division (scalar / tensor is 127 * (1 / a))
-    # y = x * (127 / max|x|): |y| <= 127; 0 * inf = NaN for a zero block, hence 0 there
-    y = torch.mul(blocks, torch.where(amax > 0, torch.div(c127, amax),
-                                      torch.zeros_like(amax)))
-    y.add_(_ROUND_MAGIC)   # the low byte of y's bits is now q, two's complement
-    q = y.view(torch.uint8).view(m, e, 4)[:, :, 0]   # little-endian: byte 0 is the low
-    out[:, :4] = scale.numpy().view(np.uint8)
-    if coding == Coding.INT8:
-        out[:, 4:] = q.numpy()
-    else:   # two values a byte: value 2j in the low nibble, 2j + 1 in the high one
-        q = q.numpy()
-        out[:, 4:] = q[:, 0::2] & 0x0F
-        out[:, 4:4 + e // 2] |= q[:, 1::2] << 4
+    if coding in _HALF:
+        return blocks.to(_HALF[coding]).view(torch.uint8).numpy()
+    out = np.empty((m, p), np.uint8)
+    _quantise(blocks, _LEVELS[coding], out)
     return out
+
+
+def _quantise(blocks: torch.Tensor, levels: float, out: np.ndarray) -> None:
+    """int8 (``levels`` 127) or int4 (7) payloads of ``blocks`` ((m, E) float32) into
+    ``out`` ((m, 4 + E) or (m, 4 + ceil(E/2)) uint8), one chunk of rows at a time."""
+    m, e = blocks.shape
+    n = _chunk_rows(e, m)
+    y, r = torch.empty(n, e), torch.empty(n, 1)
+    a = torch.empty(m, 1)
+    lv = torch.full((max(m, 1), 1), levels)   # tensor / tensor: one correctly rounded
+    packed = torch.from_numpy(out)[:, 4:]     # division (scalar / tensor is not)
+    if levels == 7.0:   # a chunk's q as int8, an odd E padded with a 0
+        q = torch.zeros(n, e + e % 2, dtype=torch.int8)
+        pairs = q.view(torch.int16)   # little-endian: value 2j in the low byte
+        shifted = torch.empty_like(pairs)
+    for i in range(0, m, n):
+        k, x, ak = min(n, m - i), blocks[i:i + n], a[i:i + n]
+        torch.amax(torch.abs(x, out=y[:k]), 1, True, out=ak)   # +0, never -0
+        torch.div(lv[:k], ak, out=r[:k]).clamp_(max=_F32_MAX)   # a = 0: r = FLT_MAX
+        torch.mul(x, r[:k], out=y[:k]).round_()                 # half to even
+        if levels == 127.0:   # the conversions below are exact: integral, in range
+            packed[i:i + k].view(torch.int8).copy_(y[:k])
+            continue
+        q[:k, :e].copy_(y[:k])   # q of values 2j, 2j + 1 = u, v: int16 0xvvuu
+        w = pairs[:k].bitwise_and_(0x0F0F)                               # 0x0V0U
+        w.bitwise_or_(torch.bitwise_right_shift(w, 4, out=shifted[:k]))  # 0x0VVU
+        packed[i:i + k].copy_(w.bitwise_and_(0xFF))   # 0x00VU (an odd E's pad: 0 again)
+    out[:, :4] = torch.div(a, lv[:m]).numpy().view(np.uint8)   # s
 
 
 def decode(coding: int, rows: np.ndarray, block_elems: int) -> np.ndarray:
     """Inverse of :func:`encode`: ``rows`` ((m, coded_payload_bytes) uint8, rows may be
     strided views into datagrams) to (m, block_elems) float32, deterministic (int8: one
-    f32 multiply ``q * s`` per value; int4 too). Raises ValueError for FP32, an unknown coding, or
-    rows of the wrong width."""
+    f32 multiply ``q * s`` per value; int4 too). Raises ValueError for FP32, an unknown
+    coding, or rows of the wrong width."""
     p = coded_payload_bytes(coding, block_elems)
     if coding == Coding.FP32 or p is None:
         raise ValueError(f"no block codec for coding {coding}")
-    m = rows.shape[0]
+    m, e = rows.shape[0], block_elems
     if rows.shape[1:] != (p,):
         raise ValueError(f"coding {coding} rows must be {p} B wide, got {rows.shape}")
-    if coding in (Coding.FP16, Coding.BF16):
-        half = _tensor_ready(rows).view(np.int16)
-        t = torch.from_numpy(half).view(torch.float16 if coding == Coding.FP16
-                                        else torch.bfloat16)
-        return t.float().numpy()
+    out = np.empty((m, e), np.float32)
+    dec = torch.from_numpy(out)
+    if coding in _HALF:
+        dec.copy_(_tensor(rows).view(_HALF[coding]))
+        return out
     scale = torch.from_numpy(np.array(rows[:, :4]).view("<f4"))   # (m, 1), aligned copy
-    if coding == Coding.INT8:
-        q = torch.from_numpy(_tensor_ready(rows[:, 4:]).view(np.int8))
-    else:   # the nibbles, sign-extended by arithmetic shifts
-        b = rows[:, 4:]
-        pair = np.empty((m, b.shape[1], 2), np.int8)
-        pair[:, :, 0] = (b << 4).view(np.int8) >> 4
-        pair[:, :, 1] = b.view(np.int8) >> 4
-        q = torch.from_numpy(pair.reshape(m, -1)[:, :block_elems])
-    out = q.to(torch.float32)
-    out.mul_(scale)
-    return out.numpy().reshape(m, block_elems)
+    b = _tensor(rows[:, 4:])
+    n = _chunk_rows(e, m)
+    if coding == Coding.INT4:   # a chunk's bytes, one int16 each, then its int8 pairs
+        pairs = torch.empty(n, (e + 1) // 2, dtype=torch.int16)
+        shifted = torch.empty_like(pairs)
+    for i in range(0, m, n):
+        k = min(n, m - i)
+        if coding == Coding.INT8:
+            q = b[i:i + k].view(torch.int8)
+        else:   # byte hl (nibbles h, l) -> int16 0xh0l0 (bytes l0, h0) -> int8 l, h
+            w = pairs[:k].copy_(b[i:i + k])   # 0x00hl
+            w.bitwise_or_(torch.bitwise_left_shift(w, 4, out=shifted[:k]))   # 0x0h?l
+            w.bitwise_left_shift_(4).bitwise_and_(_HIGH_NIBBLES)            # 0xh0l0
+            q = w.view(torch.int8).bitwise_right_shift_(4)[:, :e]   # sign-extended
+        dec[i:i + k].copy_(q).mul_(scale[i:i + k])
+    return out
 
 
-def _tensor_ready(a: np.ndarray) -> np.ndarray:
-    """``a`` as a C-contiguous, writable array (torch.from_numpy wants one): itself when
-    it is one already (a receive buffer), else a copy (a view of read-only bytes)."""
-    a = np.ascontiguousarray(a)
-    return a if a.flags.writeable else a.copy()
+def _chunk_rows(block_elems: int, m: int) -> int:
+    """Blocks per chunk of the int8/int4 loops: about ``_CHUNK_BYTES`` of float32."""
+    return max(1, min(m, _CHUNK_BYTES // (4 * block_elems)))
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """``a`` (uint8, rows may be strided) as a tensor: a view when it is writable (a
+    receive buffer), else a copy (torch.from_numpy wants writable memory)."""
+    return torch.from_numpy(a if a.flags.writeable else a.copy())

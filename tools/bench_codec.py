@@ -5,9 +5,14 @@ Two parts, each a table with the load average (``os.getloadavg``) before and aft
 ``speed``: encode and decode of each reduced form on one CPU thread
 (``torch.set_num_threads(1)``), GB/s of float32 input (the gradient bytes a band
 carries before coding), median of ``--repeat`` rounds over a ``--mb`` MB gradient cut
-into ``--block-elems`` blocks::
+into ``--block-elems`` blocks. Decode is timed twice: from the encoder's rows, and from
+the rows as a shard sees them, payloads inside datagrams (a 34-byte header before each,
+as a GRO receive buffer holds them). ``--against REV`` times dgt/codec.py as it was at
+git revision REV of this checkout too, round by round in turn with today's, and gives
+the ratio of the two (today's speed / REV's, median of the rounds' ratios)::
 
-    python -m dgt.tools.bench_codec speed [--mb 25] [--repeat 20] [--json out.json]
+    python -m dgt.tools.bench_codec speed [--mb 25] [--repeat 20] [--against REV] \
+        [--json out.json]
 
 ``train``: the same ``dgt train`` job once per band codec, one after the other in one
 invocation (same seed, same iterations), on loopback: push bytes each node sends per
@@ -30,37 +35,68 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 import torch
 
 from dgt import codec
 from dgt.atomic import write_json
+from dgt.transport import wire
 from dgt.transport.wire import Coding
 
 
-def speed(mb: float = 25.0, block_elems: int = 352, repeat: int = 20, seed: int = 0
-          ) -> dict:
-    """GB/s of float32 input per coding, one thread: {name: {encode_gbps, decode_gbps}}."""
+def speed(mb: float = 25.0, block_elems: int = 352, repeat: int = 20, seed: int = 0,
+          against: str = "") -> dict:
+    """GB/s of float32 input per coding, one thread: {name: {encode_gbps, decode_gbps,
+    decode_datagrams_gbps}}, and with ``against`` (a git revision) the same for
+    dgt/codec.py at that revision (``against_*_gbps``) and today's speed over its
+    (``*_ratio``). Raises ValueError when git cannot show that revision."""
     torch.set_num_threads(1)
     n = -(-int(mb * 1e6 / 4) // block_elems)
     x = torch.randn(n, block_elems, generator=torch.Generator().manual_seed(seed))
+    gb = x.numel() * 4 / 1e9
+    impls = {"": codec, "against_": _codec_at(against)} if against else {"": codec}
     out = {}
     for c in list(Coding)[1:]:   # every reduced form
         rows = codec.encode(c, x)
-        te, td = [], []
+        dgrams = np.zeros((n, wire.HEADER_BYTES + rows.shape[1]), np.uint8)
+        dgrams[:, wire.HEADER_BYTES:] = rows
+        t = {f"{p}{k}": [] for p in impls for k in ("encode", "decode", "decode_datagrams")}
         for _ in range(repeat + 2):   # two warm-up rounds
-            a = time.perf_counter()
-            rows = codec.encode(c, x)
-            b = time.perf_counter()
-            codec.decode(c, rows, block_elems)
-            te.append(b - a), td.append(time.perf_counter() - b)
-        out[c.name.lower()] = {
-            "encode_gbps": x.numel() * 4 / float(np.median(te[2:])) / 1e9,
-            "decode_gbps": x.numel() * 4 / float(np.median(td[2:])) / 1e9,
-            "coded_bytes_per_block": rows.shape[1], "f32_bytes_per_block": block_elems * 4}
+            for p, impl in impls.items():
+                a = time.perf_counter()
+                rows = impl.encode(c, x)
+                b = time.perf_counter()
+                impl.decode(c, rows, block_elems)
+                d = time.perf_counter()
+                impl.decode(c, dgrams[:, wire.HEADER_BYTES:], block_elems)
+                for k, s in (("encode", b - a), ("decode", d - b),
+                             ("decode_datagrams", time.perf_counter() - d)):
+                    t[f"{p}{k}"].append(s)
+        res = {f"{k}_gbps": gb / float(np.median(v[2:])) for k, v in t.items()}
+        for k in ("encode", "decode", "decode_datagrams") if against else ():
+            res[f"{k}_ratio"] = float(np.median(np.divide(t[f"against_{k}"][2:],
+                                                          t[k][2:])))
+        out[c.name.lower()] = {**res, "coded_bytes_per_block": rows.shape[1],
+                               "f32_bytes_per_block": block_elems * 4}
     return {"mb": mb, "block_elems": block_elems, "repeat": repeat, "threads": 1,
-            "codings": out}
+            "against": against, "codings": out}
+
+
+def _codec_at(rev: str) -> types.ModuleType:
+    """dgt/codec.py as it is at git revision ``rev`` of this checkout, as a module (it
+    imports today's dgt.transport.wire). Raises ValueError when git cannot show it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run(["git", "-C", root, "show", f"{rev}:dgt/codec.py"],
+                       capture_output=True, text=True)
+    if p.returncode:
+        raise ValueError(f"--against {rev}: git cannot show dgt/codec.py there "
+                         f"({p.stderr.strip()}); give a revision of this checkout")
+    mod = types.ModuleType(f"dgt.codec@{rev}")
+    mod.__package__ = "dgt"   # its relative imports resolve in today's dgt
+    exec(compile(p.stdout, f"{rev}:dgt/codec.py", "exec"), mod.__dict__)
+    return mod
 
 
 def train(codecs: list[str], flags: list[str]) -> list[dict]:
@@ -100,6 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--mb", type=float, default=25.0)
     p.add_argument("--block-elems", type=int, default=352)
     p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--against", default="",
+                   help="speed: also time dgt/codec.py at this git revision, in turn")
     p.add_argument("--codecs", default="fp32,fp16,bf16,int8",
                    help="train: the --band-codec values to run, ';'-separated when one "
                         "holds commas (e.g. 'fp32;2:bf16,3:int8')")
@@ -110,11 +148,21 @@ def main(argv=None) -> int:
     a.flags = argv[cut + 1:]   # train: flags for dgt train, after --
     load0 = os.getloadavg()
     if a.part == "speed":
-        res = speed(a.mb, a.block_elems, a.repeat)
-        print(f"{'coding':<8}{'B/block':>9}{'encode GB/s':>13}{'decode GB/s':>13}")
+        try:
+            res = speed(a.mb, a.block_elems, a.repeat, against=a.against)
+        except ValueError as e:
+            p.error(str(e))
+        cols = {"encode_gbps": "encode GB/s", "decode_gbps": "decode GB/s",
+                "decode_datagrams_gbps": "decode from datagrams GB/s"}
+        if a.against:
+            cols.update({f"against_{k}": f"{a.against}: {v}" for k, v in cols.items()})
+            cols.update({f"{k}_ratio": f"{k.replace('_', ' ')}: today / {a.against}"
+                         for k in ("encode", "decode", "decode_datagrams")})
+        print("| coding | B/block | " + " | ".join(cols.values()) + " |")
+        print("|---" * (len(cols) + 2) + "|")
         for name, v in res["codings"].items():
-            print(f"{name:<8}{v['coded_bytes_per_block']:>9}{v['encode_gbps']:>13.2f}"
-                  f"{v['decode_gbps']:>13.2f}")
+            print(f"| {name} | {v['coded_bytes_per_block']} | "
+                  + " | ".join(f"{v[c]:.2f}" for c in cols) + " |")
     else:
         sep = ";" if ";" in a.codecs else ","
         rows = train([c for c in a.codecs.split(sep) if c], a.flags)

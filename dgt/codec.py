@@ -101,6 +101,8 @@ def decode(coding: int, rows: np.ndarray, block_elems: int) -> np.ndarray:
     if rows.shape[1:] != (p,):
         raise ValueError(f"coding {coding} rows must be {p} B wide, got {rows.shape}")
     out = np.empty((m, e), np.float32)
+    if m == 0:   # numpy may give an empty array any strides; torch cannot view those
+        return out
     dec = torch.from_numpy(out)
     if coding in _HALF:
         dec.copy_(_tensor(rows).view(_HALF[coding]))
@@ -131,5 +133,7 @@ def _chunk_rows(block_elems: int, m: int) -> int:
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
     """``a`` (uint8, rows may be strided) as a tensor: a view when it is writable (a
-    receive buffer), else a copy (torch.from_numpy wants writable memory)."""
-    return torch.from_numpy(a if a.flags.writeable else a.copy())
+    receive buffer) with unit-stride rows, else a copy (torch.from_numpy wants writable
+    memory; a byte view as another dtype wants stride 1 in the last dimension)."""
+    ok = a.flags.writeable and (a.ndim == 0 or a.shape[-1] <= 1 or a.strides[-1] == 1)
+    return torch.from_numpy(a if ok else np.ascontiguousarray(a).copy())

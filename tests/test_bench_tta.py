@@ -34,6 +34,30 @@ def test_tta_bad_flags_are_one_line(args, says, tmp_path):
     assert "Traceback" not in p.stderr
 
 
+def test_tta_flags_outside_tta_are_refused(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate", "--share",
+                        "0.3", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == \
+        "dgt bench: error: --share applies to 'dgt bench tta' only", p.stderr
+
+
+def test_calibrated_rate_gives_the_asked_ratio():
+    """The calibrated rate makes the ring all-reduce take comm_ratio x compute; each
+    workload gets its own rate in the plan."""
+    from dgt.tools import bench_tta
+    from dgt.tools.bench import rate_bits_per_s
+    cal = {"mlp:64": dict(ring_wire_bytes=1e6, compute_ms_median=40.0)}
+    rate = bench_tta.calibrated_rate(cal["mlp:64"], 2.0)
+    assert rate_bits_per_s(rate) == pytest.approx(8e6 / 0.080, rel=1e-3)
+    cfg = bench_tta.TtaConfig(workloads=bench_tta.parse_workloads("mlp:64"),
+                              systems=bench_tta.parse_systems("gloo,dgt"),
+                              rates=("calibrated", "1gbit"), comm_ratio=2.0)
+    cells = bench_tta.plan(cfg, cal)
+    assert [c["rate"] for c in cells] == [rate] * 6 + ["1gbit"] * 6
+    assert [c["scenario"] for c in cells[:6]] == ["clean"] * 2 + ["tenant"] * 2 + ["share"] * 2
+
+
 def test_tta_estimate_lists_every_cell(tmp_path):
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "tta", "--estimate",
                         "--models", "mlp:64,alexnet:0.125", "--systems",

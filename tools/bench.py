@@ -1081,6 +1081,8 @@ def cmd_bench(a) -> int:
         if a.what == "tta":
             from dgt.tools.bench_tta import cmd_tta
             return cmd_tta(a, command)
+        from dgt.tools.bench_tta import check_not_tta
+        check_not_tta(a)
         if a.what == "goodput":
             rate = _csv(a.rates)[0] if a.rates else "1gbit"
             rate_bits_per_s(rate)

@@ -801,6 +801,17 @@ def add_arguments(p) -> None:
                         "the calibrated rates")
 
 
+def check_not_tta(a) -> None:
+    """``dgt bench`` / ``goodput`` given a flag that only ``tta`` reads. Raises BenchError."""
+    d = dict(models=",".join(DEFAULT_MODELS), share=TtaConfig.share,
+             comm_ratio=TtaConfig.comm_ratio, max_iterations=TtaConfig.max_iterations,
+             eval_samples=TtaConfig.eval_samples, batch_size=TtaConfig.batch_size,
+             calibrate=False)
+    for k, v in d.items():
+        if getattr(a, k) != v:
+            raise BenchError(f"--{k.replace('_', '-')} applies to 'dgt bench tta' only")
+
+
 def config_from_args(a) -> TtaConfig:
     d = TtaConfig()
     return TtaConfig(

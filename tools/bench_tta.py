@@ -600,6 +600,11 @@ def run_tta(cfg: TtaConfig, command: str, log_fn=print) -> dict:
                        f"{row['cell_seconds']:.0f} s (elapsed "
                        f"{(time.monotonic() - t0) / 60:.1f} min)")
             bar.advance()
+            # after every cell: a run stopped half-way keeps what it measured
+            doc["elapsed_s"] = round(time.monotonic() - t0)
+            doc["host"]["load_after"] = _load_avg()
+            doc["complete"] = i + 1 == len(cells)
+            write_outputs(doc, cfg.out)
     finally:
         bar.stop()
         if not cfg.loopback:
@@ -609,9 +614,8 @@ def run_tta(cfg: TtaConfig, command: str, log_fn=print) -> dict:
             log_fn(f"logs kept in {work_dir}")
         else:
             shutil.rmtree(work_dir, ignore_errors=True)
-    doc["elapsed_s"] = round(time.monotonic() - t0)
-    doc["host"]["load_after"] = _load_avg()
-    write_outputs(doc, cfg.out)
+    if not cells:
+        write_outputs(doc, cfg.out)
     return doc
 
 
@@ -662,7 +666,9 @@ def markdown(doc: dict) -> str:
              f"load average (1, 5, 15 min) before {h['load_before']}, after "
              f"{h.get('load_after')}. Elapsed {doc.get('elapsed_s', 0) / 60:.1f} min "
              f"(estimate at most {doc.get('estimate_s', 0) / 60:.1f} min). Source: "
-             f"`{doc.get('git') or '?'}`.", "",
+             f"`{doc.get('git') or '?'}`."
+             + ("" if doc.get("complete", True) else f" **Partial: {len(doc['cells'])} "
+                f"cells written so far; the run did not finish.**"), "",
              f"{cfg['workers']} workers, batch {cfg['batch_size']} per worker, Adam; target "
              f"{cfg['target_accuracy']} on the first {cfg['eval_samples'] or 'all'} test "
              f"samples, evaluated every {cfg['eval_every']} iterations, at most "

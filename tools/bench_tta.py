@@ -670,8 +670,9 @@ def markdown(doc: dict) -> str:
              + ("" if doc.get("complete", True) else f" **Partial: {len(doc['cells'])} "
                 f"cells written so far; the run did not finish.**"), "",
              f"{cfg['workers']} workers, batch {cfg['batch_size']} per worker, Adam; target "
-             f"{cfg['target_accuracy']} on the first {cfg['eval_samples'] or 'all'} test "
-             f"samples, evaluated every {cfg['eval_every']} iterations, at most "
+             f"{cfg['target_accuracy']} on "
+             + (f"the first {cfg['eval_samples']} test samples" if cfg['eval_samples']
+                else "the whole test split") + f", evaluated every {cfg['eval_every']} iterations, at most "
              f"{cfg['max_iterations']} iterations per cell. Scenarios: tenant = bulk iperf3 "
              f"TCP (DSCP 0) host i -> i+1; share = every port's bands held to "
              f"{cfg['share']:g} of it, the same tenant flows marked DSCP {TENANT_DSCP} in a "

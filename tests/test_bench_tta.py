@@ -148,3 +148,12 @@ def test_share_scenario_installs_its_htb_classes(tmp_path):
     assert testbed.current(prefix) is None
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix not in names
+
+
+def test_system_variants_pass_dgt_train_flags_through():
+    """dgt:FLAGS keeps its flags as given, a comma inside a flag's value included."""
+    from dgt.tools.bench_tta import parse_systems
+    s = parse_systems("gloo,dgt:--band-codec=2:bf16,3:int8,tcp,dgt:--band-codec=int8 --k=0.3")
+    assert [(x.base, x.flags) for x in s] == [
+        ("gloo", ()), ("dgt", ("--band-codec=2:bf16,3:int8",)), ("tcp", ()),
+        ("dgt", ("--band-codec=int8", "--k=0.3"))]

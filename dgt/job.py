@@ -153,6 +153,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     resume = getattr(ns, "resume", "") or ""
     t_start = time.monotonic()
     comm_s: list[float] = []
+    compute_s: list[float] = []   # per iteration: batch, forward and backward (seconds)
     comm_at: list[tuple[float, float]] = []   # (push, pull) on CLOCK_MONOTONIC: host-wide
     history = []
     reached = None
@@ -180,6 +181,9 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     else:
         client.register(model)
     fed = FedAvgRound(model, client) if fedavg else None
+    # a comm that hooks into the model's backward (the DDP baselines of dgt bench tta,
+    # dgt.tools.gloo_train) gives the module to run forward through
+    forward = client.wrap(model) if hasattr(client, "wrap") else model
     iters_per_epoch = sampler.iterations
     saved_at = step         # iteration of the last checkpoint
     stop = False
@@ -224,16 +228,18 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
                 break
             if epoch == first_epoch and i < skip:   # done before the checkpoint
                 continue
+            t_batch = time.monotonic()
             idx = idx.to(device)
             xb = xtr[idx]
             if aug is not None:
                 xb = datasets.augment(xb, aug)
             if fed is not None and not round_losses:
                 fed.start()
-            loss = loss_fn(model(xb), ytr[idx])
+            loss = loss_fn(forward(xb), ytr[idx])
             opt.zero_grad(set_to_none=False)
             loss.backward()
             loss_value = loss.item()
+            compute_s.append(time.monotonic() - t_batch)
             last = i == iters_per_epoch - 1 or bool(max_iterations and
                                                     step + 1 >= max_iterations)
             if fed is None:
@@ -286,6 +292,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     return {"rank": ns.rank, "iterations": step, "rounds": rounds,
             "final_test_accuracy": history[-1]["test_accuracy"],
             "history": history, "param_sha256": param_sha256(model), "comm_s": comm_s,
+            "compute_s": compute_s,
             "comm_at": comm_at, "workload": workload,
             "class_histograms": partition.class_histograms(parts, ylab, ns.world,
                                                            data.classes),

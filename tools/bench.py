@@ -266,8 +266,9 @@ class TenantLoad:
     ``seconds``); ``stop()`` ends them early and returns [{src, dst, mbit_s}].
     """
 
-    def __init__(self, tb, pairs: list[tuple[int, int]], port_base: int = 5401):
-        self.tb, self.pairs, self.port_base = tb, pairs, port_base
+    def __init__(self, tb, pairs: list[tuple[int, int]], port_base: int = 5401,
+                 dscp: int | None = None):
+        self.tb, self.pairs, self.port_base, self.dscp = tb, pairs, port_base, dscp
         self.servers: list[subprocess.Popen] = []
         self.clients: list[subprocess.Popen] = []
 
@@ -284,7 +285,8 @@ class TenantLoad:
         for k, (s, d) in enumerate(self.pairs):
             self.clients.append(self.tb.popen_in(
                 s, ["iperf3", "-c", self.tb.host_addr(d), "-p", str(self.port_base + k),
-                    "-t", f"{max(1, int(seconds))}", "-J"],
+                    "-t", f"{max(1, int(seconds))}", "-J"]
+                + ([] if self.dscp is None else ["--dscp", str(self.dscp)]),
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
 
     def stop(self) -> list[dict]:
@@ -310,6 +312,15 @@ class TenantLoad:
             p.wait()
         self.servers, self.clients = [], []
         return out
+
+
+def start_tenant(tb, workers: int, timeout_s: float, dscp: int | None = None) -> TenantLoad:
+    """The tenant of a cell: iperf3 bulk TCP from host i to host i+1 mod N (marked
+    ``dscp``, default 0), bounded to the cell's timeout; settled 1 s before returning."""
+    tenant = TenantLoad(tb, [(i, (i + 1) % workers) for i in range(workers)], dscp=dscp)
+    tenant.start(round(timeout_s + 5))
+    time.sleep(1.0)   # let the tenant flows leave slow start
+    return tenant
 
 
 # ---------------------------------------------------------------------------- one cell
@@ -381,29 +392,10 @@ def stop_group(p: subprocess.Popen, grace_s: float = 10.0) -> None:
             continue
 
 
-def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> dict:
-    """Run one cell; return its result row (``error`` set when it failed)."""
-    system, rate, scenario = cell["system"], cell["rate"], cell["scenario"]
-    name = f"{rate or 'loopback'}-{scenario}" + (
-        "" if cell.get("loss_pct") is None else f"-{cell['loss_pct']:g}pct") + f"-{system}"
-    run_dir = os.path.join(work_dir, name)
-    os.makedirs(run_dir, exist_ok=True)
-    report_path = os.path.join(run_dir, "report.json")
-    argv = cell_argv(cfg, system, rate, report_path, run_dir)
-    est = estimate_cell_s(cfg, rate)
-    timeout_s = cfg.cell_timeout_s or max(120.0, 4 * est)
-    row = dict(cell, label=SYSTEM_LABEL[system], command=shlex.join(
-        ["dgt", "train"] + argv[4:] if system != "gloo" else
-        ["python", "-m", "dgt.tools.gloo_train"] + argv[3:]), error=None)
-    tenant = None
-    if scenario == "tenant":
-        pairs = [(i, (i + 1) % cfg.workers) for i in range(cfg.workers)]
-        tenant = TenantLoad(tb, pairs)
-        # bounded by the cell's own timeout; stopped as soon as the cell ends
-        row["tenant_seconds_bound"] = round(timeout_s + 5)
-        tenant.start(row["tenant_seconds_bound"])
-        time.sleep(1.0)   # let the tenant flows leave slow start
-    n0 = host_counters(tb, cfg.workers)
+def run_job(argv: list[str], run_dir: str, timeout_s: float) -> tuple[int | None, float]:
+    """Run one cell's job in its own session, output to ``run_dir/stdout.log``; stop
+    its process group after ``timeout_s``. Returns (exit status or None when it timed
+    out, seconds it ran)."""
     t0 = time.monotonic()
     with open(os.path.join(run_dir, "stdout.log"), "wb") as out:
         p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
@@ -420,7 +412,30 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
             code = None
         finally:   # also on SIGTERM/SIGINT to the bench (cmd_bench): stop the job
             stop_group(p)
-    row["cell_seconds"] = round(time.monotonic() - t0, 1)
+    return code, round(time.monotonic() - t0, 1)
+
+
+def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> dict:
+    """Run one cell; return its result row (``error`` set when it failed)."""
+    system, rate, scenario = cell["system"], cell["rate"], cell["scenario"]
+    name = f"{rate or 'loopback'}-{scenario}" + (
+        "" if cell.get("loss_pct") is None else f"-{cell['loss_pct']:g}pct") + f"-{system}"
+    run_dir = os.path.join(work_dir, name)
+    os.makedirs(run_dir, exist_ok=True)
+    report_path = os.path.join(run_dir, "report.json")
+    argv = cell_argv(cfg, system, rate, report_path, run_dir)
+    est = estimate_cell_s(cfg, rate)
+    timeout_s = cfg.cell_timeout_s or max(120.0, 4 * est)
+    row = dict(cell, label=SYSTEM_LABEL[system], command=shlex.join(
+        ["dgt", "train"] + argv[4:] if system != "gloo" else
+        ["python", "-m", "dgt.tools.gloo_train"] + argv[3:]), error=None)
+    tenant = None
+    if scenario == "tenant":
+        # bounded by the cell's own timeout; stopped as soon as the cell ends
+        row["tenant_seconds_bound"] = round(timeout_s + 5)
+        tenant = start_tenant(tb, cfg.workers, timeout_s)
+    n0 = host_counters(tb, cfg.workers)
+    code, row["cell_seconds"] = run_job(argv, run_dir, timeout_s)
     n1 = host_counters(tb, cfg.workers)
     if tenant is not None:
         row["tenant"] = tenant.stop()
@@ -968,17 +983,20 @@ def loss_list(s: str) -> tuple[float, ...]:
 
 def add_arguments(p) -> None:
     d = BenchConfig()
-    p.add_argument("what", nargs="?", choices=("matrix", "goodput"), default="matrix",
+    p.add_argument("what", nargs="?", choices=("matrix", "goodput", "tta"), default="matrix",
                    help="matrix: systems x scenarios x rates; goodput: dgt's reliable "
-                        "channel vs iperf3 on one port")
-    p.add_argument("--systems", default=",".join(d.systems),
-                   help=f"comma list of {','.join(SYSTEMS)}")
-    p.add_argument("--scenarios", default=",".join(d.scenarios),
-                   help=f"comma list of {','.join(SCENARIOS)}")
+                        "channel vs iperf3 on one port; tta: time to accuracy per model, "
+                        "the DGT paper's experiment (docs/bench/tta.md)")
+    p.add_argument("--systems", default=None,
+                   help=f"comma list of {','.join(SYSTEMS)} (default all; tta: "
+                        f"gloo,gloo-fp16,gloo-powersgd,tcp,dgt and dgt:FLAGS variants)")
+    p.add_argument("--scenarios", default=None,
+                   help=f"comma list of {','.join(SCENARIOS)} (default all; tta: "
+                        f"clean,tenant,share)")
     p.add_argument("--rates", default=None,
                    help=f"port rates, tc notation (default {','.join(d.rates)}; goodput: "
                         f"the first, default 1gbit)")
-    p.add_argument("--workers", type=int, default=d.workers,
+    p.add_argument("--workers", type=int, default=None,
                    help=f"matrix: nodes (default {d.workers}; goodput always uses 2)")
     p.add_argument("--hidden", type=int, default=d.hidden,
                    help="MLP width (2500: 6.4M parameters, 25 MB of fp32 gradient)")
@@ -986,9 +1004,11 @@ def add_arguments(p) -> None:
     p.add_argument("--iterations", type=int, default=None,
                    help=f"iterations per cell, 0 = every epoch (default {d.iterations}; "
                         f"goodput: 4)")
-    p.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="measure test accuracy every this many iterations")
-    p.add_argument("--target-accuracy", type=float, default=d.target_accuracy)
+    p.add_argument("--eval-every", type=int, default=None,
+                   help=f"measure test accuracy every this many iterations (default "
+                        f"{d.eval_every}; tta 10)")
+    p.add_argument("--target-accuracy", type=float, default=None,
+                   help=f"default {d.target_accuracy}; tta 0.85")
     p.add_argument("--loss-pct", type=loss_list, default=d.loss_pct,
                    help="lossy scenarios: random drop, percent (lossy: on DSCP 34,18,8; "
                         "lossy-link: on every packet); a comma list (1,3,5) runs each "
@@ -1006,17 +1026,23 @@ def add_arguments(p) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="goodput: iperf3 seconds")
     p.add_argument("--mb", type=float, default=100.0,
                    help="goodput: MB pushed over the reliable channel (default 100)")
-    p.add_argument("--estimate", action="store_true",
+    p.add_argument("--estimate", "--dry-run", action="store_true",
                    help="print the plan and time estimate, run nothing")
+    from dgt.tools.bench_tta import add_arguments as tta_arguments
+    tta_arguments(p)
 
 
 def config_from_args(a) -> BenchConfig:
     d = BenchConfig()
-    return BenchConfig(systems=_csv(a.systems), scenarios=_csv(a.scenarios),
-                       rates=_csv(a.rates) if a.rates else d.rates, workers=a.workers,
-                       hidden=a.hidden, epochs=a.epochs, eval_every=a.eval_every,
+    return BenchConfig(systems=_csv(a.systems) if a.systems is not None else d.systems,
+                       scenarios=_csv(a.scenarios) if a.scenarios is not None else d.scenarios,
+                       rates=_csv(a.rates) if a.rates else d.rates,
+                       workers=d.workers if a.workers is None else a.workers,
+                       hidden=a.hidden, epochs=a.epochs,
+                       eval_every=d.eval_every if a.eval_every is None else a.eval_every,
                        iterations=d.iterations if a.iterations is None else a.iterations,
-                       target_accuracy=a.target_accuracy, loss_pct=a.loss_pct,
+                       target_accuracy=d.target_accuracy if a.target_accuracy is None
+                       else a.target_accuracy, loss_pct=a.loss_pct,
                        profile=a.profile, prefix=a.prefix, seed=a.seed, out=a.out,
                        loopback=a.loopback, cell_timeout_s=a.cell_timeout_s,
                        keep_runs=a.keep_runs)
@@ -1036,7 +1062,7 @@ def check_goodput_args(a, iterations: int) -> None:
     if a.loopback:
         raise BenchError("goodput runs through one shaped testbed port; --loopback does "
                          "not apply (use 'dgt bench --loopback' for the overhead check)")
-    if a.workers != BenchConfig().workers:
+    if a.workers is not None and a.workers != BenchConfig().workers:
         raise BenchError("goodput always uses 2 testbed hosts; drop --workers")
     if len(_csv(a.rates) if a.rates else []) > 1:
         raise BenchError("goodput takes one --rates value (one port rate)")
@@ -1052,6 +1078,11 @@ def cmd_bench(a) -> int:
     # the testbed removed on the way out (the default action would leave them running)
     raise_keyboard_interrupt_on(signal.SIGTERM, signal.SIGHUP, ignore_repeats=True)
     try:
+        if a.what == "tta":
+            from dgt.tools.bench_tta import cmd_tta
+            return cmd_tta(a, command)
+        from dgt.tools.bench_tta import check_not_tta
+        check_not_tta(a)
         if a.what == "goodput":
             rate = _csv(a.rates)[0] if a.rates else "1gbit"
             rate_bits_per_s(rate)

@@ -123,13 +123,136 @@ def ring_bytes_per_iteration(n_params: int, world: int) -> int:
     return int(round(2 * (world - 1) / world * 4 * n_params)) if world > 1 else 0
 
 
+HOOKS = ("none", "fp16", "powersgd")
+#: PowerSGD settings: those of the example in PyTorch's powerSGD_hook docstring
+#: (rank-1 approximation, vanilla all-reduce for the first 10 iterations).
+POWERSGD_RANK = 1
+POWERSGD_START_ITER = 10
+POWERSGD_MIN_COMPRESSION_RATE = 0.5
+
+
+class DDPHook:
+    """DDP over gloo with one of PyTorch's own gradient compression comm hooks.
+
+    ``hook``: ``"none"`` (DDP's all-reduce), ``"fp16"``
+    (``default_hooks.fp16_compress_hook``: each bucket cast to float16, all-reduced,
+    cast back) or ``"powersgd"`` (``powerSGD_hook.powerSGD_hook`` with
+    ``PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=10,
+    min_compression_rate=0.5)``, the example of its docstring). The same interface as
+    :class:`GlooAllReduce`; ``wrap(model)`` returns the DDP module that
+    :func:`dgt.job.train` runs forward through, so the averaging happens during
+    ``backward()`` and ``push_pull`` only records the iteration.
+
+    torch 2.13's ``powerSGD_hook`` deadlocks on gloo once DDP has two or more buckets,
+    so PowerSGD gets ONE bucket (``bucket_cap_mb`` above the gradient's size); fp16 and
+    none keep DDP's default 25 MB buckets.
+
+    Per iteration it records ``spans_s`` (seconds from the first bucket handed to the
+    hook to the last bucket's result: the communication, which overlaps the rest of
+    backward) and ``allreduced_bytes`` (payload bytes all-reduced: fp16 two bytes per
+    gradient element; PowerSGD the P and Q matrices and the uncompressed tensors it
+    all-reduces, or the whole bucket in its vanilla iterations). Raises RuntimeError from
+    gloo on a peer failure.
+    """
+
+    last_k = None
+
+    def __init__(self, rank: int, world: int, hook: str = "none", timeout_s: float = 60.0,
+                 iface: str | None = None):
+        if hook not in HOOKS:
+            raise ValueError(f"hook must be one of {', '.join(HOOKS)}, got {hook!r}")
+        self.rank, self.world, self.hook, self.timeout_s = rank, world, hook, timeout_s
+        self.iface = iface
+        self.tx0 = self.tx1 = None
+        self.spans_s: list[float] = []
+        self.allreduced_bytes: list[int] = []
+        self._first = self._last = None
+        self._bytes = 0
+
+    def register(self, model: torch.nn.Module) -> None:
+        import datetime
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="env://", rank=self.rank,
+                                world_size=self.world,
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.model = model
+        self.n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        dist.barrier()
+        self.tx0 = _tx_bytes(self.iface) if self.iface else None
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The DDP module with the comm hook registered (call after ``register``)."""
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        cap_mb = 25.0
+        if self.hook == "powersgd":   # one bucket: see the class docstring
+            cap_mb = 4 * self.n_params / 2 ** 20 + 1
+        ddp = DDP(model, bucket_cap_mb=cap_mb)
+        if self.hook == "none":
+            state, inner = dist.group.WORLD, default_hooks.allreduce_hook
+        elif self.hook == "fp16":
+            state, inner = dist.group.WORLD, default_hooks.fp16_compress_hook
+        else:
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                start_powerSGD_iter=POWERSGD_START_ITER,
+                min_compression_rate=POWERSGD_MIN_COMPRESSION_RATE)
+            inner = powerSGD_hook.powerSGD_hook
+        self._count_all_reduce()
+        ddp.register_comm_hook(state, self._timed(inner))
+        return ddp
+
+    def _count_all_reduce(self) -> None:
+        """Every hook all-reduces with ``torch.distributed.all_reduce`` (PowerSGD: P, Q
+        and the uncompressed tensors; fp16: the float16 bucket): count their bytes."""
+        import torch.distributed as dist
+        orig = dist.all_reduce
+
+        def counted(tensor, *args, **kwargs):
+            self._bytes += tensor.numel() * tensor.element_size()
+            return orig(tensor, *args, **kwargs)
+        dist.all_reduce = counted
+
+    def _timed(self, inner):
+        def hook(state, bucket):
+            if self._first is None:
+                self._first = time.monotonic()
+            fut = inner(state, bucket)
+
+            def done(f):
+                self._last = time.monotonic()
+                return f.value()
+            return fut.then(done)
+        return hook
+
+    def push_pull(self, step: int, loss: float | None = None) -> None:
+        """Record the iteration's comm span and bytes (DDP averaged during backward)."""
+        first, last = self._first, self._last
+        self.spans_s.append(last - first if first is not None and last is not None else 0.0)
+        self.allreduced_bytes.append(self._bytes)
+        self._first = self._last = None
+        self._bytes = 0
+
+    def close(self) -> None:
+        """Count tx bytes, then wait for every rank. The process group is not destroyed:
+        with a DDP module alive, ``destroy_process_group`` hung on one rank of two
+        (torch 2.13, gloo) after the other had returned; the rank exits right after."""
+        import torch.distributed as dist
+        self.tx1 = _tx_bytes(self.iface) if self.iface else None
+        if dist.is_initialized():
+            dist.barrier()
+
+
 # ---------------------------------------------------------------------------- one rank
 
 
 def rank_main(ns: argparse.Namespace) -> int:
     from dgt.job import train
     torch.set_num_threads(1)
-    comm = GlooAllReduce(ns.rank, ns.world, ns.timeout_s, ns.iface)
+    hook = getattr(ns, "ddp_hook", None)
+    comm = (GlooAllReduce(ns.rank, ns.world, ns.timeout_s, ns.iface) if not hook else
+            DDPHook(ns.rank, ns.world, hook, ns.timeout_s, ns.iface))
     try:
         result = train(ns, comm=comm)
     except RuntimeError as e:
@@ -137,6 +260,13 @@ def rank_main(ns: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return 3
     result["n_params"] = comm.n_params
+    if hook:   # DDP averaged inside backward: comm is the hook's span, compute the rest
+        result["comm_s"] = comm.spans_s
+        result["compute_s"] = [max(0.0, c - s) for c, s in
+                               zip(result["compute_s"], comm.spans_s)]
+        result["allreduced_bytes"] = comm.allreduced_bytes
+    else:
+        result["allreduced_bytes"] = [4 * comm.n_params] * len(result["comm_s"])
     result["tx_bytes"] = (comm.tx1 - comm.tx0) if None not in (comm.tx0, comm.tx1) else None
     write_json(ns.result, result)
     sys.stdout.flush()
@@ -158,6 +288,13 @@ class GlooJob:
     hidden: int = JobConfig.hidden
     seed: int = JobConfig.seed
     target_accuracy: float = JobConfig.target_accuracy
+    model: str = JobConfig.model
+    width: float = JobConfig.width
+    dataset: str = JobConfig.dataset
+    data_dir: str = JobConfig.data_dir
+    eval_samples: int = JobConfig.eval_samples
+    stop_at_target: bool = False
+    ddp_hook: str = ""   # "": one flat all_reduce; none|fp16|powersgd: DDP with that hook
     testbed: bool = False
     testbed_prefix: str = JobConfig.testbed_prefix
     timeout_s: float = 60.0
@@ -200,7 +337,9 @@ def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
         master_port = free_port()
     env = dict(os.environ, MASTER_ADDR=hosts[0][0], MASTER_PORT=str(master_port),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=hosts[0][2])
-    log(f"gloo_train: {n} workers, gloo all_reduce, hidden {job.hidden}, "
+    log(f"gloo_train: {n} workers, gloo "
+        f"{'DDP, hook ' + job.ddp_hook if job.ddp_hook else 'all_reduce'}, model "
+        f"{job.model}, "
         f"{'testbed' if job.testbed else 'loopback'}; logs in {run_dir}")
     procs = []
     for r in range(n):
@@ -211,7 +350,13 @@ def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
             "--eval-every", str(job.eval_every),
             "--batch-size", str(job.batch_size), "--lr", str(job.lr),
             "--hidden", str(job.hidden), "--seed", str(job.seed),
-            "--target-accuracy", str(job.target_accuracy), "--timeout-s", str(job.timeout_s)]
+            "--target-accuracy", str(job.target_accuracy), "--timeout-s", str(job.timeout_s),
+            "--model", job.model, "--width", str(job.width), "--dataset", job.dataset,
+            "--data-dir", job.data_dir, "--eval-samples", str(job.eval_samples)]
+        if job.stop_at_target:
+            argv.append("--stop-at-target")
+        if job.ddp_hook:
+            argv += ["--ddp-hook", job.ddp_hook]
         if hosts[r][2] != "lo":
             argv += ["--iface", hosts[r][2]]
         logf = open(os.path.join(run_dir, f"trainer-{r}.log"), "wb")
@@ -264,8 +409,18 @@ def build_report(run_dir: str, job: GlooJob, wall_s: float) -> dict:
     wire = (float(np.mean(tx)) / iters if iters and all(x is not None for x in tx)
             else None)
     shas = [t["param_sha256"] for t in ranks]
+    # ring model: reduce-scatter sends (N-1)/N of what is all-reduced (the push), the
+    # all-gather as much again (the pull)
+    share = (job.workers - 1) / job.workers
+    allreduced = t0.get("allreduced_bytes") or []
+    compute = t0.get("compute_s") or []
     return {
-        "mode": MODE,
+        "mode": MODE if not job.ddp_hook else f"{MODE}-ddp-{job.ddp_hook}",
+        "workload": t0.get("workload"),
+        "compute_ms_median": float(np.median(compute)) * 1e3 if compute else None,
+        "push_bytes_per_iteration": share * float(np.mean(allreduced)) if allreduced else None,
+        "pull_bytes_per_iteration": share * float(np.mean(allreduced)) if allreduced else None,
+        "bytes_source": "ring model: (N-1)/N of the bytes all-reduced, each direction",
         "workers": job.workers,
         "iterations": iters,
         "final_test_accuracy": t0["final_test_accuracy"],
@@ -280,7 +435,8 @@ def build_report(run_dir: str, job: GlooJob, wall_s: float) -> dict:
         "param_sha256": shas,
         "n_params": t0["n_params"],
         "gradient_bytes": 4 * t0["n_params"],
-        "bytes_per_iteration": ring_bytes_per_iteration(t0["n_params"], job.workers),
+        "bytes_per_iteration": (2 * share * float(np.mean(allreduced)) if allreduced else
+                                ring_bytes_per_iteration(t0["n_params"], job.workers)),
         "wire_tx_bytes_per_iteration": wire,
         "channels": {},
         "history": t0["history"],
@@ -315,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="one rank per testbed host (root; 'dgt testbed up' first)")
     p.add_argument("--testbed-prefix", default=JobConfig.testbed_prefix,
                    help="with --testbed: the testbed's name prefix")
+    p.add_argument("--ddp-hook", choices=HOOKS, default=None,
+                   help="DDP over gloo with this comm hook instead of one flat all_reduce: "
+                        "none (DDP's all-reduce), fp16 (fp16_compress_hook), powersgd "
+                        "(powerSGD_hook, rank 1, from iteration 10, one bucket)")
     p.add_argument("--report", default="", help="write the JSON report here")
     p.add_argument("--run-dir", default="", help="keep logs and per-rank results here")
     from dgt.job import add_loop_arguments
@@ -333,7 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     job = GlooJob(workers=ns.workers, epochs=ns.epochs, iterations=ns.iterations,
                   eval_every=ns.eval_every,
                   batch_size=ns.batch_size, lr=ns.lr, hidden=ns.hidden, seed=ns.seed,
-                  target_accuracy=ns.target_accuracy, testbed=ns.testbed,
+                  target_accuracy=ns.target_accuracy, model=ns.model, width=ns.width,
+                  dataset=ns.dataset, data_dir=ns.data_dir, eval_samples=ns.eval_samples,
+                  stop_at_target=ns.stop_at_target, ddp_hook=ns.ddp_hook or "",
+                  testbed=ns.testbed,
                   testbed_prefix=ns.testbed_prefix,
                   timeout_s=ns.timeout_s, run_dir=ns.run_dir)
     code, report = run_gloo(job)

@@ -1,0 +1,159 @@
+"""'dgt bench tta' (time to accuracy) and its DDP baselines: real processes, tiny models,
+a few iterations; no timing is asserted."""
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+from conftest import needs
+
+root_only = needs("ip", root="netns, veth, tc")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--systems", "nccl"], "unknown system 'nccl'"),
+    (["--systems", "dgt:--no-such-flag"], "no transmission flag '--no-such-flag'"),
+    (["--systems", "gloo:--band-codec=int8"], "only tcp and dgt take"),
+    (["--systems", "dgt:--mode=tcp"], "the base name sets --mode"),
+    (["--models", "alexnet:wide"], "MODEL:WIDTH"),
+    (["--models", "bert"], "unknown model 'bert'"),
+    (["--scenarios", "lossy"], "tta runs clean,tenant,share"),
+    (["--share", "1.5"], "--share must be in"),
+    (["--comm-ratio", "0"], "--comm-ratio must be"),
+    (["--iterations", "5"], "use --max-iterations"),
+    (["--rates", "fast"], "--rates"),
+])
+def test_tta_bad_flags_are_one_line(args, says, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "tta", "--estimate",
+                        "--out", str(tmp_path), *args], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_tta_flags_outside_tta_are_refused(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate", "--share",
+                        "0.3", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == \
+        "dgt bench: error: --share applies to 'dgt bench tta' only", p.stderr
+
+
+def test_calibrated_rate_gives_the_asked_ratio():
+    """The calibrated rate makes the ring all-reduce take comm_ratio x compute; each
+    workload gets its own rate in the plan."""
+    from dgt.tools import bench_tta
+    from dgt.tools.bench import rate_bits_per_s
+    cal = {"mlp:64": dict(ring_wire_bytes=1e6, compute_ms_median=40.0)}
+    rate = bench_tta.calibrated_rate(cal["mlp:64"], 2.0)
+    assert rate_bits_per_s(rate) == pytest.approx(8e6 / 0.080, rel=1e-3)
+    cfg = bench_tta.TtaConfig(workloads=bench_tta.parse_workloads("mlp:64"),
+                              systems=bench_tta.parse_systems("gloo,dgt"),
+                              rates=("calibrated", "1gbit"), comm_ratio=2.0)
+    cells = bench_tta.plan(cfg, cal)
+    assert [c["rate"] for c in cells] == [rate] * 6 + ["1gbit"] * 6
+    assert [c["scenario"] for c in cells[:6]] == ["clean"] * 2 + ["tenant"] * 2 + ["share"] * 2
+
+
+def test_tta_estimate_lists_every_cell(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "tta", "--estimate",
+                        "--models", "mlp:64,alexnet:0.125", "--systems",
+                        "gloo,dgt,dgt:--band-codec=int8", "--rates", "1gbit",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count(" at most\n") == 2 * 3 * 3   # models x systems x scenarios
+    assert "estimate: at most" in p.stdout
+
+
+def test_tta_loopback_cell_end_to_end(tmp_path):
+    """mlp on digits, 2 workers, a target reached in a few iterations: tta.json and
+    tta.md carry every required field, replicas identical."""
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "tta", "--loopback",
+                        "--models", "mlp:64", "--systems", "gloo,dgt", "--workers", "2",
+                        "--target-accuracy", "0.3", "--eval-every", "2",
+                        "--eval-samples", "200", "--max-iterations", "30", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((out / "tta.json").read_text())
+    assert [c["system"] for c in doc["cells"]] == ["gloo", "dgt"]
+    assert doc["host"]["load_before"] and doc["command"].startswith("dgt bench tta")
+    for c in doc["cells"]:
+        assert c["error"] is None, c["error"]
+        assert c["replicas_identical"] and len(set(c["param_sha256"])) == 1
+        assert len(c["param_sha256"]) == 2
+        assert c["time_to_target_s"] is not None and c["iterations_to_target"] <= 30
+        assert c["iterations"] == c["iterations_to_target"]   # stopped at the target
+        assert c["final_test_accuracy"] >= 0.3
+        assert c["push_bytes_per_iteration"] > 0 and c["pull_bytes_per_iteration"] > 0
+        assert c["compute_ms_median"] > 0 and c["comm_ms_median"] > 0
+        assert c["history"] and c["history"][-1]["test_accuracy"] >= 0.3
+        assert "RUN_DIR" in c["command"]
+    md = (out / "tta.md").read_text()
+    assert doc["command"] in md and "training-time reduction" in md
+    assert "| loopback | loopback | mlp:64 | dgt |" in md
+    assert (out / "tta_accuracy.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_ddp_hook_baselines_keep_replicas_identical(hook, tmp_path):
+    """gloo + fp16_compress_hook and gloo + powerSGD_hook (one bucket) run and end
+    with identical replicas; fp16 all-reduces 2 bytes per parameter, PowerSGD fewer
+    bytes once it compresses (iteration 10 on)."""
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "dgt.tools.gloo_train", "--workers", "2",
+                        "--iterations", "12" if hook == "powersgd" else "2",
+                        "--hidden", "32", "--ddp-hook", hook, "--report",
+                        str(tmp_path / "r.json"), "--run-dir", str(run)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["replicas_identical"] and r["mode"] == f"gloo-ddp-{hook}"
+    sent = json.loads((run / "trainer-0.json").read_text())["allreduced_bytes"]
+    n = r["n_params"]
+    if hook == "fp16":
+        assert sent == [2 * n, 2 * n]
+        assert r["push_bytes_per_iteration"] == n   # (N-1)/N of 2n bytes, N = 2
+    else:
+        assert sent[:10] == [4 * n] * 10 and all(0 < b < 4 * n for b in sent[10:])
+
+
+@root_only
+def test_share_scenario_installs_its_htb_classes(tmp_path):
+    """The share profile on a real testbed: every job band's ceil is share x the port,
+    the tenant band (DSCP 24) is guaranteed the rest; all removed by down()."""
+    from dgt.tc_profiles import applier, testbed
+    from dgt.tools import bench_tta
+    prefix = "tta" + uuid.uuid4().hex[:5]
+    prof = bench_tta.share_profile("htb-prio", 0.25, str(tmp_path / "share.yaml"))
+    try:
+        tb = testbed.up(2, rate="100mbit", profile=prof, prefix=prefix)
+        for ns, dev in tb.ports():
+            st = applier.show(dev, ns)
+            classes = [c for c in st["classes"] if c["parent"] != "root"]   # the bands
+            tenant = [c for c in classes if bench_tta.TENANT_DSCP in (c.get("dscp") or [])]
+            assert len(tenant) == 1
+            assert tenant[0]["rate_bit"] == pytest.approx(75e6, rel=0.01)
+            assert tenant[0]["ceil_bit"] == pytest.approx(100e6, rel=0.01)
+            job = [c for c in classes if c is not tenant[0]]
+            assert len(job) == 9   # htb-prio's bands
+            for c in job:
+                assert c["ceil_bit"] == pytest.approx(25e6, rel=0.01), c
+            assert any(46 in (c.get("dscp") or []) for c in job)
+    finally:
+        testbed.down(prefix)
+    assert testbed.current(prefix) is None
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in names
+
+
+def test_system_variants_pass_dgt_train_flags_through():
+    """dgt:FLAGS keeps its flags as given, a comma inside a flag's value included."""
+    from dgt.tools.bench_tta import parse_systems
+    s = parse_systems("gloo,dgt:--band-codec=2:bf16,3:int8,tcp,dgt:--band-codec=int8 --k=0.3")
+    assert [(x.base, x.flags) for x in s] == [
+        ("gloo", ()), ("dgt", ("--band-codec=2:bf16,3:int8",)), ("tcp", ()),
+        ("dgt", ("--band-codec=int8", "--k=0.3"))]

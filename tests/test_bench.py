@@ -83,6 +83,9 @@ def _bench_as_nobody() -> tuple[int, str]:
     import dgt.tc_profiles.cli  # noqa: F401
     import importlib.readers  # noqa: F401  (the tc profiles are package data)
     parser = dgt.cli.build_parser()
+    # the checks before the root check, once as root: whatever they import is loaded
+    dgt.tools.bench.config_from_args(parser.parse_args(["bench", "--rates", "1gbit"])
+                                     ).validate()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:

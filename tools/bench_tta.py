@@ -471,9 +471,14 @@ def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict]
         chans = (rep or {}).get("channels") or {}
         push = sum(v["bytes_sent"] for v in chans.values()) / cfg.workers / iters \
             if iters and chans else None
-        pull = (cfg.workers - 1) / cfg.workers * 4 * n
-        src = ("push: BLOCKS bytes counted by the sidecars; pull: PULL payload "
-               "(N-1)/N x the fp32 gradient")
+        counted = (rep or {}).get("pull_bytes_per_round")
+        if counted:   # PULL frames on the wire, as the sidecars counted them
+            pull = counted / cfg.workers
+            src = "push: BLOCKS bytes, pull: PULL frames, both counted by the sidecars"
+        else:   # a report from before the sidecars counted PULL bytes
+            pull = (cfg.workers - 1) / cfg.workers * 4 * n
+            src = ("push: BLOCKS bytes counted by the sidecars; pull: PULL payload "
+                   "(N-1)/N x the fp32 gradient")
     shas = [t.get("param_sha256") for t in trainers]
     reached = t0.get("target_reached")
     return dict(
@@ -716,8 +721,8 @@ def markdown(doc: dict) -> str:
               "hook's span); comm = from the push to the applied aggregate (DDP: from the "
               "first bucket handed to the hook to the last one's result, overlapping "
               "backward); medians. push / pull = KB per iteration and node (gloo family: "
-              "ring model of the bytes all-reduced; dgt: BLOCKS bytes its sidecars "
-              "counted, PULL payload modelled). replicas: every rank's parameter "
+              "ring model of the bytes all-reduced; dgt: BLOCKS and PULL bytes its "
+              "sidecars counted). replicas: every rank's parameter "
               "SHA-256 equal.", "",
               "| rate | scenario | workload | system | to target (it / s) | final acc | iters "
               "| compute ms | comm ms | push KB/it | pull KB/it | replicas | load before |",

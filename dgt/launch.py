@@ -32,11 +32,11 @@ import tempfile
 import time
 
 
-from . import checkpoint, failure, records
+from . import checkpoint, failure, records, unixsock
 from .atomic import write_json
 from .interrupt import raise_keyboard_interrupt_on
 from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig, JobConfig,
-                     TransmissionConfig, to_argv)
+                     TransmissionConfig, default_run_dir, to_argv)
 from .rendezvous import QUIET_TORCH_ENV
 from .report import build_report, diverged, print_summary
 
@@ -167,7 +167,7 @@ class Job:
         py = sys.executable
         for r in range(n):
             host, prefix = hosts[r]
-            sock = os.path.join(self.run_dir, f"sidecar-{r}.sock")
+            sock = self._socket_path(r)
             side = prefix + [py, "-m", "dgt.sidecar", "--rank", str(r), "--world", str(n),
                              "--master-addr", master_addr, "--master-port", str(master_port),
                              "--host", host, "--base-port", str(j.base_port),
@@ -336,13 +336,26 @@ class Job:
                 time.sleep(0.05)
         self.remove_shared_memory()
 
+    def _socket_path(self, rank: int) -> str:
+        """Rank ``rank``'s sidecar socket: ``sidecar-<rank>.sock`` in the run dir, or,
+        when that path is too long to bind (a deep --run-dir; unix(7): 107 bytes),
+        ``job-<our pid>-<rank>.sock`` in the per-user runtime folder
+        (dgt.config.default_run_dir, checked by dgt.unixsock.private_dir). Raises
+        dgt.unixsock.NotOurs when that folder is another user's."""
+        path = os.path.join(self.run_dir, f"sidecar-{rank}.sock")
+        if unixsock.fits(path):
+            return path
+        return os.path.join(unixsock.private_dir(default_run_dir()),
+                            f"job-{os.getpid()}-{rank}.sock")
+
     def remove_shared_memory(self) -> None:
         """A sidecar killed by SIGKILL cannot unlink its /dev/shm buffers; we can."""
         from .ipc import shm_dir
         for kind, _, p in self.procs:
             if kind == "sidecar" and p.poll() is not None:
                 for path in glob.glob(os.path.join(shm_dir(), f"dgt-{p.pid}-*")) + \
-                        glob.glob(os.path.join(self.run_dir, "*.sock")):
+                        glob.glob(os.path.join(self.run_dir, "*.sock")) + \
+                        glob.glob(os.path.join(default_run_dir(), f"job-{os.getpid()}-*.sock")):
                     try:
                         os.unlink(path)
                     except OSError:

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from . import checkpoint, datapath, failure, ipc, parts
+from . import checkpoint, datapath, failure, ipc, parts, unixsock
 from .agent import WorkerAgent
 from .atomic import write_json
 from .errors import PeerFailure
@@ -507,6 +507,10 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             parser.error(str(e))
     if not os.path.isdir(sock_dir):
         parser.error(f"--socket: directory {sock_dir} does not exist")
+    if not unixsock.fits(node.socket):
+        parser.error(f"--socket {node.socket} is {len(os.fsencode(node.socket))} bytes; a "
+                     f"Unix socket path can have at most {unixsock.MAX_PATH_BYTES}: give a "
+                     f"shorter one")
     if os.path.exists(node.run_dir) and not os.path.isdir(node.run_dir):
         parser.error(f"--run-dir {node.run_dir} is a file; give a folder")
     try:

@@ -22,6 +22,15 @@ import stat
 import struct
 
 
+#: the longest Unix socket path Linux binds: sun_path is 108 bytes, NUL included (unix(7))
+MAX_PATH_BYTES = 107
+
+
+def fits(path: str) -> bool:
+    """True when ``path`` is short enough to bind as a Unix socket (MAX_PATH_BYTES)."""
+    return len(os.fsencode(path)) <= MAX_PATH_BYTES
+
+
 class SocketInUse(OSError):
     """The path is a live socket, or not a socket at all. The message says what to do."""
 

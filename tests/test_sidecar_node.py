@@ -311,3 +311,19 @@ def test_a_socket_path_this_user_cannot_take_is_one_line_naming_it(case):
         assert not os.path.exists("/etc/dgt-test-brk.sock")
     finally:
         shutil.rmtree(shared)
+
+
+def test_a_socket_path_too_long_to_bind_is_one_line_saying_so(tmp_path):
+    # bench tta, 2026-12-02: a variant's run dir made 'AF_UNIX path too long' (Python's
+    # words, no advice) the whole failure
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    sock = str(deep / "s.sock")
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                        "--world", "1", "--master-port", str(_free_port()), "--socket",
+                        sock, "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert f"--socket {sock} is {len(sock)} bytes; a Unix socket path can have at most " \
+           f"107: give a shorter one" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -500,3 +500,20 @@ def test_a_busy_base_port_is_named(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 1, out
     assert f"TCP port {base + 10} of rank 1 is in use" in out, out
+
+
+def test_a_run_dir_too_deep_for_a_unix_socket_still_trains_and_leaves_no_socket(tmp_path):
+    """The sidecars' sockets go in --run-dir; where that path would be too long to bind
+    (107 bytes, unix(7)), dgt train puts them in the per-user runtime folder instead,
+    and removes them at the end. (bench tta, 2026-12-02: a variant's long run dir ended
+    the job with 'AF_UNIX path too long'.)"""
+    from conftest import run_train
+    from dgt.config import default_run_dir
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    assert len(str(deep / "run" / "sidecar-0.sock")) > 107
+    before = set(os.listdir(default_run_dir())) if os.path.isdir(default_run_dir()) \
+        else set()
+    p, r = run_train(deep, "--workers", 2, "--iterations", 3, "--hidden", 32)
+    assert r["replicas_identical"] and r["iterations"] == 3
+    left = set(os.listdir(default_run_dir())) - before
+    assert not [n for n in left if n.endswith(".sock")], left

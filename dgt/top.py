@@ -195,11 +195,14 @@ def render(rows: dict[int, dict], source: str, acc: float | None,
     title = f"dgt top — {source} — {len(rows)} rank(s)" + \
         (f" — test acc {acc:.4f}" if acc is not None else "")
     from rich import box
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
-    for col in ("rank", "iter", "it/s", "comm ms", "med ms", "k", "lost"):
-        t.add_column(col, justify="right")
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
+              collapse_padding=True, pad_edge=False)
+    for col in ("rank", "iter", "it/s", "comm\nms", "med\nms", "k", "lost"):
+        # a number never wraps or turns into "140…": headers and channel cells take
+        # two lines instead, so 4 ranks x 4 channels fit an 80-column terminal
+        t.add_column(col, justify="right", no_wrap=True)
     for c in chans:
-        t.add_column(f"{c}\nblk/s loss", justify="right")
+        t.add_column(f"{c}\nblk/s\nloss", justify="right", no_wrap=True)
     for r, row in rows.items():
         cells = [str(r), str(row["iteration"]), f"{row['rate']:.1f}",
                  f"{row['comm_ms']:.1f}",
@@ -207,7 +210,7 @@ def render(rows: dict[int, dict], source: str, acc: float | None,
                  f"{row['k']:.2f}", str(row["lost"])]
         for c in chans:
             ch = row["channels"].get(c, {"blocks_per_s": 0.0, "loss": 0.0})
-            cells.append(f"{ch['blocks_per_s']:.0f} {ch['loss']:.0%}")
+            cells.append(f"{ch['blocks_per_s']:.0f}\n{ch['loss']:.0%}")
         t.add_row(*cells)
     t.caption = "; ".join((notes or []) + [
         "waiting for the first iteration (q quits)" if not rows else "q quits"])

@@ -107,6 +107,7 @@ class SidecarCollector:
     def collect(self):
         from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                             HistogramMetricFamily)
+        from . import node_report
         from .transport.channels import channel_name
         sc = self.sc
         ctr = sc.counters
@@ -141,7 +142,15 @@ class SidecarCollector:
                 ("dgt_pushes_total", sc.pushes, "Iterations this sidecar completed "
                  "(push to applied aggregate)"),
                 ("dgt_pulls_held_total", sc.pulls_held,
-                 "PULLs that waited for this node's own push to leave first")):
+                 "PULLs that waited for this node's own push to leave first"),
+                ("dgt_pull_bytes_sent_total", node_report.pull_bytes_sent(sc),
+                 "PULL bytes (header + payload + MAC) this node's shard sent to remote "
+                 "workers"),
+                ("dgt_pull_blocks_coded_total", node_report.pull_blocks_coded(sc),
+                 "Aggregate blocks this node's shard sent in a reduced form (--pull-codec)"),
+                ("dgt_blocks_cut_by_budget_total", node_report.blocks_cut_by_budget(sc),
+                 "Remote blocks the worker did not send to fit its time budget "
+                 "(--time-budget-ms; kept by error feedback)")):
             yield CounterMetricFamily(name, help_, value=value)
         tr = sc.trace
         for name, hist, help_ in (

@@ -32,9 +32,8 @@ def write_node_results(sc) -> None:
         "pushes": sc.pushes, "pulls_held": sc.pulls_held,
         # PULL bytes to remote workers (header + payload + MAC), and the aggregate
         # blocks that went coded (--pull-codec)
-        "pull_bytes_sent": sc.pulls.bytes_sent if sc.pulls else 0,
-        "pull_blocks_coded": sc.shard.coder.coded_blocks if sc.shard and sc.shard.coder
-        else 0,
+        "pull_bytes_sent": pull_bytes_sent(sc),
+        "pull_blocks_coded": pull_blocks_coded(sc),
         "failed": str(sc.failed) if sc.failed else None,
         "warnings": socks.warnings,
         "config": {k: v for k, v in asdict(sc.cfg).items() if k != "secret"},
@@ -52,8 +51,7 @@ def write_node_results(sc) -> None:
         "udp_icmp_errors": sum(b.icmp_errors for b in udp_senders),
         # the kernel filter's refusals and full receive buffers (transport.sockfilter)
         "udp_kernel_drops": socks.kernel_drops(),
-        "blocks_cut_by_budget": sc.agent.meter.cut_total if sc.agent and
-        sc.agent.meter else 0,
+        "blocks_cut_by_budget": blocks_cut_by_budget(sc),
         "k_mean": float(np.mean(sc.agent.k_history)) if sc.agent and
         sc.agent.k_history else None,
         **sc.counters.to_dict(sc.cfg.channels),
@@ -102,3 +100,18 @@ def _shard_residual(sc) -> np.ndarray:
         out[sc.layout.shard_lo(sc.rank) * e:sc.layout.shard_hi(sc.rank) * e] = \
             coder.residual.reshape(-1)
     return out
+
+
+def pull_bytes_sent(sc) -> int:
+    """PULL bytes (header + payload + MAC) sidecar ``sc`` sent to remote workers."""
+    return sc.pulls.bytes_sent if sc.pulls else 0
+
+
+def pull_blocks_coded(sc) -> int:
+    """Aggregate blocks ``sc``'s shard sent in a reduced form (--pull-codec)."""
+    return sc.shard.coder.coded_blocks if sc.shard and sc.shard.coder else 0
+
+
+def blocks_cut_by_budget(sc) -> int:
+    """Remote blocks ``sc``'s worker did not send for the time budget (--time-budget-ms)."""
+    return sc.agent.meter.cut_total if sc.agent and sc.agent.meter else 0

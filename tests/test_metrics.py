@@ -71,7 +71,8 @@ def start_job(tmp_path, *extra):
 
 def test_endpoints_rise_and_final_scrape_equals_report(tmp_path):
     base = free_port_run(WORKERS)
-    p = start_job(tmp_path, "--metrics-port", base, "--metrics-linger-s", 4)
+    p = start_job(tmp_path, "--metrics-port", base, "--metrics-linger-s", 4,
+                  "--pull-codec", "int8")
     run = tmp_path / "run"
     try:
         first: dict[int, dict] = {}
@@ -122,6 +123,10 @@ def test_endpoints_rise_and_final_scrape_equals_report(tmp_path):
                        for name, ch in side["channels"].items()}
         assert final[r][("dgt_pushes_total", ())] == side["pushes"]
         assert final[r][("dgt_blocks_local_total", ())] == side["blocks_local"]
+        assert final[r][("dgt_pull_bytes_sent_total", ())] == side["pull_bytes_sent"] > 0
+        assert final[r][("dgt_pull_blocks_coded_total", ())] == side["pull_blocks_coded"] > 0
+        assert final[r][("dgt_blocks_cut_by_budget_total", ())] == \
+            side["blocks_cut_by_budget"]
         assert final[r][("dgt_iteration", ())] == report["iterations"] - 1
         # the file beside the report holds the same exposition's counters
         text = (run / f"metrics-{r}.prom").read_text()

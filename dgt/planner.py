@@ -134,9 +134,8 @@ class PushPlanner:
         channel (transport.counters' units): reliable, its f32 payload and its u32
         index in the INDEXED frame; a UDP band, its datagram (header, coded payload,
         MAC with --secret). The last entry, 0, is channel -1's (not sent)."""
-        e, mac = self.layout.block_elems, wire.MAC_BYTES if self.cfg.secret else 0
-        cost = [4 * e + 4] + [wire.HEADER_BYTES + wire.coded_payload_bytes(c, e) + mac
-                              for c in self.codings[1:]]
+        e, mac = self.layout.block_elems, bool(self.cfg.secret)
+        cost = [4 * e + 4] + [wire.block_datagram_bytes(c, e, mac) for c in self.codings[1:]]
         return torch.tensor(cost + [0], dtype=torch.float64)
 
     def _fit_budget(self, rows: torch.Tensor | None, order: torch.Tensor,

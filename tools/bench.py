@@ -117,14 +117,10 @@ class BenchConfig:
         if not self.systems or (not self.loopback and not self.scenarios) or \
                 (not self.loopback and not self.rates):
             raise BenchError("--systems, --scenarios and --rates must each name at least one")
-        if not 2 <= self.workers <= 64:
-            raise BenchError(f"--workers must be 2..64, got {self.workers}")
+        check_shared(self)
         if self.hidden < 1 or self.epochs < 1 or self.iterations < 0 or self.eval_every < 0:
             raise BenchError("--hidden and --epochs must be >= 1, --iterations and "
                              "--eval-every >= 0")
-        if not 0.0 < self.target_accuracy <= 1.0:
-            raise BenchError(f"--target-accuracy must be in (0, 1], got "
-                             f"{self.target_accuracy:g}")
         if not self.loss_pct:
             raise BenchError("--loss-pct must name at least one rate, e.g. 1 or 1,3,5")
         for p in self.loss_pct:
@@ -144,16 +140,27 @@ class BenchConfig:
                 raise BenchError(f"--hidden {self.hidden} at {r}: one iteration would take "
                                  f"over {MAX_PEER_TIMEOUT_S / 10:.0f} s; use a smaller "
                                  f"--hidden or faster --rates")
-        check_prefix(self.prefix)
-        if not self.cell_timeout_s >= 0:   # also true for nan
-            raise BenchError(f"--cell-timeout-s must be >= 0 (0: from the estimate), got "
-                             f"{self.cell_timeout_s:g}")
-        if not self.loopback:
-            from dgt.tc_profiles.schema import ProfileError, load_profile
-            try:
-                load_profile(self.profile)
-            except ProfileError as e:
-                raise BenchError(f"--profile: {e}") from None
+
+
+def check_shared(cfg) -> None:
+    """The checks every bench mode's config shares (BenchConfig, tools.bench_tta's
+    TtaConfig): --workers, --target-accuracy, --prefix, --cell-timeout-s and, on the
+    testbed, --profile. Raises BenchError."""
+    if not 2 <= cfg.workers <= 64:
+        raise BenchError(f"--workers must be 2..64, got {cfg.workers}")
+    if not 0.0 < cfg.target_accuracy <= 1.0:
+        raise BenchError(f"--target-accuracy must be in (0, 1], got "
+                         f"{cfg.target_accuracy:g}")
+    check_prefix(cfg.prefix)
+    if not cfg.cell_timeout_s >= 0:   # also true for nan
+        raise BenchError(f"--cell-timeout-s must be >= 0 (0: from the estimate), got "
+                         f"{cfg.cell_timeout_s:g}")
+    if not cfg.loopback:
+        from dgt.tc_profiles.schema import ProfileError, load_profile
+        try:
+            load_profile(cfg.profile)
+        except ProfileError as e:
+            raise BenchError(f"--profile: {e}") from None
 
 
 def check_out_dir(out: str) -> None:

@@ -243,11 +243,7 @@ class TtaConfig:
         for r in self.rates:
             if r != "calibrated":
                 rate_bits_per_s(r)
-        if not 2 <= self.workers <= 64:
-            raise BenchError(f"--workers must be 2..64, got {self.workers}")
-        if not 0.0 < self.target_accuracy <= 1.0:
-            raise BenchError(f"--target-accuracy must be in (0, 1], got "
-                             f"{self.target_accuracy:g}")
+        bench.check_shared(self)
         if not 0.05 <= self.share <= 0.9:   # also false for nan
             raise BenchError(f"--share must be in [0.05, 0.9] (the job's fraction of each "
                              f"port), got {self.share:g}")
@@ -258,16 +254,6 @@ class TtaConfig:
                 or self.batch_size < 1 or self.calibrate_iterations < 2:
             raise BenchError("--max-iterations, --eval-every and --batch-size must be "
                              ">= 1, --eval-samples >= 0 (0: the whole test split)")
-        if not self.cell_timeout_s >= 0:
-            raise BenchError(f"--cell-timeout-s must be >= 0 (0: from the estimate), got "
-                             f"{self.cell_timeout_s:g}")
-        bench.check_prefix(self.prefix)
-        if not self.loopback:
-            from dgt.tc_profiles.schema import ProfileError, load_profile
-            try:
-                load_profile(self.profile)
-            except ProfileError as e:
-                raise BenchError(f"--profile: {e}") from None
 
 
 # ------------------------------------------------------------------------- share profile

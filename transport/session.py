@@ -97,8 +97,8 @@ class ShardSession:
         self.session, self.shard, self.lo, self.hi = session, shard, lo, hi
         self.block_elems = block_elems
         self.block_payload = block_elems * 4
-        self.datagram_bytes = (wire.HEADER_BYTES + self.block_payload
-                               + (wire.MAC_BYTES if key else 0))
+        self.datagram_bytes = wire.block_datagram_bytes(wire.Coding.FP32, block_elems,
+                                                        key is not None)
         #: coding -> payload bytes of one block (-1: a coding this version does not know)
         n_codings = (wire.CODING_MASK >> wire.CODING_SHIFT) + 1
         self.coded_payload = np.array([wire.coded_payload_bytes(c, block_elems) or -1

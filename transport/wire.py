@@ -127,6 +127,16 @@ def coded_payload_bytes(coding: int, block_elems: int) -> int | None:
     return None
 
 
+def block_datagram_bytes(coding: int, block_elems: int, mac: bool) -> int:
+    """Bytes of one UDP block datagram: header, the block's payload coded as ``coding``
+    (:func:`coded_payload_bytes`), and the MAC when ``mac``. Raises ValueError for an
+    unknown coding."""
+    p = coded_payload_bytes(coding, block_elems)
+    if p is None:
+        raise ValueError(f"unknown block coding {coding}")
+    return HEADER_BYTES + p + (MAC_BYTES if mac else 0)
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     """A decoded header. Field meanings are in the module docstring."""

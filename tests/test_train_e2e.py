@@ -95,13 +95,13 @@ def test_bad_flag_is_one_line_error(train):
 def test_paced_port_holds_pulls_behind_the_push_and_delivers_them_all(train):
     """On a paced port a shard's PULL to a worker waits until our push to that worker
     has left (one share of the port per peer: scheduler.pacing.HeldPulls). The held
-    PULLs must all go out: every push gets its aggregate and the replicas agree."""
+    PULLs must all go out: every push gets its aggregate and the replicas agree.
+    How many get held depends on timing (the dev VM held 0 to 14 of its 84 PULLs, CI
+    once 0), so that a PULL is held, and then sent, is shown for sure by
+    tests/test_pull_sender.py; here, that none is lost."""
     _, r = train("--workers", 3, "--epochs", 2, "--hidden", 1000, "--mode", "tcp",
                  "--pace-mbit", 400)   # 4.3 MB of gradient; 28 pushes
     assert r["replicas_identical"]
-    # held at least once: a shard done while our push to a worker is still queued
-    # (each run on the dev VM held 2 to 11 of its 84 PULLs)
-    assert sum(s["pulls_held"] for s in r["sidecars"]) > 0
     assert all(s["pushes"] == r["iterations"] for s in r["sidecars"])
     assert not r["rejected"] and not r["deadline_finalised"]
 

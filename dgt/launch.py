@@ -33,6 +33,7 @@ import time
 
 
 from . import checkpoint, failure, records, unixsock
+from .transport import udpmac
 from .atomic import write_json
 from .interrupt import raise_keyboard_interrupt_on
 from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig, JobConfig,
@@ -515,6 +516,10 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         f"logs in {j.run_dir}" + (" (a temporary folder: removed after a successful run, "
                                   "kept on failure; --run-dir keeps it)"
                                   if j.own_run_dir else ""))
+    if tx.secret and not udpmac.NATIVE:
+        log("dgt train: warning: the UDP MAC's native helper (dgt.transport._udpmac) is not "
+            "built, so --secret checks every datagram in Python, far slower; reinstall dgt "
+            "where a C compiler is (apt-get install gcc python3-dev; pip install -e .)")
     if resume or j.ckpt.checkpoint_every:
         log("dgt train: " + (f"resuming from {resume}; " if resume else "") +
             (f"a checkpoint every {j.ckpt.checkpoint_every} iterations in "

@@ -23,12 +23,11 @@ Rules (docs/architecture.md, "One BSP iteration"):
 """
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import wire
+from . import udpmac, wire
 from .channels import RELIABLE
 from .counters import Counters
 from .reasons import Rejected
@@ -107,7 +106,8 @@ class ShardSession:
         self.deadline_s = deadline_s
         self.deadline_policy = deadline_policy
         self.key = key
-        self._mac = wire.keyed_state(key) if key is not None else None
+        # the UDP MAC (transport.udpmac): a whole GRO run verified in one native call
+        self._mac = udpmac.derive_keys(key) if key is not None else None
         self.counters = counters or Counters()
         self.iteration = 0
         n = hi - lo
@@ -156,11 +156,7 @@ class ShardSession:
                 return [self._reject(bad)]
             if not h.flags & _MAC:
                 return [self._reject("no_mac")]
-            mv = memoryview(buf).cast("B")
-            end = wire.HEADER_BYTES + h.length   # decode checked len(buf) == end + MAC
-            m = self._mac.copy()
-            m.update(mv[:end])
-            if not hmac.compare_digest(m.digest(), mv[end:]):
+            if not udpmac.match_one(self.key, buf):   # decode checked len(buf)
                 return [self._reject("bad_mac")]
             if h.type != MsgType.BLOCKS:   # _check_udp_shape: a tail marker
                 return self._tail_marker(h, len(payload), checked)
@@ -364,9 +360,9 @@ class ShardSession:
                 events.append(Rejected(reason))
                 ok &= ~bad
         if self._mac is not None and ok.any():
-            # one C-level hash per datagram; slicing and comparing are done per run
+            # the run's MACs in one native call (transport.udpmac)
             idx = None if ok.all() else np.flatnonzero(ok)
-            good = wire.tags_match(self._mac, rows if idx is None else rows[idx])
+            good = udpmac.match(self.key, rows if idx is None else rows[idx])
             if not good.all():
                 self.counters.rejected["bad_mac"] += int((~good).sum())
                 events.append(Rejected("bad_mac"))
@@ -428,7 +424,7 @@ class ShardSession:
             bad = self._outside_window(h)
             if bad:
                 return events + [self._reject(bad, r.size)]
-            good = wire.tags_match(self._mac, rows)
+            good = udpmac.match(self.key, rows)
             if not good.all():
                 events.append(self._reject("bad_mac", int((~good).sum())))
                 rows, r = rows[good], r[good]

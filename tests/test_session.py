@@ -125,6 +125,24 @@ def test_mac_required_when_keyed():
     assert s.receive_datagram(dgram(0, 11, key=b"x"), now=0) == [Rejected("bad_mac")]
 
 
+def test_without_a_key_a_mac_flagged_datagram_is_refused_alone_and_in_a_run():
+    """A job without a secret refuses a UDP datagram carrying the MAC flag, whether it
+    comes alone or in a GRO run (it was accepted alone and refused in a run); a
+    tail marker with the flag too."""
+    s = session()
+    one = dgram(0, 10, key=b"k")
+    assert s.receive_datagram(one, now=0) == [Rejected("bad_udp_message")]
+    run = b"".join(dgram(0, b, key=b"k") for b in (11, 12, 13))
+    assert s.receive_datagram(run, now=0) == [Rejected("bad_udp_message")]
+    mixed = b"".join(dgram(w, 14, key=b"k") for w in (0, 1, 2))   # headers differ
+    assert s.receive_datagram(mixed, now=0) == [Rejected("bad_udp_message")]
+    tail = wire.encode(MsgType.END, session=S, sender=0, shard=1, iteration=0, channel=1,
+                       count=2, key=b"k")
+    assert s.receive_datagram(tail, now=0) == [Rejected("bad_udp_message")]
+    assert s.counters.rejected["bad_udp_message"] == 1 + 3 + 3 + 1
+    assert s.counters.channels[1].blocks_delivered == 0
+
+
 def test_with_a_key_a_block_outside_the_shard_or_a_non_udp_kind_costs_no_hash():
     """The checks that need no key come before the MAC: a forgery (wrong key) of a
     block outside the shard's range is bad_block, one of a TCP kind bad_udp_message,

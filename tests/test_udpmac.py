@@ -1,8 +1,9 @@
 """The UDP MAC (docs/wire.md, "UDP MAC"): the native helper (transport/_udpmac.c)
 against the step-by-step Python of transport/udpmac.py, against SipHash's published
 vectors, and against the spec's test vector; every flipped bit is refused."""
-import os
 import re
+import shutil
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -21,16 +22,26 @@ SIP128 = ["a3817f04ba25a8e66df67214c7550293", "da87c1d86b99af44347659119b22fc45"
           "3b62a9ba6258f5610f83e264f31497b4", "264499060ad9baabc47f8b02bb6d71ed"]
 
 
+def _compiler() -> str | None:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(cc)
+
+
 def test_the_native_helper_is_built():
-    """pip install builds it where a C compiler is (this machine, CI): the fast path."""
-    assert udpmac.NATIVE, "transport/_udpmac.c was not built: reinstall with gcc present"
+    """pip install builds it where a C compiler is (this machine, CI): the fast path.
+    A build that broke silently (the extension is optional) fails here."""
+    if _compiler() is None:
+        pytest.skip(reason="no C compiler: install Debian's gcc and python3-dev, then "
+                           "pip install -e . again (the UDP MAC runs in Python meanwhile)")
+    assert udpmac.NATIVE, "transport/_udpmac.c was not built though a compiler is here"
 
 
 @pytest.mark.parametrize("i", range(len(SIP128)))
 def test_siphash128_matches_the_reference_vectors(i):
     key, msg = bytes(range(16)), bytes(range(i))
     assert udpmac.siphash128(key, msg).hex() == SIP128[i]
-    assert udpmac._native.siphash128(key, msg).hex() == SIP128[i]
+    if udpmac.NATIVE:
+        assert udpmac._native.siphash128(key, msg).hex() == SIP128[i]
 
 
 def test_native_and_python_agree_on_every_length_and_key():

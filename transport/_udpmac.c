@@ -11,7 +11,8 @@
  *
  * Python API (buffers are any C-contiguous bytes-like objects):
  *   sign(keys, rows, n, stride)          writes the tag of each row in place
- *   verify(keys, rows, n, stride, out)   out[i] = 1 if row i's tag verifies, else 0
+ *   verify_at(keys, rows, stride, idx, out)  out[j] = 1 if row idx[j] (int64)
+ *                                        verifies, else 0
  *   verify_one(keys, datagram) -> bool  one datagram (of any size >= 50)
  *   siphash128(key16, data) -> bytes     SipHash-2-4-128, for the tests
  * keys: 32 bytes, k (16) || LE64(r1) || LE64(r2), r1 and r2 in [1, p-1]. Each row is
@@ -159,6 +160,11 @@ static int verify_row(const uint8_t *keys, const uint64_t *rp1, const uint64_t *
     return d == 0;
 }
 
+static void key_powers(const uint8_t *keys, uint64_t *rp1, uint64_t *rp2) {
+    powers(le64(keys + 16), rp1);
+    powers(le64(keys + 24), rp2);
+}
+
 static int check_rows(Py_buffer *keys, Py_buffer *rows, Py_ssize_t n, Py_ssize_t stride) {
     if (keys->len != 32) {
         PyErr_SetString(PyExc_ValueError, "keys must be 32 bytes");
@@ -180,8 +186,7 @@ static PyObject *py_sign(PyObject *self, PyObject *args) {
     if (check_rows(&keys, &rows, n, stride) == 0) {
         uint8_t *base = rows.buf;
         uint64_t rp1[8], rp2[8];
-        powers(le64((uint8_t *)keys.buf + 16), rp1);
-        powers(le64((uint8_t *)keys.buf + 24), rp2);
+        key_powers(keys.buf, rp1, rp2);
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
             uint8_t *row = base + i * stride;
@@ -196,29 +201,35 @@ static PyObject *py_sign(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_verify(PyObject *self, PyObject *args) {
-    Py_buffer keys, rows, out;
-    Py_ssize_t n, stride;
-    if (!PyArg_ParseTuple(args, "y*y*nnw*", &keys, &rows, &n, &stride, &out))
+static PyObject *py_verify_at(PyObject *self, PyObject *args) {
+    Py_buffer keys, rows, idx, out;
+    Py_ssize_t stride;
+    if (!PyArg_ParseTuple(args, "y*y*ny*w*", &keys, &rows, &stride, &idx, &out))
         return NULL;
+    Py_ssize_t m = idx.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t n = stride > 0 ? rows.len / stride : 0;
     if (check_rows(&keys, &rows, n, stride) == 0) {
-        if (out.len < n) {
-            PyErr_SetString(PyExc_ValueError, "out shorter than n");
+        const int64_t *at = idx.buf;
+        int bad = out.len < m;
+        for (Py_ssize_t i = 0; i < m && !bad; i++)
+            bad = at[i] < 0 || at[i] >= n;
+        if (bad) {
+            PyErr_SetString(PyExc_ValueError, "an index outside the rows, or out too short");
         } else {
             const uint8_t *base = rows.buf;
             uint8_t *ok = out.buf;
             uint64_t rp1[8], rp2[8];
-            powers(le64((uint8_t *)keys.buf + 16), rp1);
-            powers(le64((uint8_t *)keys.buf + 24), rp2);
+            key_powers(keys.buf, rp1, rp2);
             Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < n; i++)
-                ok[i] = (uint8_t)verify_row(keys.buf, rp1, rp2, base + i * stride,
+            for (Py_ssize_t i = 0; i < m; i++)
+                ok[i] = (uint8_t)verify_row(keys.buf, rp1, rp2, base + at[i] * stride,
                                             (size_t)stride);
             Py_END_ALLOW_THREADS
         }
     }
     PyBuffer_Release(&keys);
     PyBuffer_Release(&rows);
+    PyBuffer_Release(&idx);
     PyBuffer_Release(&out);
     if (PyErr_Occurred())
         return NULL;
@@ -234,8 +245,7 @@ static PyObject *py_verify_one(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "keys must be 32 bytes");
     } else if (row.len >= HEADER + TAG) {
         uint64_t rp1[8], rp2[8];
-        powers(le64((uint8_t *)keys.buf + 16), rp1);
-        powers(le64((uint8_t *)keys.buf + 24), rp2);
+        key_powers(keys.buf, rp1, rp2);
         ok = verify_row(keys.buf, rp1, rp2, row.buf, (size_t)row.len);
     }
     PyBuffer_Release(&keys);
@@ -264,8 +274,9 @@ static PyObject *py_siphash128(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"sign", py_sign, METH_VARARGS, "sign(keys, rows, n, stride): write each row's tag"},
-    {"verify", py_verify, METH_VARARGS,
-     "verify(keys, rows, n, stride, out): out[i] = 1 if row i's tag verifies"},
+    {"verify_at", py_verify_at, METH_VARARGS,
+     "verify_at(keys, rows, stride, idx, out): out[j] = 1 if row idx[j] verifies "
+     "(idx: int64, native order)"},
     {"verify_one", py_verify_one, METH_VARARGS,
      "verify_one(keys, datagram) -> bool: does the datagram's tag verify"},
     {"siphash128", py_siphash128, METH_VARARGS, "SipHash-2-4-128(key16, data) -> 16 bytes"},

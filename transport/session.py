@@ -160,6 +160,8 @@ class ShardSession:
                 return [self._reject("bad_mac")]
             if h.type != MsgType.BLOCKS:   # _check_udp_shape: a tail marker
                 return self._tail_marker(h, len(payload), checked)
+        elif h.flags & _MAC:   # no secret here: a MAC-flagged datagram is no job's, as
+            return [self._reject("bad_udp_message")]   # in a GRO run (_receive_run)
         elif h.type == MsgType.END and h.channel != RELIABLE and not h.flags & _INDEXED:
             return self._tail_marker(h, len(payload))
         elif h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
@@ -362,7 +364,7 @@ class ShardSession:
         if self._mac is not None and ok.any():
             # the run's MACs in one native call (transport.udpmac)
             idx = None if ok.all() else np.flatnonzero(ok)
-            good = udpmac.match(self.key, rows if idx is None else rows[idx])
+            good = udpmac.match(self.key, rows, idx)
             if not good.all():
                 self.counters.rejected["bad_mac"] += int((~good).sum())
                 events.append(Rejected("bad_mac"))

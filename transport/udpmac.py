@@ -71,20 +71,23 @@ def sign_rows(key: bytes, rows: np.ndarray) -> None:
                                                np.uint8)
 
 
-def match(key: bytes, rows: np.ndarray) -> np.ndarray:
+def match(key: bytes, rows: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
     """Verify the tags of ``rows`` ((n, size) uint8, C-contiguous, each row one datagram
-    ending in its tag). Returns (n,) bool. Every byte of every tag is compared (no
-    early exit)."""
+    ending in its tag), or of rows ``idx`` only ((m,) int64; no copy of the rows).
+    Returns (n,) or (m,) bool. Every byte of every tag is compared (no early exit)."""
     n, size = rows.shape
-    out = np.zeros(n, np.uint8)
-    if not n:
+    which = range(n) if idx is None else idx
+    out = np.zeros(len(which), np.uint8)
+    if not out.size:
         return out.view(bool)
     keys = derive_keys(key)
     if _native is not None:
-        _native.verify(keys, rows, n, size, out)
+        at = np.arange(n, dtype=np.int64) if idx is None else np.ascontiguousarray(idx, np.int64)
+        _native.verify_at(keys, rows, size, at, out)
         return out.view(bool)
-    for i, row in enumerate(rows):   # pragma: no cover - the fallback
-        out[i] = _py_tag(keys, row[:size - TAG_BYTES].tobytes()) == row[size - TAG_BYTES:].tobytes()
+    for j, i in enumerate(which):   # pragma: no cover - the fallback
+        row = rows[i]
+        out[j] = _py_tag(keys, row[:size - TAG_BYTES].tobytes()) == row[size - TAG_BYTES:].tobytes()
     return out.view(bool)
 
 

@@ -55,35 +55,44 @@ def test_native_and_python_agree_on_every_length_and_key():
             assert udpmac.tag(key, msg) == udpmac._py_tag(keys, msg), (key_len, n)
 
 
-def test_all_ones_chunks_reduce_like_the_spec():
-    """Payloads of 0xff bytes make every chunk 2^56 - 1: the native folds and the
-    final reduction must agree with Python's exact big integers."""
-    for n in (7, 56, 57, 1408):
-        msg = bytes(wire.HEADER_BYTES) + b"\xff" * n
-        assert udpmac.tag(b"k", msg) == udpmac._py_tag(udpmac.derive_keys(b"k"), msg)
-
-
 def test_the_spec_test_vector():
     """docs/wire.md's worked BLOCKS datagram with K = b"job-secret": its derived keys,
     hash values and tag, and the datagram byte for byte."""
     keys = udpmac.derive_keys(b"job-secret")
-    k = re.search(r"`k = ([0-9a-f]{32})`", SPEC).group(1)
-    vals = {name: int(v, 16) for name, v in
-            re.findall(r"`(r1|r2|H_r1|H_r2) =\s+(0x[0-9a-f]+)`", SPEC)}
-    r1, r2 = (int.from_bytes(keys[a:a + 8], "little") for a in (16, 24))
-    assert keys[:16].hex() == k and (vals["r1"], vals["r2"]) == (r1, r2)
+    k_prf = re.search(r"`k_prf = ([0-9a-f]{32})`", SPEC).group(1)
+    nh_key16 = re.search(r"NH key bytes\s+0\.\.15 `([0-9a-f]{32})`", SPEC).group(1)
+    nh = dict(re.findall(r"`NH_(\d) =\s+(0x[0-9a-f]+)`", SPEC))
+    assert keys[:16].hex() == k_prf and keys[16:32].hex() == nh_key16
+    assert len(keys) == 16 + 65512 and udpmac.NH_KEY_BYTES == 65512
     d = wire.encode_block_datagrams(
         session=0x0123456789ABCDEF, sender=1, shard=0, iteration=7, channel=2,
         indices=np.array([42]), blocks=np.array([[1.0, -2.0, 0.5, 3.25]], np.float32),
         key=b"job-secret")[0].tobytes()
     payload = d[wire.HEADER_BYTES:-wire.MAC_BYTES]
-    assert (udpmac.poly61(payload, r1), udpmac.poly61(payload, r2)) == \
-        (vals["H_r1"], vals["H_r2"])
+    assert udpmac.nh4(payload, keys[16:]) == [int(nh[str(j)], 16) for j in range(4)]
     dump = SPEC.split("A BLOCKS datagram on UDP channel 2")[1].split("```")[1]
     spec = bytes.fromhex("".join(re.sub(r"^[0-9a-f]{4}  ", "", ln)
                                  for ln in dump.strip().splitlines()).replace(" ", ""))
     assert d == spec
     assert wire.decode(d, b"job-secret")[0].block == 42
+
+
+def test_nh_wraps_like_the_spec():
+    """Payloads of 0xff bytes make every sum wrap mod 2^32 and every NH total wrap mod
+    2^64: the native code and Python's exact big integers must agree."""
+    keys = udpmac.derive_keys(b"k")
+    for n in (8, 56, 57, 1408, 65457):
+        msg = bytes(wire.HEADER_BYTES) + b"\xff" * n
+        assert udpmac.tag(b"k", msg) == udpmac._py_tag(keys, msg)
+        words = [0xFFFFFFFF] * ((n + 7) // 8 * 2)
+        for i in range(n, (n + 7) // 8 * 8):   # the zero padding
+            words[i // 4] &= ~(0xFF << (8 * (i % 4)))
+        kw = [int.from_bytes(keys[16 + 4 * t:20 + 4 * t], "little") for t in range(len(words) + 12)]
+        for j in range(4):
+            exact = sum(((words[2 * i] + kw[2 * i + 4 * j]) % 2**32)
+                        * ((words[2 * i + 1] + kw[2 * i + 1 + 4 * j]) % 2**32)
+                        for i in range(len(words) // 2)) % 2**64
+            assert udpmac.nh4(msg[wire.HEADER_BYTES:], keys[16:])[j] == exact
 
 
 def test_every_flipped_bit_is_refused():

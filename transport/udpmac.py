@@ -2,26 +2,27 @@
 with ``--secret``, in place of the keyed BLAKE2b-128 of the TCP frames.
 
 A flood of forged datagrams is paid for per datagram, and one keyed BLAKE2b call per
-datagram costs more than the whole receive path without a secret (docs/security.md,
-"Receive path: the cost of the MAC"). This MAC is a polynomial hash of the payload
-over GF(2^61 - 1) under two secret points, then SipHash-2-4-128 of the header and
-the two hash values:
+datagram costs about as much as the whole receive path without a secret
+(docs/security.md, "Receive path: the cost of the MAC"). This MAC hashes the payload
+with NH under four Toeplitz-shifted keys, the hash of UMAC (Black, Halevi, Krawczyk,
+Krovetz, Rogaway, CRYPTO '99; RFC 4418), then takes SipHash-2-4-128 of the header and
+the four hash values:
 
-    H_r(P) = sum_{i=1..n} c_i * r^(n+1-i) mod (2^61 - 1)
-             (c_i: P's 7-byte little-endian chunks, the last one zero-padded)
-    tag    = SipHash-2-4-128(k, header[0:34] || LE64(H_r1(P)) || LE64(H_r2(P)))
+    NH_j(P) = sum_i ((m[2i] + k[2i+4j]) mod 2^32) * ((m[2i+1] + k[2i+1+4j]) mod 2^32)
+              mod 2^64, j = 0..3
+    tag     = SipHash-2-4-128(k_prf, header[0:34] || LE64(NH_0) || ... || LE64(NH_3))
 
-with ``k``, ``r1``, ``r2`` derived once from the secret (:func:`derive_keys`). A whole
-GRO run (or GSO batch) of equal-size datagrams is verified (signed) in one call of
-native code, ``dgt.transport._udpmac`` (C, built by ``pip install``). Without it
-(no C compiler at install) the same MAC is computed in Python, slowly; the sidecar
-warns once (:data:`NATIVE`).
+(m: the payload's little-endian 32-bit words, zero-padded to a multiple of 8 bytes; k:
+the NH key's words), with ``k_prf`` and the NH key derived once from the secret
+(:func:`derive_keys`). A whole GRO run (or GSO batch) of equal-size datagrams is
+verified (signed) in one call of native code, ``dgt.transport._udpmac`` (C, built by
+``pip install``). Without it (no C compiler at install) the same MAC is computed with
+numpy, slower; ``dgt train`` warns (:data:`NATIVE`).
 
-Forgery: a datagram that differs from every datagram of the same header the key has
-tagged verifies with probability at most (ceil(L/7) / (2^61 - 1))^2 per try for a
-payload of L bytes (two independent points; 2^-106 for a 1,408-byte block), plus
-SipHash's own bound; a stranger without the secret learns nothing about ``k``,
-``r1``, ``r2`` from the tags (a PRF of the header and the hashes).
+Forgery: a datagram whose header the key has never tagged must guess a SipHash output;
+one that reuses a tagged header with another payload of the same length verifies with
+probability at most 2^-128 per try (NH is 2^-32-almost-universal on equal-length inputs,
+and four Toeplitz-shifted passes multiply: UMAC's analysis), plus SipHash's own bound.
 """
 from __future__ import annotations
 
@@ -40,20 +41,20 @@ NATIVE = _native is not None
 
 HEADER_BYTES = 34
 TAG_BYTES = 16
-P61 = (1 << 61) - 1
+#: the largest payload a UDP datagram can carry (65,507 - header - tag), padded to 8
+MAX_PAYLOAD = (65507 - HEADER_BYTES - TAG_BYTES + 7) // 8 * 8
+#: NH key bytes: the largest padded payload, plus 48 for the fourth pass's shift
+NH_KEY_BYTES = MAX_PAYLOAD + 48
 _M64 = (1 << 64) - 1
 
 
 @functools.lru_cache(maxsize=8)
 def derive_keys(key: bytes) -> bytes:
-    """32 bytes: ``k`` (16, SipHash's key) || LE64(r1) || LE64(r2), from the secret's
-    UTF-8 bytes ``key`` (1 to 64 bytes): keyed BLAKE2b-128 of two fixed labels;
-    r = 1 + (LE64 value mod (2^61 - 2)), so r is in [1, 2^61 - 2]."""
+    """``k_prf`` (16 bytes, SipHash's key) || the NH key (:data:`NH_KEY_BYTES`), from
+    the secret's UTF-8 bytes ``key`` (1 to 64 bytes): ``k_prf`` = keyed BLAKE2b-128 of
+    ``b"dgt udp mac: prf"``, the NH key = SHAKE128(``b"dgt udp mac: nh\\0"`` || key)."""
     k = hashlib.blake2b(b"dgt udp mac: prf", key=key, digest_size=16).digest()
-    a = hashlib.blake2b(b"dgt udp mac: poly", key=key, digest_size=16).digest()
-    r1 = 1 + int.from_bytes(a[:8], "little") % (P61 - 1)
-    r2 = 1 + int.from_bytes(a[8:], "little") % (P61 - 1)
-    return k + r1.to_bytes(8, "little") + r2.to_bytes(8, "little")
+    return k + hashlib.shake_128(b"dgt udp mac: nh\0" + key).digest(NH_KEY_BYTES)
 
 
 def sign_rows(key: bytes, rows: np.ndarray) -> None:
@@ -82,8 +83,8 @@ def match(key: bytes, rows: np.ndarray, idx: np.ndarray | None = None) -> np.nda
         return out.view(bool)
     keys = derive_keys(key)
     if _native is not None:
-        at = np.arange(n, dtype=np.int64) if idx is None else np.ascontiguousarray(idx, np.int64)
-        _native.verify_at(keys, rows, size, at, out)
+        _native.verify(keys, rows, size,
+                       None if idx is None else np.ascontiguousarray(idx, np.int64), out)
         return out.view(bool)
     for j, i in enumerate(which):   # pragma: no cover - the fallback
         row = rows[i]
@@ -111,13 +112,19 @@ def tag(key: bytes, message) -> bytes:
 
 # -- the same in Python: the fallback, and what docs/wire.md says, line by line --------
 
-def poly61(payload: bytes, r: int) -> int:
-    """H_r(payload): Horner's rule over the 7-byte little-endian chunks (the last one
-    zero-padded) modulo 2^61 - 1."""
-    h = 0
-    for i in range(0, len(payload), 7):
-        h = (h + int.from_bytes(payload[i:i + 7], "little")) * r % P61
-    return h
+def nh4(payload: bytes, nh_key: bytes) -> list[int]:
+    """NH_0..NH_3 of ``payload`` (zero-padded to a multiple of 8 bytes) under
+    ``nh_key``: four 64-bit integers."""
+    padded = payload + bytes(-len(payload) % 8)
+    m = np.frombuffer(padded, "<u4")
+    k = np.frombuffer(nh_key[:len(padded) + 48], "<u4")
+    out = []
+    for j in range(4):
+        kj = k[4 * j:4 * j + m.size]
+        a = (m[0::2] + kj[0::2]).astype(np.uint64)   # uint32 sums wrap mod 2^32
+        b = (m[1::2] + kj[1::2]).astype(np.uint64)
+        out.append(int((a * b).sum(dtype=np.uint64)))   # wraps mod 2^64
+    return out
 
 
 def siphash128(key: bytes, data: bytes) -> bytes:
@@ -153,8 +160,6 @@ def siphash128(key: bytes, data: bytes) -> bytes:
 
 
 def _py_tag(keys: bytes, message: bytes) -> bytes:
-    k = keys[:16]
-    r1, r2 = int.from_bytes(keys[16:24], "little"), int.from_bytes(keys[24:32], "little")
-    payload = message[HEADER_BYTES:]
-    return siphash128(k, message[:HEADER_BYTES] + poly61(payload, r1).to_bytes(8, "little")
-                      + poly61(payload, r2).to_bytes(8, "little"))
+    hashes = nh4(message[HEADER_BYTES:], keys[16:])
+    return siphash128(keys[:16], message[:HEADER_BYTES]
+                      + b"".join(h.to_bytes(8, "little") for h in hashes))

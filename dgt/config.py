@@ -100,8 +100,9 @@ class TransmissionConfig:
                                "summary)")
     drop_udp: float = _f(0.0, "receive-side loss emulation: fraction of UDP datagrams "
                          "dropped on arrival (0..1; for tests on hosts without netem)")
-    secret: str = _f("", "job secret: when set, every message carries a keyed BLAKE2b "
-                     "MAC and unauthenticated ones are dropped",
+    secret: str = _f("", "job secret: when set, every message carries a MAC (keyed "
+                     "BLAKE2b on TCP, the UDP MAC of docs/wire.md on UDP) and "
+                     "unauthenticated ones are dropped",
                      nonempty="give a secret, e.g. 32 random hex characters, or leave it "
                      "out to run without message authentication")
     check_conservation: bool = _f(False, "record the sums needed to check the "
@@ -142,6 +143,12 @@ class TransmissionConfig:
         if not 4096 <= self.udp_buffer_bytes <= 1 << 30:
             raise ValueError(f"--udp-buffer-bytes must be in 4096..{1 << 30}, got "
                              f"{self.udp_buffer_bytes}")
+        try:
+            self.secret.encode()
+        except UnicodeEncodeError:
+            raise ValueError("--secret must be text (its UTF-8 bytes key the MACs): it holds "
+                             "bytes that are not UTF-8; use e.g. 32 random hex "
+                             "characters") from None
         if len(self.secret.encode()) > 64:
             raise ValueError(f"--secret must be at most 64 bytes (it keys BLAKE2b, RFC "
                              f"7693), got {len(self.secret.encode())}; use e.g. 32 random "

@@ -517,9 +517,7 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
                                   "kept on failure; --run-dir keeps it)"
                                   if j.own_run_dir else ""))
     if tx.secret and not udpmac.NATIVE:
-        log("dgt train: warning: the UDP MAC's native helper (dgt.transport._udpmac) is not "
-            "built, so --secret checks every datagram in Python, far slower; reinstall dgt "
-            "where a C compiler is (apt-get install gcc python3-dev; pip install -e .)")
+        log(f"dgt train: warning: {udpmac.NOT_NATIVE}")
     if resume or j.ckpt.checkpoint_every:
         log("dgt train: " + (f"resuming from {resume}; " if resume else "") +
             (f"a checkpoint every {j.ckpt.checkpoint_every} iterations in "

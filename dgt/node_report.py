@@ -14,6 +14,7 @@ from dataclasses import asdict
 import numpy as np
 
 from . import records
+from .transport import udpmac
 
 log = logging.getLogger("dgt.sidecar")
 
@@ -35,7 +36,8 @@ def write_node_results(sc) -> None:
         "pull_bytes_sent": pull_bytes_sent(sc),
         "pull_blocks_coded": pull_blocks_coded(sc),
         "failed": str(sc.failed) if sc.failed else None,
-        "warnings": socks.warnings,
+        "warnings": socks.warnings + ([udpmac.NOT_NATIVE] if sc.key and not udpmac.NATIVE
+                                      else []),
         "config": {k: v for k, v in asdict(sc.cfg).items() if k != "secret"},
         "deadline_finalised": sc.shard.finalised_by_deadline if sc.shard else 0,
         "tail_finalised": sc.shard.finalised_by_tail if sc.shard else 0,

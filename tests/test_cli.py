@@ -28,6 +28,8 @@ BAD = [
      "not an address of this host"),
     # a BLAKE2b key is at most 64 bytes: refused before any process starts
     (["train", "--secret", "x" * 65], "--secret must be at most 64 bytes"),
+    # breaker round 5: bytes that are not UTF-8 gave "'utf-8' codec can't encode ..."
+    (["train", "--secret", "ab\udcff\udcfecd"], "--secret must be text"),
     (["sidecar", "--rank", "0", "--world", "1", "--secret", "x" * 100],
      "--secret must be at most 64 bytes"),
     (["train", "--tcp-rto-min-ms", "3"], "--tcp-rto-min-ms must be 0"),

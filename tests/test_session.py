@@ -125,6 +125,41 @@ def test_mac_required_when_keyed():
     assert s.receive_datagram(dgram(0, 11, key=b"x"), now=0) == [Rejected("bad_mac")]
 
 
+def test_a_late_copy_of_a_block_that_arrived_is_a_duplicate_not_late():
+    """A replay (with a valid MAC) of a block that arrived in its iteration, sent after
+    that iteration closed, is counted as a duplicate and does not widen the adaptive
+    deadline; a block of that iteration that never arrived is late. Alone and in a GRO
+    run (an outside tester's replays of iteration t-1 showed as 95,462 late blocks and
+    took the deadline from 50 to 1,000 ms)."""
+    seen = []
+
+    class Policy:
+        def observe(self, spread_s, late=False):
+            seen.append((spread_s, late))
+
+        def deadline_s(self):
+            return 0.05
+
+    s = session(n_workers=1, key=b"k")
+    s.deadline_policy = Policy()
+    ev = s.receive_frame(*end(0, [0, 3]), now=0.0)
+    for b in (10, 11, 12):
+        ev += s.receive_datagram(dgram(0, b, key=b"k"), now=0.01)
+    assert "IterationComplete" in kinds(ev)
+    s.advance()
+    seen.clear()
+    assert s.receive_datagram(dgram(0, 10, key=b"k"), now=0.02) == [Rejected("duplicate")]
+    run = b"".join(dgram(0, b, key=b"k") for b in (11, 12))
+    assert s.receive_datagram(run, now=0.02) == [Rejected("duplicate")]
+    mixed = b"".join(dgram(0, b, it=0, ch=c, key=b"k") for b, c in ((12, 1), (13, 2)))
+    assert kinds(s.receive_datagram(mixed, now=0.02)) == ["Rejected", "Rejected"]
+    ch = s.counters.channels
+    assert ch[1].blocks_duplicate == 4 and ch[1].blocks_late == 0   # 10, 11, 12, 12
+    assert ch[2].blocks_late == 1 and ch[2].blocks_duplicate == 0   # 13 never came
+    assert [late for _, late in seen] == [True]   # only the really late one is observed
+    assert s.receive_datagram(dgram(0, 14, key=b"k"), now=0.03) == [Rejected("late")]
+
+
 def test_without_a_key_a_mac_flagged_datagram_is_refused_alone_and_in_a_run():
     """A job without a secret refuses a UDP datagram carrying the MAC flag, whether it
     comes alone or in a GRO run (it was accepted alone and refused in a run); a

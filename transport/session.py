@@ -8,7 +8,9 @@ time when :meth:`next_deadline` passes. Tests drive it with scripted packet sequ
 Rules (docs/architecture.md, "One BSP iteration"):
 - A message with another session id is ``stray`` (replays of other runs land here).
 - A BLOCKS message for the iteration before the current one, or for a worker already
-  finalised, is *late*: counted per channel and dropped. One for an older iteration is
+  finalised, is *late*: counted per channel and dropped; but a late copy of a block that
+  arrived in its iteration is a *duplicate* (a replay within the session, or the
+  network's copy): it says nothing of lateness. One for an older iteration is
   ``stale`` (rejected): under BSP a datagram that trails by two iterations sat in a
   queue through a whole iteration of its sender's, or is a replay (the MAC cannot tell
   a replay within the session); the per-channel ``late`` counter stays a measure of the
@@ -112,6 +114,7 @@ class ShardSession:
         self.iteration = 0
         n = hi - lo
         self.received = np.zeros((n_workers, n), bool)
+        self.prev_received = np.zeros((n_workers, n), bool)   # the last iteration's
         # the channel each received row came on: a reliable copy displaces an unreliable one
         self.channel_of = np.zeros((n_workers, n), np.int8)
         self.coding_of = np.zeros((n_workers, n), np.int8)   # and its coding (wire.Coding)
@@ -233,6 +236,7 @@ class ShardSession:
     def advance(self) -> None:
         """Start the next iteration (after the shard has sent its PULLs)."""
         self.iteration += 1
+        self.prev_received, self.received = self.received, self.prev_received
         self.received[:] = False
         self.per_channel[:] = 0
         self.end_counts = [None] * self.n_workers
@@ -248,22 +252,41 @@ class ShardSession:
         self.counters.rejected[reason] += n
         return Rejected(reason)
 
-    def _untimely(self, h: wire.Header, messages: int, blocks: int) -> Rejected | None:
-        """The event for ``messages`` messages (``blocks`` blocks) under header ``h``
-        that are not for the open iteration, None when they are: ``stale`` (two or more
-        behind: messages rejected), ``late`` (the last iteration, or this one once
-        finalised for the sender: blocks counted per channel), ``future`` (messages
-        rejected). The module docstring says why stale is not late."""
+    def _untimely(self, h: wire.Header, messages: int, blocks: int,
+                  rows=None) -> Rejected | None:
+        """The event for ``messages`` messages (``blocks`` blocks, shard rows ``rows``:
+        an int or (blocks,) int64) under header ``h`` that are not for the open
+        iteration, None when they are: ``stale`` (two or more behind: messages
+        rejected), ``late`` (the last iteration, or this one once finalised for the
+        sender: blocks counted per channel), ``future`` (messages rejected). A late
+        copy of a block that arrived in its iteration is a ``duplicate`` instead, and
+        says nothing of the network's lateness (:meth:`_already`). The module
+        docstring says why stale is not late."""
         if h.iteration < self.iteration - 1:
             return self._reject("stale", messages)
         if h.iteration < self.iteration or (h.iteration == self.iteration
                                             and self.finalised[h.sender]):
-            self.counters.channels[h.channel].blocks_late += blocks
+            ch = self.counters.channels[h.channel]
+            if rows is not None:
+                dup = int(np.count_nonzero(self._already(h.sender, h.iteration, rows)))
+                ch.blocks_duplicate += dup
+                blocks -= dup
+                if not blocks:
+                    return Rejected("duplicate")
+            ch.blocks_late += blocks
             self._observe_late(h.sender, h.iteration)
             return Rejected("late")
         if h.iteration > self.iteration:
             return self._reject("future", messages)
         return None
+
+    def _already(self, w, iteration, rows):
+        """Which of ``rows`` (int or int64 array; ``w`` and ``iteration`` scalars or
+        arrays alike) of worker ``w`` already arrived in ``iteration`` (this one or the
+        last): a late copy of one is a replay within the session (or a network
+        duplicate), counted as a duplicate, never as late."""
+        return np.where(np.asarray(iteration) == self.iteration, self.received[w, rows],
+                        self.prev_received[w, rows])
 
     def _outside_window(self, h: wire.Header) -> str | None:
         """``stale`` or ``future`` for an iteration no message may carry now: checked
@@ -374,6 +397,16 @@ class ShardSession:
                     ok[idx[~good]] = False
         w_safe = np.where(ok, w_all, 0)
         late = ok & ((it < self.iteration) | ((it == self.iteration) & self.finalised[w_safe]))
+        row_all = hdr["block"].astype(np.int64) - self.lo
+        if late.any():   # a late copy of a block that arrived in its iteration: duplicate
+            again = np.zeros(n, bool)
+            again[late] = self._already(w_all[late], it[late], row_all[late])
+            if again.any():
+                for c, k in zip(*np.unique(ch_all[again], return_counts=True)):
+                    self.counters.channels[c].blocks_duplicate += int(k)
+                events.append(Rejected("duplicate"))
+                ok &= ~again
+                late &= ~again
         if late.any():
             for c, k in zip(*np.unique(ch_all[late], return_counts=True)):
                 self.counters.channels[c].blocks_late += int(k)
@@ -381,7 +414,6 @@ class ShardSession:
                 self._observe_late(int(wk), int(itk))   # once per (worker, iteration)
             events.append(Rejected("late"))
         cur = ok & ~late   # future and stale left ``ok`` before the MAC
-        row_all = hdr["block"].astype(np.int64) - self.lo
         idx = np.flatnonzero(cur)
         # one coding per run in practice (one band, one socket); a mix is split
         for wk, ck in (np.unique(np.stack([w_all[idx], coding[idx]]), axis=1).T
@@ -432,7 +464,7 @@ class ShardSession:
                 rows, r = rows[good], r[good]
                 if not r.size:
                     return events
-        untimely = self._untimely(h, r.size, r.size)
+        untimely = self._untimely(h, r.size, r.size, r)
         if untimely is not None:
             return events + [untimely]
         return events + self._deliver(w, r, np.full(r.size, ch, np.int64), rows,
@@ -486,7 +518,7 @@ class ShardSession:
                 return [self._reject("bad_block")]
         w = h.sender
         ch = self.counters.channels[h.channel]
-        untimely = self._untimely(h, 1, 1)
+        untimely = self._untimely(h, 1, 1, row)
         if untimely is not None:
             return [untimely]
         if self.received[w, row]:
@@ -513,7 +545,7 @@ class ShardSession:
             return [self._reject("bad_block")]
         ch = self.counters.channels[h.channel]
         w = h.sender
-        untimely = self._untimely(h, 1, rows.size)
+        untimely = self._untimely(h, 1, rows.size, rows)
         if untimely is not None:
             return [untimely]
         if np.unique(rows).size != rows.size:   # a sender never repeats a block in a frame

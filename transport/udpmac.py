@@ -38,6 +38,10 @@ except ImportError:   # pragma: no cover - only where no compiler was at install
 
 #: True when the native helper is built (the fast path)
 NATIVE = _native is not None
+#: what a job with --secret says (stderr and the report's warnings) when it is not
+NOT_NATIVE = ("the UDP MAC's native helper (dgt.transport._udpmac) is not built, so "
+              "--secret checks every datagram in Python, several times slower; reinstall "
+              "dgt where a C compiler and the Python headers are (Debian: gcc, python3-dev)")
 
 HEADER_BYTES = 34
 TAG_BYTES = 16

@@ -304,11 +304,28 @@ class Rendezvous:
                         f"rank(s) {bad} ({STORE_REJECTED}), written by another process; "
                         f"run with --secret, or keep other users off --master-port "
                         f"{self.port}", None, FailureReason.OTHER, [])
+                plain = [r for r, k in zip(ranks, [k for k in keys if k not in got])
+                         if self.key is not None and self._plain_set(k)]
+                if plain:   # they published under plain names: they have no --secret
+                    raise PeerFailure(
+                        f"rank(s) {plain} reached rendezvous step '{step}' without "
+                        f"--secret (their values are under plain names, which a rank with "
+                        f"a secret never reads): every rank needs the same --secret",
+                        None, FailureReason.OTHER, [])
                 raise PeerFailure(f"rank(s) {ranks} did not reach rendezvous step "
-                                  f"'{step}' within {self.timeout_s:.0f} s",
+                                  f"'{step}' within {self.timeout_s:.0f} s (a rank with "
+                                  f"another --secret, or none, never does: every rank "
+                                  f"needs the same one)",
                                   ranks[0] if ranks else None, FailureReason.PEER_SILENT,
                                   ranks)
             time.sleep(POLL_S)
+
+    def _plain_set(self, logical: str) -> bool:
+        """Whether ``logical`` is set under its plain name (a rank without --secret)."""
+        try:
+            return bool(self.store.check([logical]))
+        except Exception:
+            return False
 
     def publish_failure(self, message: str, rank: int | None) -> None:
         """Best effort: tell ranks still in a rendezvous wait that the job failed."""

@@ -192,3 +192,25 @@ def test_ddp_garbage_in_torchrun_s_store_is_one_line_not_a_traceback():
             _sidecar_store(raw, "dgt/sidecar-store")
         assert e.value.ranks == [] and "malformed" in str(e.value)
     assert _sidecar_store(b'["127.0.0.1", 5]', "k") == ("127.0.0.1", 5)
+
+
+def test_a_rank_without_the_secret_is_named_as_such_not_as_silent():
+    """Breaker round 5: a --secret on one rank and none on the other read as "rank(s)
+    [1] did not reach rendezvous", blaming a live rank. The rank with the secret sees
+    the other's value under its plain name and says so, blaming nobody; the rank
+    without one cannot tell, and its message says what else it may be."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r0 = Rendezvous("127.0.0.1", port, 2, 0, 2.0, secret="only-rank-0", job="j",
+                    rejected=Counter())
+    r1 = Rendezvous("127.0.0.1", port, 2, 1, 2.0, secret="", job="j", rejected=Counter())
+    r0.set("dgt/ep/0", _ep(0))
+    r1.set("dgt/ep/1", _ep(1))
+    with pytest.raises(PeerFailure) as e0:
+        r0.gather("dgt/ep", check_endpoint)
+    assert "rank(s) [1] reached rendezvous step 'dgt/ep' without --secret" in str(e0.value)
+    assert e0.value.rank is None and not e0.value.ranks
+    with pytest.raises(PeerFailure) as e1:
+        r1.gather("dgt/ep", check_endpoint)
+    assert "every rank needs the same one" in str(e1.value)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import json
 import os
 import shutil
 import signal

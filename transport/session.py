@@ -108,7 +108,8 @@ class ShardSession:
         self.deadline_s = deadline_s
         self.deadline_policy = deadline_policy
         self.key = key
-        # the UDP MAC (transport.udpmac): a whole GRO run verified in one native call
+        # the UDP MAC's keys (transport.udpmac), derived once: a whole GRO run is
+        # verified in one native call
         self._mac = udpmac.derive_keys(key) if key is not None else None
         self.counters = counters or Counters()
         self.iteration = 0
@@ -159,7 +160,7 @@ class ShardSession:
                 return [self._reject(bad)]
             if not h.flags & _MAC:
                 return [self._reject("no_mac")]
-            if not udpmac.match_one(self.key, buf):   # decode checked len(buf)
+            if not udpmac.match_one(self._mac, buf):   # decode checked len(buf)
                 return [self._reject("bad_mac")]
             if h.type != MsgType.BLOCKS:   # _check_udp_shape: a tail marker
                 return self._tail_marker(h, len(payload), checked)
@@ -387,7 +388,7 @@ class ShardSession:
         if self._mac is not None and ok.any():
             # the run's MACs in one native call (transport.udpmac)
             idx = None if ok.all() else np.flatnonzero(ok)
-            good = udpmac.match(self.key, rows, idx)
+            good = udpmac.match(self._mac, rows, idx)
             if not good.all():
                 self.counters.rejected["bad_mac"] += int((~good).sum())
                 events.append(Rejected("bad_mac"))
@@ -458,7 +459,7 @@ class ShardSession:
             bad = self._outside_window(h)
             if bad:
                 return events + [self._reject(bad, r.size)]
-            good = udpmac.match(self.key, rows)
+            good = udpmac.match(self._mac, rows)
             if not good.all():
                 events.append(self._reject("bad_mac", int((~good).sum())))
                 rows, r = rows[good], r[good]

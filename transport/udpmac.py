@@ -61,13 +61,20 @@ def derive_keys(key: bytes) -> bytes:
     return k + hashlib.shake_128(b"dgt udp mac: nh\0" + key).digest(NH_KEY_BYTES)
 
 
+def _keys(key: bytes) -> bytes:
+    """``key`` as :func:`derive_keys` gives it: a receiver derives them once and passes
+    them in (a secret is at most 64 bytes, so the two cannot be confused)."""
+    return key if len(key) == 16 + NH_KEY_BYTES else derive_keys(key)
+
+
 def sign_rows(key: bytes, rows: np.ndarray) -> None:
-    """Write the tag into the last 16 bytes of each row of ``rows`` ((n, size) uint8,
+    """``key``: the secret's UTF-8 bytes, or :func:`derive_keys` of them (so in every
+    function below). Write the tag into the last 16 bytes of each row of ``rows`` ((n, size) uint8,
     C-contiguous, writable; size >= 50: header, payload, tag)."""
     n, size = rows.shape
     if not n:
         return
-    keys = derive_keys(key)
+    keys = _keys(key)
     if _native is not None:
         _native.sign(keys, rows, n, size)
         return
@@ -85,7 +92,7 @@ def match(key: bytes, rows: np.ndarray, idx: np.ndarray | None = None) -> np.nda
     out = np.zeros(len(which), np.uint8)
     if not out.size:
         return out.view(bool)
-    keys = derive_keys(key)
+    keys = _keys(key)
     if _native is not None:
         _native.verify(keys, rows, size,
                        None if idx is None else np.ascontiguousarray(idx, np.int64), out)
@@ -98,7 +105,7 @@ def match(key: bytes, rows: np.ndarray, idx: np.ndarray | None = None) -> np.nda
 
 def match_one(key: bytes, datagram) -> bool:
     """One datagram (bytes-like, ending in its tag): does its tag verify?"""
-    keys = derive_keys(key)
+    keys = _keys(key)
     if _native is not None:
         return _native.verify_one(keys, datagram)
     mv = memoryview(datagram).cast("B")   # pragma: no cover - the fallback

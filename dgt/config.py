@@ -394,6 +394,7 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag gets one line: what is wrong and where to look."""
 
     def error(self, message):
+        message = " ".join(str(message).split())   # foreign exception text may hold \n
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 

@@ -184,3 +184,15 @@ def test_node_flags_read_dgt_then_torchrun_variables():
     assert (node.rank, node.world, node.master_port, node.seed) == (2, 4, 3000, 7)
     node = from_args(NodeConfig, p.parse_args(["--rank", "0", "--world", "1"]), environ={})
     assert (node.master_addr, node.master_port) == ("127.0.0.1", 29500)
+
+
+def test_a_parser_error_quoting_multiline_text_is_one_line(capsys):
+    """A message that quotes a library's own text (which may hold newlines) still
+    comes out as one line."""
+    p = OneLineParser(prog="t")
+    with pytest.raises(SystemExit) as e:
+        p.error("cannot read x (A load persistent id instruction was encountered,\n"
+                "but no persistent_load function was specified.)")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "encountered, but no persistent_load" in err and "see 't --help'" in err

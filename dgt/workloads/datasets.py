@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import gzip
 import io
+import math
 import os
 import pickle
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +54,11 @@ CIFAR_TEST_FILE = "test_batch"
 
 class DatasetError(ValueError):
     """A dataset's files are missing, unreadable or malformed; the message says what
-    to do (one line)."""
+    to do, on one line: whitespace in it (newlines included, as in an unpickler's or a
+    decompressor's own text that a message quotes) is collapsed to single spaces."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
 
 
 @dataclass
@@ -119,7 +125,7 @@ def read_idx(path: str, magic: int, dims: int) -> np.ndarray:
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rb") as f:
             raw = f.read()
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, zlib.error) as e:   # gzip.BadGzipFile is an OSError
         raise DatasetError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}; "
                            f"reinstall the file") from None
     want = 4 + 4 * dims
@@ -127,9 +133,9 @@ def read_idx(path: str, magic: int, dims: int) -> np.ndarray:
         raise DatasetError(f"{path} is not an IDX file (magic {magic:#010x} expected); "
                            f"reinstall the file")
     shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
-    if len(raw) - want != int(np.prod(shape)):
+    if len(raw) - want != math.prod(shape):   # exact: np.prod would wrap at 2**63
         raise DatasetError(f"{path} is truncated or corrupt ({len(raw) - want} data bytes, "
-                           f"{int(np.prod(shape))} expected for shape {shape}); reinstall "
+                           f"{math.prod(shape)} expected for shape {shape}); reinstall "
                            f"the file")
     return np.frombuffer(raw, np.uint8, offset=want).reshape(shape)
 
@@ -222,8 +228,9 @@ def read_cifar_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
             d = _CifarUnpickler(io.BytesIO(f.read()), encoding="bytes").load()
         data = np.asarray(d[b"data"])
         labels = np.asarray(d[b"labels"], dtype=np.int64)
-    except (OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError,
-            AttributeError, IndexError, MemoryError) as e:
+    except Exception as e:   # noqa: BLE001 -- untrusted bytes: any failure of the
+        # restricted unpickler (Overflow-, Recursion-, Unpickling-, KeyError, ...) or of
+        # the fields' conversion means the same thing to the user
         raise DatasetError(f"{path} is not a CIFAR-10 batch ({type(e).__name__}: "
                            f"{str(e)[:80]}); download the python version again") from None
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 \

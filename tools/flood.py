@@ -12,11 +12,20 @@ With ``--spoof`` (root, raw socket) each one is sent from a peer's own channel s
 address (127.0.0.1, the peer's port), so it is not refused as ``unknown_source``:
 the worst a host on the path can send. Paced to ``--rate`` datagrams/s per sidecar.
 
+Its own cost is kept low, so that on a loaded host it holds its rate (the report's
+``rate_per_sidecar`` says what it reached): the datagrams go out 64 per sendmmsg(2) call,
+and the sniffer's packet socket carries a kernel filter that passes only TCP segments
+from the job's ports (without it, the sniffer read every datagram the flood itself
+sent, and took the tool to 1.6 cores and 15,200/s per sidecar on an idle 2-core host;
+now 0.6 cores at 20,000/s).
+
 ``python -m dgt.tools.flood --base-port B --world 3 --rate 20000 --duration-s 60 --sniff --spoof``
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import random
 import signal
@@ -26,8 +35,28 @@ import sys
 import threading
 import time
 
-from ..transport import wire
+from ..transport import sockfilter, wire
 from .attack import STRANGER_ADDRESS
+
+
+def tcp_from_ports_filter(lo: int, hi: int) -> bytes:
+    """A classic BPF filter for a packet socket on ``lo``: keep only IPv4 TCP segments
+    whose source port is in ``[lo, hi]``. Without it every packet on ``lo`` (the
+    flood's own datagrams among them, 60,000/s and more) is copied to the sniffer and
+    read by a Python call each, which takes the CPU and the GIL the flood needs."""
+    p = sockfilter._Program()
+    p.ld(0x08, 12)                          # ldh [12]: the Ethernet type
+    p.jump(0x10, 0x0800, 0, "drop")         # IPv4
+    p.ld(0x10, 14 + 9)                      # ldb [23]: the IP protocol
+    p.jump(0x10, socket.IPPROTO_TCP, 0, "drop")
+    p.code.append([0xB1, 0, 0, 14])         # ldxb 4*([14]&0xf): the IP header length
+    p.code.append([0x48, 0, 0, 14])         # ldh [x+14]: the TCP source port
+    p.jump(0x30, lo, 0, "drop")             # >= lo
+    p.jump(0x30, hi + 1, "drop", 0)         # <= hi
+    p.ret(sockfilter.ACCEPT)
+    p.label("drop")
+    p.ret(sockfilter.DROP)
+    return p.assemble()
 
 
 class IterationSniffer(threading.Thread):
@@ -41,6 +70,7 @@ class IterationSniffer(threading.Thread):
         self.iteration = 0
         self.ranges: dict[int, tuple[int, int]] = {}   # shard -> [lo, hi), from PULLs
         self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+        sockfilter.attach(self.sock, tcp_from_ports_filter(min(ports), max(ports)))
         self.sock.bind(("lo", 0))
         self.sock.settimeout(0.2)
         self.stop = False
@@ -92,6 +122,65 @@ def _raw_udp(src: tuple[str, int], dst: tuple[str, int], payload: bytes) -> byte
     return ip + struct.pack("!HHHH", src[1], dst[1], ulen, 0) + payload
 
 
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _Msghdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32),
+                ("iov", ctypes.POINTER(_Iovec)), ("iovlen", ctypes.c_size_t),
+                ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int)]
+
+
+class _Mmsghdr(ctypes.Structure):
+    _fields_ = [("hdr", _Msghdr), ("len", ctypes.c_uint)]
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+BATCH = 64   # datagrams per sendmmsg(2)
+
+
+class BatchSender:
+    """A ring of ready packets sent ``BATCH`` at a time with sendmmsg(2) (one syscall,
+    not one Python call, per 64 datagrams: the tool's own CPU per datagram is then
+    mostly the kernel's, so the flood keeps its rate on a loaded host)."""
+
+    def __init__(self, sock: socket.socket, pool: list[tuple[bytes, tuple[str, int]]]):
+        self.fd = sock.fileno()
+        self.n = len(pool)
+        self._keep = [ctypes.create_string_buffer(pkt, len(pkt)) for pkt, _ in pool]
+        self._iov = (_Iovec * self.n)()
+        self._addr = []
+        self._msgs = (_Mmsghdr * self.n)()
+        for i, ((pkt, dst), buf) in enumerate(zip(pool, self._keep)):
+            self._iov[i].base, self._iov[i].len = ctypes.addressof(buf), len(pkt)
+            a = ctypes.create_string_buffer(struct.pack("=H", socket.AF_INET)
+                                            + struct.pack("!H", dst[1])
+                                            + socket.inet_aton(dst[0]) + bytes(8), 16)
+            self._addr.append(a)
+            h = self._msgs[i].hdr
+            h.name, h.namelen = ctypes.addressof(a), 16
+            h.iov, h.iovlen = ctypes.pointer(self._iov[i]), 1
+        self.at = 0
+
+    def send(self, count: int) -> tuple[int, int]:
+        """Send ``count`` datagrams from the ring; return (sent, errors)."""
+        sent = errors = 0
+        while count > 0:
+            k = min(count, BATCH, self.n - self.at)
+            r = _LIBC.sendmmsg(self.fd, ctypes.byref(self._msgs, self.at
+                                                    * ctypes.sizeof(_Mmsghdr)), k, 0)
+            if r <= 0:   # the first datagram failed (ENOBUFS, ...): count it, skip it
+                errors += 1
+                r = 1
+            else:
+                sent += r
+            count -= r
+            self.at = (self.at + r) % self.n
+        return sent, errors
+
+
 def flood(host: str, base_port: int, world: int, channels: int, rate: float,
           duration_s: float, sniff: bool, spoof: bool, keyed: bool = False,
           in_range: bool = False,
@@ -116,6 +205,7 @@ def flood(host: str, base_port: int, world: int, channels: int, rate: float,
     sent = {"datagrams": 0, "errors": 0, "session_sniffed": False}
     pool: list = []   # (packet, destination) ready to send, rebuilt per (session, t)
     pool_key = None
+    batch: BatchSender | None = None
     stranger_session = rng.getrandbits(64)
     t0 = time.monotonic()
     t_end = t0 + duration_s
@@ -144,14 +234,12 @@ def flood(host: str, base_port: int, world: int, channels: int, rate: float,
                         dst = (host, udp_ports[r][c - 1])
                         pool.append((_raw_udp((host, udp_ports[w][c - 1]), dst, d), (host, 0))
                                     if spoof else (d, dst))
-            n = min(due * world - sent["datagrams"], 4000)
-            for i in range(max(n, 0)):
-                pkt, dst = pool[i % len(pool)]
-                try:
-                    out.sendto(pkt, dst)
-                    sent["datagrams"] += 1
-                except OSError:
-                    sent["errors"] += 1
+                batch = BatchSender(out, pool)
+            n = min(due * world - sent["datagrams"] - sent["errors"], 4000)
+            if n > 0:
+                ok, bad = batch.send(n)
+                sent["datagrams"] += ok
+                sent["errors"] += bad
             time.sleep(0.002)
     finally:
         out.close()

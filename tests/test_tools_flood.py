@@ -1,5 +1,6 @@
 """The flood tool (``dgt.tools.flood``) over real loopback sockets: every datagram it
 counts as sent is one well-formed forged BLOCKS datagram at a sidecar's channel port."""
+import json
 import socket
 import threading
 
@@ -123,3 +124,46 @@ def test_the_sniffers_kernel_filter_keeps_only_tcp_from_the_jobs_ports():
     finally:
         for s in (srv, other, sniff, udp):
             s.close()
+
+
+def _report(path, lost, dup=0, it_s=0.1, sha="ab" * 32, identical=True):
+    ch = {"tcp": {"blocks_lost": 0, "blocks_duplicate": 0}}
+    for c in (1, 2, 3):
+        ch[f"udp{c}"] = {"blocks_lost": lost // 3 + (c <= lost % 3), "blocks_duplicate": dup}
+    path.write_text(json.dumps({"channels": ch, "train_seconds": it_s * 30,
+                                "iterations": 30, "replicas_identical": identical,
+                                "param_sha256": [sha] * 3}))
+
+
+def test_flood_sets_table_adds_up_the_reports(tmp_path, capsys):
+    from dgt.tools.flood_sets import RUNS, main
+    lost = {"plain-no": 0, "plain-yes": 100, "keyed-no": 0, "keyed-yes": 30,
+            "plain-refused": 20}
+    dirs = []
+    for s, scale in ((1, 1), (2, 3)):
+        d = tmp_path / f"set{s}"
+        d.mkdir()
+        for name, _, flooded in RUNS:
+            _report(d / f"{name}.json", lost[name] * scale, dup=7 if name == "plain-yes" else 0)
+            if flooded:
+                (d / f"{name}.flood.json").write_text(json.dumps({"rate_per_sidecar": 19990 + s}))
+        dirs.append(str(d))
+    (tmp_path / "set3").mkdir()   # a set that never ran is named, not counted
+    assert main(["table", *dirs, str(tmp_path / "set3")]) == 0
+    out = capsys.readouterr().out
+    assert "| set1 |" in out and "| 100 / 30 / 20 | 0.30 | 1.50 |" in out
+    assert "| 300 / 90 / 60 | 0.30 | 1.50 |" in out and "21 / 0" in out
+    assert "set3 | incomplete" in out
+    assert "2 sets: real UDP blocks lost with --secret 120, without 400 (0.30 times" in out
+    assert "lowest flood rate 19991/s" in out and "identical in every run: True" in out
+
+
+def test_flood_sets_run_needs_root_and_sane_ports(tmp_path, capsys):
+    import os
+    from dgt.tools.flood_sets import main
+    with pytest.raises(SystemExit):
+        main(["run", "--out", str(tmp_path), "--sets", "200"])
+    assert "--sets must be 1..100" in capsys.readouterr().err
+    if os.geteuid() != 0:
+        assert main(["run", "--out", str(tmp_path), "--sets", "1"]) == 2
+        assert "run as root" in capsys.readouterr().err

@@ -44,18 +44,19 @@ def tcp_from_ports_filter(lo: int, hi: int) -> bytes:
     whose source port is in ``[lo, hi]``. Without it every packet on ``lo`` (the
     flood's own datagrams among them, 60,000/s and more) is copied to the sniffer and
     read by a Python call each, which takes the CPU and the GIL the flood needs."""
-    p = sockfilter._Program()
-    p.ld(0x08, 12)                          # ldh [12]: the Ethernet type
-    p.jump(0x10, 0x0800, 0, "drop")         # IPv4
-    p.ld(0x10, 14 + 9)                      # ldb [23]: the IP protocol
-    p.jump(0x10, socket.IPPROTO_TCP, 0, "drop")
-    p.code.append([0xB1, 0, 0, 14])         # ldxb 4*([14]&0xf): the IP header length
-    p.code.append([0x48, 0, 0, 14])         # ldh [x+14]: the TCP source port
-    p.jump(0x30, lo, 0, "drop")             # >= lo
-    p.jump(0x30, hi + 1, "drop", 0)         # <= hi
-    p.ret(sockfilter.ACCEPT)
+    f = sockfilter
+    p = f.Program()
+    p.ld(f.H, 12)                              # the Ethernet type
+    p.jump(f.JEQ, 0x0800, 0, "drop")           # IPv4
+    p.ld(f.B, 14 + 9)                          # the IP protocol
+    p.jump(f.JEQ, socket.IPPROTO_TCP, 0, "drop")
+    p.ldx_ip_header_len(14)
+    p.ld_ind(f.H, 14)                          # the TCP source port
+    p.jump(f.JGE, lo, 0, "drop")
+    p.jump(f.JGE, hi + 1, "drop", 0)
+    p.ret(f.ACCEPT)
     p.label("drop")
-    p.ret(sockfilter.DROP)
+    p.ret(f.DROP)
     return p.assemble()
 
 

@@ -36,8 +36,9 @@ RUNS = (("plain-no", False, None), ("plain-yes", False, "plain"),
 SECRET = "job-secret-1"
 
 
-def job_command(base: int, secret: bool, report: str, iterations: int) -> list[str]:
-    return ["dgt", "train", "--workers", "3", "--iterations", str(iterations),
+def job_command(dgt: str, base: int, secret: bool, report: str,
+                iterations: int) -> list[str]:
+    return [dgt, "train", "--workers", "3", "--iterations", str(iterations),
             "--hidden", "256", "--seed", "2", "--base-port", str(base),
             "--report", report] + (["--secret", SECRET] if secret else [])
 
@@ -61,11 +62,11 @@ def run_set(out: str, base: int, rate: float, in_range: bool, nice: int,
         raise PermissionError("the flood sniffs and spoofs on lo: run as root")
     os.makedirs(out, exist_ok=True)
     runs = []
-    dgt = os.path.join(os.path.dirname(sys.executable), "dgt")
+    dgt = os.path.join(os.path.dirname(sys.executable), "dgt")   # this venv's
+    dgt = dgt if os.path.exists(dgt) else "dgt"
     for i, (name, secret, flood) in enumerate(RUNS):
         b = base + 100 * i
-        job = job_command(b, secret, os.path.join(out, f"{name}.json"), iterations)
-        job[0] = dgt if os.path.exists(dgt) else "dgt"
+        job = job_command(dgt, b, secret, os.path.join(out, f"{name}.json"), iterations)
         row = {"name": name, "base_port": b, "load_before": _load(),
                "start": time.strftime("%H:%M:%S", time.gmtime()), "job": job}
         fp = None

@@ -39,16 +39,16 @@ SKF_NET_OFF = -0x100000   # negative offsets: from the network header (linux/fil
 UDP_HEADER = 8
 
 # instruction classes and modes (linux/bpf_common.h)
-_LD, _JMP, _RET = 0x00, 0x05, 0x06
-_W, _H, _B = 0x00, 0x08, 0x10
-_ABS, _LEN = 0x20, 0x80
-_JA, _JEQ, _JGE = 0x00, 0x10, 0x30
+_LD, _LDX, _JMP, _RET = 0x00, 0x01, 0x05, 0x06
+W, H, B = 0x00, 0x08, 0x10
+_ABS, _IND, _LEN, _MSH = 0x20, 0x40, 0x80, 0xA0
+_JA, JEQ, JGE = 0x00, 0x10, 0x30
 _K = 0x00
 ACCEPT, DROP = 0xFFFFFFFF, 0
 MAX_INSNS = 4096   # BPF_MAXINSNS
 
 
-class _Program:
+class Program:
     """A tiny assembler: instructions with symbolic jump targets, resolved at the end."""
 
     def __init__(self):
@@ -61,8 +61,16 @@ class _Program:
     def ld(self, size: int, off: int) -> None:
         self.code.append([_LD | size | _ABS, 0, 0, off & 0xFFFFFFFF])
 
+    def ldx_ip_header_len(self, off: int) -> None:
+        """X = 4 * (P[off] & 0xf): the IPv4 header length (``ldxb 4*([off]&0xf)``)."""
+        self.code.append([_LDX | B | _MSH, 0, 0, off])
+
+    def ld_ind(self, size: int, off: int) -> None:
+        """A = P[X + off] (``ld[h|b] [x + off]``)."""
+        self.code.append([_LD | size | _IND, 0, 0, off])
+
     def ld_len(self) -> None:
-        self.code.append([_LD | _W | _LEN, 0, 0, 0])
+        self.code.append([_LD | W | _LEN, 0, 0, 0])
 
     def jump(self, cond: int, k: int, jt, jf) -> None:
         """Compare A with ``k``: go to ``jt`` if true else ``jf`` (labels or 0 = next)."""
@@ -101,44 +109,44 @@ def program(*, session: int, shard: int, world: int, lo: int, hi: int,
     the source check (a peer on a wildcard host). On an ``AF_INET6`` socket only the
     ports are checked. Raises ValueError when the program would exceed 4096
     instructions (then attach none)."""
-    p = _Program()
+    p = Program()
     H = UDP_HEADER
     off = {name: wire.HEADER_DTYPE.fields[name][1] + H for name in wire.HEADER_DTYPE.names}
     if sources is not None:
         for i, (addr, port) in enumerate(sorted(set(sources))):
             ip = ipaddress.ip_address(addr)
             nxt = f"src{i + 1}"
-            p.ld(_H, 0)   # UDP source port
+            p.ld(H, 0)   # UDP source port
             if family == socket.AF_INET and ip.version == 4:
-                p.jump(_JEQ, port, 0, nxt)
-                p.ld(_W, SKF_NET_OFF + 12)   # IPv4 source address
-                p.jump(_JEQ, int(ip), 0, nxt)
+                p.jump(JEQ, port, 0, nxt)
+                p.ld(W, SKF_NET_OFF + 12)   # IPv4 source address
+                p.jump(JEQ, int(ip), 0, nxt)
             else:
-                p.jump(_JEQ, port, 0, nxt)
+                p.jump(JEQ, port, 0, nxt)
             p.ja("header")
             p.label(nxt)
         p.ret(DROP)
     p.label("header")
     p.ld_len()
-    p.jump(_JGE, H + wire.HEADER_BYTES, 0, "drop")
-    p.ld(_H, off["magic"])
-    p.jump(_JEQ, wire.MAGIC, 0, "drop")
-    p.ld(_B, off["version"])
-    p.jump(_JEQ, wire.VERSION, 0, "drop")
-    p.ld(_W, off["session"])
-    p.jump(_JEQ, session >> 32, 0, "drop")
-    p.ld(_W, off["session"] + 4)
-    p.jump(_JEQ, session & 0xFFFFFFFF, 0, "drop")
-    p.ld(_H, off["shard"])
-    p.jump(_JEQ, shard, 0, "drop")
-    p.ld(_H, off["sender"])
-    p.jump(_JGE, world, "drop", 0)
-    p.ld(_B, off["type"])
-    p.jump(_JEQ, wire.MsgType.END, "accept", 0)
-    p.jump(_JEQ, wire.MsgType.BLOCKS, 0, "drop")
-    p.ld(_W, off["block"])
-    p.jump(_JGE, lo, 0, "drop")
-    p.jump(_JGE, hi, "drop", "accept")
+    p.jump(JGE, H + wire.HEADER_BYTES, 0, "drop")
+    p.ld(H, off["magic"])
+    p.jump(JEQ, wire.MAGIC, 0, "drop")
+    p.ld(B, off["version"])
+    p.jump(JEQ, wire.VERSION, 0, "drop")
+    p.ld(W, off["session"])
+    p.jump(JEQ, session >> 32, 0, "drop")
+    p.ld(W, off["session"] + 4)
+    p.jump(JEQ, session & 0xFFFFFFFF, 0, "drop")
+    p.ld(H, off["shard"])
+    p.jump(JEQ, shard, 0, "drop")
+    p.ld(H, off["sender"])
+    p.jump(JGE, world, "drop", 0)
+    p.ld(B, off["type"])
+    p.jump(JEQ, wire.MsgType.END, "accept", 0)
+    p.jump(JEQ, wire.MsgType.BLOCKS, 0, "drop")
+    p.ld(W, off["block"])
+    p.jump(JGE, lo, 0, "drop")
+    p.jump(JGE, hi, "drop", "accept")
     p.label("accept")
     p.ret(ACCEPT)
     p.label("drop")
@@ -150,7 +158,7 @@ def drop_all() -> bytes:
     """A filter that keeps nothing: a channel socket carries it from its bind until
     the job's session and layout are known (before that the receive path refuses
     every datagram as ``not_ready``, at a Python call each)."""
-    p = _Program()
+    p = Program()
     p.ret(DROP)
     return p.assemble()
 

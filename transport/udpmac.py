@@ -61,20 +61,14 @@ def derive_keys(key: bytes) -> bytes:
     return k + hashlib.shake_128(b"dgt udp mac: nh\0" + key).digest(NH_KEY_BYTES)
 
 
-def _keys(key: bytes) -> bytes:
-    """``key`` as :func:`derive_keys` gives it: a receiver derives them once and passes
-    them in (a secret is at most 64 bytes, so the two cannot be confused)."""
-    return key if len(key) == 16 + NH_KEY_BYTES else derive_keys(key)
-
-
-def sign_rows(key: bytes, rows: np.ndarray) -> None:
-    """``key``: the secret's UTF-8 bytes, or :func:`derive_keys` of them (so in every
-    function below). Write the tag into the last 16 bytes of each row of ``rows`` ((n, size) uint8,
-    C-contiguous, writable; size >= 50: header, payload, tag)."""
+def sign_rows(keys: bytes, rows: np.ndarray) -> None:
+    """``keys``: :func:`derive_keys` of the secret (so in every function below; a
+    receiver derives them once). Write the tag into the last 16 bytes of each row of
+    ``rows`` ((n, size) uint8, C-contiguous, writable; size >= 50: header, payload,
+    tag)."""
     n, size = rows.shape
     if not n:
         return
-    keys = _keys(key)
     if _native is not None:
         _native.sign(keys, rows, n, size)
         return
@@ -83,7 +77,7 @@ def sign_rows(key: bytes, rows: np.ndarray) -> None:
                                                np.uint8)
 
 
-def match(key: bytes, rows: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
+def match(keys: bytes, rows: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
     """Verify the tags of ``rows`` ((n, size) uint8, C-contiguous, each row one datagram
     ending in its tag), or of rows ``idx`` only ((m,) int64; no copy of the rows).
     Returns (n,) or (m,) bool. Every byte of every tag is compared (no early exit)."""
@@ -92,7 +86,6 @@ def match(key: bytes, rows: np.ndarray, idx: np.ndarray | None = None) -> np.nda
     out = np.zeros(len(which), np.uint8)
     if not out.size:
         return out.view(bool)
-    keys = _keys(key)
     if _native is not None:
         _native.verify(keys, rows, size,
                        None if idx is None else np.ascontiguousarray(idx, np.int64), out)
@@ -103,9 +96,8 @@ def match(key: bytes, rows: np.ndarray, idx: np.ndarray | None = None) -> np.nda
     return out.view(bool)
 
 
-def match_one(key: bytes, datagram) -> bool:
+def match_one(keys: bytes, datagram) -> bool:
     """One datagram (bytes-like, ending in its tag): does its tag verify?"""
-    keys = _keys(key)
     if _native is not None:
         return _native.verify_one(keys, datagram)
     mv = memoryview(datagram).cast("B")   # pragma: no cover - the fallback
@@ -113,11 +105,11 @@ def match_one(key: bytes, datagram) -> bool:
         _py_tag(keys, bytes(mv[:-TAG_BYTES])) == bytes(mv[-TAG_BYTES:])
 
 
-def tag(key: bytes, message) -> bytes:
+def tag(keys: bytes, message) -> bytes:
     """The 16-byte tag of ``message`` (bytes-like: a 34-byte header, then the payload)."""
     row = np.zeros((1, len(message) + TAG_BYTES), np.uint8)
     row[0, :len(message)] = np.frombuffer(message, np.uint8)
-    sign_rows(key, row)
+    sign_rows(keys, row)
     return row[0, len(message):].tobytes()
 
 

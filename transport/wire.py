@@ -203,7 +203,7 @@ def encode_parts(msg_type: int, *, session: int, sender: int, shard: int = 0,
     if key is None:
         return [head, *views]
     if channel != 0:   # a UDP datagram (a tail marker): the UDP MAC
-        return [head, *views, udpmac.tag(key, b"".join([head, *views]))]
+        return [head, *views, udpmac.tag(udpmac.derive_keys(key), b"".join([head, *views]))]
     h = keyed_state(key).copy()
     h.update(head)
     for v in views:
@@ -284,7 +284,7 @@ def check_mac(mv: memoryview, h: Header, key: bytes) -> None:
         raise WireError("no_mac")
     end = HEADER_BYTES + h.length
     if h.channel != 0:   # a UDP channel's datagram: the UDP MAC
-        if not udpmac.match_one(key, mv[:end + MAC_BYTES]):
+        if not udpmac.match_one(udpmac.derive_keys(key), mv[:end + MAC_BYTES]):
             raise WireError("bad_mac")
     elif not hmac.compare_digest(mac_tag(key, mv[:end]), mv[end:]):
         raise WireError("bad_mac")
@@ -441,5 +441,5 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     out[:, :HEADER_BYTES] = hdr.view(np.uint8).reshape(n, HEADER_BYTES)
     out[:, HEADER_BYTES:HEADER_BYTES + plen] = payload
     if key:
-        udpmac.sign_rows(key, out)   # the whole batch in one call (docs/wire.md, "UDP MAC")
+        udpmac.sign_rows(udpmac.derive_keys(key), out)   # the whole batch in one call (docs/wire.md, "UDP MAC")
     return out

@@ -17,8 +17,14 @@ from .layout import DEFAULT_BLOCK_BYTES
 from .transport.channels import MAX_UDP_CHANNELS
 
 MODES = ("dgt", "tcp", "topk", "random")
-#: --pull-codec words (dgt.transport.wire.Coding's names in lower case)
-PULL_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
+#: --pull-codec words (dgt.transport.wire.Coding's names in lower case, and auto)
+PULL_CODECS = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
+#: what ``auto`` means for --band-codec and --pull-codec, per --mode: the modes that rank
+#: blocks by contribution code the low share in int8 (docs/bench/tta_ablation.md: the
+#: same time to accuracy or better at 0.68 x the push and 0.63 x the PULL bytes); the
+#: baselines keep every byte fp32 (tcp: the paper's plain transmission; topk sends no
+#: band at all)
+AUTO_CODEC = {"dgt": "int8", "random": "int8", "tcp": "fp32", "topk": "fp32"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PACE_AUTO = -1.0   # --pace-mbit auto: the sidecar resolves it from the egress link
 
@@ -62,15 +68,17 @@ class TransmissionConfig:
                         "random low-score blocks")
     error_feedback: bool = _f(True, "keep undelivered blocks in a residual and resend "
                               "(and what --band-codec and --pull-codec round away)")
-    band_codec: str = _f("fp32", "how each UDP band codes its blocks: one of fp32 | fp16 "
-                         "| bf16 | int8 | int4 (int: one f32 scale per block) for every "
-                         "band, or "
+    band_codec: str = _f("auto", "how each UDP band codes its blocks: auto (int8 for "
+                         "--mode dgt and random, fp32 for tcp and topk) or one of fp32 | "
+                         "fp16 | bf16 | int8 | int4 (int: one f32 scale per block) for "
+                         "every band, or "
                          "CHANNEL:CODEC pairs, e.g. 2:bf16,3:int8 (unnamed bands fp32); "
                          "the coding error stays in the residual. Coded bands change "
                          "the aggregate's bits (so --mode tcp no longer equals dgt), "
                          "never the replicas' agreement")
-    pull_codec: str = _f("fp32", "how a shard codes the low-contribution blocks of its "
-                         "PULL (two-sided error feedback): fp32 (none) | fp16 | bf16 | "
+    pull_codec: str = _f("auto", "how a shard codes the low-contribution blocks of its "
+                         "PULL (two-sided error feedback): auto (int8 for --mode dgt and "
+                         "random, fp32 for tcp and topk) | fp32 (none) | fp16 | bf16 | "
                          "int8 | int4; the shard keeps the coding error in its own "
                          "residual, every replica applies the same bytes",
                          choices=PULL_CODECS)
@@ -168,20 +176,35 @@ class TransmissionConfig:
                              f"({1000.0 * self.peer_timeout_s:g}), got "
                              f"{self.deadline_max_ms:g}")
 
+    def codec_names(self) -> tuple[str, str]:
+        """(--band-codec, --pull-codec) with ``auto`` resolved by --mode, as words, for
+        the logs and the report; a per-channel --band-codec is given as written."""
+        def word(text: str) -> str:
+            text = text.strip().lower()
+            return AUTO_CODEC.get(self.mode, "fp32") if text == "auto" else text
+        return word(self.band_codec), word(self.pull_codec)
+
     def pull_coding(self) -> int:
-        """``--pull-codec`` as a dgt.transport.wire.Coding (0: PULLs all f32)."""
+        """``--pull-codec`` as a dgt.transport.wire.Coding (0: PULLs all f32), ``auto``
+        resolved by --mode (:data:`AUTO_CODEC`)."""
         from .transport.wire import Coding
-        return int(Coding[self.pull_codec.upper()])
+        name = (AUTO_CODEC.get(self.mode, "fp32") if self.pull_codec == "auto"
+                else self.pull_codec)
+        return int(Coding[name.upper()])
 
     def band_codings(self) -> list[int]:
         """``--band-codec`` as the coding of each channel (``MAX_UDP_CHANNELS + 1``
-        ints, dgt.transport.wire.Coding; channel 0, the reliable one, is always fp32).
-        Raises ValueError that says what to write."""
+        ints, dgt.transport.wire.Coding; channel 0, the reliable one, is always fp32),
+        ``auto`` resolved by --mode (:data:`AUTO_CODEC`). Raises ValueError that says
+        what to write."""
         from .transport.wire import Coding
         names = {c.name.lower(): int(c) for c in Coding}
         out = [0] * (MAX_UDP_CHANNELS + 1)
         text = self.band_codec.strip().lower()
-        how = (f"--band-codec takes one of {' | '.join(names)} for every UDP band, or "
+        if text == "auto":
+            text = AUTO_CODEC.get(self.mode, "fp32")
+        how = (f"--band-codec takes auto or one of {' | '.join(names)} for every UDP "
+               f"band, or "
                f"CHANNEL:CODEC pairs with CHANNEL in 1..--channels ({self.channels}), "
                f"e.g. 2:bf16,3:int8; got {self.band_codec!r}")
         if text in names:

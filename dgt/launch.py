@@ -509,8 +509,11 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         j.cleanup()
         log(f"dgt train: --run-dir {j.run_dir}: {e.strerror or e}")
         return 2, None
-    log(f"dgt train: {job.workers} workers, mode {tx.mode}, k {tx.k}, {tx.channels} UDP "
-        f"channels, block {tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}, "
+    band, pull = tx.codec_names()
+    coded = (f" ({tx.channels} UDP channels in {band}, low PULL share in {pull})"
+             if tx.mode in ("dgt", "random") else "")
+    log(f"dgt train: {job.workers} workers, mode {tx.mode}{coded}, k {tx.k}, block "
+        f"{tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}, "
         f"{'MAC on every message' if tx.secret else 'no --secret (messages unauthenticated)'}; "
         f"logs in {j.run_dir}" + (" (a temporary folder: removed after a successful run, "
                                   "kept on failure; --run-dir keeps it)"

@@ -63,6 +63,9 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
     return {
         "warnings": lost_t + lost_s + _warnings(sidecars),
         "mode": tx.mode,
+        # what the UDP bands and the PULLs' low share were coded in (auto resolved)
+        "band_codec": tx.codec_names()[0] if tx.mode in ("dgt", "random") else None,
+        "pull_codec": tx.codec_names()[1],
         "authenticated": bool(tx.secret),   # --secret given: a MAC on every message
         "workload": t0.get("workload"),
         "rounds": rounds,
@@ -124,7 +127,9 @@ def summary_head(r: dict, log=print) -> None:
     workers, workload, iterations (rounds), final accuracy, target reached, wall time.
     ``r``: a report dict (``build_report``'s keys)."""
     w = r.get("workload")
-    summary_row("mode", r["mode"], log)
+    summary_row("mode", r["mode"] + (f" (UDP bands {r['band_codec']}, PULLs "
+                                     f"{r['pull_codec']})" if r.get("band_codec") else ""),
+                log)
     summary_row("workers", r["workers"], log)
     if w:
         summary_row("workload", describe_workload(w), log)

@@ -145,7 +145,7 @@ def test_off_by_default():
 
 
 def test_the_cut_takes_the_lowest_ranked_remote_blocks_and_never_local_ones():
-    p, lay = planner(time_budget_ms=100.0)
+    p, lay = planner(time_budget_ms=100.0, band_codec="fp32")   # f32 datagrams below
     g = torch.from_numpy(np.random.default_rng(0).standard_normal(lay.padded)
                          .astype(np.float32))
     chan0, _ = p.plan(g, None)                        # no measurement yet: every block

@@ -178,7 +178,7 @@ def test_non_finite_blocks_never_reach_the_model():
     got in first) is excluded at the shard like a lost block: the aggregate stays finite
     and identical on every replica, the block is counted as rejected 'non_finite', and
     its sender keeps its own copy in the residual (error feedback)."""
-    cfg = TransmissionConfig(k=0.5)
+    cfg = TransmissionConfig(k=0.5, band_codec="fp32")   # a delivered block: no residual
     fab = Fabric(cfg, 5000, 4)
     lay = fab.lay
     gen = np.random.default_rng(7)
@@ -227,8 +227,9 @@ def test_a_push_in_parts_conserves_mass_and_sends_each_block_once(mode):
 
 @pytest.mark.parametrize("mode", ["tcp", "dgt"])
 def test_a_push_in_parts_applies_the_bits_of_a_whole_push(mode):
-    # nothing lost: the same blocks reach the shards, whatever channel each took
-    cfg = TransmissionConfig(mode=mode, block_bytes=64, pace_mbit=0)
+    # nothing lost: the same blocks reach the shards, whatever channel each took (f32
+    # bands: a coded band's bits depend on which blocks the per-part ranking sent on it)
+    cfg = TransmissionConfig(mode=mode, block_bytes=64, pace_mbit=0, band_codec="fp32")
     whole = run(cfg)[0]
     parted = run(cfg, parts=PARTS)[0]
     assert whole.aggs[0].tobytes() == parted.aggs[0].tobytes()
@@ -267,7 +268,8 @@ def test_conservation_invariant_with_coded_bands(band_codec, drop):
     err = np.linalg.norm(applied + residual - computed) / np.linalg.norm(computed)
     assert err < 1e-5
     # the bands were coded: fewer bytes than f32 datagrams, and a coding error kept
-    plain = run(TransmissionConfig(block_bytes=64, pace_mbit=0), drop=drop)[0]
+    plain = run(TransmissionConfig(block_bytes=64, pace_mbit=0, band_codec="fp32"),
+                drop=drop)[0]
     sent = [sum(a.counters.channels[c].bytes_sent for a in f.agents for c in range(1, 4))
             for f in (fab, plain)]
     assert sent[0] < sent[1]
@@ -310,12 +312,26 @@ def test_a_lost_and_a_delivered_coded_block_both_conserve(band_codec):
 
 
 def test_fp32_bands_keep_the_bits_of_before():
-    """--band-codec fp32 (the default) sends the same bytes and applies the same bits
-    as a config that never heard of codecs."""
-    a = run(TransmissionConfig(block_bytes=64, pace_mbit=0), drop=0.3)[0]
+    """--band-codec fp32 sends the same bytes and applies the same bits as a per-band
+    spec that names fp32 (and codes nothing)."""
+    a = run(TransmissionConfig(block_bytes=64, pace_mbit=0, band_codec="fp32"), drop=0.3)[0]
     b = run(TransmissionConfig(block_bytes=64, pace_mbit=0, band_codec="1:fp32"), drop=0.3)[0]
     assert a.aggs[0].tobytes() == b.aggs[0].tobytes()
-    assert all(ag.planner.coded == {} for ag in b.agents)
+    assert all(ag.planner.coded == {} for ag in (*a.agents, *b.agents))
+
+
+def test_the_default_band_codec_follows_the_mode():
+    """--band-codec auto (the default): --mode dgt codes its UDP bands in int8 (fewer
+    bytes than fp32 on every band), --mode tcp sends every block f32 on TCP."""
+    from dgt.transport.wire import Coding
+    assert TransmissionConfig().band_codings()[1:4] == [int(Coding.INT8)] * 3
+    assert TransmissionConfig(mode="tcp").band_codings() == TransmissionConfig(
+        band_codec="fp32").band_codings()
+    auto = run(TransmissionConfig(block_bytes=64, pace_mbit=0))[0]
+    fp32 = run(TransmissionConfig(block_bytes=64, pace_mbit=0, band_codec="fp32"))[0]
+    sent = [[sum(a.counters.channels[c].bytes_sent for a in f.agents) for c in range(1, 4)]
+            for f in (auto, fp32)]
+    assert all(0 < x < y for x, y in zip(*sent)), sent
 
 
 @pytest.mark.parametrize("band_codec", ["int8", "1:fp16,2:bf16,3:int4"])
@@ -326,7 +342,8 @@ def test_a_push_in_parts_with_coded_bands_conserves_mass(band_codec):
     fab, computed, applied, residual = run(cfg, drop=0.3, parts=PARTS)
     err = np.linalg.norm(applied + residual - computed) / np.linalg.norm(computed)
     assert err < 1e-5
-    plain = run(TransmissionConfig(block_bytes=64, pace_mbit=0), drop=0.3, parts=PARTS)[0]
+    plain = run(TransmissionConfig(block_bytes=64, pace_mbit=0, band_codec="fp32"),
+                drop=0.3, parts=PARTS)[0]
     sent = [sum(a.counters.channels[c].bytes_sent for a in f.agents for c in range(1, 4))
             for f in (fab, plain)]
     assert sent[0] < sent[1]

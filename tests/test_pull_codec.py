@@ -72,9 +72,10 @@ def test_without_the_shard_residual_conservation_fails(pull_codec):
 
 
 def test_fp32_or_no_block_to_code_keeps_the_bits():
-    """--pull-codec fp32 (the default), or a fraction that codes no block, is no codec:
-    the shard makes no coder, and the aggregate's bits are those of before."""
-    lay_cfg = TransmissionConfig(block_bytes=64, pace_mbit=0)
+    """--pull-codec fp32 (auto's meaning for --mode tcp and topk), or a fraction that
+    codes no block, is no codec: the shard makes no coder, and the aggregate's bits are
+    those of before."""
+    lay_cfg = TransmissionConfig(block_bytes=64, pace_mbit=0, pull_codec="fp32")
     fab = run(lay_cfg)[0]
     assert pull_coder(lay_cfg, fab.lay, 0) is None
     zero = TransmissionConfig(block_bytes=64, pace_mbit=0, pull_codec="int8",
@@ -191,4 +192,9 @@ def test_flags_are_checked():
     with pytest.raises(ValueError, match="--pull-coded-fraction"):
         TransmissionConfig(pull_coded_fraction=1.5).validate()
     assert TransmissionConfig(pull_codec="int4").pull_coding() == Coding.INT4
-    assert TransmissionConfig().pull_coding() == Coding.FP32
+    assert TransmissionConfig(pull_codec="fp32").pull_coding() == Coding.FP32
+    # auto (the default) follows --mode: int8 where blocks are ranked, fp32 for baselines
+    assert TransmissionConfig().pull_coding() == Coding.INT8
+    assert TransmissionConfig(mode="random").pull_coding() == Coding.INT8
+    assert TransmissionConfig(mode="tcp").pull_coding() == Coding.FP32
+    assert TransmissionConfig(mode="topk").pull_coding() == Coding.FP32

@@ -4,11 +4,14 @@ the main job is ``dgt train``."""
 from .errors import PeerFailure
 
 __version__ = "0.1.0"
-__all__ = ["Client", "PeerFailure", "__version__"]
+__all__ = ["Client", "PartialStep", "PeerFailure", "__version__"]
 
 
 def __getattr__(name):  # import torch lazily: 'dgt --help' stays fast
     if name == "Client":
         from .client import Client
         return Client
+    if name == "PartialStep":
+        from .partial_step import PartialStep
+        return PartialStep
     raise AttributeError(name)

@@ -78,6 +78,7 @@ class WorkerAgent:
                        for s in range(layout.n_shards)]
         self.pulls: dict[int, np.ndarray] = {}   # shard -> received bitmap
         self.pull_waiter: asyncio.Future | None = None
+        self.on_range: Callable[[int, int], None] | None = None   # this push's (push())
         self.iteration = 0
         self.sending = False   # our push has blocks on the port (dgt.parts)
         # per-iteration trace (dgt.trace): wall-clock marks of the push in flight, each
@@ -92,13 +93,22 @@ class WorkerAgent:
             if self.planner.budget is not None else None
 
     # -- push -------------------------------------------------------------------------
-    async def push(self, t: int, loss: float | None, timeout_s: float) -> float:
+    async def push(self, t: int, loss: float | None, timeout_s: float,
+                   pulled: Callable[[float], None] | None = None,
+                   on_range: Callable[[int, int], None] | None = None) -> float:
         """Run iteration ``t`` to the applied aggregate: what its parts (dgt.parts) did
         not send yet, then the PULLs. Returns k. Raises PeerFailure when a shard's PULL
-        does not come within ``timeout_s``."""
+        does not come within ``timeout_s``.
+
+        ``on_range(lo, hi)``: called as each shard's PULL is in the aggregate, with its
+        element range [lo, hi) of the padded vector, so the trainer can apply that
+        range before the last one lands (PULLs pipelined per shard range).
+        ``pulled(k)``: called once every PULL is in, before the residual is settled,
+        so the trainer's optimiser step and our bookkeeping overlap."""
         self.iteration = t
         lay, me, links = self.layout, self.rank, self.links
         self.pull_waiter = asyncio.get_running_loop().create_future()
+        self.on_range = on_range
         k = await self.parts.push(t, loss)
         if self.meter is not None:
             self.meter.end_sent()
@@ -114,7 +124,10 @@ class WorkerAgent:
                                   f"within {timeout_s:.0f} s{why}",
                                   stalled[0] if stalled else missing[0],
                                   FailureReason.PEER_SILENT, stalled or missing) from None
-        self._apply(t)
+        arrived = self._arrived()
+        if pulled is not None:
+            pulled(k)
+        self._settle(arrived)
         return k
 
     # -- pull -------------------------------------------------------------------------
@@ -127,20 +140,27 @@ class WorkerAgent:
         if iteration != self.iteration or shard in self.pulls or self.pull_waiter is None:
             return False
         lay = self.layout
-        self.aggregate[lay.shard_lo(shard) * lay.block_elems:
-                       lay.shard_hi(shard) * lay.block_elems] = aggregate
+        lo, hi = lay.shard_lo(shard) * lay.block_elems, lay.shard_hi(shard) * lay.block_elems
+        self.aggregate[lo:hi] = aggregate
+        self.planner.applied(lo, self.aggregate[lo:hi])
         self.pulls[shard] = received.copy()
         self.pull_at[shard] = time.time()
+        if self.on_range is not None:
+            self.on_range(lo, hi)
         if len(self.pulls) == self.layout.n_shards and not self.pull_waiter.done():
             self.pull_waiter.set_result(None)
         return True
 
-    def _apply(self, t: int) -> None:
-        lay = self.layout
-        arrived = np.concatenate([self.pulls[s] for s in range(lay.n_shards)])
+    def _arrived(self) -> np.ndarray:
+        """Every PULL is in: the (n_blocks,) bool map of our blocks that arrived."""
+        arrived = np.concatenate([self.pulls[s] for s in range(self.layout.n_shards)])
         self.pulls.clear()
         self.pull_waiter = None
+        self.on_range = None
         self.not_arrived = int(arrived.size - np.count_nonzero(arrived))
-        self.planner.settle(arrived, self.aggregate)
+        return arrived
+
+    def _settle(self, arrived: np.ndarray) -> None:
+        self.planner.settle(arrived)
         if self.meter is not None:
             self.meter.settle(self.planner, self.parts.first_sent, self.parts.idle_s)

@@ -17,9 +17,12 @@ gradients are gathered on the GPU and copied through a pinned host buffer.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import socket
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -111,7 +114,7 @@ class Client:
             return PeerFailure(msg.get("message", "unknown error"), msg.get("rank"))
         return None
 
-    def _recv(self, want: str) -> dict:
+    def _recv(self, want: str, also: str = "") -> dict:
         try:
             line = self.file.readline(ipc.MAX_LINE)
         except socket.timeout:
@@ -123,7 +126,7 @@ class Client:
         msg = ipc.decode_msg(line)
         if msg["op"] == "error":
             raise PeerFailure(msg.get("message", "unknown error"), msg.get("rank"))
-        if msg["op"] != want:
+        if msg["op"] != want and msg["op"] != also:
             raise PeerFailure(f"sidecar sent {msg['op']!r}, expected {want!r}")
         return msg
 
@@ -168,18 +171,30 @@ class Client:
         self.params = params
         self.grad, self.aggregate = self._maps[0].array, self._maps[-1].array
         self.n_params = n
+        #: (P + 1,) element offsets of the parameters in the flat vector
+        self._offsets = [0, *itertools.accumulate(p.numel() for p in params)]
         self.device = params[0].device
         if self.device.type == "cuda":
             self._dev_flat = torch.empty(n, dtype=torch.float32, device=self.device)
             self._pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
 
-    def push_pull(self, step: int, loss: float | None = None) -> None:
+    def push_pull(self, step: int, loss: float | None = None,
+                  ready: Callable[[list[torch.Tensor]], None] | None = None) -> None:
         """Push this step's gradients and replace each ``p.grad`` with the aggregate
         (the mean over workers). Blocks until it is applied. ``step`` must increase by
         one per call, from 0 (the BSP iteration).
 
+        ``ready(params)``: PULLs pipelined per shard range. Each shard's PULL brings
+        its range of the aggregate; as soon as every element of some parameters is in,
+        their ``p.grad`` is set and ``ready`` is called with them (registered
+        parameters, in order), so the caller can step its optimiser on them while
+        later ranges are still on the way. Every parameter is passed exactly once per
+        call, and all before ``push_pull`` returns. The values are the same as
+        without ``ready``; only when they are applied changes.
+
         Raises RuntimeError before register() or after close(), ValueError for a step
-        out of order, and PeerFailure when the job failed.
+        out of order, and PeerFailure when the job failed (also what ``ready``
+        raised, unchanged).
         """
         start = time.monotonic()   # the sidecar's trace measures comm time from here
         self._check_open()
@@ -202,16 +217,38 @@ class Client:
                 if not self._is_view(p, g, off):   # zero_grad(set_to_none=True) etc.
                     g[off:off + n].copy_(_grad(p).reshape(-1))
                 off += n
-        self.push_buffer(step, loss, start)
+        if ready is None:
+            self.push_buffer(step, loss, start)
+            self._apply(range(len(self.params)), had_none, a, 0, self.n_params)
+            return
+        pending = _Pending([p.numel() for p in self.params])
+
+        def on_range(lo: int, hi: int) -> None:
+            done = pending.take(lo, hi)
+            if done:
+                self._apply(done, had_none, a, self._offsets[done[0]],
+                            self._offsets[done[-1] + 1])
+                ready([self.params[i] for i in done])
+        self.push_buffer(step, loss, start, on_range)
+        rest = pending.rest()   # empty parameters (no element to wait for)
+        if rest:
+            self._apply(rest, had_none, a, 0, 0)
+            ready([self.params[i] for i in rest])
+
+    def _apply(self, idx, had_none: list[bool], a: torch.Tensor, lo: int, hi: int) -> None:
+        """Set ``p.grad`` of parameters ``idx`` (indices into ``self.params``,
+        ascending) from the aggregate ``a`` ((n_params,) float32 over shared memory);
+        [lo, hi): the elements they span (CUDA: copied through the pinned buffer)."""
         if self.device.type == "cuda":
-            self._pinned.copy_(a)
-            self._dev_flat.copy_(self._pinned, non_blocking=False)
+            if hi > lo:
+                self._pinned[lo:hi].copy_(a[lo:hi])
+                self._dev_flat[lo:hi].copy_(self._pinned[lo:hi], non_blocking=False)
             src = self._dev_flat
         else:
             src = a
         shared = self.device.type == "cpu" and self.aggregate is self.grad
-        off = 0
-        for p, none in zip(self.params, had_none):
+        for i in idx:
+            p, none, off = self.params[i], had_none[i], self._offsets[i]
             n = p.numel()
             view = src[off:off + n].view(p.shape)
             if none and not bool(view.any()):
@@ -227,7 +264,6 @@ class Client:
                     p.grad = torch.empty_like(p)
                 # view(p.shape) is the logical layout; copy_ writes any memory format
                 p.grad.copy_(view)
-            off += n
 
     def save_state(self, path: str) -> None:
         """Have the sidecar write its state between two iterations (after a
@@ -242,16 +278,31 @@ class Client:
         self._recv("saved")
 
     def push_buffer(self, step: int, loss: float | None = None,
-                    start: float | None = None) -> None:
+                    start: float | None = None,
+                    on_range: Callable[[int, int], None] | None = None) -> None:
         """Push the flat gradient that ``self.grad`` (float32, ``n_params`` elements in
         register()'s order) holds, as iteration ``step``, and block until
         ``self.aggregate`` holds the mean over workers; ``p.grad`` is not touched (for
         callers that fill the buffer themselves: the DDP hook, :mod:`dgt.ddp`).
         ``start``: time.monotonic() when the iteration's communication began (the
-        sidecar's trace counts comm time from it; default now). Raises PeerFailure."""
+        sidecar's trace counts comm time from it; default now). ``on_range(lo, hi)``:
+        called as each shard's range [lo, hi) of ``self.aggregate`` (elements, clipped
+        to ``n_params``) is final, before the call returns (PULLs pipelined per shard
+        range). Raises PeerFailure."""
         self._send({"op": "push", "t": int(step), "loss": loss,
-                    "start": time.monotonic() if start is None else start})
-        msg = self._recv("pulled")
+                    "start": time.monotonic() if start is None else start,
+                    **({"ranges": True} if on_range is not None else {})})
+        while True:
+            msg = self._recv("pulled", also="range")
+            if msg["op"] == "pulled":
+                break
+            lo, hi = msg.get("lo"), msg.get("hi")
+            if msg.get("t") != step or type(lo) is not int or type(hi) is not int:
+                raise PeerFailure(f"sidecar sent a bad range message {msg!r} for step "
+                                  f"{step}")
+            lo, hi = max(0, lo), min(hi, self.n_params)
+            if lo < hi:
+                on_range(lo, hi)
         self.last_k, self.last_first_sent = msg.get("k"), msg.get("first_sent")
         self.next_step += 1
 
@@ -301,6 +352,39 @@ def param_sha256(params: list[torch.Tensor]) -> str:
         for p in params:
             h.update(p.detach().reshape(-1).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+class _Pending:
+    """Which parameters still wait for aggregate elements: ``sizes`` (P,) their element
+    counts, laid out one after the other. :meth:`take` books a range of elements that
+    arrived (ranges never overlap) and returns the parameters it completed."""
+
+    def __init__(self, sizes: list[int]):
+        self.offsets = [0, *itertools.accumulate(sizes)]
+        self.left = list(sizes)
+        self.done = [False] * len(sizes)
+
+    def take(self, lo: int, hi: int) -> list[int]:
+        """Elements [lo, hi) arrived. Returns the indices (ascending) of the parameters
+        whose last missing element was among them."""
+        out = []
+        i = max(0, bisect.bisect_right(self.offsets, lo) - 1)
+        while i < len(self.left) and self.offsets[i] < hi:
+            got = min(hi, self.offsets[i + 1]) - max(lo, self.offsets[i])
+            if got > 0 and not self.done[i]:
+                self.left[i] -= got
+                if self.left[i] <= 0:
+                    self.done[i] = True
+                    out.append(i)
+            i += 1
+        return out
+
+    def rest(self) -> list[int]:
+        """The parameters :meth:`take` never completed (those without elements), now
+        taken. Ascending."""
+        out = [i for i, d in enumerate(self.done) if not d]
+        self.done = [True] * len(self.done)
+        return out
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

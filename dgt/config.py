@@ -349,6 +349,9 @@ class JobConfig:
                                 "first reaches this")
     stop_at_target: bool = _f(False, "stop at the first evaluation that reaches "
                               "--target-accuracy (with --eval-every for finer steps)")
+    pipeline_pulls: bool = _f(True, "step the optimiser on each shard's parameters as "
+                              "that shard's PULL lands, not after the last one (the "
+                              "same bits either way; --no-pipeline-pulls for ablations)")
 
     def n_params(self) -> int:
         """Trainable parameters of the job's model (``dgt.workloads.models.build``): for

@@ -71,9 +71,10 @@ def build(cfg: TransmissionConfig, lay: BlockLayout, rank: int, session: int,
 
 def pull_coder(cfg: TransmissionConfig, lay: BlockLayout, rank: int) -> PullCoder | None:
     """Shard ``rank``'s PULL codec (``--pull-codec``, ``--pull-coded-fraction``), or
-    None when its PULLs go all f32 (fp32, or a fraction that codes no block)."""
+    None when its PULLs go all f32 (fp32, a fraction that codes no block, or a job of
+    one node, whose only PULL never touches the wire)."""
     coding, n = cfg.pull_coding(), lay.shard_blocks(rank)
-    if not coding or int(cfg.pull_coded_fraction * n) == 0:
+    if not coding or int(cfg.pull_coded_fraction * n) == 0 or lay.n_shards == 1:
         return None
     return PullCoder(coding, cfg.pull_coded_fraction, n, lay.block_elems,
                      keep_residual=cfg.error_feedback)

@@ -36,6 +36,7 @@ from .client import Client
 from .config import CheckpointConfig, JobConfig
 from .errors import PeerFailure
 from .failure import FailureReason
+from .partial_step import PartialStep
 
 log = logging.getLogger("dgt.job")
 EVAL_BATCH = 1000   # test samples per forward pass when evaluating
@@ -181,6 +182,11 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     else:
         client.register(model)
     fed = FedAvgRound(model, client) if fedavg else None
+    # PULLs pipelined per shard range (dgt.Client.push_pull's ready): our Client only
+    pipelined = bool(_ns(ns, "pipeline_pulls")) and isinstance(client, Client) \
+        and not fedavg
+    partial = PartialStep(opt)
+    pipelined_its = 0
     # a comm that hooks into the model's backward (the DDP baselines of dgt bench tta,
     # dgt.tools.gloo_train) gives the module to run forward through
     forward = client.wrap(model) if hasattr(client, "wrap") else model
@@ -244,11 +250,15 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
                                                     step + 1 >= max_iterations)
             if fed is None:
                 t0 = time.monotonic()
-                client.push_pull(step, loss=loss_value)
+                if pipelined:   # each shard's parameters stepped as its PULL lands
+                    client.push_pull(step, loss=loss_value, ready=partial.step)
+                    pipelined_its += 1
+                else:
+                    client.push_pull(step, loss=loss_value)
+                    opt.step()
                 t1 = time.monotonic()
                 comm_s.append(t1 - t0)
                 comm_at.append((t0, t1))
-                opt.step()
                 rounds += 1
                 synced = True
             else:
@@ -293,6 +303,10 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
             "final_test_accuracy": history[-1]["test_accuracy"],
             "history": history, "param_sha256": param_sha256(model), "comm_s": comm_s,
             "compute_s": compute_s,
+            # PULLs pipelined: optimiser steps on parts of the model (one per group of
+            # parameters a shard's PULL completed), per iteration; 1 when not pipelined
+            "steps_per_iteration": (partial.calls / pipelined_its if pipelined_its
+                                    else 1.0),
             "comm_at": comm_at, "workload": workload,
             "class_histograms": partition.class_histograms(parts, ylab, ns.world,
                                                            data.classes),
@@ -321,6 +335,7 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", default=JobConfig.algo)
     p.add_argument("--local-steps", type=int, default=JobConfig.local_steps)
     p.add_argument("--stop-at-target", action="store_true")
+    p.add_argument("--no-pipeline-pulls", dest="pipeline_pulls", action="store_false")
     p.add_argument("--eval-samples", type=int, default=JobConfig.eval_samples)
     p.add_argument("--seed", type=int, default=JobConfig.seed)
     p.add_argument("--target-accuracy", type=float, default=JobConfig.target_accuracy)

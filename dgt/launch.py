@@ -392,7 +392,8 @@ def workload_argv(job: JobConfig) -> list[str]:
     argv = ["--model", job.model, "--width", repr(job.width), "--dataset", job.dataset,
             "--data-dir", job.data_dir, "--partition", job.partition, "--algo", job.algo,
             "--local-steps", str(job.local_steps), "--eval-samples", str(job.eval_samples)]
-    return argv + (["--stop-at-target"] if job.stop_at_target else [])
+    return argv + (["--stop-at-target"] if job.stop_at_target else []) + \
+        ([] if job.pipeline_pulls else ["--no-pipeline-pulls"])
 
 
 def check_memory(job: JobConfig, meminfo: str = "/proc/meminfo") -> None:

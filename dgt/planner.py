@@ -198,11 +198,19 @@ class PushPlanner:
             self._coding_error.append(g.sub_(decoded))
         return coded
 
-    def settle(self, arrived: np.ndarray, aggregate: np.ndarray) -> None:
-        """After every PULL: ``arrived`` (n_blocks,) bool, ``aggregate`` (padded,)
-        float32 as applied. The blocks that did not arrive go into the residual, and the
-        coding error of the coded blocks that did."""
+    def applied(self, lo: int, aggregate: np.ndarray) -> None:
+        """One shard's PULL as applied: ``aggregate`` ((m,) float32, the aggregate's
+        elements from ``lo``). With ``cfg.check_conservation``, adds it x N to
+        ``applied_sum``; else nothing. Called per shard as its PULL lands, while the
+        values are still the aggregate's (the trainer reuses that memory next)."""
+        if self.applied_sum is not None:
+            self.applied_sum[lo:lo + aggregate.size] += \
+                torch.from_numpy(aggregate).double() * self.layout.n_shards
+
+    def settle(self, arrived: np.ndarray) -> None:
+        """After every PULL: ``arrived`` (n_blocks,) bool. The blocks that did not
+        arrive go into the residual, and the coding error of the coded blocks that
+        did. Reads only this planner's own copy of the push (``work``), so it may run
+        after the trainer got the aggregate."""
         self.residual.update(self.work, torch.from_numpy(arrived), self.coded_index,
                              self.coding_error)
-        if self.applied_sum is not None:
-            self.applied_sum += torch.from_numpy(aggregate).double() * self.layout.n_shards

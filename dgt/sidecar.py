@@ -256,12 +256,17 @@ class Sidecar:
         self.pushing = t
         start = msg.get("start")
         self.trace.begin(t, float(start) if isinstance(start, (int, float)) else None)
+        send = self.trainer.send
+        # "ranges": the trainer applies each shard's range as its PULL lands
+        on_range = (lambda lo, hi: send({"op": "range", "t": t, "lo": lo, "hi": hi})) \
+            if msg.get("ranges") is True else None
+
+        def pulled(k: float) -> None:   # before the residual is settled: they overlap
+            self.pushing = None
+            self.pushes += 1
+            send({"op": "pulled", "t": t, "k": k, "first_sent": self.agent.parts.first_sent})
         k = await self.agent.push(t, float(loss) if loss is not None else None,
-                                  self.cfg.peer_timeout_s)
-        self.pushing = None
-        self.pushes += 1
-        self.trainer.send({"op": "pulled", "t": t, "k": k,
-                           "first_sent": self.agent.parts.first_sent})
+                                  self.cfg.peer_timeout_s, pulled, on_range)
         self.trace.end(self.agent, k)
 
     def _check_closed(self, t: int) -> None:

@@ -14,7 +14,8 @@ from dgt.transport.counters import Counters
 
 
 def _run_push(pace_mbit, refuse_first=False):
-    cfg = TransmissionConfig(block_bytes=64, pace_mbit=pace_mbit, channels=3)
+    cfg = TransmissionConfig(block_bytes=64, pace_mbit=pace_mbit, channels=3,
+                             band_codec="fp32")   # f32 datagrams: _check reads them
     lay = BlockLayout.from_bytes(4000, cfg.block_bytes, 3)
     grad = np.random.default_rng(0).standard_normal(lay.padded).astype(np.float32)
     tcp, udp, local = [], [], []

@@ -81,6 +81,11 @@ def test_fp32_or_no_block_to_code_keeps_the_bits():
     zero = TransmissionConfig(block_bytes=64, pace_mbit=0, pull_codec="int8",
                               pull_coded_fraction=0.0)
     assert pull_coder(zero, fab.lay, 0) is None
+    # one node: its only PULL is in-process, so nothing is coded (auto or int8 alike)
+    from dgt.layout import BlockLayout
+    alone = BlockLayout.from_bytes(5000, 64, 1)
+    assert pull_coder(TransmissionConfig(block_bytes=64, pull_codec="int8"), alone, 0) is None
+    assert pull_coder(TransmissionConfig(block_bytes=64), fab.lay, 0) is not None
     coded = with_pull_codec(TransmissionConfig(block_bytes=64, pace_mbit=0,
                                                pull_codec="int8"))[0]
     assert coded.aggs[0].tobytes() != fab.aggs[0].tobytes()

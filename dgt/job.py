@@ -156,6 +156,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     comm_s: list[float] = []
     compute_s: list[float] = []   # per iteration: batch, forward and backward (seconds)
     comm_at: list[tuple[float, float]] = []   # (push, pull) on CLOCK_MONOTONIC: host-wide
+    stepped_at: list[float] = []
     history = []
     reached = None
     step = rounds = 0
@@ -253,12 +254,14 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
                 if pipelined:   # each shard's parameters stepped as its PULL lands
                     client.push_pull(step, loss=loss_value, ready=partial.step)
                     pipelined_its += 1
+                    t1 = time.monotonic()   # the steps are inside push_pull
                 else:
                     client.push_pull(step, loss=loss_value)
+                    t1 = time.monotonic()
                     opt.step()
-                t1 = time.monotonic()
                 comm_s.append(t1 - t0)
                 comm_at.append((t0, t1))
+                stepped_at.append(time.monotonic())
                 rounds += 1
                 synced = True
             else:
@@ -303,6 +306,9 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
             "final_test_accuracy": history[-1]["test_accuracy"],
             "history": history, "param_sha256": param_sha256(model), "comm_s": comm_s,
             "compute_s": compute_s,
+            # CLOCK_MONOTONIC when each BSP iteration's optimiser step had finished
+            # (dgt.tools.bench_pipeline: push to step done)
+            "stepped_at": stepped_at,
             # PULLs pipelined: optimiser steps on parts of the model (one per group of
             # parameters a shard's PULL completed), per iteration; 1 when not pipelined
             "steps_per_iteration": (partial.calls / pipelined_its if pipelined_its

@@ -97,13 +97,15 @@ class PeerLinks:
         mtu, ip_udp = found if found else (1500, pmtu.IPV4_UDP_BYTES)
         if found and size + ip_udp <= mtu:
             return None
-        fit = pmtu.max_block_bytes(mtu, ip_udp, mac=self.mac)
+        codings = tuple(sorted(set(self.cfg.band_codings()[1:self.cfg.channels + 1])))
+        fit = pmtu.max_block_bytes(mtu, ip_udp, mac=self.mac, codings=codings)
         where = f"the path MTU to rank {shard} is {mtu} B" if found else \
             "the path MTU is unknown (assumed 1500 B)"
         return (f"a {size} B datagram (--block-bytes {self.cfg.block_bytes}"
                 f"{' + MAC' if self.mac else ''}) does not fit: {where}; use --block-bytes "
                 f"{fit} or less (IP+UDP {ip_udp} B + header {wire.HEADER_BYTES} B"
-                f"{f' + MAC {wire.MAC_BYTES} B' if self.mac else ''} + block <= {mtu} B)")
+                f"{f' + MAC {wire.MAC_BYTES} B' if self.mac else ''} + block "
+                f"{'/'.join(wire.Coding(c).name.lower() for c in codings)} <= {mtu} B)")
 
     def tcp_backlog(self, peer: int) -> int:
         """Bytes our push connection to ``peer`` has not sent yet: in the transport's

@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--sleep-s", type=float, default=0.3)
     p.add_argument("--mode", default="tcp")
+    p.add_argument("--band-codec", default="auto")
     p.add_argument("--no-overlap", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -58,7 +59,8 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(Net(a.sleep_s), bucket_cap_mb=0.02)   # 86 KB of gradient: 4+ buckets
-    state = dgt.ddp.DgtState(sidecar_args=["--mode", a.mode], overlap=not a.no_overlap)
+    state = dgt.ddp.DgtState(sidecar_args=["--mode", a.mode, "--band-codec", a.band_codec],
+                             overlap=not a.no_overlap)
     model.register_comm_hook(state, dgt.ddp.dgt_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1 + rank)

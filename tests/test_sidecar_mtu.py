@@ -30,6 +30,12 @@ def test_max_block_bytes_subtracts_the_headers_and_the_mac():
     assert pmtu.max_block_bytes(MTU) == 1388
     assert pmtu.max_block_bytes(MTU, mac=True) == 1372
     assert pmtu.max_block_bytes(MTU, pmtu.IPV6_UDP_BYTES) == 1368
+    # coded bands: the widest coding rules; int8 is a byte a value plus a 4 B scale
+    from dgt.transport.wire import Coding, block_datagram_bytes
+    int8 = pmtu.max_block_bytes(1500, codings=(int(Coding.INT8),))
+    assert int8 == 4 * (1500 - 28 - 34 - 4) == 5736
+    assert block_datagram_bytes(Coding.INT8, int8 // 4, False) + 28 == 1500
+    assert pmtu.max_block_bytes(1500, codings=(int(Coding.INT8), 0)) == 1436
 
 
 @pytest.fixture
@@ -56,10 +62,10 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
-def _run(ns, tmp_path, block_bytes, secret=""):
+def _run(ns, tmp_path, block_bytes, secret="", band_codec="fp32"):
     """Two sidecars (rank r in ns[r]) and their trainers push one step; returns rank 0's
-    PeerFailure or None."""
-    tmp = tmp_path / f"{block_bytes}-{bool(secret)}"
+    PeerFailure or None. ``band_codec``: f32 datagrams unless told (the advice's case)."""
+    tmp = tmp_path / f"{block_bytes}-{bool(secret)}-{band_codec}"
     tmp.mkdir()
     env = dict(os.environ, DGT_SECRET=secret) if secret else dict(os.environ)
     procs = []
@@ -69,7 +75,8 @@ def _run(ns, tmp_path, block_bytes, secret=""):
              "--rank", str(r), "--world", "2", "--master-addr", "10.77.0.1",
              "--master-port", "29533", "--host", f"10.77.0.{r + 1}", "--socket",
              str(tmp / f"{r}.sock"), "--run-dir", str(tmp), "--block-bytes",
-             str(block_bytes), "--peer-timeout-s", "60", "--pace-mbit", "0"],
+             str(block_bytes), "--peer-timeout-s", "60", "--pace-mbit", "0",
+             "--band-codec", band_codec],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     out = {}
     seeding = threading.Lock()
@@ -107,3 +114,5 @@ def test_the_mtu_advice_fits_the_path_and_then_works(two_hosts, tmp_path):
     failed = _run(two_hosts, tmp_path, 1388, secret="s3cret")
     assert failed is not None and "use --block-bytes 1372 or less" in str(failed), failed
     assert _run(two_hosts, tmp_path, 1372, secret="s3cret") is None
+    # --mode dgt's default int8 bands: a 1408 B block is a 390 B datagram, which fits
+    assert _run(two_hosts, tmp_path, 1408, band_codec="auto") is None

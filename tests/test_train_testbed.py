@@ -33,12 +33,17 @@ def test_train_across_the_testbed(train, testbed4):
         assert by_dscp[dscp] > 1_000_000, (dscp, by_dscp)
 
 
-def test_datagram_over_path_mtu_is_refused_clearly(train, testbed4):
-    p, r = train("--testbed", "--workers", 2, "--epochs", 1, "--block-bytes", 4096,
-                 check=False)
+@pytest.mark.parametrize("codec, block", [("fp32", 4096), ("auto", 8192)])
+def test_datagram_over_path_mtu_is_refused_clearly(train, testbed4, codec, block):
+    # f32 bands, and the default int8 ones (a byte a value: twice the block to overflow)
+    p, r = train("--testbed", "--workers", 2, "--epochs", 1, "--block-bytes", block,
+                 "--band-codec", codec, check=False)
     assert p.returncode != 0 and r is None
     from dgt.transport import pmtu
-    fit = pmtu.max_block_bytes(1500, pmtu.IPV4_UDP_BYTES, mac=False)   # testbed: 1500 B
+    from dgt.transport.wire import Coding
+    coding = int(Coding.INT8) if codec == "auto" else 0
+    fit = pmtu.max_block_bytes(1500, pmtu.IPV4_UDP_BYTES, mac=False,   # testbed: 1500 B
+                               codings=(coding,))
     out = p.stdout + p.stderr
     assert "does not fit: the path MTU to rank" in out and "is 1500 B" in out, out
     assert f"use --block-bytes {fit} or less" in out, out

@@ -100,13 +100,15 @@ def _codec_at(rev: str) -> types.ModuleType:
 
 
 def train(codecs: list[str], flags: list[str]) -> list[dict]:
-    """Run ``dgt train FLAGS --band-codec C`` for each C; one row per run."""
+    """Run ``dgt train --pull-codec fp32 FLAGS --band-codec C`` for each C (the bands
+    alone: PULLs in f32 unless FLAGS give --pull-codec); one row per run."""
     rows = []
     for c in codecs:
         with tempfile.TemporaryDirectory(prefix="dgt-bench-codec-") as d:
             report = os.path.join(d, "r.json")
             a = time.monotonic()
-            p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", *flags,
+            p = subprocess.run([sys.executable, "-m", "dgt.cli", "train",
+                                "--pull-codec", "fp32", *flags,
                                 "--band-codec", c, "--report", report],
                                capture_output=True, text=True)
             wall = time.monotonic() - a

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-from .wire import HEADER_BYTES, MAC_BYTES
+from .wire import HEADER_BYTES, MAC_BYTES, block_datagram_bytes
 
 IP_MTU = getattr(socket, "IP_MTU", 14)                    # linux/in.h
 IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
@@ -40,9 +40,19 @@ def path_mtu(host: str, port: int) -> tuple[int, int] | None:
 
 
 def max_block_bytes(mtu: int, ip_udp_bytes: int = IPV4_UDP_BYTES,
-                    mac: bool = False) -> int:
-    """The largest --block-bytes (a multiple of 4) whose datagram fits ``mtu`` bytes:
-    ``mtu - ip_udp_bytes - HEADER_BYTES (34) - MAC_BYTES (16, with --secret)``, rounded
-    down to a multiple of 4. E.g. 1436 for MTU 1500 (1420 with --secret), 1388 for MTU 1450,
-    1372 for MTU 1450 with --secret."""
-    return max(0, (mtu - ip_udp_bytes - HEADER_BYTES - (MAC_BYTES if mac else 0)) // 4 * 4)
+                    mac: bool = False, codings: tuple[int, ...] = (0,)) -> int:
+    """The largest --block-bytes (a multiple of 4: whole float32 values) whose datagram
+    fits ``mtu`` bytes in every band coding of ``codings`` (dgt.transport.wire.Coding;
+    default f32 only). For f32: ``mtu - ip_udp_bytes - HEADER_BYTES (34) - MAC_BYTES
+    (16, with --secret)``, rounded down to a multiple of 4. E.g. 1436 for MTU 1500 (1420
+    with --secret), 1388 for MTU 1450, 1372 for MTU 1450 with --secret; with int8 bands
+    only (one byte a value and a 4 B scale), 5,736 for MTU 1500."""
+    room = mtu - ip_udp_bytes
+
+    def fits(e: int) -> bool:
+        return all(block_datagram_bytes(c, e, mac) <= room for c in codings)
+    lo, hi = 0, 4 * max(room, 0) + 8   # no coding takes under 2 bits a value
+    while lo < hi:                      # the largest e that fits: e <= lo
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return 4 * lo

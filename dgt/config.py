@@ -19,11 +19,13 @@ from .transport.channels import MAX_UDP_CHANNELS
 MODES = ("dgt", "tcp", "topk", "random")
 #: --pull-codec words (dgt.transport.wire.Coding's names in lower case, and auto)
 PULL_CODECS = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
-#: what ``auto`` means for --band-codec and --pull-codec, per --mode: the modes that rank
-#: blocks by contribution code the low share in int8 (docs/bench/tta_ablation.md: the
-#: same time to accuracy or better at 0.68 x the push and 0.63 x the PULL bytes); the
-#: baselines keep every byte fp32 (tcp: the paper's plain transmission; topk sends no
-#: band at all)
+#: what ``auto`` means for --band-codec and --pull-codec, per --mode, when the peers are
+#: across a link: the modes that rank blocks by contribution code the low share in int8
+#: (docs/bench/tta_ablation.md: the same time to accuracy or better at 0.68 x the push
+#: and 0.63 x the PULL bytes); the baselines keep every byte fp32 (tcp: the paper's plain
+#: transmission; topk sends no band at all). Over loopback ``auto`` is fp32 for every
+#: mode (TransmissionConfig.resolve_codecs): no link to save bytes on, only the coding's
+#: CPU to spend
 AUTO_CODEC = {"dgt": "int8", "random": "int8", "tcp": "fp32", "topk": "fp32"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PACE_AUTO = -1.0   # --pace-mbit auto: the sidecar resolves it from the egress link
@@ -69,7 +71,8 @@ class TransmissionConfig:
     error_feedback: bool = _f(True, "keep undelivered blocks in a residual and resend "
                               "(and what --band-codec and --pull-codec round away)")
     band_codec: str = _f("auto", "how each UDP band codes its blocks: auto (int8 for "
-                         "--mode dgt and random, fp32 for tcp and topk) or one of fp32 | "
+                         "--mode dgt and random across a link; fp32 for tcp and topk, "
+                         "and over loopback) or one of fp32 | "
                          "fp16 | bf16 | int8 | int4 (int: one f32 scale per block) for "
                          "every band, or "
                          "CHANNEL:CODEC pairs, e.g. 2:bf16,3:int8 (unnamed bands fp32); "
@@ -78,7 +81,8 @@ class TransmissionConfig:
                          "never the replicas' agreement")
     pull_codec: str = _f("auto", "how a shard codes the low-contribution blocks of its "
                          "PULL (two-sided error feedback): auto (int8 for --mode dgt and "
-                         "random, fp32 for tcp and topk) | fp32 (none) | fp16 | bf16 | "
+                         "random across a link; fp32 for tcp and topk, and over "
+                         "loopback) | fp32 (none) | fp16 | bf16 | "
                          "int8 | int4; the shard keeps the coding error in its own "
                          "residual, every replica applies the same bytes",
                          choices=PULL_CODECS)
@@ -175,6 +179,18 @@ class TransmissionConfig:
             raise ValueError(f"--deadline-max-ms must be in 0..--peer-timeout-s x 1000 "
                              f"({1000.0 * self.peer_timeout_s:g}), got "
                              f"{self.deadline_max_ms:g}")
+
+    def resolve_codecs(self, loopback: bool) -> "TransmissionConfig":
+        """This config with ``auto`` --band-codec and --pull-codec replaced by what
+        they mean for this node (:data:`AUTO_CODEC` by --mode; fp32 when its peers are
+        on ``loopback``). Nodes may differ: a datagram and a PULL say their own coding,
+        and every worker applies the same bytes from each shard."""
+        def word(text: str) -> str:
+            if text.strip().lower() != "auto":
+                return text
+            return "fp32" if loopback else AUTO_CODEC.get(self.mode, "fp32")
+        return dataclasses.replace(self, band_codec=word(self.band_codec),
+                                   pull_codec=word(self.pull_codec))
 
     def codec_names(self) -> tuple[str, str]:
         """(--band-codec, --pull-codec) with ``auto`` resolved by --mode, as words, for

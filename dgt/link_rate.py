@@ -60,6 +60,18 @@ def nic_speed_mbit(dev: str) -> float | None:
     return float(v) if v > 0 else None
 
 
+def peers_on_loopback(peer_hosts: list[str]) -> bool:
+    """True when the route to the peers (the first of ``peer_hosts``) leaves through
+    ``lo``, or there are no peers: no line whose bytes a codec could save. False when
+    the route is unknown (then the peers are taken to be across a link)."""
+    if not peer_hosts:
+        return True
+    try:
+        return egress_device(peer_hosts[0]) == "lo"
+    except Exception:  # noqa: BLE001 - unknown route: assume a real link
+        return False
+
+
 def auto_pace_mbit(peer_hosts: list[str]) -> tuple[float, str]:
     """(pacing rate in Mbit/s, 0 = unpaced; the reason in words) for a node whose peers
     are at ``peer_hosts`` (IP addresses, this node's own excluded)."""

@@ -20,7 +20,7 @@ from .config import PACE_AUTO, NodeConfig, TransmissionConfig
 from .errors import PeerFailure
 from .failure import FailureReason
 from .layout import BlockLayout
-from .link_rate import auto_pace_mbit
+from .link_rate import auto_pace_mbit, peers_on_loopback
 from .rendezvous import Rendezvous
 from .scheduler.pacing import flow_share
 
@@ -142,7 +142,8 @@ async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict]
                 start: int = 0) -> tuple[TransmissionConfig, BlockLayout, str | None]:
     """At register: :func:`agree_model` (``sha``: the trainer's SHA-256 of its initial
     parameters, anything else: none sent), --pace-mbit auto resolved to this host's
-    egress rate towards the ``peers`` (dgt.link_rate), the block layout, and
+    egress rate towards the ``peers`` (dgt.link_rate), --band-codec and --pull-codec
+    auto resolved by whether those peers are on loopback, the block layout, and
     :func:`check_pace`. Returns (the config with the pacing rate, the layout, where the
     rate came from or None when it was given). Raises PeerFailure."""
     loop = asyncio.get_running_loop()
@@ -156,6 +157,12 @@ async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict]
         cfg = dataclasses.replace(cfg, pace_mbit=pace)
         log.info("rank %d: UDP pacing %s (%s)", rank,
                  f"{pace:g} Mbit/s" if pace else "off", source)
+    if "auto" in (cfg.band_codec.strip().lower(), cfg.pull_codec):
+        hosts = [ep["host"] for r, ep in sorted(peers.items()) if r != rank]
+        loopback = await loop.run_in_executor(None, peers_on_loopback, hosts)
+        cfg = cfg.resolve_codecs(loopback)
+        log.info("rank %d: UDP bands %s, PULLs %s (auto%s)", rank, cfg.band_codec,
+                 cfg.pull_codec, ", peers on loopback" if loopback else "")
     lay = BlockLayout.from_bytes(n_params, cfg.block_bytes, world)
     check_pace(cfg, lay, world, rank)
     return cfg, lay, source

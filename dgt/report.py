@@ -46,6 +46,15 @@ def comm_ms(run_dir: str, trainers: list[dict]) -> np.ndarray:
     return np.array(trainers[0]["comm_s"]) * 1e3 if trainers else np.zeros(1)
 
 
+def _used(sidecars: list[dict], field: str, default: str) -> str:
+    """The coding ``field`` (band_codec or pull_codec) the sidecars ran with (``auto``
+    resolved per node: dgt.registration.agree), "a / b" when nodes differed; ``default``
+    when no sidecar says."""
+    used = sorted({s["config"][field] for s in sidecars
+                   if isinstance(s.get("config"), dict) and field in s["config"]})
+    return " / ".join(used) if used else default
+
+
 def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None) -> dict:
     """The report of a finished run from its records in ``run_dir`` and, for those the
     run dir refused, in the spill folder ``spill`` (dgt.records)."""
@@ -64,8 +73,9 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "warnings": lost_t + lost_s + _warnings(sidecars),
         "mode": tx.mode,
         # what the UDP bands and the PULLs' low share were coded in (auto resolved)
-        "band_codec": tx.codec_names()[0] if tx.mode in ("dgt", "random") else None,
-        "pull_codec": tx.codec_names()[1],
+        "band_codec": _used(sidecars, "band_codec", tx.codec_names()[0])
+        if tx.mode in ("dgt", "random") else None,
+        "pull_codec": _used(sidecars, "pull_codec", tx.codec_names()[1]),
         "authenticated": bool(tx.secret),   # --secret given: a MAC on every message
         "workload": t0.get("workload"),
         "rounds": rounds,

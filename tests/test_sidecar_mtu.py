@@ -1,6 +1,7 @@
 """A path MTU below 1500 B: the EMSGSIZE advice comes from the MTU the kernel reports,
 with and without --secret, and the advised --block-bytes then works (two network
 namespaces joined by a veth pair with MTU 1450; root)."""
+import json
 import os
 import shutil
 import subprocess
@@ -114,5 +115,10 @@ def test_the_mtu_advice_fits_the_path_and_then_works(two_hosts, tmp_path):
     failed = _run(two_hosts, tmp_path, 1388, secret="s3cret")
     assert failed is not None and "use --block-bytes 1372 or less" in str(failed), failed
     assert _run(two_hosts, tmp_path, 1372, secret="s3cret") is None
-    # --mode dgt's default int8 bands: a 1408 B block is a 390 B datagram, which fits
+    # --mode dgt's default int8 bands (auto: peers across a link): a 1408 B block is a
+    # 390 B datagram, which fits
     assert _run(two_hosts, tmp_path, 1408, band_codec="auto") is None
+    for r in range(2):
+        with open(tmp_path / "1408-False-auto" / f"sidecar-{r}.json") as f:
+            cfg = json.load(f)["config"]
+        assert (cfg["band_codec"], cfg["pull_codec"]) == ("int8", "int8")

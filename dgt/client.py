@@ -193,8 +193,10 @@ class Client:
         without ``ready``; only when they are applied changes.
 
         Raises RuntimeError before register() or after close(), ValueError for a step
-        out of order, and PeerFailure when the job failed (also what ``ready``
-        raised, unchanged).
+        out of order, and PeerFailure when the job failed. What ``ready`` raises is
+        raised unchanged, after the iteration's last PULL is in (the step counts as
+        done; the parameters ``ready`` had not been given yet have their ``p.grad``
+        set but were not passed to it).
         """
         start = time.monotonic()   # the sidecar's trace measures comm time from here
         self._check_open()
@@ -292,6 +294,7 @@ class Client:
         self._send({"op": "push", "t": int(step), "loss": loss,
                     "start": time.monotonic() if start is None else start,
                     **({"ranges": True} if on_range is not None else {})})
+        error = None   # what on_range raised: re-raised once the iteration is read
         while True:
             msg = self._recv("pulled", also="range")
             if msg["op"] == "pulled":
@@ -301,10 +304,15 @@ class Client:
                 raise PeerFailure(f"sidecar sent a bad range message {msg!r} for step "
                                   f"{step}")
             lo, hi = max(0, lo), min(hi, self.n_params)
-            if lo < hi:
-                on_range(lo, hi)
+            if lo < hi and error is None:
+                try:
+                    on_range(lo, hi)
+                except Exception as e:   # the caller's: the stream stays in step
+                    error = e
         self.last_k, self.last_first_sent = msg.get("k"), msg.get("first_sent")
         self.next_step += 1
+        if error is not None:
+            raise error
 
     def push_part(self, step: int, ranges: list[tuple[int, int]]) -> None:
         """Hand over part of iteration ``step`` before its :meth:`push_buffer`: the

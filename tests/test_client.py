@@ -265,3 +265,40 @@ def test_a_default_folder_another_user_could_write_is_refused_in_one_line(tmp_pa
     assert p.returncode == 2, p.stderr
     assert f"{xdg}/dgt {want}" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_ready_callback_that_raises_leaves_the_client_in_step(sidecar):
+    """PULLs pipelined (push_pull's ready): the callback gets every parameter once; when
+    it raises, the error comes out after the iteration is read, and the next step works."""
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    m = _conv_model()
+    c.register(m)
+    x = torch.randn(2, 3, 8, 8)
+    seen = []
+
+    def ready(params):
+        seen.extend(params)
+    m(x).sum().backward()
+    c.push_pull(0, ready=ready)
+    assert [id(p) for p in seen] == [id(p) for p in m.parameters()]
+
+    class Boom(Exception):
+        pass
+
+    def boom(params):
+        raise Boom("from the caller")
+    m.zero_grad()
+    m(x).sum().backward()
+    with pytest.raises(Boom):
+        c.push_pull(1, ready=boom)
+    m.zero_grad()
+    m(x).sum().backward()
+    want = [p.grad.clone() for p in m.parameters()]
+    seen.clear()
+    c.push_pull(2, ready=ready)   # the stream is in step: step 2's answers, not step 1's
+    assert len(seen) == len(want)
+    for p, w in zip(m.parameters(), want):   # one worker: the aggregate is its grad
+        assert torch.equal(p.grad, w)
+    c.close()
+    assert proc.wait(timeout=30) == 0

@@ -223,7 +223,7 @@ class Client:
             self.push_buffer(step, loss, start)
             self._apply(range(len(self.params)), had_none, a, 0, self.n_params)
             return
-        pending = _Pending([p.numel() for p in self.params])
+        pending = _Pending(self._offsets)
 
         def on_range(lo: int, hi: int) -> None:
             done = pending.take(lo, hi)
@@ -363,14 +363,15 @@ def param_sha256(params: list[torch.Tensor]) -> str:
 
 
 class _Pending:
-    """Which parameters still wait for aggregate elements: ``sizes`` (P,) their element
-    counts, laid out one after the other. :meth:`take` books a range of elements that
-    arrived (ranges never overlap) and returns the parameters it completed."""
+    """Which parameters still wait for aggregate elements: ``offsets`` (P + 1,) where
+    each begins in the flat vector, and where the last ends. :meth:`take` books a range
+    of elements that arrived (ranges never overlap) and returns the parameters it
+    completed."""
 
-    def __init__(self, sizes: list[int]):
-        self.offsets = [0, *itertools.accumulate(sizes)]
-        self.left = list(sizes)
-        self.done = [False] * len(sizes)
+    def __init__(self, offsets: list[int]):
+        self.offsets = offsets
+        self.left = [b - a for a, b in zip(offsets, offsets[1:])]
+        self.done = [False] * len(self.left)
 
     def take(self, lo: int, hi: int) -> list[int]:
         """Elements [lo, hi) arrived. Returns the indices (ascending) of the parameters

@@ -180,33 +180,27 @@ class TransmissionConfig:
                              f"({1000.0 * self.peer_timeout_s:g}), got "
                              f"{self.deadline_max_ms:g}")
 
+    def _codec(self, text: str, loopback: bool = False) -> str:
+        """A --band-codec or --pull-codec value with ``auto`` resolved: fp32 when the
+        peers are on ``loopback``, else :data:`AUTO_CODEC` by --mode; any other value
+        as given."""
+        if text.strip().lower() != "auto":
+            return text
+        return "fp32" if loopback else AUTO_CODEC.get(self.mode, "fp32")
+
     def resolve_codecs(self, loopback: bool) -> "TransmissionConfig":
         """This config with ``auto`` --band-codec and --pull-codec replaced by what
         they mean for this node (:data:`AUTO_CODEC` by --mode; fp32 when its peers are
         on ``loopback``). Nodes may differ: a datagram and a PULL say their own coding,
         and every worker applies the same bytes from each shard."""
-        def word(text: str) -> str:
-            if text.strip().lower() != "auto":
-                return text
-            return "fp32" if loopback else AUTO_CODEC.get(self.mode, "fp32")
-        return dataclasses.replace(self, band_codec=word(self.band_codec),
-                                   pull_codec=word(self.pull_codec))
-
-    def codec_names(self) -> tuple[str, str]:
-        """(--band-codec, --pull-codec) with ``auto`` resolved by --mode, as words, for
-        the logs and the report; a per-channel --band-codec is given as written."""
-        def word(text: str) -> str:
-            text = text.strip().lower()
-            return AUTO_CODEC.get(self.mode, "fp32") if text == "auto" else text
-        return word(self.band_codec), word(self.pull_codec)
+        return dataclasses.replace(self, band_codec=self._codec(self.band_codec, loopback),
+                                   pull_codec=self._codec(self.pull_codec, loopback))
 
     def pull_coding(self) -> int:
         """``--pull-codec`` as a dgt.transport.wire.Coding (0: PULLs all f32), ``auto``
         resolved by --mode (:data:`AUTO_CODEC`)."""
         from .transport.wire import Coding
-        name = (AUTO_CODEC.get(self.mode, "fp32") if self.pull_codec == "auto"
-                else self.pull_codec)
-        return int(Coding[name.upper()])
+        return int(Coding[self._codec(self.pull_codec).upper()])
 
     def band_codings(self) -> list[int]:
         """``--band-codec`` as the coding of each channel (``MAX_UDP_CHANNELS + 1``
@@ -216,9 +210,7 @@ class TransmissionConfig:
         from .transport.wire import Coding
         names = {c.name.lower(): int(c) for c in Coding}
         out = [0] * (MAX_UDP_CHANNELS + 1)
-        text = self.band_codec.strip().lower()
-        if text == "auto":
-            text = AUTO_CODEC.get(self.mode, "fp32")
+        text = self._codec(self.band_codec).strip().lower()
         how = (f"--band-codec takes auto or one of {' | '.join(names)} for every UDP "
                f"band, or "
                f"CHANNEL:CODEC pairs with CHANNEL in 1..--channels ({self.channels}), "

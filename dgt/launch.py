@@ -510,7 +510,8 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         j.cleanup()
         log(f"dgt train: --run-dir {j.run_dir}: {e.strerror or e}")
         return 2, None
-    band, pull = tx.resolve_codecs(loopback=not job.testbed).codec_names()
+    used = tx.resolve_codecs(loopback=not job.testbed)
+    band, pull = used.band_codec, used.pull_codec
     coded = (f" ({tx.channels} UDP channels in {band}, low PULL share in {pull})"
              if tx.mode in ("dgt", "random") else "")
     log(f"dgt train: {job.workers} workers, mode {tx.mode}{coded}, k {tx.k}, block "

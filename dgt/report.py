@@ -69,13 +69,16 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
     t0 = trainers[0] if trainers else {}
     rounds = t0.get("rounds", t0.get("iterations", 0))
     bytes_sent = sum(ch["bytes_sent"] for ch in traffic["channels"].values())
+    # the codings a run without sidecar reports would have used (dgt train: loopback
+    # unless --testbed)
+    used = tx.resolve_codecs(loopback=not getattr(job, "testbed", False))
     return {
         "warnings": lost_t + lost_s + _warnings(sidecars),
         "mode": tx.mode,
         # what the UDP bands and the PULLs' low share were coded in (auto resolved)
-        "band_codec": _used(sidecars, "band_codec", tx.codec_names()[0])
+        "band_codec": _used(sidecars, "band_codec", used.band_codec)
         if tx.mode in ("dgt", "random") else None,
-        "pull_codec": _used(sidecars, "pull_codec", tx.codec_names()[1]),
+        "pull_codec": _used(sidecars, "pull_codec", used.pull_codec),
         "authenticated": bool(tx.secret),   # --secret given: a MAC on every message
         "workload": t0.get("workload"),
         "rounds": rounds,

@@ -3,6 +3,7 @@ its PULL lands (and the residual is settled after the trainer has the aggregate)
 client completes parameters range by range, and a partial optimiser step per range
 gives the bits of one step after the last PULL."""
 import asyncio
+import itertools
 import json
 
 import numpy as np
@@ -21,7 +22,7 @@ def test_each_parameter_completes_once_at_its_last_missing_range():
     sizes = [5, 0, 12, 3, 40, 1]          # offsets 0 5 5 17 20 60 61
     ranges = [(0, 16), (16, 32), (32, 48), (48, 61)]
     for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]):
-        pend = _Pending(sizes)
+        pend = _Pending([0, *itertools.accumulate(sizes)])
         got = {}
         for k in order:
             for i in pend.take(*ranges[k]):
@@ -37,7 +38,7 @@ def test_each_parameter_completes_once_at_its_last_missing_range():
 
 
 def test_a_range_that_completes_nothing_returns_nothing():
-    pend = _Pending([100])
+    pend = _Pending([0, 100])
     assert pend.take(0, 40) == [] and pend.take(40, 99) == []
     assert pend.take(99, 100) == [0]
 

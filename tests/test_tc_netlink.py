@@ -48,7 +48,7 @@ def test_prio_dscp_messages():
     leaves = [x for x in msgs if x[1] == RTM_NEWQDISC][1:]
     assert [x[3]["parent"] for x in leaves] == [ROOT_HANDLE | (i + 1) for i in range(9)]
     assert all(x[3].get_attr("TCA_KIND") == "bfifo" for x in leaves)
-    assert leaves[0][3].get_attr("TCA_OPTIONS")["limit"] == 262144
+    assert leaves[0][3].get_attr("TCA_OPTIONS")["limit"] == 2097152   # EF: RELIABLE_QUEUE_BYTES
     assert not [x for x in msgs if x[1] == RTM_NEWTCLASS]   # prio bands are implicit
     filters = [x for x in msgs if x[1] == RTM_NEWTFILTER]
     ef4 = [x for x in filters if x[0].params["dscp"] == 46
@@ -71,7 +71,7 @@ def test_htb_netem_messages():
     assert opts["loss"] == int((2**32 - 1) * 1.0 / 100)       # 1 %
     assert opts["delay"] > 0 and opts["jitter"] == 0
     # limit: the band's bytes in packets plus the packets the 5 ms delay holds at 1 Gbit/s
-    assert opts["limit"] == 262144 // 1514 + -(-10**9 // 8 * 5 // 1000 // 1514)
+    assert opts["limit"] == 2097152 // 1514 + -(-10**9 // 8 * 5 // 1000 // 1514)
     root = msgs[0][3]
     assert root.get_attr("TCA_KIND") == "htb"
 

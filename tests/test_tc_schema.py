@@ -5,8 +5,9 @@ import pytest
 import yaml
 
 from dgt.tc_profiles import applier
-from dgt.tc_profiles.schema import (ProfileError, format_rate, list_profiles,
-                                    load_profile, loads, parse_rate, validate)
+from dgt.tc_profiles.schema import (RELIABLE_DSCP, RELIABLE_QUEUE_BYTES, ProfileError,
+                                    format_rate, list_profiles, load_profile, loads,
+                                    parse_rate, validate)
 
 BASE = {
     "schema": 1, "name": "t", "root": {"kind": "htb", "rate": "1gbit"},
@@ -109,3 +110,26 @@ def test_dry_run_renders_tc_lines_without_root():
         in prio
     with pytest.raises(applier.TcError, match="does not shape"):
         applier.dry_run("prio-dscp", "eth0", rate="1gbit")
+
+
+@pytest.mark.parametrize("name", list_profiles())
+def test_every_shipped_profile_gives_the_reliable_band_a_long_enough_queue(name):
+    # a short queue on the band of DSCP 46 stalls a dropped-into connection 200 ms
+    # (tc_profiles.schema.RELIABLE_QUEUE_BYTES)
+    p = load_profile(name)
+    assert p.band_for_dscp(RELIABLE_DSCP).limit_bytes >= RELIABLE_QUEUE_BYTES
+    assert p.reliable_queue_warning() is None
+
+
+def test_a_short_reliable_queue_is_named_in_one_line():
+    short = validate(BASE)   # ef: 65,536 bytes
+    w = short.reliable_queue_warning()
+    assert w is not None and "'ef'" in w and "65536" in w and "\n" not in w
+    pkts = validate(mutate(lambda d: d["bands"][0].update(limit_bytes=None,
+                                                           limit_packets=100)))
+    assert "151400" in pkts.reliable_queue_warning()
+    long = validate(mutate(lambda d: d["bands"][0].update(limit_bytes=RELIABLE_QUEUE_BYTES)))
+    assert long.reliable_queue_warning() is None
+    # DSCP 46 unmapped: it lands in the default band, and that band's queue counts
+    unmapped = validate(mutate(lambda d: d["bands"][0].update(dscp=[34])))
+    assert "'be'" in unmapped.reliable_queue_warning()

@@ -1,0 +1,64 @@
+"""python -m dgt.tools.pull_lag on a real 3-worker run: every PULL counted once, a PULL
+made 200 ms late found in its iteration, damaged traces and a missing run dir are one
+line, never a traceback."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_train
+from dgt.tools import pull_lag
+
+WORKERS, ITERATIONS = 3, 8
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lag")
+    run_train(tmp, "--workers", WORKERS, "--hidden", 32, "--iterations", ITERATIONS)
+    return tmp / "run"
+
+
+def tool(*args):
+    return subprocess.run([sys.executable, "-m", "dgt.tools.pull_lag", *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_every_remote_pull_is_counted_once(run):
+    r = json.loads(tool(run, "--json").stdout)
+    assert r["iterations"] == ITERATIONS
+    # each shard's PULL to each of the other workers
+    assert r["pulls"] == ITERATIONS * WORKERS * (WORKERS - 1)
+    assert sum(r["histogram"].values()) == r["pulls"]
+
+
+def test_a_pull_made_200_ms_late_is_found_in_its_iteration(run, tmp_path):
+    late = tmp_path / "run"
+    shutil.copytree(run, late)
+    trace = late / "trace-2.jsonl"
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    for x in lines:
+        if x.get("kind") == "iteration" and x["t"] == 5:
+            x["pull_s"]["0"] += 0.2   # shard 0's PULL reached rank 2 200 ms late
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    before = pull_lag.lags(pull_lag.load(str(run)))
+    after = pull_lag.lags(pull_lag.load(str(late)))
+    assert 5 not in before["stalled"] and after["stalled"] == sorted(before["stalled"] + [5])
+    assert after["pulls"] == before["pulls"]
+    assert sum(n for b, n in after["histogram"].items() if 175 <= b <= 225) >= 1
+
+
+def test_damaged_traces_and_a_missing_run_dir_are_one_line(run, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    with open(bad / "trace-0.jsonl", "ab") as f:
+        f.write(b'[]\n{"kind":"iteration","t":"abc","rank":0,"pull_s":{}}\n'
+                b'{"kind":"iteration","t":99,"rank":0,"pull_s":{"1":"x"}}\n\x00\xff\xfe')
+    p = tool(bad)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert f"of {ITERATIONS}" in p.stdout
+    p = tool(tmp_path / "nothing")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert "no trace-<rank>.jsonl" in p.stderr and "Traceback" not in p.stderr

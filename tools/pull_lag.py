@@ -1,0 +1,106 @@
+"""``python -m dgt.tools.pull_lag RUN_DIR``: how late each PULL lands behind its shard's
+first PULL to a remote worker, from a job's per-rank traces (``trace-<rank>.jsonl``,
+docs/metrics.md).
+
+A shard sends the same iteration's PULL to every worker at once, so their arrival
+times should be close; a PULL that lands 200 ms behind the others is a stalled TCP
+connection (docs/tc_profiles.md, "The reliable band's queue"), and in BSP that stall
+is every worker's. For each iteration seen by every rank and each shard s, the lag of
+worker w's PULL is ``pull_s[s]`` at w minus the earliest ``pull_s[s]`` among the
+workers other than s (the colocated PULL is in-process and left out).
+
+Output: a histogram of the lags in 25 ms buckets, the iterations with a lag above
+``--stall-ms``, and (``--json``) both as JSON. Exit status 2 with one line for a run
+directory without traces.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from collections import Counter
+
+
+def load(run_dir: str) -> dict[int, dict[int, dict]]:
+    """{iteration: {rank: that rank's iteration record}} from ``trace-*.jsonl``. Raises
+    FileNotFoundError when there is no trace; skips lines that are not an iteration
+    record (not JSON, not an object, or without an int ``t`` and ``rank`` and a
+    ``pull_s`` object)."""
+    paths = sorted(glob.glob(os.path.join(run_dir, "trace-*.jsonl")))
+    if not paths:
+        raise FileNotFoundError(f"no trace-<rank>.jsonl in {run_dir} (a run dir of dgt "
+                                f"train --run-dir)")
+    out: dict[int, dict[int, dict]] = {}
+    for p in paths:
+        with open(p, errors="replace") as f:
+            for line in f:
+                try:
+                    x = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(x, dict) and x.get("kind") == "iteration" and \
+                        isinstance(x.get("t"), int) and isinstance(x.get("rank"), int) \
+                        and isinstance(x.get("pull_s"), dict):
+                    out.setdefault(x["t"], {})[x["rank"]] = x
+    return out
+
+
+def lags(traces: dict[int, dict[int, dict]], bucket_ms: float = 25.0,
+         stall_ms: float = 150.0) -> dict:
+    """Histogram {bucket start ms: PULLs} of the lags, ``pulls`` counted, and
+    ``stalled``: the iterations (sorted) with a lag above ``stall_ms``; ``iterations``:
+    those every rank traced."""
+    ranks = max((len(rs) for rs in traces.values()), default=0)
+    hist: Counter = Counter()
+    stalled, full = [], 0
+    for t, rs in sorted(traces.items()):
+        if len(rs) < ranks or ranks < 2:
+            continue
+        full += 1
+        worst = 0.0
+        for s in range(ranks):
+            at = [rs[w]["pull_s"].get(str(s)) for w in rs if w != s]
+            at = [a for a in at if isinstance(a, (int, float))]
+            if not at:
+                continue
+            first = min(at)
+            for a in at:
+                lag = 1000.0 * (a - first)
+                hist[int(lag // bucket_ms * bucket_ms)] += 1
+                worst = max(worst, lag)
+        if worst > stall_ms:
+            stalled.append(t)
+    return {"bucket_ms": bucket_ms, "stall_ms": stall_ms, "iterations": full,
+            "pulls": sum(hist.values()), "histogram": dict(sorted(hist.items())),
+            "stalled": stalled}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dgt.tools.pull_lag",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", help="a job's run directory (dgt train --run-dir)")
+    ap.add_argument("--stall-ms", type=float, default=150.0,
+                    help="a lag above this counts its iteration as stalled (default 150)")
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    args = ap.parse_args(argv)
+    try:
+        r = lags(load(args.run_dir), stall_ms=args.stall_ms)
+    except FileNotFoundError as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(f"{r['pulls']} PULLs over {r['iterations']} iterations; lag behind the shard's "
+          f"first remote PULL, {r['bucket_ms']:g} ms buckets:")
+    for b, n in r["histogram"].items():
+        print(f"  {b:6.0f} ms  {n}")
+    print(f"iterations with a PULL more than {r['stall_ms']:g} ms late: "
+          f"{len(r['stalled'])} of {r['iterations']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -75,8 +75,7 @@ def tc_apply(args) -> int:
     p = applier.apply(args.profile, args.dev, args.netns, args.rate)
     print(f"applied profile '{p.name}' on {args.dev}"
           + (f" (netns {args.netns})" if args.netns else ""))
-    warning = p.reliable_queue_warning()
-    if warning:
+    for warning in p.tcp_queue_warnings():
         print(f"{_prog(args)}: warning: {warning}", file=sys.stderr)
     return 0
 

@@ -26,13 +26,14 @@ PRIO_MAX_BANDS = 16       # TCQ_PRIO_BANDS
 NETEM_PACKET_BYTES = 1514  # used to turn a byte limit into netem's packet limit
 #: DSCP of dgt's reliable channel (EF, RFC 3246)
 RELIABLE_DSCP = 46
-#: the smallest queue (bytes) the band of the reliable channel should have: TSQ keeps
-#: about two 64 KB TSO packets of each TCP socket in the qdisc, so 2 MiB holds 16
+#: the smallest queue (bytes) a band that carries TCP should have: the band of dgt's
+#: reliable channel (DSCP 46) and the default band (every unmarked flow: a tenant, gloo).
+#: TSQ keeps about two 64 KB TSO packets of each TCP socket in the qdisc, so 2 MiB holds 16
 #: connections. A segment our own qdisc drops while nothing else of its connection is in
 #: flight arms the zero-window probe at the kernel's fixed 200 ms (tcp_probe0_base uses
 #: TCP_RTO_MIN, whatever the socket's TCP_RTO_MIN_US): a 200 ms stall
-#: (docs/tc_profiles.md, "The reliable band's queue")
-RELIABLE_QUEUE_BYTES = 2 << 20
+#: (docs/tc_profiles.md, "The TCP bands' queue")
+TCP_QUEUE_BYTES = 2 << 20
 
 _RATE_UNITS = {
     "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
@@ -133,19 +134,24 @@ class Profile:
                 return b
         return self.band(self.default_band)
 
-    def reliable_queue_warning(self) -> str | None:
-        """One line when the band of DSCP 46 (dgt's reliable channel) queues less than
-        :data:`RELIABLE_QUEUE_BYTES` (a pfifo leaf: packets of 1,514 B); None when it
-        is long enough."""
-        b = self.band_for_dscp(RELIABLE_DSCP)
-        qbytes = b.limit_bytes if b.limit_bytes is not None \
-            else (b.limit_packets or 0) * NETEM_PACKET_BYTES
-        if qbytes >= RELIABLE_QUEUE_BYTES:
-            return None
-        return (f"profile '{self.name}': band '{b.name}' (DSCP {RELIABLE_DSCP}, dgt's "
-                f"reliable channel) queues {qbytes} bytes; give it at least "
-                f"{RELIABLE_QUEUE_BYTES} (limit_bytes): a TCP segment this qdisc drops "
-                f"can stall its connection 200 ms (docs/tc_profiles.md)")
+    def tcp_queue_warnings(self) -> list[str]:
+        """One line for each band that carries TCP and queues less than
+        :data:`TCP_QUEUE_BYTES` (a pfifo leaf: packets of 1,514 B): the band of DSCP 46
+        (dgt's reliable channel) and the default band (unmarked TCP: tenants, gloo).
+        Empty when both are long enough."""
+        out = []
+        for b, what in ((self.band_for_dscp(RELIABLE_DSCP),
+                         f"DSCP {RELIABLE_DSCP}, dgt's reliable channel"),
+                        (self.band(self.default_band), "the default band, unmarked TCP")):
+            qbytes = b.limit_bytes if b.limit_bytes is not None \
+                else (b.limit_packets or 0) * NETEM_PACKET_BYTES
+            line = (f"profile '{self.name}': band '{b.name}' ({what}) queues {qbytes} "
+                    f"bytes; give it at least {TCP_QUEUE_BYTES} (limit_bytes): a TCP "
+                    f"segment this qdisc drops can stall its connection 200 ms "
+                    f"(docs/tc_profiles.md)")
+            if qbytes < TCP_QUEUE_BYTES and not any(f"band '{b.name}'" in w for w in out):
+                out.append(line)
+        return out
 
     def netem_bands(self) -> tuple[str, ...]:
         if self.netem is None:

@@ -17,6 +17,7 @@ from dgt.layout import BlockLayout
 from dgt.peer_links import PeerLinks
 from dgt.pull_sender import PullSender
 from dgt.transport import wire
+from dgt.transport.channels import channel_dscp
 from dgt.transport.aio import FrameProtocol
 
 SESSION, SHARD, WORKER, ITERATION = 7, 0, 1, 5
@@ -46,7 +47,7 @@ async def _accepted(loop, make):
 async def _held_then_sent(pace_mbit: float):
     loop = asyncio.get_running_loop()
     layout = BlockLayout.from_bytes(352 * 2 * 8, 1408, 2)       # 8 blocks per shard
-    links = PeerLinks(TransmissionConfig(pace_mbit=pace_mbit), SHARD, 2, [46, 34, 18, 8],
+    links = PeerLinks(TransmissionConfig(pace_mbit=pace_mbit), SHARD, 2, list(channel_dscp(3)),
                       None)
     # our push connection to the worker's shard: its far end does not read yet
     push_server, push_conn, push_sink = await _accepted(loop, _quiet)

@@ -40,8 +40,15 @@ def test_best_effort_is_default_and_scavengers_below_it(name):
         assert p.band_for_dscp(d).priority < be.priority
 
 
-def test_lowest_default_channel_is_below_best_effort():
-    """C = 3 (the default): channel 3 = CS1 only gets what bulk tenant traffic leaves."""
+def test_default_channels_sit_above_best_effort_and_only_six_and_seven_add_scavengers():
+    """Every channel of C = 1..5 (C = 3 is the default: AF41, AF21, AF11) is above best
+    effort: in BSP a band below it would make a bulk tenant's load part of every
+    iteration. C = 6 and 7 add CS1 and LE, below best effort, as their lowest channels."""
     p = load_profile("htb-prio")
-    assert channels.channel_dscp(3)[-1] == channels.DSCP_CS1
-    assert p.band_for_dscp(channels.DSCP_CS1).priority > p.band(p.default_band).priority
+    be = p.band(p.default_band).priority
+    assert channels.channel_dscp(3) == (channels.DSCP_EF, channels.DSCP_AF41,
+                                        channels.DSCP_AF21, channels.DSCP_AF11)
+    for c in range(1, channels.MAX_UDP_CHANNELS + 1):
+        below = [d for d in channels.channel_dscp(c) if p.band_for_dscp(d).priority > be]
+        assert below == {6: [channels.DSCP_CS1],
+                         7: [channels.DSCP_CS1, channels.DSCP_LE]}.get(c, []), (c, below)

@@ -48,7 +48,7 @@ def test_prio_dscp_messages():
     leaves = [x for x in msgs if x[1] == RTM_NEWQDISC][1:]
     assert [x[3]["parent"] for x in leaves] == [ROOT_HANDLE | (i + 1) for i in range(9)]
     assert all(x[3].get_attr("TCA_KIND") == "bfifo" for x in leaves)
-    assert leaves[0][3].get_attr("TCA_OPTIONS")["limit"] == 2097152   # EF: RELIABLE_QUEUE_BYTES
+    assert leaves[0][3].get_attr("TCA_OPTIONS")["limit"] == 2097152   # EF: TCP_QUEUE_BYTES
     assert not [x for x in msgs if x[1] == RTM_NEWTCLASS]   # prio bands are implicit
     filters = [x for x in msgs if x[1] == RTM_NEWTFILTER]
     ef4 = [x for x in filters if x[0].params["dscp"] == 46

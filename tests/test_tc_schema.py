@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from dgt.tc_profiles import applier
-from dgt.tc_profiles.schema import (RELIABLE_DSCP, RELIABLE_QUEUE_BYTES, ProfileError,
+from dgt.tc_profiles.schema import (RELIABLE_DSCP, TCP_QUEUE_BYTES, ProfileError,
                                     format_rate, list_profiles, load_profile, loads,
                                     parse_rate, validate)
 
@@ -113,23 +113,29 @@ def test_dry_run_renders_tc_lines_without_root():
 
 
 @pytest.mark.parametrize("name", list_profiles())
-def test_every_shipped_profile_gives_the_reliable_band_a_long_enough_queue(name):
-    # a short queue on the band of DSCP 46 stalls a dropped-into connection 200 ms
-    # (tc_profiles.schema.RELIABLE_QUEUE_BYTES)
+def test_every_shipped_profile_gives_the_tcp_bands_a_long_enough_queue(name):
+    # a short queue on a band that carries TCP stalls a dropped-into connection 200 ms
+    # (tc_profiles.schema.TCP_QUEUE_BYTES): dgt's reliable channel, and the default band
+    # (a tenant, gloo: a baseline must not lose to our queue)
     p = load_profile(name)
-    assert p.band_for_dscp(RELIABLE_DSCP).limit_bytes >= RELIABLE_QUEUE_BYTES
-    assert p.reliable_queue_warning() is None
+    assert p.band_for_dscp(RELIABLE_DSCP).limit_bytes >= TCP_QUEUE_BYTES
+    assert p.band(p.default_band).limit_bytes >= TCP_QUEUE_BYTES
+    assert p.tcp_queue_warnings() == []
 
 
-def test_a_short_reliable_queue_is_named_in_one_line():
-    short = validate(BASE)   # ef: 65,536 bytes
-    w = short.reliable_queue_warning()
-    assert w is not None and "'ef'" in w and "65536" in w and "\n" not in w
+def test_a_short_tcp_queue_is_named_in_one_line():
+    short = validate(BASE)   # ef: 65,536 bytes; be (the default band) likewise short
+    ws = short.tcp_queue_warnings()
+    assert len(ws) == 2 and all("\n" not in w for w in ws)
+    assert "'ef'" in ws[0] and "65536" in ws[0] and "reliable" in ws[0]
+    assert f"'{short.default_band}'" in ws[1] and "default band" in ws[1]
     pkts = validate(mutate(lambda d: d["bands"][0].update(limit_bytes=None,
                                                            limit_packets=100)))
-    assert "151400" in pkts.reliable_queue_warning()
-    long = validate(mutate(lambda d: d["bands"][0].update(limit_bytes=RELIABLE_QUEUE_BYTES)))
-    assert long.reliable_queue_warning() is None
-    # DSCP 46 unmapped: it lands in the default band, and that band's queue counts
+    assert "151400" in pkts.tcp_queue_warnings()[0]
+    long = validate(mutate(lambda d: [b.update(limit_bytes=TCP_QUEUE_BYTES, limit_packets=None)
+                                      for b in d["bands"]]))
+    assert long.tcp_queue_warnings() == []
+    # DSCP 46 unmapped: it lands in the default band, named once
     unmapped = validate(mutate(lambda d: d["bands"][0].update(dscp=[34])))
-    assert "'be'" in unmapped.reliable_queue_warning()
+    ws = unmapped.tcp_queue_warnings()
+    assert len(ws) == 1 and f"'{unmapped.default_band}'" in ws[0]

@@ -14,7 +14,7 @@ by one gloo ``all_reduce``), and ``dgt train --mode tcp|topk|dgt``. Scenarios:
   whole run, so every host's port and every router port carries a tenant flow; restarted
   per run, bounded to a little more than the run's expected length, stopped when it ends;
 - ``lossy``: ``--loss-pct`` random loss in the router (nftables numgen) on the DSCPs of
-  dgt's unreliable channels only (34, 18, 8): TCP (gloo, dgt's reliable channel) loses
+  dgt's unreliable channels only (34, 18, 10 by default): TCP (gloo, dgt's reliable channel) loses
   nothing;
 - ``lossy-link``: the same random loss on every packet (what a lossy link does): TCP
   loses too, so ``--mode tcp`` and gloo pay for retransmissions and timeouts, and dgt's
@@ -55,13 +55,14 @@ import numpy as np
 
 from dgt.interrupt import raise_keyboard_interrupt_on
 from dgt.progress import CellProgress
+from dgt.transport.channels import channel_dscp
 
 log = logging.getLogger("dgt.tools.bench")
 
 SYSTEMS = ("gloo", "tcp", "topk", "dgt")
 SCENARIOS = ("clean", "tenant", "lossy", "lossy-link")
 #: the router's random drop per scenario: None (no loss), or the DSCPs it drops (() = all)
-LOSS_DSCP = {"lossy": (34, 18, 8), "lossy-link": ()}
+LOSS_DSCP = {"lossy": channel_dscp(3)[1:], "lossy-link": ()}
 SYSTEM_LABEL = {"gloo": "gloo all_reduce", "tcp": "dgt --mode tcp",
                 "topk": "dgt --mode topk", "dgt": "dgt --mode dgt"}
 SYSTEM_COLOR = {"gloo": "tab:blue", "tcp": "tab:orange", "topk": "tab:green",
@@ -657,7 +658,8 @@ def markdown(doc: dict, loopback: bool = False) -> str:
              f"{'loopback, no shaping' if loopback else 'netns star testbed, every port ' + cfg['profile'] + ' at the rate shown'}; "
              f"target accuracy {cfg['target_accuracy']}."
              + ("" if loopback else f" Lossy: {_loss_list(cfg['loss_pct'])} % random "
-                f"drop in the router on DSCP 34, 18, 8 (dgt's UDP channels) only; "
+                f"drop in the router on DSCP {', '.join(map(str, UNRELIABLE_DSCP))} (dgt's "
+                f"UDP channels) only; "
                 f"lossy-link: the same on every packet. Tenant: one iperf3 "
                 f"bulk TCP flow (DSCP 0) from host i to host i+1 for the whole run."), "",
              "comm = trainer rank 0's time from the gradient push to the applied aggregate, "
@@ -1017,7 +1019,8 @@ def add_arguments(p) -> None:
     p.add_argument("--target-accuracy", type=float, default=None,
                    help=f"default {d.target_accuracy}; tta 0.85")
     p.add_argument("--loss-pct", type=loss_list, default=d.loss_pct,
-                   help="lossy scenarios: random drop, percent (lossy: on DSCP 34,18,8; "
+                   help="lossy scenarios: random drop, percent (lossy: on DSCP "
+                        f"{','.join(map(str, UNRELIABLE_DSCP))}; "
                         "lossy-link: on every packet); a comma list (1,3,5) runs each "
                         "lossy scenario at each rate: a loss sweep (default 1)")
     p.add_argument("--profile", default=d.profile, help="tc profile of every port")

@@ -24,14 +24,18 @@ DSCP_CS1 = 8
 DSCP_LE = 1
 
 #: Default DSCP of the UDP channels for each channel count C, highest priority first.
-#: C = 3 is the default: AF41, AF21, CS1 (docs/architecture.md).
+#: C = 3 is the default: AF41, AF21, AF11. Up to C = 5 every channel sits above best
+#: effort (DSCP 0); only C = 6 and 7 add the scavengers CS1 (RFC 3662) and LE (RFC 8622)
+#: below it. Why not lower: in BSP every shard waits for a worker's blocks until END plus
+#: the deadline, so a band below best effort makes a bulk tenant's load part of every
+#: iteration (docs/tc_profiles.md, "Where the lowest channel sits").
 UDP_DSCP_DEFAULTS: dict[int, tuple[int, ...]] = {
     1: (DSCP_AF41,),
-    2: (DSCP_AF41, DSCP_CS1),
-    3: (DSCP_AF41, DSCP_AF21, DSCP_CS1),
-    4: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_CS1),
-    5: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_AF11, DSCP_CS1),
-    6: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_AF11, DSCP_CS1, DSCP_LE),
+    2: (DSCP_AF41, DSCP_AF21),
+    3: (DSCP_AF41, DSCP_AF21, DSCP_AF11),
+    4: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_AF11),
+    5: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_CS2, DSCP_AF11),
+    6: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_CS2, DSCP_AF11, DSCP_CS1),
     7: (DSCP_AF41, DSCP_AF31, DSCP_AF21, DSCP_CS2, DSCP_AF11, DSCP_CS1, DSCP_LE),
 }
 

@@ -89,3 +89,35 @@ def test_missing_device_and_netns(veth):
 
 
 from test_tc_cli import CLI  # noqa: E402
+
+
+@root_only
+def test_apply_warns_once_per_short_tcp_band_and_not_for_shipped(veth, tmp_path):
+    """`dgt tc apply` names each band that carries TCP (ef: DSCP 46; the default band)
+    and queues less than TCP_QUEUE_BYTES, one line each; a shipped profile gets none."""
+    from importlib import resources
+
+    import yaml
+    from dgt.tc_profiles.schema import TCP_QUEUE_BYTES
+    ns, dev = veth
+    doc = yaml.safe_load(resources.files("dgt.tc_profiles").joinpath(
+        "profiles/htb-prio.yaml").read_text())
+    for b in doc["bands"]:
+        if b["name"] in ("ef", "be"):
+            b["limit_bytes"] = 262144
+    short = tmp_path / "short.yaml"
+    short.write_text(yaml.safe_dump(doc))
+    runs = {}
+    for prof in ("htb-prio", str(short)):
+        runs[prof] = subprocess.run([sys.executable, "-c", CLI, "tc", "apply", prof,
+                                     "--dev", dev, "--netns", ns],
+                                    capture_output=True, text=True)
+        assert runs[prof].returncode == 0, runs[prof].stderr
+    assert runs["htb-prio"].stderr == ""
+    lines = runs[str(short)].stderr.strip().splitlines()
+    assert len(lines) == 2 and all(ln.startswith("dgt tc apply: warning: ") for ln in lines)
+    assert "'ef'" in lines[0] and "'be'" in lines[1]
+    assert all("262144" in ln and str(TCP_QUEUE_BYTES) in ln for ln in lines)
+    # and it applied what it was given
+    leaves = {q["parent"]: q for q in applier.show(dev, ns)["qdiscs"][1:]}
+    assert leaves["d6:10"].get("limit") == 262144, leaves["d6:10"]

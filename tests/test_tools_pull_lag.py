@@ -21,6 +21,20 @@ def run(tmp_path_factory):
     return tmp / "run"
 
 
+def edited(run, tmp_path, rank, edit):
+    """A copy of ``run`` in ``tmp_path`` whose rank ``rank`` trace has ``edit(x)`` applied
+    to each iteration record ``x``."""
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    trace = out / f"trace-{rank}.jsonl"
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    for x in lines:
+        if x.get("kind") == "iteration":
+            edit(x)
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return out
+
+
 def tool(*args):
     return subprocess.run([sys.executable, "-m", "dgt.tools.pull_lag", *map(str, args)],
                           capture_output=True, text=True, timeout=60)
@@ -35,14 +49,10 @@ def test_every_remote_pull_is_counted_once(run):
 
 
 def test_a_pull_made_200_ms_late_is_found_in_its_iteration(run, tmp_path):
-    late = tmp_path / "run"
-    shutil.copytree(run, late)
-    trace = late / "trace-2.jsonl"
-    lines = [json.loads(x) for x in trace.read_text().splitlines()]
-    for x in lines:
-        if x.get("kind") == "iteration" and x["t"] == 5:
+    def later(x):
+        if x["t"] == 5:
             x["pull_s"]["0"] += 0.2   # shard 0's PULL reached rank 2 200 ms late
-    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    late = edited(run, tmp_path, 2, later)
     before = pull_lag.lags(pull_lag.load(str(run)))
     after = pull_lag.lags(pull_lag.load(str(late)))
     assert 5 not in before["stalled"] and after["stalled"] == sorted(before["stalled"] + [5])
@@ -62,3 +72,25 @@ def test_damaged_traces_and_a_missing_run_dir_are_one_line(run, tmp_path):
     p = tool(tmp_path / "nothing")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert "no trace-<rank>.jsonl" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_phases_split_push_skew_from_the_network(run, tmp_path):
+    """A worker that pushed 300 ms after the others shows in the push skew, a PULL that
+    landed 200 ms late in the network phase; the text output names both."""
+    before = pull_lag.phases(pull_lag.load(str(run)))
+    assert before["push_skew_ms"]["median"] is not None
+    assert before["after_last_end_ms"]["median"] is not None
+    def move(x):
+        if x["t"] == 4:
+            x["push_start_s"] += 0.3   # rank 1 began pushing 300 ms later
+        if x["t"] == 6:
+            x["pull_s"]["0"] += 0.2    # shard 0's PULL reached rank 1 200 ms later
+    moved = edited(run, tmp_path, 1, move)
+    after = pull_lag.phases(pull_lag.load(str(moved)))
+    # (rank 1 may have been ahead by up to the old skew: 300 minus that at least)
+    b = before["push_skew_ms"]["max"]
+    assert after["push_skew_ms"]["max"] >= 300 - b and after["push_skew_ms"]["max"] > b
+    assert after["after_last_end_ms"]["max"] >= 200 > before["after_last_end_ms"]["max"]
+    out = tool(moved).stdout
+    assert "push skew" in out and "network phase" in out
+    assert "phases" in json.loads(tool(moved, "--json").stdout)

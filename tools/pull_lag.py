@@ -4,13 +4,20 @@ docs/metrics.md).
 
 A shard sends the same iteration's PULL to every worker at once, so their arrival
 times should be close; a PULL that lands 200 ms behind the others is a stalled TCP
-connection (docs/tc_profiles.md, "The reliable band's queue"), and in BSP that stall
+connection (docs/tc_profiles.md, "The TCP bands' queue"), and in BSP that stall
 is every worker's. For each iteration seen by every rank and each shard s, the lag of
 worker w's PULL is ``pull_s[s]`` at w minus the earliest ``pull_s[s]`` among the
 workers other than s (the colocated PULL is in-process and left out).
 
+It also splits each iteration's communication in two (:func:`phases`): the **push
+skew**, from the first worker's push to the last one's (compute and CPU contention:
+no shard can finish before the last push), and the **network phase**, from the last
+worker's END to each remote PULL's arrival (the last blocks' transit, the shard's
+aggregation and the PULL's transit).
+
 Output: a histogram of the lags in 25 ms buckets, the iterations with a lag above
-``--stall-ms``, and (``--json``) both as JSON. Exit status 2 with one line for a run
+``--stall-ms``, the two phases (median, p90, max in ms), and (``--json``) all of it as
+JSON. Exit status 2 with one line for a run
 directory without traces.
 """
 from __future__ import annotations
@@ -77,6 +84,40 @@ def lags(traces: dict[int, dict[int, dict]], bucket_ms: float = 25.0,
             "stalled": stalled}
 
 
+def _stats(xs: list[float]) -> dict:
+    """Median, p90 and max of ``xs`` (ms, rounded to 0.1); all None when empty."""
+    if not xs:
+        return {"median": None, "p90": None, "max": None}
+    xs = sorted(xs)
+    pick = lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))], 1)  # noqa: E731
+    return {"median": pick(0.5), "p90": pick(0.9), "max": round(xs[-1], 1)}
+
+
+def phases(traces: dict[int, dict[int, dict]]) -> dict:
+    """Per iteration every rank traced: ``push_skew_ms``, the last worker's
+    ``push_start_s`` minus the first's; and ``after_last_end_ms``, each remote PULL's
+    arrival (``pull_s[s]`` at worker w, s != w) minus the iteration's last ``end_s``.
+    Each as {median, p90, max} in ms. Records without numeric times are left out."""
+    ranks = max((len(rs) for rs in traces.values()), default=0)
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    skew, after = [], []
+    for t, rs in sorted(traces.items()):
+        if len(rs) < ranks or ranks < 2:
+            continue
+        starts = [x.get("push_start_s") for x in rs.values()]
+        ends = [x.get("end_s") for x in rs.values()]
+        if all(num(v) for v in starts):
+            skew.append(1000.0 * (max(starts) - min(starts)))
+        if not all(num(v) for v in ends):
+            continue
+        last_end = max(ends)
+        for w, x in rs.items():
+            for s, a in x["pull_s"].items():
+                if s != str(w) and num(a):
+                    after.append(1000.0 * (a - last_end))
+    return {"push_skew_ms": _stats(skew), "after_last_end_ms": _stats(after)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dgt.tools.pull_lag",
                                  description=__doc__.split("\n\n")[0])
@@ -86,7 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
     try:
-        r = lags(load(args.run_dir), stall_ms=args.stall_ms)
+        traces = load(args.run_dir)
+        r = lags(traces, stall_ms=args.stall_ms)
+        r["phases"] = phases(traces)
     except FileNotFoundError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
@@ -99,6 +142,12 @@ def main(argv=None) -> int:
         print(f"  {b:6.0f} ms  {n}")
     print(f"iterations with a PULL more than {r['stall_ms']:g} ms late: "
           f"{len(r['stalled'])} of {r['iterations']}")
+    for key, what in (("push_skew_ms", "push skew (first to last worker's push)"),
+                      ("after_last_end_ms", "network phase (last END to a remote PULL)")):
+        st = r["phases"][key]
+        if st["median"] is not None:
+            print(f"{what}: median {st['median']:g} ms, p90 {st['p90']:g}, "
+                  f"max {st['max']:g}")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 from dataclasses import asdict
 
 import numpy as np
@@ -57,6 +58,8 @@ def write_node_results(sc) -> None:
         "k_mean": float(np.mean(sc.agent.k_history)) if sc.agent and
         sc.agent.k_history else None,
         **sc.counters.to_dict(sc.cfg.channels),
+        # this process's CPU time so far, user + system (getrusage(2)), seconds
+        "cpu_s": cpu_seconds(),
     }
     sc.trace.close()   # its last line: what the counters grew since the last push
     if sc.trace.error:   # shown by 'dgt train', not only in this sidecar's log
@@ -117,3 +120,10 @@ def pull_blocks_coded(sc) -> int:
 def blocks_cut_by_budget(sc) -> int:
     """Remote blocks ``sc``'s worker did not send for the time budget (--time-budget-ms)."""
     return sc.agent.meter.cut_total if sc.agent and sc.agent.meter else 0
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds this process has used (getrusage(2), RUSAGE_SELF: every
+    thread of it)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime

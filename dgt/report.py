@@ -114,15 +114,26 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "deadline_ms_highest": max((s.get("deadline_ms_highest", 0.0) for s in sidecars),
                                    default=None),
         "deadline_beyond_floor": sum(s.get("deadline_beyond_floor", 0) for s in sidecars),
+        # CPU ms a sidecar used per push, mean over the sidecars (start-up included)
+        "sidecar_cpu_ms_per_push": sidecar_cpu_ms_per_push(sidecars),
         "conservation_rel_error": conservation_error(run_dir),
         "history": trainers[0]["history"] if trainers else [],
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
                       "udp_ports": s["udp_ports"], "session": s["session"],
-                      "pushes": s.get("pushes"), "pulls_held": s.get("pulls_held", 0)}
+                      "pushes": s.get("pushes"), "pulls_held": s.get("pulls_held", 0),
+                      "cpu_s": s.get("cpu_s")}
                      for s in sidecars],
         "config": {"job": asdict(job),
                    "transmission": {k: v for k, v in asdict(tx).items() if k != "secret"}},
     }
+
+
+def sidecar_cpu_ms_per_push(sidecars: list[dict]) -> float | None:
+    """Mean over the sidecars of CPU milliseconds (``cpu_s``: user + system, start-up
+    included) per push; None when no sidecar reported both."""
+    per = [1000.0 * s["cpu_s"] / s["pushes"] for s in sidecars
+           if isinstance(s.get("cpu_s"), (int, float)) and s.get("pushes")]
+    return float(np.mean(per)) if per else None
 
 
 def _warnings(sidecars: list[dict]) -> list[str]:

@@ -20,6 +20,14 @@ def test_default_job_reaches_target_accuracy(train, tmp_path):
         assert key in r
     assert "replicas identical" in p.stdout  # the summary table printed
     assert "Traceback" not in logs_of(tmp_path / "run")
+    # each sidecar's CPU time (getrusage), and the mean per push: what a sidecar takes
+    # from the trainers' cores (docs/metrics.md, "Cost")
+    cpu = [s["cpu_s"] for s in r["sidecars"]]
+    assert len(cpu) == 4 and all(c > 0 for c in cpu), cpu
+    pushes = r["sidecars"][0]["pushes"]
+    assert r["sidecar_cpu_ms_per_push"] == pytest.approx(
+        sum(1000 * c / s["pushes"] for c, s in zip(cpu, r["sidecars"])) / 4)
+    assert pushes == r["iterations"] and r["sidecar_cpu_ms_per_push"] > 0
 
 
 def test_differential_transmission_is_visible(train):

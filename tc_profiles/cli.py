@@ -250,7 +250,8 @@ def register(subparsers) -> None:
     # the old spelling: still taken, with one deprecation line (names carry their unit)
     p.add_argument("--loss", type=float, dest="loss_deprecated", default=None,
                    help=argparse.SUPPRESS)
-    p.add_argument("--loss-dscp", default=None, help="only these DSCPs, e.g. 34,18,10 (dgt's default UDP channels)")
+    p.add_argument("--loss-dscp", default=None,
+                   help="only these DSCPs, e.g. 34,18,10 (dgt's default UDP channels)")
     sub("down", "remove the testbed (found by name, also after a crash)", tb_down)
     p = sub("status", "per-port class counters", tb_status)
     p.add_argument("--json", action="store_true")

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from .layout import DEFAULT_BLOCK_BYTES
-from .transport.channels import MAX_UDP_CHANNELS
+from .transport.channels import DEFAULT_UDP_CHANNELS, MAX_UDP_CHANNELS
 
 MODES = ("dgt", "tcp", "topk", "random")
 #: --pull-codec words (dgt.transport.wire.Coding's names in lower case, and auto)
@@ -62,7 +62,7 @@ class TransmissionConfig:
                                "fit this budget at the rate its last 5 pushes achieved "
                                "(median), never fewer than ceil(min(k_min, k) x blocks); "
                                "the rest stays in the residual")
-    channels: int = _f(3, f"unreliable UDP channels (1..{MAX_UDP_CHANNELS})")
+    channels: int = _f(DEFAULT_UDP_CHANNELS, f"unreliable UDP channels (1..{MAX_UDP_CHANNELS})")
     block_bytes: int = _f(DEFAULT_BLOCK_BYTES, "block size in bytes (multiple of 4; "
                           "1408 fits one block per datagram in a 1500 B MTU)")
     alpha: float = _f(0.3, "contribution EMA factor (DGT_CONTRI_ALPHA)")

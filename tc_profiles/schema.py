@@ -98,6 +98,12 @@ class Band:
     def leaf_kind(self) -> str:
         return "bfifo" if self.limit_bytes is not None else "pfifo"
 
+    @property
+    def queue_bytes(self) -> int:
+        """The leaf's limit in bytes (a pfifo leaf: packets of 1,514 B)."""
+        return self.limit_bytes if self.limit_bytes is not None \
+            else (self.limit_packets or 0) * NETEM_PACKET_BYTES
+
 
 @dataclass(frozen=True)
 class Netem:
@@ -139,18 +145,16 @@ class Profile:
         :data:`TCP_QUEUE_BYTES` (a pfifo leaf: packets of 1,514 B): the band of DSCP 46
         (dgt's reliable channel) and the default band (unmarked TCP: tenants, gloo).
         Empty when both are long enough."""
-        out = []
+        out, seen = [], set()   # DSCP 46 unmapped lands in the default band: named once
         for b, what in ((self.band_for_dscp(RELIABLE_DSCP),
                          f"DSCP {RELIABLE_DSCP}, dgt's reliable channel"),
                         (self.band(self.default_band), "the default band, unmarked TCP")):
-            qbytes = b.limit_bytes if b.limit_bytes is not None \
-                else (b.limit_packets or 0) * NETEM_PACKET_BYTES
-            line = (f"profile '{self.name}': band '{b.name}' ({what}) queues {qbytes} "
-                    f"bytes; give it at least {TCP_QUEUE_BYTES} (limit_bytes): a TCP "
-                    f"segment this qdisc drops can stall its connection 200 ms "
-                    f"(docs/tc_profiles.md)")
-            if qbytes < TCP_QUEUE_BYTES and not any(f"band '{b.name}'" in w for w in out):
-                out.append(line)
+            if b.name not in seen and b.queue_bytes < TCP_QUEUE_BYTES:
+                out.append(f"profile '{self.name}': band '{b.name}' ({what}) queues "
+                           f"{b.queue_bytes} bytes; give it at least {TCP_QUEUE_BYTES} "
+                           f"(limit_bytes): a TCP segment this qdisc drops can stall its "
+                           f"connection 200 ms (docs/tc_profiles.md)")
+            seen.add(b.name)
         return out
 
     def netem_bands(self) -> tuple[str, ...]:

@@ -55,14 +55,14 @@ import numpy as np
 
 from dgt.interrupt import raise_keyboard_interrupt_on
 from dgt.progress import CellProgress
-from dgt.transport.channels import channel_dscp
+from dgt.transport.channels import DEFAULT_UDP_CHANNELS, channel_dscp
 
 log = logging.getLogger("dgt.tools.bench")
 
 SYSTEMS = ("gloo", "tcp", "topk", "dgt")
 SCENARIOS = ("clean", "tenant", "lossy", "lossy-link")
 #: the router's random drop per scenario: None (no loss), or the DSCPs it drops (() = all)
-LOSS_DSCP = {"lossy": channel_dscp(3)[1:], "lossy-link": ()}
+LOSS_DSCP = {"lossy": channel_dscp(DEFAULT_UDP_CHANNELS)[1:], "lossy-link": ()}
 SYSTEM_LABEL = {"gloo": "gloo all_reduce", "tcp": "dgt --mode tcp",
                 "topk": "dgt --mode topk", "dgt": "dgt --mode dgt"}
 SYSTEM_COLOR = {"gloo": "tab:blue", "tcp": "tab:orange", "topk": "tab:green",

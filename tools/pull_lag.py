@@ -54,22 +54,30 @@ def load(run_dir: str) -> dict[int, dict[int, dict]]:
     return out
 
 
+def _num(v) -> bool:
+    """A time in a trace record: an int or float (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def complete(traces: dict[int, dict[int, dict]]):
+    """(t, {rank: record}) of each iteration every rank traced (at least 2 ranks), in
+    order."""
+    ranks = max((len(rs) for rs in traces.values()), default=0)
+    return [(t, rs) for t, rs in sorted(traces.items()) if len(rs) == ranks >= 2]
+
+
 def lags(traces: dict[int, dict[int, dict]], bucket_ms: float = 25.0,
          stall_ms: float = 150.0) -> dict:
     """Histogram {bucket start ms: PULLs} of the lags, ``pulls`` counted, and
     ``stalled``: the iterations (sorted) with a lag above ``stall_ms``; ``iterations``:
     those every rank traced."""
-    ranks = max((len(rs) for rs in traces.values()), default=0)
     hist: Counter = Counter()
-    stalled, full = [], 0
-    for t, rs in sorted(traces.items()):
-        if len(rs) < ranks or ranks < 2:
-            continue
-        full += 1
+    stalled, full = [], complete(traces)
+    for t, rs in full:
         worst = 0.0
-        for s in range(ranks):
+        for s in range(len(rs)):
             at = [rs[w]["pull_s"].get(str(s)) for w in rs if w != s]
-            at = [a for a in at if isinstance(a, (int, float))]
+            at = [a for a in at if _num(a)]
             if not at:
                 continue
             first = min(at)
@@ -79,7 +87,7 @@ def lags(traces: dict[int, dict[int, dict]], bucket_ms: float = 25.0,
                 worst = max(worst, lag)
         if worst > stall_ms:
             stalled.append(t)
-    return {"bucket_ms": bucket_ms, "stall_ms": stall_ms, "iterations": full,
+    return {"bucket_ms": bucket_ms, "stall_ms": stall_ms, "iterations": len(full),
             "pulls": sum(hist.values()), "histogram": dict(sorted(hist.items())),
             "stalled": stalled}
 
@@ -98,22 +106,18 @@ def phases(traces: dict[int, dict[int, dict]]) -> dict:
     ``push_start_s`` minus the first's; and ``after_last_end_ms``, each remote PULL's
     arrival (``pull_s[s]`` at worker w, s != w) minus the iteration's last ``end_s``.
     Each as {median, p90, max} in ms. Records without numeric times are left out."""
-    ranks = max((len(rs) for rs in traces.values()), default=0)
-    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     skew, after = [], []
-    for t, rs in sorted(traces.items()):
-        if len(rs) < ranks or ranks < 2:
-            continue
+    for t, rs in complete(traces):
         starts = [x.get("push_start_s") for x in rs.values()]
         ends = [x.get("end_s") for x in rs.values()]
-        if all(num(v) for v in starts):
+        if all(_num(v) for v in starts):
             skew.append(1000.0 * (max(starts) - min(starts)))
-        if not all(num(v) for v in ends):
+        if not all(_num(v) for v in ends):
             continue
         last_end = max(ends)
         for w, x in rs.items():
             for s, a in x["pull_s"].items():
-                if s != str(w) and num(a):
+                if s != str(w) and _num(a):
                     after.append(1000.0 * (a - last_end))
     return {"push_skew_ms": _stats(skew), "after_last_end_ms": _stats(after)}
 

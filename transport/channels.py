@@ -13,6 +13,8 @@ RELIABLE = 0
 #: the one limit on C: the wire's channel field and END's per-channel counts
 #: (transport.wire.MAX_CHANNELS = 1 + this), the DSCP table below, --channels
 MAX_UDP_CHANNELS = 7
+#: the default C (--channels)
+DEFAULT_UDP_CHANNELS = 3
 
 DSCP_EF = 46    # reliable channel
 DSCP_AF41 = 34

@@ -40,10 +40,14 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _HIGH_NIBBLES = -0x0F10   # 0xF0F0 as an int16
 
 
-def encode(coding: int, blocks: torch.Tensor) -> np.ndarray:
+def encode(coding: int, blocks: torch.Tensor, decoded: torch.Tensor | None = None
+           ) -> np.ndarray:
     """Code ``blocks`` ((m, E) float32) as ``coding``; returns the payloads,
     (m, coded_payload_bytes(coding, E)) uint8, one row per block (docs/wire.md, "Block
-    codings"). fp16/bf16: IEEE round to nearest even (fp16: 65520 and above is
+    codings"). With ``decoded`` ((m, E) float32, may be ``blocks`` itself) it also
+    receives ``decode(coding, payloads, E)`` computed in the same pass, bitwise what
+    :func:`decode` gives for every block that decodes finite (a sender's own copy of
+    what the receivers will apply, without a second pass over the payloads). fp16/bf16: IEEE round to nearest even (fp16: 65520 and above is
     inf). int8: ``a = max|x|``, ``s = a / 127`` (f32, sent),
     ``r = min(127 / a, FLT_MAX)``, ``q = round_half_even(x * r)`` in -127..127 (so
     q = 0 for a zero block); int4 the same with 7 for 127, two q a byte (the even value
@@ -55,19 +59,26 @@ def encode(coding: int, blocks: torch.Tensor) -> np.ndarray:
     if coding == Coding.FP32 or p is None:
         raise ValueError(f"no block codec for coding {coding}")
     if coding in _HALF:
-        return blocks.to(_HALF[coding]).view(torch.uint8).numpy()
+        half = blocks.to(_HALF[coding])
+        if decoded is not None:
+            decoded.copy_(half)
+        return half.view(torch.uint8).numpy()
     out = np.empty((m, p), np.uint8)
-    _quantise(blocks, _LEVELS[coding], out)
+    _quantise(blocks, _LEVELS[coding], out, decoded)
     return out
 
 
-def _quantise(blocks: torch.Tensor, levels: float, out: np.ndarray) -> None:
+def _quantise(blocks: torch.Tensor, levels: float, out: np.ndarray,
+              decoded: torch.Tensor | None = None) -> None:
     """int8 (``levels`` 127) or int4 (7) payloads of ``blocks`` ((m, E) float32) into
-    ``out`` ((m, 4 + E) or (m, 4 + ceil(E/2)) uint8), one chunk of rows at a time."""
+    ``out`` ((m, 4 + E) or (m, 4 + ceil(E/2)) uint8), one chunk of rows at a time; with
+    ``decoded``, each chunk's ``float(q) * s`` there too, as :func:`decode` computes it,
+    while the chunk is in cache."""
     m, e = blocks.shape
     n = _chunk_rows(e, m)
     y, r = torch.empty(n, e), torch.empty(n, 1)
     a = torch.empty(m, 1)
+    s = torch.empty(m, 1) if decoded is not None else None
     lv = torch.full((max(m, 1), 1), levels)   # tensor / tensor: one correctly rounded
     packed = torch.from_numpy(out)[:, 4:]     # division (scalar / tensor is not)
     if levels == 7.0:   # a chunk's q as int8, an odd E padded with a 0
@@ -79,14 +90,20 @@ def _quantise(blocks: torch.Tensor, levels: float, out: np.ndarray) -> None:
         torch.amax(torch.abs(x, out=y[:k]), 1, True, out=ak)   # +0, never -0
         torch.div(lv[:k], ak, out=r[:k]).clamp_(max=_F32_MAX)   # a = 0: r = FLT_MAX
         torch.mul(x, r[:k], out=y[:k]).round_()                 # half to even
+        if s is not None:
+            torch.div(ak, lv[:k], out=s[i:i + k])
         if levels == 127.0:   # the conversions below are exact: integral, in range
             packed[i:i + k].view(torch.int8).copy_(y[:k])
+            if s is not None:   # decode's own steps on q (a -0.0 in y is +0 there)
+                decoded[i:i + k].copy_(packed[i:i + k].view(torch.int8)).mul_(s[i:i + k])
             continue
         q[:k, :e].copy_(y[:k])   # q of values 2j, 2j + 1 = u, v: int16 0xvvuu
+        if s is not None:
+            decoded[i:i + k].copy_(q[:k, :e]).mul_(s[i:i + k])
         w = pairs[:k].bitwise_and_(0x0F0F)                               # 0x0V0U
         w.bitwise_or_(torch.bitwise_right_shift(w, 4, out=shifted[:k]))  # 0x0VVU
         packed[i:i + k].copy_(w.bitwise_and_(0xFF))   # 0x00VU (an odd E's pad: 0 again)
-    out[:, :4] = torch.div(a, lv[:m]).numpy().view(np.uint8)   # s
+    out[:, :4] = (s if s is not None else torch.div(a, lv[:m])).numpy().view(np.uint8)
 
 
 def decode(coding: int, rows: np.ndarray, block_elems: int) -> np.ndarray:

@@ -57,7 +57,9 @@ class Residual:
             self.empty = False
         if coded is not None and coded.numel():
             sel = arrived[coded]
-            self.residual.view(n, -1)[coded[sel]] = error[sel]
+            if not bool(sel.all()):   # lost coded blocks keep g (above), not the error
+                coded, error = coded[sel], error[sel]
+            self.residual.view(n, -1).index_copy_(0, coded, error)
             self.empty = False
 
     def state_dict(self) -> dict:

@@ -163,38 +163,44 @@ class PushPlanner:
     @property
     def coded_index(self) -> torch.Tensor | None:
         """(m,) int64: every block of this push sent in a reduced form, or None."""
-        return torch.cat(self._coded_index) if self._coded_index else None
+        return _joined(self._coded_index)
 
     @property
     def coding_error(self) -> torch.Tensor | None:
         """(m, block_elems) float32: their ``g - decode(encode(g))``, or None."""
-        return torch.cat(self._coding_error) if self._coding_error else None
+        return _joined(self._coding_error)
 
     def _code(self, rows: np.ndarray, chan: np.ndarray) -> dict:
         """Code blocks ``rows`` ((m,) int64, ascending) of every band with a reduced form
         (``--band-codec``; ``chan``: their channels, (m,) int8), but not those of the
         colocated shard (they never touch the wire). Returns their coded bands (as
         :attr:`coded`) and keeps their coding error ``g - decode(encode(g))`` for
-        :meth:`settle`."""
+        :meth:`settle`. The bands of one coding are coded in one pass (one gather, one
+        encode that also gives the decoded values), band after band, so each band's
+        blocks and payloads are slices of it."""
         coded: dict = {}
         if not any(self.codings):
             return coded
         e = self.layout.block_elems
         blocks = self.work.view(-1, e)
         lo, hi = self.local
-        for c, coding in enumerate(self.codings):
-            if not coding:
-                continue
-            idx = rows[chan == c]
-            idx = idx[(idx < lo) | (idx >= hi)]
+        remote = (rows < lo) | (rows >= hi)
+        for coding in sorted(set(self.codings) - {0}):
+            bands = [c for c, k in enumerate(self.codings) if k == coding]
+            parts = [rows[(chan == c) & remote] for c in bands]
+            idx = np.concatenate(parts)
             if not idx.size:
                 continue
             ti = torch.from_numpy(idx)
-            g = blocks[ti]   # a gathered copy
-            payloads = codec.encode(coding, g)
-            coded[c] = (coding, idx, payloads)
+            g = blocks.index_select(0, ti)   # a gathered copy: it becomes the error
+            decoded = torch.empty_like(g)
+            payloads = codec.encode(coding, g, decoded)
+            at = 0
+            for c, part in zip(bands, parts):
+                if part.size:
+                    coded[c] = (coding, part, payloads[at:at + part.size])
+                at += part.size
             self._coded_index.append(ti)
-            decoded = torch.from_numpy(codec.decode(coding, payloads, e))
             self._coding_error.append(g.sub_(decoded))
         return coded
 
@@ -214,3 +220,10 @@ class PushPlanner:
         after the trainer got the aggregate."""
         self.residual.update(self.work, torch.from_numpy(arrived), self.coded_index,
                              self.coding_error)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``parts`` concatenated along dim 0 (the one part itself, uncopied), or None."""
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -79,15 +79,16 @@ class PullCoder:
             acc += self.residual
         n, e = acc.shape
         idx = np.sort(np.argsort(np.abs(acc).mean(axis=1), kind="stable")[:self.n_coded])
-        payloads = codec.encode(self.coding, torch.from_numpy(acc[idx]))
-        dec = codec.decode(self.coding, payloads, e)
+        low = acc[idx]   # a gathered copy
+        dec = np.empty((idx.size, e), np.float32)   # decode(payloads), from encode's pass
+        payloads = codec.encode(self.coding, torch.from_numpy(low), torch.from_numpy(dec))
         ok = np.isfinite(dec).all(axis=1)
         if not ok.all():
-            idx, payloads, dec = idx[ok], payloads[ok], dec[ok]
+            idx, payloads, dec, low = idx[ok], payloads[ok], dec[ok], low[ok]
         if self.keep_residual:
             if not self.empty:
                 self.residual.fill(0)
-            self.residual[idx] = acc[idx] - dec
+            self.residual[idx] = np.subtract(low, dec, out=low)
             self.empty = not idx.size
         acc[idx] = dec
         coded = np.zeros(n, bool)

@@ -41,6 +41,10 @@ class ServerShard:
         n = layout.shard_blocks(rank)
         self.recv = np.zeros((self.n_workers, n, layout.block_elems), np.float32)
         self.bitmaps: list[np.ndarray | None] = [None] * self.n_workers
+        #: coded blocks as they arrived, decoded once per worker at the aggregate:
+        #: coding -> (payloads (workers, shard_blocks, coded bytes) uint8, which rows
+        #: hold this iteration's (workers, shard_blocks) bool)
+        self.staged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.finalised_by_deadline = 0
         self.finalised_by_tail = 0   # some blocks lost, known from the tail markers
 
@@ -48,11 +52,10 @@ class ServerShard:
         """Apply session events: copy blocks, record bitmaps, aggregate when complete."""
         for e in events:
             if isinstance(e, BlocksArrived):
-                if e.coding:   # a coded band: decoded here, before the rank-ordered sum
-                    rows = e.data.reshape(-1, e.data.shape[-1])
-                    dec = codec.decode(e.coding, rows, self.layout.block_elems)
-                    self.recv[e.sender, e.rows] = dec if rows.shape[0] > 1 or \
-                        np.ndim(e.rows) else dec[0]
+                if e.coding:   # a coded band: kept as it came, decoded at the aggregate
+                    payloads, held = self._stage(e.coding, e.data.shape[-1])
+                    payloads[e.sender, e.rows] = e.data
+                    held[e.sender, e.rows] = True
                 else:
                     self.recv[e.sender, e.rows] = e.data
             elif isinstance(e, WorkerFinalised):
@@ -69,8 +72,29 @@ class ServerShard:
         self.recv[self.rank][mask] = blocks[mask]
         self.handle(self.session.deliver_local(self.rank, iteration, mask, now))
 
+    def _stage(self, coding: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The staging arrays of ``coding`` (``staged``), made at its first block."""
+        if coding not in self.staged:
+            n = self.recv.shape[1]
+            self.staged[coding] = (np.zeros((self.n_workers, n, width), np.uint8),
+                                   np.zeros((self.n_workers, n), bool))
+        return self.staged[coding]
+
+    def _decode_staged(self) -> None:
+        """Decode every worker's coded blocks of this iteration into ``recv``, one call
+        per worker and coding (dgt.codec: row by row, so the bits are those of a decode
+        per datagram), before the rank-ordered sum."""
+        for coding, (payloads, held) in self.staged.items():
+            for w in range(self.n_workers):
+                rows = np.flatnonzero(held[w])
+                if rows.size:
+                    self.recv[w, rows] = codec.decode(coding, payloads[w, rows],
+                                                      self.layout.block_elems)
+            held.fill(False)
+
     def _aggregate(self, iteration: int) -> None:
         recv, bitmaps = self.recv, self.bitmaps
+        self._decode_staged()
         for w in range(self.n_workers):  # a block that did not arrive counts as zero
             if not bitmaps[w].all():
                 recv[w][~bitmaps[w]] = 0

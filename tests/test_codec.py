@@ -132,6 +132,29 @@ def test_decode_reads_rows_straight_out_of_datagrams(coding):
 
 
 @pytest.mark.parametrize("coding", [Coding.FP16, Coding.BF16, Coding.INT8, Coding.INT4])
+@pytest.mark.parametrize("e", [E, 5])
+def test_encode_s_decoded_values_are_decode_s_bit_for_bit(coding, e):
+    """encode(..., decoded) gives what decode gives the receivers, signed zeros included
+    (a small negative value rounds to q = 0, which decodes to +0.0): over several
+    chunks, an odd block size, a zero block and blocks of every magnitude, into a
+    separate array and in place."""
+    m = 2 * codec._chunk_rows(e, 10**6) + 3   # the last chunk a short one
+    g = np.random.default_rng(1).standard_normal((m, e)).astype(np.float32)
+    g *= np.logspace(-8, 3, m, dtype=np.float32)[:, None]
+    g[0] = 0.0
+    g[1, :] = -1e-9
+    g[1, 0] = 1.0   # -1e-9 * 127 rounds to -0.0
+    dec = torch.empty(m, e)
+    rows = codec.encode(coding, torch.from_numpy(g), dec)
+    want = codec.decode(coding, rows, e)
+    assert dec.numpy().tobytes() == want.tobytes()
+    assert np.array_equal(rows, codec.encode(coding, torch.from_numpy(g)))
+    same = torch.from_numpy(g.copy())
+    assert np.array_equal(codec.encode(coding, same, same), rows)
+    assert same.numpy().tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("coding", [Coding.FP16, Coding.BF16, Coding.INT8, Coding.INT4])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_non_finite_block_decodes_non_finite_and_its_neighbours_do_not(coding, bad):
     g = _blocks(3)

@@ -51,6 +51,8 @@ from .counters import Counters
 from .udp_batch import MAX_GSO_BYTES
 from .wire import Flag, MsgType
 
+_INDEXED = int(Flag.INDEXED)   # a plain int: no Flag built per frame
+
 #: copies of each tail marker (dgt.transport.session: END on a UDP channel); one random
 #: loss (1 % of 3 markers to each of N-1 nodes) would otherwise cost a whole deadline in
 #: a third of the iterations of a 4-node job
@@ -230,7 +232,7 @@ class PushSender:
                 frame = wire.encode_parts(
                     MsgType.BLOCKS, session=self.session, sender=self.rank, shard=s,
                     iteration=self.iteration, channel=0, block=int(rel[0]),
-                    count=rel.size, flags=Flag.INDEXED, key=self.key,
+                    count=rel.size, flags=_INDEXED, key=self.key,
                     parts=wire.indexed_blocks_parts(rel, data))
                 frames.append(TcpFrame(s, frame, "blocks"))
                 ctr.channels[0].blocks_sent += rel.size

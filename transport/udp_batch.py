@@ -51,6 +51,7 @@ class recverr_during:
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        self.v6 = sock.family == socket.AF_INET6   # (socket.family builds an enum)
 
     def __enter__(self):
         self._set(1)
@@ -58,7 +59,7 @@ class recverr_during:
 
     def _set(self, on: int) -> None:
         # IPv6: IPV6_RECVERR for IPv6 peers, IP_RECVERR for IPv4-mapped ones
-        if self.sock.family == socket.AF_INET6:
+        if self.v6:
             self.sock.setsockopt(socket.IPPROTO_IPV6, IPV6_RECVERR, on)
         self.sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, on)
 
@@ -82,6 +83,7 @@ class BatchSender:
 
     def __init__(self, sock: socket.socket, use_gso: bool = True):
         self.sock = sock
+        self.recverr = recverr_during(sock)   # re-entered per send
         self.gso = use_gso
         self.syscalls = 0
         self.backoffs = 0       # ENOBUFS: our own egress qdisc was full (see send)
@@ -96,7 +98,7 @@ class BatchSender:
         (ip(7); the kernel's udp_send_skb): that is backpressure, so it also returns
         early for a retry. An ICMP error queued by an earlier datagram (ECONNREFUSED
         and kin) is counted and the batch retried. Raises OSError for anything else."""
-        with recverr_during(self.sock):
+        with self.recverr:
             return self._send(rows, addr)
 
     def _send(self, rows: np.ndarray, addr) -> int:

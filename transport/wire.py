@@ -89,6 +89,10 @@ class Flag(enum.IntFlag):
     INDEXED = 0x02  # BLOCKS payload = count x u32 block indices, then count blocks
 
 
+#: Flag.MAC as a plain int: ``int & IntFlag`` builds a Flag in Python, per message
+_MAC_BIT = int(Flag.MAC)
+
+
 class Coding(enum.IntEnum):
     """How a UDP BLOCKS payload codes its block, and a PULL its coded blocks: flags
     bits 2-4 (``CODING_MASK``).
@@ -197,7 +201,7 @@ def encode_parts(msg_type: int, *, session: int, sender: int, shard: int = 0,
     if n > MAX_FRAME_PAYLOAD:
         raise WireError("too_long", f"payload {n} B > {MAX_FRAME_PAYLOAD} B")
     if key is not None:
-        flags |= Flag.MAC
+        flags |= _MAC_BIT
     head = HEADER.pack(MAGIC, VERSION, msg_type, channel, flags, session, sender, shard,
                        iteration, block, count, n)
     if key is None:
@@ -254,7 +258,7 @@ _TYPES = frozenset(int(t) for t in MsgType)
 
 def frame_size(h: Header) -> int:
     """Total bytes of the message whose header is ``h`` (header + payload + MAC)."""
-    return HEADER_BYTES + h.length + (MAC_BYTES if h.flags & Flag.MAC else 0)
+    return HEADER_BYTES + h.length + (MAC_BYTES if h.flags & _MAC_BIT else 0)
 
 
 def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
@@ -280,7 +284,7 @@ def check_mac(mv: memoryview, h: Header, key: bytes) -> None:
     Raises :class:`WireError` (``no_mac``, ``bad_mac``). Receivers call it after the
     cheap checks (session, shard, sender, iteration window), so a stranger's message
     costs a header decode, not a keyed hash."""
-    if not h.flags & Flag.MAC:
+    if not h.flags & _MAC_BIT:
         raise WireError("no_mac")
     end = HEADER_BYTES + h.length
     if h.channel != 0:   # a UDP channel's datagram: the UDP MAC
@@ -430,7 +434,7 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     hdr["version"] = VERSION
     hdr["type"] = MsgType.BLOCKS
     hdr["channel"] = channel
-    hdr["flags"] = (Flag.MAC if key else 0) | (int(coding) << CODING_SHIFT)
+    hdr["flags"] = (_MAC_BIT if key else 0) | (int(coding) << CODING_SHIFT)
     hdr["session"] = session
     hdr["sender"] = sender
     hdr["shard"] = shard

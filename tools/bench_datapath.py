@@ -179,9 +179,8 @@ def _worktree(rev: str) -> str:
     if r.returncode:
         shutil.rmtree(path, ignore_errors=True)
         raise ValueError(f"git worktree add {rev}: {r.stderr.strip()}")
-    for dirpath, _, files in os.walk(root):
-        if ".venv" in dirpath or "/.git" in dirpath or "dgt-against-" in dirpath:
-            continue
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("build",)]
         for f in files:
             if f.endswith(".so"):
                 rel = os.path.relpath(os.path.join(dirpath, f), root)

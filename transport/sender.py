@@ -49,9 +49,7 @@ import numpy as np
 from . import wire
 from .counters import Counters
 from .udp_batch import MAX_GSO_BYTES
-from .wire import Flag, MsgType
-
-_INDEXED = int(Flag.INDEXED)   # a plain int: no Flag built per frame
+from .wire import INDEXED_BIT, MsgType
 
 #: copies of each tail marker (dgt.transport.session: END on a UDP channel); one random
 #: loss (1 % of 3 markers to each of N-1 nodes) would otherwise cost a whole deadline in
@@ -232,7 +230,7 @@ class PushSender:
                 frame = wire.encode_parts(
                     MsgType.BLOCKS, session=self.session, sender=self.rank, shard=s,
                     iteration=self.iteration, channel=0, block=int(rel[0]),
-                    count=rel.size, flags=_INDEXED, key=self.key,
+                    count=rel.size, flags=INDEXED_BIT, key=self.key,
                     parts=wire.indexed_blocks_parts(rel, data))
                 frames.append(TcpFrame(s, frame, "blocks"))
                 ctr.channels[0].blocks_sent += rel.size

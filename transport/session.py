@@ -33,15 +33,13 @@ from . import udpmac, wire
 from .channels import RELIABLE
 from .counters import Counters
 from .reasons import Rejected
-from .wire import Flag, MsgType, WireError
+from .wire import INDEXED_BIT as _INDEXED, MAC_BIT as _MAC, MsgType, WireError
 
 
 _BLOCK_OFFSET = wire.HEADER_DTYPE.fields["block"][1]
 _TYPE_OFFSET = wire.HEADER_DTYPE.fields["type"][1]
 _FLAGS_OFFSET = wire.HEADER_DTYPE.fields["flags"][1]
 _LENGTH_OFFSET = wire.HEADER_DTYPE.fields["length"][1]   # the header's last field
-# the flags as ints: ``int & IntFlag`` runs enum code, several times a plain ``&``
-_MAC, _INDEXED = int(Flag.MAC), int(Flag.INDEXED)
 _NOT_BLOCK = np.ones(wire.HEADER_BYTES, bool)   # header bytes every datagram of a run shares
 _NOT_BLOCK[_BLOCK_OFFSET:_BLOCK_OFFSET + 4] = False
 

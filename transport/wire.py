@@ -89,8 +89,9 @@ class Flag(enum.IntFlag):
     INDEXED = 0x02  # BLOCKS payload = count x u32 block indices, then count blocks
 
 
-#: Flag.MAC as a plain int: ``int & IntFlag`` builds a Flag in Python, per message
-_MAC_BIT = int(Flag.MAC)
+#: the flags as plain ints, for the per-message paths (``int & IntFlag`` builds a Flag
+#: in Python each time)
+MAC_BIT, INDEXED_BIT = int(Flag.MAC), int(Flag.INDEXED)
 
 
 class Coding(enum.IntEnum):
@@ -201,7 +202,7 @@ def encode_parts(msg_type: int, *, session: int, sender: int, shard: int = 0,
     if n > MAX_FRAME_PAYLOAD:
         raise WireError("too_long", f"payload {n} B > {MAX_FRAME_PAYLOAD} B")
     if key is not None:
-        flags |= _MAC_BIT
+        flags |= MAC_BIT
     head = HEADER.pack(MAGIC, VERSION, msg_type, channel, flags, session, sender, shard,
                        iteration, block, count, n)
     if key is None:
@@ -258,7 +259,7 @@ _TYPES = frozenset(int(t) for t in MsgType)
 
 def frame_size(h: Header) -> int:
     """Total bytes of the message whose header is ``h`` (header + payload + MAC)."""
-    return HEADER_BYTES + h.length + (MAC_BYTES if h.flags & _MAC_BIT else 0)
+    return HEADER_BYTES + h.length + (MAC_BYTES if h.flags & MAC_BIT else 0)
 
 
 def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
@@ -284,7 +285,7 @@ def check_mac(mv: memoryview, h: Header, key: bytes) -> None:
     Raises :class:`WireError` (``no_mac``, ``bad_mac``). Receivers call it after the
     cheap checks (session, shard, sender, iteration window), so a stranger's message
     costs a header decode, not a keyed hash."""
-    if not h.flags & _MAC_BIT:
+    if not h.flags & MAC_BIT:
         raise WireError("no_mac")
     end = HEADER_BYTES + h.length
     if h.channel != 0:   # a UDP channel's datagram: the UDP MAC
@@ -434,7 +435,7 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     hdr["version"] = VERSION
     hdr["type"] = MsgType.BLOCKS
     hdr["channel"] = channel
-    hdr["flags"] = (_MAC_BIT if key else 0) | (int(coding) << CODING_SHIFT)
+    hdr["flags"] = (MAC_BIT if key else 0) | (int(coding) << CODING_SHIFT)
     hdr["session"] = session
     hdr["sender"] = sender
     hdr["shard"] = shard

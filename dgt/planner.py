@@ -41,6 +41,9 @@ class PushPlanner:
             if cfg.check_conservation else None
         self.applied_sum = torch.zeros_like(self.raw_sum) if self.raw_sum is not None else None
         self.codings = cfg.band_codings()   # channel -> dgt.transport.wire.Coding
+        #: each reduced coding and its bands, in channel order (coded band after band)
+        self._bands_by_coding = {k: [c for c, x in enumerate(self.codings) if x == k]
+                                 for k in sorted(set(self.codings) - {0})}
         self.local = (layout.shard_lo(rank), layout.shard_hi(rank))
         #: the coded bands of the blocks planned last (a whole push or a part): channel
         #: -> (coding, block indices (m,) sorted int64, payloads (m, coded bytes) uint8),
@@ -179,14 +182,12 @@ class PushPlanner:
         encode that also gives the decoded values), band after band, so each band's
         blocks and payloads are slices of it."""
         coded: dict = {}
-        if not any(self.codings):
+        if not self._bands_by_coding:
             return coded
-        e = self.layout.block_elems
-        blocks = self.work.view(-1, e)
+        blocks = self.work.view(-1, self.layout.block_elems)
         lo, hi = self.local
         remote = (rows < lo) | (rows >= hi)
-        for coding in sorted(set(self.codings) - {0}):
-            bands = [c for c, k in enumerate(self.codings) if k == coding]
+        for coding, bands in self._bands_by_coding.items():
             parts = [rows[(chan == c) & remote] for c in bands]
             idx = np.concatenate(parts)
             if not idx.size:

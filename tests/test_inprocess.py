@@ -1,92 +1,15 @@
-"""Worker agents + server shards wired through an in-memory fabric (no sockets): the
-whole DGT data path, deterministic, with seeded loss and shuffled delivery order."""
+"""Worker agents + server shards wired through an in-memory fabric (no sockets,
+dgt.tools.inprocess): the whole DGT data path, deterministic, with seeded loss and
+shuffled delivery order."""
 import asyncio
-import random
 
 import numpy as np
 import torch
 import pytest
 
-from dgt.agent import Links, WorkerAgent
 from dgt.config import TransmissionConfig
-from dgt.layout import BlockLayout
-from dgt.shard import ServerShard
+from dgt.tools.inprocess import Fabric
 from dgt.transport import wire
-from dgt.transport.counters import Counters
-from dgt.transport.framing import Deframer
-from dgt.transport.session import ShardSession
-
-SESSION = 0x5EED
-
-
-class Fabric:
-    """N nodes; UDP rows may be dropped (seeded) and are delivered in shuffled order
-    just before the sender's END, as a network with reordering would."""
-
-    def __init__(self, cfg, n_params, world, drop=0.0, seed=0, shuffle=False):
-        self.cfg, self.world = cfg, world
-        self.lay = BlockLayout.from_bytes(n_params, cfg.block_bytes, world)
-        self.rng = random.Random(seed)
-        self.drop, self.shuffle = drop, shuffle
-        self.pending: list[list[bytes]] = [[] for _ in range(world)]  # per shard
-        self.grads = [np.zeros(self.lay.padded, np.float32) for _ in range(world)]
-        self.aggs = [np.zeros(self.lay.padded, np.float32) for _ in range(world)]
-        self.shards, self.agents = [], []
-        self.frames: dict[int, int] = {}   # TCP frames sent, by message type
-        self.bitmaps: dict[tuple[int, int], np.ndarray] = {}   # (worker, shard) -> bits
-        for r in range(world):
-            sess = ShardSession(session=SESSION, shard=r, lo=self.lay.shard_lo(r),
-                                hi=self.lay.shard_hi(r), block_elems=self.lay.block_elems,
-                                n_workers=world, deadline_s=0.0, counters=Counters())
-            self.shards.append(ServerShard(self.lay, r, sess, self._pull_from(r)))
-        for r in range(world):
-            links = Links(send_tcp=self._tcp_from(r), send_udp=self._udp,
-                          local_push=self.shards[r].local_push)
-            self.agents.append(WorkerAgent(cfg, self.lay, r, SESSION, None, self.grads[r],
-                                           self.aggs[r], links, Counters(), seed=seed))
-
-    def _pull_from(self, s):
-        def on_pull(w, it, agg, received):
-            self.bitmaps[w, s] = received.copy()   # the last PULL's, for the tests
-            self.agents[w].on_pull(s, it, agg.copy(), received.copy())
-        return on_pull
-
-    def _tcp_from(self, r):
-        def send(s, frame):
-            if isinstance(frame, list):   # scatter-gather parts (wire.encode_parts)
-                frame = b"".join(frame)
-            (h, payload), = Deframer().feed(frame)
-            self.frames[h.type] = self.frames.get(h.type, 0) + 1
-            shard = self.shards[s]
-            if h.type == wire.MsgType.END:   # UDP "in flight" lands before END is read
-                rows = self.pending[s]
-                self.pending[s] = []
-                if self.shuffle:
-                    self.rng.shuffle(rows)
-                for d in rows:
-                    shard.handle(shard.session.receive_datagram(d, 0.0))
-            shard.handle(shard.session.receive_frame(h, payload, 0.0))
-            shard.handle(shard.session.poll(1e9))  # deadline: finalise with what arrived
-        return send
-
-    def _udp(self, channel, shard, rows):
-        for row in rows:
-            if self.rng.random() >= self.drop:
-                self.pending[shard].append(row.tobytes())
-        return len(rows)
-
-    async def step(self, t, grads, parts=()):
-        """``parts``: lists of element ranges handed over (dgt.parts) before the push,
-        in turn, as the DDP hook does bucket by bucket; the push sends the rest."""
-        for r, g in enumerate(grads):
-            self.grads[r][: g.size] = g
-
-        async def one(agent):
-            for ranges in parts:
-                agent.parts.add(t, [list(r) for r in ranges])
-                await asyncio.sleep(0)   # the other agents' parts go in between
-            await agent.push(t, None, 5.0)
-        await asyncio.gather(*(one(a) for a in self.agents))
 
 
 def run(cfg, steps=6, world=4, n_params=5000, drop=0.0, seed=0, shuffle=False, parts=()):

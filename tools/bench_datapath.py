@@ -22,8 +22,10 @@ CPU over REV's (median of the rounds' ratios)::
         --systems 'tcp;dgt --band-codec int8 --pull-codec int8' [--against REV] \\
         [--rounds 5] [--iterations 30] [--json out.json]
 
-The gradients are seeded Gaussian noise of the model's size (the model is built only
-for its parameter count), drawn before the timing; only the pushes are timed. Timing belongs here, never in tests.
+The fabric is dgt.tools.inprocess's (the tests' own), always today's file, also when
+``dgt`` is REV's. The gradients are seeded Gaussian noise of the model's size (the model
+is built only for its parameter count), drawn before the timing; only the pushes are
+timed. Timing belongs here, never in tests.
 """
 from __future__ import annotations
 
@@ -42,95 +44,6 @@ import time
 
 import numpy as np
 
-SESSION = 0x5EED
-GRO_MAX = 64   # UDP_MAX_SEGMENTS: the most datagrams one GSO send (one GRO run) holds
-
-
-class _Fabric:
-    """N agents and shards joined in memory; see the module docstring."""
-
-    def __init__(self, cfg, n_params: int, world: int, seed: int = 0):
-        from dgt.agent import Links, WorkerAgent
-        from dgt.datapath import pull_coder
-        from dgt.layout import BlockLayout
-        from dgt.shard import ServerShard
-        from dgt.transport.counters import Counters
-        from dgt.transport.session import ShardSession
-        self.lay = lay = BlockLayout.from_bytes(n_params, cfg.block_bytes, world)
-        self.world = world
-        self.pending: list[list[bytes]] = [[] for _ in range(world)]   # per shard
-        self.grads = [np.zeros(lay.padded, np.float32) for _ in range(world)]
-        self.shards, self.agents = [], []
-        for r in range(world):
-            sess = ShardSession(session=SESSION, shard=r, lo=lay.shard_lo(r),
-                                hi=lay.shard_hi(r), block_elems=lay.block_elems,
-                                n_workers=world, deadline_s=0.0, counters=Counters())
-            self.shards.append(ServerShard(lay, r, sess, self._pull_from(r),
-                                           pull_coder(cfg, lay, r)))
-        for r in range(world):
-            links = Links(send_tcp=self._tcp_to, send_udp=self._udp_to,
-                          local_push=self.shards[r].local_push)
-            self.agents.append(WorkerAgent(cfg, lay, r, SESSION, None, self.grads[r],
-                                           self.grads[r], links, Counters(), seed=seed))
-
-    def _pull_from(self, s: int):
-        from dgt.pull_codec import decode_pull
-        from dgt.transport import messages, wire
-        from dgt.transport.control import PullArrived
-        lay, shard = self.lay, lambda: self.shards[s]
-
-        def on_pull(w, it, agg, received):
-            agent = self.agents[w]
-            if w == s:   # the colocated worker: in-process, as the sidecar does
-                agent.on_pull(s, it, agg, received)
-                return
-            coded = shard().coded_pull
-            frame = b"".join(bytes(p) for p in messages.pull(
-                SESSION, s, it, lay.shard_lo(s), agg, received, None,
-                coded.wire_parts() if coded is not None else None))
-            h, payload = wire.decode(frame)
-            coding = wire.coding_of(h.flags)
-            if coding:
-                a, rows, rec, mask = wire.unpack_coded_pull(payload, h.count,
-                                                            lay.block_elems, coding)
-                a = decode_pull(PullArrived(s, it, a, rec, coding, mask, rows),
-                                lay.block_elems)
-            else:
-                a, rec = wire.unpack_pull(payload, h.count, lay.block_elems)
-            agent.on_pull(s, it, a, rec)
-        return on_pull
-
-    def _tcp_to(self, s: int, frame) -> None:
-        from dgt.transport import wire
-        from dgt.transport.framing import Deframer
-        if isinstance(frame, list):
-            frame = b"".join(bytes(p) for p in frame)
-        shard = self.shards[s]
-        for h, payload in Deframer().feed(frame):
-            if h.type == wire.MsgType.END:   # the UDP in flight lands before END
-                for run in self.pending[s]:
-                    shard.handle(shard.session.receive_datagram(run, 0.0))
-                self.pending[s] = []
-            shard.handle(shard.session.receive_frame(h, payload, 0.0))
-        shard.handle(shard.session.poll(1e9))
-
-    def _udp_to(self, channel: int, s: int, rows: np.ndarray) -> int:
-        for i in range(0, len(rows), GRO_MAX):   # one GRO run per GSO send
-            self.pending[s].append(rows[i:i + GRO_MAX].tobytes())
-        return len(rows)
-
-    def step(self, t: int, grads: list[np.ndarray]) -> float:
-        """Push ``t`` with ``grads`` (one (n_params,) float32 per node, written in as
-        the trainers write theirs); returns the CPU seconds of the push alone."""
-        for g, new in zip(self.grads, grads):
-            g[:self.lay.n_params] = new
-
-        async def all_push():
-            await asyncio.gather(*(a.push(t, None, 30.0) for a in self.agents))
-        t0 = time.process_time()
-        asyncio.run(all_push())
-        return time.process_time() - t0
-
 
 def measure(flags: str, n_params: int, world: int, iterations: int, warmup: int,
             seed: int = 0) -> dict:
@@ -138,6 +51,7 @@ def measure(flags: str, n_params: int, world: int, iterations: int, warmup: int,
     the replicas stayed identical."""
     import torch
     from dgt.config import TransmissionConfig, add_arguments, from_args
+    Fabric = _todays_fabric()
     torch.set_num_threads(1)
     p = argparse.ArgumentParser()
     add_arguments(p, TransmissionConfig)
@@ -145,28 +59,46 @@ def measure(flags: str, n_params: int, world: int, iterations: int, warmup: int,
     # as across a link (auto codecs resolved so), unpaced: no timers run here
     cfg = dataclasses.replace(from_args(TransmissionConfig, ns).resolve_codecs(False),
                               pace_mbit=0.0)
-    fab = _Fabric(cfg, n_params, world, seed)
+    fab = Fabric(cfg, n_params, world, seed=seed, gro=True, pull_codecs=True,
+                 wire_pulls=True)
     rng = np.random.default_rng(seed)
     # a few pushes' gradients made up front (drawing them costs more than a push),
     # each scaled by its step as a gradient that changes from push to push
     pool = [[rng.standard_normal(n_params, dtype=np.float32) for _ in range(world)]
             for _ in range(3)]
-    def grads(t):
-        return [g * np.float32(1.0 + 0.01 * t) for g in pool[t % len(pool)]]
+
+    def push(t: int) -> float:
+        grads = [g * np.float32(1.0 + 0.01 * t) for g in pool[t % len(pool)]]
+        t0 = time.process_time()   # the push alone: not the trainers' writing
+        asyncio.run(fab.step(t, grads))
+        return time.process_time() - t0
     for t in range(warmup):
-        fab.step(t, grads(t))
-    cpu = sum(fab.step(t, grads(t)) for t in range(warmup, warmup + iterations))
-    same = len({g.tobytes() for g in fab.grads}) == 1
+        push(t)
+    cpu = sum(push(t) for t in range(warmup, warmup + iterations))
+    same = len({a.tobytes() for a in fab.aggs}) == 1
     return {"flags": flags, "cpu_ms_per_push": 1000.0 * cpu / iterations / world,
             "replicas_identical": same}
 
 
+def _todays_fabric():
+    """dgt.tools.inprocess.Fabric from the file beside this one (a revision under
+    ``--against`` may not have it; its ``dgt`` imports resolve to that revision)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inprocess.py")
+    spec = importlib.util.spec_from_file_location("_dgt_inprocess_today", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.Fabric
+
+
 def _params(model: str) -> int:
-    from dgt.workloads import models
-    name, _, width = model.partition(":")
-    if name == "mlp":
-        return models.count_params("mlp", (1, 8, 8), 10, 1.0, int(width or 64))
-    return models.count_params(name, (1, 28, 28), 10, float(width or 1.0))
+    """Parameters of one ``--models`` item of dgt bench tta. Raises BenchError."""
+    from dgt.tools.bench_tta import parse_workloads
+    w = parse_workloads(model)
+    if len(w) != 1:
+        from dgt.tools.bench import BenchError
+        raise BenchError(f"--model takes one workload, got {model!r}")
+    return w[0].n_params()
 
 
 def _worktree(rev: str) -> str:
@@ -247,11 +179,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="", help="also write the result here")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    from dgt.tools.bench import BenchError
     if args.workers < 2 or args.iterations < 1 or args.warmup < 0 or args.rounds < 1:
         p.error("--workers >= 2, --iterations >= 1, --warmup >= 0, --rounds >= 1")
     try:
         n_params = _params(args.model)
-    except (ValueError, KeyError) as e:
+    except (BenchError, ValueError) as e:
         p.error(f"--model {args.model}: {e}")
     if args.one is not None:
         print(json.dumps(measure(args.one, n_params, args.workers, args.iterations,
@@ -293,7 +226,8 @@ def main(argv=None) -> int:
     for s in systems:
         today = [r["cpu_ms_per_push"] for r in rows[s]["today"]]
         e = {"flags": s, "cpu_ms_per_push": today, "median": statistics.median(today),
-             "replicas_identical": all(r["replicas_identical"] for r in rows[s]["today"])}
+             "replicas_identical": all(r["replicas_identical"]
+                                       for r in rows[s]["today"] + rows[s]["against"])}
         line = f"| `{s}` | {e['median']:.2f} |"
         if tree:
             was = [r["cpu_ms_per_push"] for r in rows[s]["against"]]

@@ -45,6 +45,8 @@ def write_node_results(sc) -> None:
         "deadline_ms_highest": 1000.0 * (sc.adaptive.highest_s if sc.adaptive
                                          else sc.deadline_floor_s),
         "deadline_beyond_floor": sc.adaptive.beyond_floor if sc.adaptive else 0,
+        # reads of datagrams still queued here when a deadline came (NodeSockets.drain)
+        "deadline_drained_reads": sc.drained,
         "emulated_drops": sum(p.emulated_drops for _, p in socks.udp.values()),
         "udp_gso": all(b.gso for b in udp_senders),
         "udp_gro": socks.gro,

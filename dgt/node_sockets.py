@@ -18,6 +18,13 @@ from .transport.udp_batch import BatchSender, enable_gro
 
 log = logging.getLogger("dgt.sidecar")
 
+#: reads per channel socket in one :meth:`NodeSockets.drain`: a bound, so that a peer
+#: that keeps sending cannot hold the event loop there
+DRAIN_READS = 1024
+#: bytes one read takes: a GRO run of up to 64 datagrams fits (asyncio's own datagram
+#: transports read up to 256 KiB as well)
+READ_BYTES = 256 * 1024
+
 
 class NodeSockets:
     """``udp``: channel -> (transport, DatagramProtocol); ``senders``: channel ->
@@ -85,6 +92,33 @@ class NodeSockets:
             log.warning("rank %d: no kernel filter on UDP channel %d (%s); forged "
                         "datagrams are refused in the receive path only", self.node.rank,
                         c, e)
+
+    def drain(self, reads: int = DRAIN_READS) -> int:
+        """Hand the datagrams already queued on each channel socket to its protocol now,
+        as the event loop would on its next rounds (emulated loss included), at most
+        ``reads`` reads (one datagram or one GRO run each) per socket. The sidecar
+        calls it before a shard's deadline finalises a worker: a block that sits in
+        this host's receive queue has arrived, and counting it lost would charge the
+        network for this process's own delay (docs/architecture.md, "The receiver
+        deadline").
+        Returns the reads made. Never raises: a queued ICMP error goes to the
+        protocol's ``error_received``, as the loop would pass it."""
+        n = 0
+        for c, (tr, proto) in self.udp.items():
+            if tr.is_closing():
+                continue
+            sock = self.senders[c].sock
+            for _ in range(reads):
+                try:
+                    data, addr = sock.recvfrom(READ_BYTES)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as e:   # an ICMP error the socket had queued
+                    proto.error_received(e)
+                    continue
+                proto.datagram_received(data, addr)
+                n += 1
+        return n
 
     def kernel_drops(self) -> int:
         """Datagrams the kernel dropped on the channel sockets: the filter's refusals

@@ -114,6 +114,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "deadline_ms_highest": max((s.get("deadline_ms_highest", 0.0) for s in sidecars),
                                    default=None),
         "deadline_beyond_floor": sum(s.get("deadline_beyond_floor", 0) for s in sidecars),
+        "deadline_drained_reads": sum(s.get("deadline_drained_reads", 0) for s in sidecars),
         # CPU ms a sidecar used per push, mean over the sidecars (start-up included)
         "sidecar_cpu_ms_per_push": sidecar_cpu_ms_per_push(sidecars),
         "conservation_rel_error": conservation_error(run_dir),
@@ -219,7 +220,9 @@ def print_summary(r: dict, log=print) -> None:
     if r.get("deadline_ms_highest"):
         log(f"{'deadline after END':<22}at most {r['deadline_ms_highest']:.0f} ms; "
             f"{r.get('deadline_beyond_floor', 0)} worker-iterations complete only past "
-            f"the floor")
+            f"the floor" + (f"; {r['deadline_drained_reads']} reads of datagrams still "
+                            f"queued here when a deadline came"
+                            if r.get("deadline_drained_reads") else ""))
     for msg in r.get("warnings", []):
         log(f"warning: {msg}")
     hist = r.get("class_histograms")

@@ -129,6 +129,7 @@ class Sidecar:
         self.rendezvoused = asyncio.Event()
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
+        self.drained = 0   # reads of queued datagrams made before a deadline (drain)
         self.pushes = 0
         self.pace_source = "--pace-mbit"
         self._published: asyncio.Future | None = None   # failure written to the store
@@ -405,7 +406,10 @@ class Sidecar:
         now = time.monotonic()
         self._apply(self.control.handle_timer(now))
         if self.shard is not None:
-            self.shard.handle(self.shard.session.poll(now))
+            due = self.shard.session.next_deadline()
+            if due is not None and due <= now:   # what already came is not lost
+                self.drained += self.sockets.drain()
+            self.shard.handle(self.shard.session.poll(time.monotonic()))
         self._arm_timer()
 
     # -- shutdown ---------------------------------------------------------------------

@@ -24,7 +24,7 @@ def test_every_system_pushes_to_identical_replicas_with_the_real_wire_bytes():
                   "--mode dgt --band-codec int4 --pull-codec fp16 --k 0.3"):
         r = bench_datapath.measure(flags, n, 3, iterations=3, warmup=1)
         assert r["replicas_identical"], flags
-        assert r["cpu_ms_per_push"] > 0
+        assert r["cpu_ms_per_push"] > 0 and r["first_push_cpu_ms"] > 0
 
 
 @requires_tool("git", "bench_datapath --against (a git worktree of the revision)")
@@ -38,6 +38,7 @@ def test_against_a_revision_gives_a_table_and_json(tmp_path):
     for s in r["systems"]:
         assert s["replicas_identical"] and s["ratio"] > 0
         assert len(s["cpu_ms_per_push"]) == len(s["against_cpu_ms_per_push"]) == 1
+        assert len(s["first_push_cpu_ms"]) == 1 and s["first_push_median"] > 0
     assert "| `--mode dgt` |" in p.stdout and "today / HEAD" in p.stdout
     # the temporary worktree is gone again
     trees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True)

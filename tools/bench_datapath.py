@@ -13,7 +13,9 @@ the event loop, the syscalls, the trainer's Unix socket.
 CPU time is ``time.process_time`` of this process (one torch thread) over
 ``--iterations`` pushes after ``--warmup`` ones, divided by the pushes and by N: the
 numeric and Python work one sidecar does per push of its node, its shard's part of
-everyone's push included. Each system is a set of ``dgt train`` transmission flags;
+everyone's push included. The first push is also given alone (``first push``): it
+touches every buffer of the data path for the first time, so it shows what fresh
+memory costs on the host (page faults). Each system is a set of ``dgt train`` transmission flags;
 ``--against REV`` runs the same systems on git revision REV of this checkout too (a
 temporary ``git worktree``), round by round in turn with today's, and gives today's
 CPU over REV's (median of the rounds' ratios)::
@@ -72,11 +74,11 @@ def measure(flags: str, n_params: int, world: int, iterations: int, warmup: int,
         t0 = time.process_time()   # the push alone: not the trainers' writing
         asyncio.run(fab.step(t, grads))
         return time.process_time() - t0
-    for t in range(warmup):
-        push(t)
-    cpu = sum(push(t) for t in range(warmup, warmup + iterations))
+    cpu = [push(t) for t in range(warmup + iterations)]
     same = len({a.tobytes() for a in fab.aggs}) == 1
-    return {"flags": flags, "cpu_ms_per_push": 1000.0 * cpu / iterations / world,
+    return {"flags": flags, "cpu_ms_per_push": 1000.0 * sum(cpu[warmup:]) / iterations / world,
+            # the first push also touches every buffer for the first time
+            "first_push_cpu_ms": 1000.0 * cpu[0] / world,
             "replicas_identical": same}
 
 
@@ -219,16 +221,18 @@ def main(argv=None) -> int:
     print(f"{args.model} ({n_params:,} parameters), {args.workers} nodes, "
           f"{args.iterations} pushes x {args.rounds} rounds; load average "
           f"{load[0][0]:.2f} before, {load[1][0]:.2f} after")
-    head = "| system | CPU ms per push per node (median) |"
+    head = "| system | CPU ms per push per node (median) | first push (median) |"
     head += f" at {args.against} | today / {args.against} |" if tree else ""
     print(head)
-    print("|---" * (4 if tree else 2) + "|")
+    print("|---" * (5 if tree else 3) + "|")
     for s in systems:
         today = [r["cpu_ms_per_push"] for r in rows[s]["today"]]
+        first = [r["first_push_cpu_ms"] for r in rows[s]["today"]]
         e = {"flags": s, "cpu_ms_per_push": today, "median": statistics.median(today),
+             "first_push_cpu_ms": first, "first_push_median": statistics.median(first),
              "replicas_identical": all(r["replicas_identical"]
                                        for r in rows[s]["today"] + rows[s]["against"])}
-        line = f"| `{s}` | {e['median']:.2f} |"
+        line = f"| `{s}` | {e['median']:.2f} | {e['first_push_median']:.2f} |"
         if tree:
             was = [r["cpu_ms_per_push"] for r in rows[s]["against"]]
             e["against_cpu_ms_per_push"] = was

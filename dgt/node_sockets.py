@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import socket
 from typing import Callable
 
 from . import buffers, unixsock
@@ -18,9 +19,10 @@ from .transport.udp_batch import BatchSender, enable_gro
 
 log = logging.getLogger("dgt.sidecar")
 
-#: reads per channel socket in one :meth:`NodeSockets.drain`: a bound, so that a peer
-#: that keeps sending cannot hold the event loop there
-DRAIN_READS = 1024
+#: bytes of receive buffer one queued datagram takes at the least (its skb's truesize
+#: is more): :meth:`NodeSockets.drain` reads at most SO_RCVBUF / this per socket, a
+#: full queue's worth, so a peer that keeps sending cannot hold the event loop there
+MIN_QUEUED_BYTES = 512
 #: bytes one read takes: a GRO run of up to 64 datagrams fits (asyncio's own datagram
 #: transports read up to 256 KiB as well)
 READ_BYTES = 256 * 1024
@@ -93,10 +95,13 @@ class NodeSockets:
                         "datagrams are refused in the receive path only", self.node.rank,
                         c, e)
 
-    def drain(self, reads: int = DRAIN_READS) -> int:
+    def drain(self, reads: int | None = None) -> int:
         """Hand the datagrams already queued on each channel socket to its protocol now,
         as the event loop would on its next rounds (emulated loss included), at most
-        ``reads`` reads (one datagram or one GRO run each) per socket. The sidecar
+        ``reads`` reads (one datagram or one GRO run each) per socket; default: as many
+        datagrams as its receive buffer can hold (SO_RCVBUF / :data:`MIN_QUEUED_BYTES`:
+        without GRO a read is one datagram, and one iteration's backlog from three peers
+        is thousands). The sidecar
         calls it before a shard's deadline finalises a worker: a block that sits in
         this host's receive queue has arrived, and counting it lost would charge the
         network for this process's own delay (docs/architecture.md, "The receiver
@@ -108,7 +113,9 @@ class NodeSockets:
             if tr.is_closing():
                 continue
             sock = self.senders[c].sock
-            for _ in range(reads):
+            most = reads if reads is not None else \
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // MIN_QUEUED_BYTES
+            for _ in range(most):
                 try:
                     data, addr = sock.recvfrom(READ_BYTES)
                 except (BlockingIOError, InterruptedError):

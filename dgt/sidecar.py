@@ -408,7 +408,8 @@ class Sidecar:
         if self.shard is not None:
             due = self.shard.session.next_deadline()
             if due is not None and due <= now:   # what already came is not lost
-                self.drained += self.sockets.drain()
+                with self.shard.session.queued():
+                    self.drained += self.sockets.drain()
             self.shard.handle(self.shard.session.poll(time.monotonic()))
         self._arm_timer()
 

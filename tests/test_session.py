@@ -504,6 +504,33 @@ def test_the_adaptive_deadline_learns_from_a_late_block_and_not_from_a_lost_one(
     assert _run_iteration(s, 7) == pytest.approx(0.05)
 
 
+def test_blocks_read_from_the_queue_at_a_deadline_count_and_teach_the_wait_nothing():
+    """The sidecar's drain hands over, inside ``queued()``, what sat in this host's
+    receive queue when a deadline came: those blocks complete the worker (not lost),
+    but their read time is no arrival spread, so the next wait stays at the floor.
+    Read the same way outside ``queued()``, the completion stretches it to 1.5 x."""
+    from dgt.scheduler.deadline import AdaptiveDeadline
+
+    def wait_after(drained: bool) -> float:
+        policy = AdaptiveDeadline(floor_s=0.05, ceiling_s=1.0, margin=1.5, window=4)
+        s = ShardSession(session=S, shard=1, lo=10, hi=20, block_elems=ELEMS,
+                         n_workers=1, deadline_s=0.05, deadline_policy=policy)
+        s.receive_datagram(dgram(0, 13), now=0.0)
+        s.receive_frame(*end(0, [0, 2]), now=0.001)
+        due = s.next_deadline()
+        if drained:
+            with s.queued():
+                ev = s.receive_datagram(dgram(0, 19), now=due + 0.02)
+        else:
+            ev = s.receive_datagram(dgram(0, 19), now=due + 0.02)
+        fin = [e for e in ev if type(e).__name__ == "WorkerFinalised"]
+        assert [e.reason for e in fin] == ["complete"] and fin[0].received.sum() == 2
+        assert s.counters.channels[1].blocks_lost == 0
+        return policy.deadline_s()   # the next iteration's wait after END
+    assert wait_after(True) == pytest.approx(0.05)
+    assert wait_after(False) == pytest.approx(1.5 * 0.07)   # read 70 ms after END
+
+
 def test_the_adaptive_deadline_has_a_floor_and_a_ceiling():
     from dgt.scheduler.deadline import AdaptiveDeadline
     p = AdaptiveDeadline(floor_s=0.05, ceiling_s=0.2)

@@ -122,3 +122,65 @@ def test_the_mtu_advice_fits_the_path_and_then_works(two_hosts, tmp_path):
         with open(tmp_path / "1408-False-auto" / f"sidecar-{r}.json") as f:
             cfg = json.load(f)["config"]
         assert (cfg["band_codec"], cfg["pull_codec"]) == ("int8", "int8")
+
+
+_FORGE = r'''
+import socket, struct, sys, time
+import numpy as np
+from dgt.transport import sockopts
+from dgt.transport.udp_batch import BatchSender
+
+def csum(b):
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    s = (s >> 16) + (s & 0xffff)
+    return ~(s + (s >> 16)) & 0xffff
+
+a = sockopts.udp_socket("127.0.0.1", 0, 10)
+b = sockopts.udp_socket("127.0.0.1", 0, 10)
+sp, dp = a.getsockname()[1], b.getsockname()[1]
+size = 1458   # a default BLOCKS datagram with its MAC
+lo = socket.inet_aton("127.0.0.1")
+ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 28 + size, 1, 0x4000, 64, 17, 0, lo, lo)
+ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+icmp = struct.pack("!BBHHH", 3, 4, 0, 0, 552) + ip + struct.pack("!HHHH", sp, dp, 8 + size, 0)
+icmp = icmp[:2] + struct.pack("!H", csum(icmp)) + icmp[4:]
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+for _ in range(20):   # "fragmentation needed, next-hop MTU 552", quoting a -> b
+    raw.sendto(icmp, ("127.0.0.1", 0))
+time.sleep(0.2)
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:   # the route took it
+    probe.setsockopt(socket.IPPROTO_IP, 10, 2)
+    probe.connect(("127.0.0.1", dp))
+    print("route mtu", probe.getsockopt(socket.IPPROTO_IP, 14))
+rows = np.full((3, size), 7, np.uint8)
+try:
+    print("sent", BatchSender(a).send(rows, ("127.0.0.1", dp)))
+except OSError as e:
+    print("failed", e)
+b.setblocking(True)
+b.settimeout(5)
+print("received", sum(len(b.recv(65536)) for _ in range(3)))
+'''
+
+
+def test_a_forged_fragmentation_needed_cannot_stop_the_sends(tmp_path):
+    """A stranger's ICMP "fragmentation needed" (next-hop MTU 552) for a channel's flow,
+    sent in a namespace of the test's own (so no other route cache is touched): the
+    kernel takes the MTU into its route cache, and the channel socket still sends and
+    delivers full-size datagrams. With IP_PMTUDISC_DO (before) every send failed with
+    EMSGSIZE and the sidecar stopped the job."""
+    ns = f"dgticmp-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True,
+                       capture_output=True)
+        script = tmp_path / "forge.py"
+        script.write_text(_FORGE)
+        p = subprocess.run(["ip", "netns", "exec", ns, sys.executable, str(script)],
+                           capture_output=True, text=True, timeout=60,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "route mtu 552" in p.stdout, p.stdout   # the forgery did land
+    assert "sent 3" in p.stdout and "received 4374" in p.stdout, p.stdout

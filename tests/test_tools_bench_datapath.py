@@ -49,7 +49,11 @@ def test_bad_input_is_one_line():
     for args, says in ((["--workers", "1"], "--workers >= 2"),
                        (["--model", "nosuchnet"], "--model nosuchnet"),
                        ([*SMALL, "--rounds", "1", "--systems", "dgt --k 7"], "error"),
-                       ([*SMALL, "--against", "no-such-revision"], "no-such-revision")):
+                       ([*SMALL, "--against", "no-such-revision"], "no-such-revision"),
+                       ([*SMALL, "--systems", ";;"], "--systems names no system"),
+                       ([*SMALL, "--json", "/nonexistent/dir/x.json"],
+                        "cannot write /nonexistent/dir/x.json (--json)"),
+                       ([*SMALL, "--json", "/tmp"], "cannot write /tmp (--json)")):
         p = tool(*args)
         assert p.returncode == 2, (args, p.stdout)
         assert "Traceback" not in p.stderr and says in p.stderr, (args, p.stderr)

@@ -193,6 +193,13 @@ def main(argv=None) -> int:
                                  args.warmup)))
         return 0
     systems = [_flags(s) for s in args.systems.split(";") if s.strip()]
+    if not systems:
+        p.error("--systems names no system: give ';'-separated flag sets, e.g. 'tcp;dgt'")
+    from dgt.tools.cli import check_output
+    try:
+        check_output("--json", args.json)   # before the work, not after it
+    except ValueError as e:
+        p.error(str(e))
     tree = None
     try:
         if args.against:

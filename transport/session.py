@@ -25,6 +25,7 @@ Rules (docs/architecture.md, "One BSP iteration"):
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,6 +106,7 @@ class ShardSession:
         self.n_workers = n_workers
         self.deadline_s = deadline_s
         self.deadline_policy = deadline_policy
+        self._queued = False   # inside queued(): no arrival spreads observed
         self.key = key
         # the UDP MAC's keys (transport.udpmac), derived once: a whole GRO run is
         # verified in one native call
@@ -644,16 +646,29 @@ class ShardSession:
         done[RELIABLE] = True
         return bool(done.all())
 
+    @contextlib.contextmanager
+    def queued(self):
+        """Messages received inside this block were read from this host's own receive
+        queue when a deadline came (the sidecar's drain): they had arrived by then, and
+        when they are read says nothing of the network. So they count as delivered but
+        give the deadline policy no arrival spread; else each drain would stretch the
+        next wait 1.5 times, up to the ceiling."""
+        self._queued = True
+        try:
+            yield self
+        finally:
+            self._queued = False
+
     def _observe_late(self, w: int, iteration: int) -> None:
         """A block of ``w`` for ``iteration`` came after ``w`` was finalised: its
         lateness (now minus that iteration's END) is an arrival spread."""
-        if self.deadline_policy is not None:
+        if self.deadline_policy is not None and not self._queued:
             end = self.end_at[w] if iteration == self.iteration else self.prev_end_at[w]
             self.deadline_policy.observe(self.clock - float(end), late=True)   # NaN: ignored
 
     def _finalise(self, w: int, reason: str) -> list:
-        if self.deadline_policy is not None and reason == "complete" \
-                and not np.isnan(self.end_at[w]):   # (NaN: the colocated worker)
+        if self.deadline_policy is not None and reason == "complete" and not \
+                self._queued and not np.isnan(self.end_at[w]):   # NaN: colocated worker
             # every counted block in (or known lost by its tail marker): the spread
             self.deadline_policy.observe(max(0.0, self.clock - float(self.end_at[w])))
         self.finalised[w] = True

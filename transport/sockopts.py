@@ -18,10 +18,10 @@ import struct
 log = logging.getLogger(__name__)
 
 IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
-IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
+IP_PMTUDISC_PROBE = getattr(socket, "IP_PMTUDISC_PROBE", 3)
 IP_RECVERR = getattr(socket, "IP_RECVERR", 11)   # linux/in.h
 IPV6_MTU_DISCOVER = getattr(socket, "IPV6_MTU_DISCOVER", 23)   # linux/in6.h
-IPV6_PMTUDISC_DO = getattr(socket, "IPV6_PMTUDISC_DO", 2)
+IPV6_PMTUDISC_PROBE = getattr(socket, "IPV6_PMTUDISC_PROBE", 3)
 IPV6_RECVERR = getattr(socket, "IPV6_RECVERR", 25)
 IPV6_TCLASS = getattr(socket, "IPV6_TCLASS", 67)
 IPV6_RECVTCLASS = getattr(socket, "IPV6_RECVTCLASS", 66)
@@ -93,10 +93,15 @@ def udp_socket(host: str, port: int, dscp: int, rcvbuf: int = 4 << 20,
     is a dual-stack wildcard). ``port`` 0 picks a free port."""
     s = socket.socket(family_of(host), socket.SOCK_DGRAM)
     try:
-        # never fragment: a datagram over the path MTU fails with EMSGSIZE (ip(7), ipv6(7))
+        # never fragment (DF), but ignore the path MTU that ICMP "fragmentation needed"
+        # reports (PROBE, ip(7), ipv6(7)): anyone can forge one, and under DO it made
+        # every later send fail with EMSGSIZE, which stopped the job (and the route's
+        # cached MTU stays poisoned for 10 minutes). A datagram over the interface MTU
+        # still fails with EMSGSIZE; one over a smaller MTU further on is lost, and
+        # error feedback keeps its block
         if s.family == socket.AF_INET6:
-            s.setsockopt(socket.IPPROTO_IPV6, IPV6_MTU_DISCOVER, IPV6_PMTUDISC_DO)
-        s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+            s.setsockopt(socket.IPPROTO_IPV6, IPV6_MTU_DISCOVER, IPV6_PMTUDISC_PROBE)
+        s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_PROBE)
         # IP_RECVERR stays off here: BatchSender.send turns it on only for its own
         # sendmsg calls (see transport.udp_batch.recverr_during)
         set_dscp(s, dscp)

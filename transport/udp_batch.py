@@ -37,6 +37,11 @@ MAX_SEGMENTS = 64          # UDP_MAX_SEGMENTS in the kernel
 MAX_GSO_BYTES = 65000      # one UDP payload of at most 65,507 bytes
 _ICMP_ERRNOS = frozenset((errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
                           errno.EHOSTDOWN))
+#: sock_extended_err.ee_origin of an error an ICMP message reported (linux/errqueue.h)
+_ORIGIN_ICMP = (2, 3)   # SO_EE_ORIGIN_ICMP, SO_EE_ORIGIN_ICMP6
+#: queued ICMP errors one send() steps over before it returns early (a retry later), so
+#: a flood of them cannot hold it in its loop
+MAX_ICMP_RETRIES = 64
 
 
 class recverr_during:
@@ -97,14 +102,19 @@ class BatchSender:
         that this host's own egress qdisc drops fails with ENOBUFS instead of vanishing
         (ip(7); the kernel's udp_send_skb): that is backpressure, so it also returns
         early for a retry. An ICMP error queued by an earlier datagram (ECONNREFUSED
-        and kin) is counted and the batch retried. Raises OSError for anything else."""
+        and kin) is counted and the batch retried, and so is an EMSGSIZE that an ICMP
+        "fragmentation needed" left pending (anyone can forge one; the socket ignores
+        its MTU, transport.sockopts.udp_socket), told from this host's own refusal of a
+        datagram over the interface MTU by the error queue's origin; after
+        :data:`MAX_ICMP_RETRIES` of them it returns early. Raises OSError for anything
+        else (EMSGSIZE included, when the datagram really is too big)."""
         with self.recverr:
             return self._send(rows, addr)
 
     def _send(self, rows: np.ndarray, addr) -> int:
         n, size = rows.shape
         per = max(1, min(MAX_SEGMENTS, MAX_GSO_BYTES // size)) if self.gso else 1
-        sent = 0
+        sent = retries = 0
         cmsg = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))]
         while sent < n:
             k = min(per, n - sent)
@@ -120,9 +130,12 @@ class BatchSender:
                 if e.errno == errno.ENOBUFS:
                     self.backoffs += 1
                     return sent
-                if e.errno in _ICMP_ERRNOS:
+                if e.errno in _ICMP_ERRNOS or (e.errno == errno.EMSGSIZE and
+                                                self._drain_error_queue()):
                     self.icmp_errors += 1
-                    self._drain_error_queue()
+                    retries += 1
+                    if retries > MAX_ICMP_RETRIES:
+                        return sent
                     continue
                 if k > 1 and e.errno in (errno.EINVAL, errno.ENOPROTOOPT, errno.EIO,
                                          errno.EOPNOTSUPP):
@@ -134,11 +147,16 @@ class BatchSender:
             sent += k
         return sent
 
-    def _drain_error_queue(self, limit: int = 256) -> None:
-        """Read queued ICMP errors (MSG_ERRQUEUE, ip(7)) so they stop holding receive
-        memory; they only say a peer's port was unreachable at some point."""
+    def _drain_error_queue(self, limit: int = 256) -> bool:
+        """Read queued errors (MSG_ERRQUEUE, ip(7)) so they stop holding receive memory;
+        an ICMP error only says a peer's port was unreachable, or some path's MTU
+        smaller, at some point. Returns whether one of them came from an ICMP message
+        (``sock_extended_err.ee_origin``, its fifth byte), not from this host."""
+        icmp = False
         for _ in range(limit):
             try:
-                self.sock.recvmsg(1, 1024, socket.MSG_ERRQUEUE)
+                _, anc, _, _ = self.sock.recvmsg(1, 1024, socket.MSG_ERRQUEUE)
             except OSError:
-                return
+                return icmp
+            icmp = icmp or any(len(d) > 4 and d[4] in _ORIGIN_ICMP for _, _, d in anc)
+        return icmp

@@ -278,7 +278,7 @@ class Job:
             self.progress.close()
         return (0 if failure is None else 1), failure
 
-    def _stop_sidecars(self, message: str, rank: int) -> None:
+    def _stop_sidecars(self, message: str, rank: int | None) -> None:
         """Tell the surviving sidecars why they stop (they relay it to their trainers,
         which exit naming the failed rank): write failure.json, then SIGTERM."""
         try:   # a run dir gone or full must not keep the sidecars running
@@ -293,9 +293,10 @@ class Job:
                 except ProcessLookupError:
                     pass
 
-    def _describe_failure(self, kind: str, rank: int, code: int) -> tuple[str, int]:
+    def _describe_failure(self, kind: str, rank: int, code: int
+                          ) -> tuple[str, int | None]:
         """The headline of the first failure, ``kind`` of ``rank`` exiting with ``code``,
-        and the rank it blames. Who is at fault comes from the processes' failure
+        and the rank it blames (None: its own record blames no rank). Who is at fault comes from the processes' failure
         records (``dgt.failure``), never from their log text."""
         if code < 0:
             hint = (" (SIGKILL from outside the job: the kernel's OOM killer if memory ran "
@@ -321,6 +322,10 @@ class Job:
         # a rank that hung is named first, not the rank whose wait for it ran out
         if blame:
             return f"{blame}; {what}", next(r for r in cause.blamed if r != exited)
+        if own is not None and cause is own and not own.blamed:
+            # its own record blames no rank (a stranger's values in the store): the
+            # others are not told that this rank failed, only that it exited
+            return what, None
         return what, rank
 
     def kill(self) -> None:

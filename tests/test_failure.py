@@ -96,3 +96,15 @@ def test_peer_failure_carries_reason_and_ranks():
 def test_an_unwritable_run_dir_never_raises(tmp_path):
     failure.write(str(tmp_path / "gone"), FailureRecord("sidecar", 0,
                                                         FailureReason.OTHER, "m", []))
+
+
+def test_a_rank_whose_own_record_blames_nobody_is_not_blamed_when_it_exits_first(tmp_path):
+    """Sidecar 1 ends because the store held a stranger's values for it (its record
+    blames no rank) and exits first; the sidecars the launcher then stops must not
+    blame rank 1 (tests/test_store_attack.py saw rank 0's record blame it, under load)."""
+    failure.write(str(tmp_path), FailureRecord(
+        "sidecar", 1, FailureReason.OTHER, "the store held rejected values for rank(s) "
+        "[1] (store_rejected), written by another process", []))
+    text, blamed = _job(tmp_path)._describe_failure("sidecar", 1, 3)
+    assert blamed is None
+    assert text.startswith("sidecar of rank 1 exited with status 3: the store held"), text

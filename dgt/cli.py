@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     for ep in _command_plugins():
         ep.load()(sub)
+    for sp in sub.choices.values():   # a plugin's wrong flag names its own command
+        if sp.get_default("parser") is None:
+            sp.set_defaults(parser=sp)
     return p
 
 

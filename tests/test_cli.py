@@ -16,6 +16,9 @@ BAD = [
     (["train", "--target-accuracy", "7"], "--target-accuracy"),
     (["train", "--mode", "fast"], "invalid choice"),
     (["train", "--bogus"], "dgt train: error: unrecognized arguments: --bogus"),
+    # breaker round, stop 25: a plugin command's wrong flag pointed at 'dgt --help'
+    (["bench", "--bogus"], "dgt bench: error: unrecognized arguments: --bogus (see "
+                           "'dgt bench --help')"),
     (["train", "--run-dir", "/proc/self/status"], "--run-dir"),
     (["train", "--report", "/proc/nonexistent/r.json"], "--report"),
     (["sidecar", "--rank", "0", "--world", "0"], "--world must be >= 1"),

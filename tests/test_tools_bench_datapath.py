@@ -51,6 +51,11 @@ def test_bad_input_is_one_line():
                        ([*SMALL, "--rounds", "1", "--systems", "dgt --k 7"], "error"),
                        ([*SMALL, "--against", "no-such-revision"], "no-such-revision"),
                        ([*SMALL, "--systems", ";;"], "--systems names no system"),
+                       # breaker round, stop 25: named bench tta's --models; a doubled
+                       # prefix
+                       (["--model", "mlp:abc"], "--model mlp:abc: 'mlp:abc': give"),
+                       ([*SMALL, "--rounds", "1", "--systems", "bogus"],
+                        "'--mode bogus': argument --mode: invalid choice"),
                        ([*SMALL, "--json", "/nonexistent/dir/x.json"],
                         "cannot write /nonexistent/dir/x.json (--json)"),
                        ([*SMALL, "--json", "/tmp"], "cannot write /tmp (--json)")):

@@ -95,10 +95,13 @@ def _todays_fabric():
 
 def _params(model: str) -> int:
     """Parameters of one ``--models`` item of dgt bench tta. Raises BenchError."""
+    from dgt.tools.bench import BenchError
     from dgt.tools.bench_tta import parse_workloads
-    w = parse_workloads(model)
+    try:
+        w = parse_workloads(model)
+    except BenchError as e:   # its text names bench tta's flag, not ours
+        raise BenchError(str(e).removeprefix("--models: ")) from None
     if len(w) != 1:
-        from dgt.tools.bench import BenchError
         raise BenchError(f"--model takes one workload, got {model!r}")
     return w[0].n_params()
 
@@ -158,8 +161,9 @@ def _one(args, flags: str, tree: str | None) -> dict:
     r = subprocess.run(cmd, capture_output=True, text=True, env=env,
                        cwd=tempfile.gettempdir())
     if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["failed"])[-1]
         raise RuntimeError(f"{flags!r}{' at ' + tree if tree else ''}: "
-                           f"{(r.stderr.strip().splitlines() or ['failed'])[-1]}")
+                           f"{last.split(': error: ', 1)[-1]}")
     return json.loads(r.stdout)
 
 

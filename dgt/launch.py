@@ -296,8 +296,9 @@ class Job:
     def _describe_failure(self, kind: str, rank: int, code: int
                           ) -> tuple[str, int | None]:
         """The headline of the first failure, ``kind`` of ``rank`` exiting with ``code``,
-        and the rank it blames (None: its own record blames no rank). Who is at fault comes from the processes' failure
-        records (``dgt.failure``), never from their log text."""
+        and the rank it blames (None: its own record blames no rank). Who is at fault
+        comes from the processes' failure records (``dgt.failure``), never from their
+        log text."""
         if code < 0:
             hint = (" (SIGKILL from outside the job: the kernel's OOM killer if memory ran "
                     "out, see 'dmesg'; try fewer --workers or a smaller --hidden)"

@@ -36,6 +36,7 @@ class NodeSockets:
         self.cfg, self.node, self.dscp = cfg, node, dscp
         self.udp: dict[int, tuple[asyncio.DatagramTransport, DatagramProtocol]] = {}
         self.senders: dict[int, BatchSender] = {}
+        self.queue_datagrams: dict[int, int] = {}   # channel -> drain's bound
         self.gro = False
         self.warnings: list[str] = []
         self.socket_owned: tuple[int, int] | None = None   # (dev, inode) we bound
@@ -65,6 +66,9 @@ class NodeSockets:
             # must drop single datagrams, so it runs without GRO
             self.gro = enable_gro(s) if not cfg.drop_udp else False
             self.senders[c] = BatchSender(s)
+            # the most datagrams its receive queue holds: drain's bound
+            self.queue_datagrams[c] = s.getsockopt(socket.SOL_SOCKET,
+                                                   socket.SO_RCVBUF) // MIN_QUEUED_BYTES
             self._filter_one(c, s, sockfilter.drop_all)   # nothing is ready for it yet
             tr, proto = await loop.create_datagram_endpoint(
                 lambda c=c: DatagramProtocol(lambda d, a, now, c=c: on_datagram(c, d, a, now),
@@ -99,23 +103,19 @@ class NodeSockets:
         """Hand the datagrams already queued on each channel socket to its protocol now,
         as the event loop would on its next rounds (emulated loss included), at most
         ``reads`` reads (one datagram or one GRO run each) per socket; default: as many
-        datagrams as its receive buffer can hold (SO_RCVBUF / :data:`MIN_QUEUED_BYTES`:
-        without GRO a read is one datagram, and one iteration's backlog from three peers
-        is thousands). The sidecar
-        calls it before a shard's deadline finalises a worker: a block that sits in
-        this host's receive queue has arrived, and counting it lost would charge the
-        network for this process's own delay (docs/architecture.md, "The receiver
-        deadline").
-        Returns the reads made. Never raises: a queued ICMP error goes to the
-        protocol's ``error_received``, as the loop would pass it."""
+        datagrams as its receive buffer can hold (``queue_datagrams``: without GRO a
+        read is one datagram, and one iteration's backlog from three peers is
+        thousands). The sidecar calls it before a shard's deadline finalises a worker:
+        a block that sits in this host's receive queue has arrived, and counting it lost
+        would charge the network for this process's own delay (docs/architecture.md,
+        "The receiver deadline"). Returns the reads made. Never raises: a queued ICMP
+        error goes to the protocol's ``error_received``, as the loop would pass it."""
         n = 0
         for c, (tr, proto) in self.udp.items():
             if tr.is_closing():
                 continue
             sock = self.senders[c].sock
-            most = reads if reads is not None else \
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // MIN_QUEUED_BYTES
-            for _ in range(most):
+            for _ in range(self.queue_datagrams[c] if reads is None else reads):
                 try:
                     data, addr = sock.recvfrom(READ_BYTES)
                 except (BlockingIOError, InterruptedError):

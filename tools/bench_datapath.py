@@ -15,8 +15,8 @@ CPU time is ``time.process_time`` of this process (one torch thread) over
 numeric and Python work one sidecar does per push of its node, its shard's part of
 everyone's push included. The first push is also given alone (``first push``): it
 touches every buffer of the data path for the first time, so it shows what fresh
-memory costs on the host (page faults). Each system is a set of ``dgt train`` transmission flags;
-``--against REV`` runs the same systems on git revision REV of this checkout too (a
+memory costs on the host (page faults). Each system is a set of ``dgt train``
+transmission flags; ``--against REV`` runs the same systems on git revision REV of this checkout too (a
 temporary ``git worktree``), round by round in turn with today's, and gives today's
 CPU over REV's (median of the rounds' ratios)::
 
@@ -97,7 +97,7 @@ def _params(model: str) -> int:
     """Parameters of one ``--models`` item of dgt bench tta. Raises BenchError."""
     from dgt.tools.bench import BenchError
     from dgt.tools.bench_tta import parse_workloads
-    try:
+    try:   # (its signature as in older revisions: --against runs them through here)
         w = parse_workloads(model)
     except BenchError as e:   # its text names bench tta's flag, not ours
         raise BenchError(str(e).removeprefix("--models: ")) from None

@@ -178,10 +178,12 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
         history, reached = st["history"], st["reached"]
         comm_s, comm_at = st["comm_s"], [tuple(x) for x in st["comm_at"]]
         t_start -= st["seconds"]
+    t_register = time.monotonic()
     if resume:
         client.register(model, resume=checkpoint.sidecar_file(resume, ns.rank))
     else:
         client.register(model)
+    register_s = time.monotonic() - t_register
     fed = FedAvgRound(model, client) if fedavg else None
     # PULLs pipelined per shard range (dgt.Client.push_pull's ready): our Client only
     pipelined = bool(_ns(ns, "pipeline_pulls")) and isinstance(client, Client) \
@@ -317,6 +319,8 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
             "class_histograms": partition.class_histograms(parts, ylab, ns.world,
                                                            data.classes),
             "train_seconds": time.monotonic() - t_start, "target_reached": reached,
+            # register() alone (the sidecars' or gloo's rendezvous), inside train_seconds
+            "register_seconds": register_s,
             "device": str(device)}
 
 

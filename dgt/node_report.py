@@ -15,6 +15,7 @@ from dataclasses import asdict
 import numpy as np
 
 from . import records
+from .hugepages import numpy_huge_page_advice
 from .transport import udpmac
 
 log = logging.getLogger("dgt.sidecar")
@@ -62,6 +63,10 @@ def write_node_results(sc) -> None:
         **sc.counters.to_dict(sc.cfg.channels),
         # this process's CPU time so far, user + system (getrusage(2)), seconds
         "cpu_s": cpu_seconds(),
+        # its peak resident memory (getrusage(2) ru_maxrss), bytes
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # numpy advises huge pages for its arrays (dgt.hugepages: off unless asked)
+        "numpy_huge_page_advice": numpy_huge_page_advice(),
     }
     sc.trace.close()   # its last line: what the counters grew since the last push
     if sc.trace.error:   # shown by 'dgt train', not only in this sidecar's log

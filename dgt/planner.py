@@ -25,15 +25,16 @@ from .transport import wire
 
 class PushPlanner:
     """``work``: (padded,) float32, this push's compensated gradient (the blocks sent
-    are views of it until the next plan). With ``cfg.check_conservation``, float64
+    are views of it until the next plan); it is the residual's buffer
+    (dgt.feedback.Residual), the residual again after :meth:`settle`. With ``cfg.check_conservation``, float64
     running sums of the raw gradients (``raw_sum``) and of the applied aggregates x N
     (``applied_sum``) for the conservation invariant."""
 
     def __init__(self, cfg: TransmissionConfig, layout: BlockLayout, rank: int, seed: int):
         self.cfg, self.layout = cfg, layout
-        self.work = torch.zeros(layout.padded, dtype=torch.float32)
         self.scores = ContributionScores(layout.n_blocks, cfg.alpha)
         self.residual = Residual(layout.padded, layout.block_elems, cfg.error_feedback)
+        self.work = self.residual.work
         self.adaptive = AdaptiveK(cfg.k, min(cfg.k_min, cfg.k)) if cfg.adaptive_k else None
         self.gen = torch.Generator().manual_seed(seed * 1009 + rank)
         self.k_history: list[float] = []
@@ -66,11 +67,9 @@ class PushPlanner:
         assign. Returns (channel per block (n_blocks,) int8: 0 reliable, 1..C UDP, -1
         dropped; k used)."""
         cfg, n = self.cfg, self.layout.n_blocks
-        g = self.work
-        g.copy_(grad)
         if self.raw_sum is not None:
-            self.raw_sum += g
-        self.residual.compensate(g)
+            self.raw_sum += grad
+        g = self.residual.compensate(grad)
         k = self.adaptive.update(loss) if self.adaptive else cfg.k
         if cfg.mode == "tcp":
             k = 1.0
@@ -110,16 +109,11 @@ class PushPlanner:
         cfg, e = self.cfg, self.layout.block_elems
         if rows[-1] - rows[0] + 1 == rows.size:   # one run of blocks (a bucket): views
             idx = slice(int(rows[0]), int(rows[-1]) + 1)
-            g = self.work.view(-1, e)[idx]
-            g.copy_(grad.view(-1, e)[idx])
         else:
             idx = torch.from_numpy(rows)
-            g = grad.view(-1, e)[idx]
         if self.raw_sum is not None:
-            self.raw_sum.view(-1, e)[idx] += g
-        self.residual.compensate_rows(idx, g)
-        if isinstance(idx, torch.Tensor):
-            self.work.view(-1, e)[idx] = g
+            self.raw_sum.view(-1, e)[idx] += grad.view(-1, e)[idx]
+        g = self.residual.compensate_rows(idx, grad)
         n_rel = reliable_count(rows.size, k)
         if cfg.mode == "random":
             scores = torch.rand(rows.size, generator=self.gen)
@@ -219,7 +213,7 @@ class PushPlanner:
         arrive go into the residual, and the coding error of the coded blocks that
         did. Reads only this planner's own copy of the push (``work``), so it may run
         after the trainer got the aggregate."""
-        self.residual.update(self.work, torch.from_numpy(arrived), self.coded_index,
+        self.residual.update(torch.from_numpy(arrived), self.coded_index,
                              self.coding_error)
 
 

@@ -137,29 +137,54 @@ def agree_model(rdv: Rendezvous, rank: int, n_params: int, sha: str,
                           FailureReason.MISMATCH, apart)
 
 
+@dataclasses.dataclass(frozen=True)
+class RouteFacts:
+    """What the routes to the peers decide for the auto flags: ``pace``, the answer of
+    dgt.link_rate.auto_pace_mbit ((Mbit/s, where from)) for --pace-mbit auto, else
+    None; ``loopback``, whether the peers are on loopback (peers_on_loopback) when a
+    codec is auto, else None."""
+
+    pace: tuple[float, str] | None
+    loopback: bool | None
+
+
+def route_facts(cfg: TransmissionConfig, peers: dict[int, dict], rank: int) -> RouteFacts:
+    """Look up :class:`RouteFacts` for this node (blocking: pyroute2's netlink calls).
+    The sidecar runs it in a thread as soon as the rendezvous gave the peers, while
+    the trainers still start up: pyroute2's import and the route lookups cost about
+    0.3 s of CPU per node, which would otherwise lengthen every trainer's register."""
+    hosts = [ep["host"] for r, ep in sorted(peers.items()) if r != rank]
+    pace = auto_pace_mbit(hosts) if cfg.pace_mbit == PACE_AUTO else None
+    loopback = peers_on_loopback(hosts) \
+        if "auto" in (cfg.band_codec.strip().lower(), cfg.pull_codec) else None
+    return RouteFacts(pace, loopback)
+
+
 async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict],
-                rank: int, world: int, n_params: int, sha,
-                start: int = 0) -> tuple[TransmissionConfig, BlockLayout, str | None]:
+                rank: int, world: int, n_params: int, sha, start: int = 0,
+                facts: RouteFacts | None = None
+                ) -> tuple[TransmissionConfig, BlockLayout, str | None]:
     """At register: :func:`agree_model` (``sha``: the trainer's SHA-256 of its initial
     parameters, anything else: none sent), --pace-mbit auto resolved to this host's
     egress rate towards the ``peers`` (dgt.link_rate), --band-codec and --pull-codec
     auto resolved by whether those peers are on loopback, the block layout, and
-    :func:`check_pace`. Returns (the config with the pacing rate, the layout, where the
-    rate came from or None when it was given). Raises PeerFailure."""
+    :func:`check_pace`. ``facts``: :func:`route_facts` for ``cfg`` and ``peers``,
+    looked up earlier (None: looked up here). Returns (the config with the pacing rate,
+    the layout, where the rate came from or None when it was given). Raises
+    PeerFailure."""
     loop = asyncio.get_running_loop()
     sha = sha if is_sha256(sha) else ""   # "": a client that sends none (or no hex)
     await loop.run_in_executor(None, agree_model, rdv, rank, n_params, sha, start)
+    if facts is None:   # pyroute2's sync API cannot run inside a running event loop
+        facts = await loop.run_in_executor(None, route_facts, cfg, peers, rank)
     source = None
     if cfg.pace_mbit == PACE_AUTO:
-        hosts = [ep["host"] for r, ep in sorted(peers.items()) if r != rank]
-        # pyroute2's sync API cannot run inside a running event loop: use a thread
-        pace, source = await loop.run_in_executor(None, auto_pace_mbit, hosts)
+        pace, source = facts.pace
         cfg = dataclasses.replace(cfg, pace_mbit=pace)
         log.info("rank %d: UDP pacing %s (%s)", rank,
                  f"{pace:g} Mbit/s" if pace else "off", source)
     if "auto" in (cfg.band_codec.strip().lower(), cfg.pull_codec):
-        hosts = [ep["host"] for r, ep in sorted(peers.items()) if r != rank]
-        loopback = await loop.run_in_executor(None, peers_on_loopback, hosts)
+        loopback = facts.loopback
         cfg = cfg.resolve_codecs(loopback)
         log.info("rank %d: UDP bands %s, PULLs %s (auto%s)", rank, cfg.band_codec,
                  cfg.pull_codec, ", peers on loopback" if loopback else "")

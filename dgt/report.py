@@ -93,6 +93,9 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "final_test_accuracy": trainers[0]["final_test_accuracy"] if trainers else None,
         "wall_seconds": wall_s,
         "train_seconds": max((t["train_seconds"] for t in trainers), default=None),
+        # the slowest rank's register(): start-up inside train_seconds
+        "register_seconds": max((t.get("register_seconds", 0.0) for t in trainers),
+                                default=None),
         "comm_ms_median": float(np.median(comm)),
         "comm_ms_p95": float(np.percentile(comm, 95)),
         "comm_ms": [float(x) for x in comm],
@@ -122,7 +125,8 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
                       "udp_ports": s["udp_ports"], "session": s["session"],
                       "pushes": s.get("pushes"), "pulls_held": s.get("pulls_held", 0),
-                      "cpu_s": s.get("cpu_s")}
+                      "cpu_s": s.get("cpu_s"), "max_rss_bytes": s.get("max_rss_bytes"),
+                      "numpy_huge_page_advice": s.get("numpy_huge_page_advice")}
                      for s in sidecars],
         "config": {"job": asdict(job),
                    "transmission": {k: v for k, v in asdict(tx).items() if k != "secret"}},

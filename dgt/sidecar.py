@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from . import checkpoint, datapath, failure, ipc, parts, unixsock
+from . import checkpoint, datapath, failure, hugepages, ipc, parts, unixsock
 from .agent import WorkerAgent
 from .atomic import write_json
 from .errors import PeerFailure
@@ -36,7 +36,7 @@ from .node_sockets import NodeSockets
 from .peer_links import PeerLinks, drain
 from .pull_codec import decode_pull
 from .pull_sender import PullSender
-from .registration import agree, barrier, check_model_size, exchange_endpoints
+from .registration import agree, barrier, check_model_size, exchange_endpoints, route_facts
 from .rendezvous import POLL_S, Rendezvous, check_resolves
 from .scheduler.deadline import AdaptiveDeadline
 from .shard import ServerShard
@@ -127,6 +127,9 @@ class Sidecar:
                                    {"world": self.world, "job": self.node.job})
         self.finishing = False
         self.rendezvoused = asyncio.Event()
+        # the routes to the peers (registration.route_facts), looked up right after the
+        # rendezvous, in a thread, while the trainer still starts up
+        self.route: asyncio.Future | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
         self.drained = 0   # reads of queued datagrams made before a deadline (drain)
@@ -199,6 +202,8 @@ class Sidecar:
         for (addr, _), r in (self.udp_sources or {}).items():
             hosts.setdefault(r, set()).add(addr)
         self._apply(self.control.set_session(self.session_id, time.monotonic(), hosts))
+        self.route = asyncio.get_running_loop().run_in_executor(
+            None, route_facts, self.cfg, self.links.peers, self.rank)
         self.rendezvoused.set()
         print(f"dgt sidecar: rank {self.rank}/{self.world} ready: tcp {me['tcp_port']}, "
               f"udp {me['udp_ports']}, socket {self.node.socket}, run dir "
@@ -215,7 +220,8 @@ class Sidecar:
         rank = self.rank
         self.cfg, lay, source = await agree(self.rdv, self.cfg, self.links.peers, rank,
                                             self.world, n_params, msg.get("param_sha256"),
-                                            state["iterations"] if state else 0)
+                                            state["iterations"] if state else 0,
+                                            await self.route)
         self.links.cfg, self.layout = self.cfg, lay
         self.pace_source = source or self.pace_source
         self.control.set_layout({r: (lay.shard_lo(r), lay.shard_blocks(r))
@@ -496,6 +502,7 @@ def main(argv: list[str] | None = None, prog: str = "dgt sidecar") -> int:
 
 def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     faulthandler.enable()   # a crash in native code leaves its Python stack in the log
+    hugepages.keep_small_pages()   # no compaction stalls at the first push (dgt.hugepages)
     try:
         cfg = from_args(TransmissionConfig, ns)
         node = from_args(NodeConfig, ns)

@@ -42,3 +42,36 @@ def test_a_loopback_job_runs_and_reports_fp32(train):
                  "--pull-codec", "int8")
     assert (r["band_codec"], r["pull_codec"]) == ("int8", "int8")
     assert r["pull_blocks_coded"] > 0
+
+
+def test_route_facts_look_up_only_what_an_auto_flag_needs():
+    """registration.route_facts: what the sidecar looks up right after the rendezvous,
+    before its trainer registers (pyroute2's cost off the register path)."""
+    from dgt.registration import RouteFacts, route_facts
+    peers = {r: {"host": "127.0.0.1"} for r in range(3)}
+    auto = route_facts(TransmissionConfig(pace_mbit=-1.0), peers, 0)
+    assert auto.loopback is True
+    assert auto.pace is not None and auto.pace[0] == 0.0 and "loopback" in auto.pace[1]
+    given = route_facts(TransmissionConfig(pace_mbit=100.0, band_codec="fp32",
+                                           pull_codec="fp32"), peers, 0)
+    assert given == RouteFacts(None, None)
+
+
+def test_agree_resolves_the_auto_flags_from_the_facts_it_is_given():
+    """agree() takes the facts looked up earlier, not a second lookup: loopback peers
+    with facts that say 'across a link' resolve auto codecs to int8."""
+    import asyncio
+    import socket
+    from dgt.registration import RouteFacts, agree
+    from dgt.rendezvous import Rendezvous
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rdv = Rendezvous("127.0.0.1", port, 1, 0, 30.0)   # a store of one rank: its own
+    peers = {0: {"host": "127.0.0.1"}}
+    for facts, want in ((RouteFacts(None, False), "int8"), (RouteFacts(None, True), "fp32"),
+                            (None, "fp32")):   # None: looked up here (loopback)
+        cfg, lay, source = asyncio.run(agree(rdv, TransmissionConfig(pace_mbit=0.0), peers,
+                                             0, 1, 1000, "", 0, facts))
+        assert (cfg.band_codec, cfg.pull_codec) == (want, want), facts
+        assert lay.n_params == 1000 and source is None

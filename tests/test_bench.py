@@ -32,6 +32,7 @@ def test_gloo_train_on_loopback_writes_a_report(tmp_path):
     assert r["mode"] == "gloo" and r["workers"] == 2 and r["iterations"] == 2
     assert len(r["comm_ms"]) == 2
     assert r["replicas_identical"]
+    assert 0 < r["register_seconds"] < r["train_seconds"]   # as dgt train's report
     n = 64 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10
     assert r["n_params"] == n
     assert r["bytes_per_iteration"] == 4 * n  # 2 (N-1)/N = 1 for N = 2

@@ -34,21 +34,51 @@ def test_score_is_ema_of_mean_abs():
 def test_residual_keeps_exactly_what_did_not_arrive():
     r = Residual(6, 2)
     g = torch.tensor([1., 2, 3, 4, 5, 6])
-    r.update(g, torch.tensor([True, False, True]))
+    assert r.compensate(g).tolist() == g.tolist()   # empty: the push is the gradient
+    assert not r.residual.any()   # while the push is out, its mass is in the push
+    r.update(torch.tensor([True, False, True]))
     assert r.residual.tolist() == [0, 0, 3, 4, 0, 0]
+    assert g.tolist() == [1, 2, 3, 4, 5, 6]   # the gradient itself is never written
     g2 = torch.ones(6)
     assert r.compensate(g2).tolist() == [1, 1, 4, 5, 1, 1]
     off = Residual(6, 2, enabled=False)
-    off.update(g, torch.tensor([False] * 3))
+    off.compensate(g)
+    off.update(torch.tensor([False] * 3))
+    assert off.residual.numel() == 0
     assert off.compensate(torch.ones(6)).tolist() == [1] * 6
 
 
 def test_residual_clears_when_everything_arrived():
     r = Residual(6, 2)
-    r.update(torch.tensor([1., 2, 3, 4, 5, 6]), torch.tensor([False, True, False]))
+    r.compensate(torch.tensor([1., 2, 3, 4, 5, 6]))
+    r.update(torch.tensor([False, True, False]))
     assert r.compensate(torch.zeros(6)).tolist() == [1, 2, 0, 0, 5, 6]
-    r.update(torch.full((6,), 9.), torch.tensor([True, True, True]))
+    r.update(torch.tensor([True, True, True]))
     assert r.residual.tolist() == [0] * 6
     assert r.compensate(torch.ones(6)).tolist() == [1] * 6
-    r.update(torch.full((6,), 7.), torch.tensor([True, True, False]))
-    assert r.compensate(torch.zeros(6)).tolist() == [0, 0, 0, 0, 7, 7]
+    r.update(torch.tensor([True, True, False]))
+    assert r.residual.tolist() == [0, 0, 0, 0, 1, 1]
+    assert r.compensate(torch.full((6,), 6.)).tolist() == [6, 6, 6, 6, 7, 7]
+
+
+def test_coded_blocks_keep_their_coding_error_and_lost_ones_keep_everything():
+    r = Residual(6, 2)
+    r.compensate(torch.tensor([1., 2, 3, 4, 5, 6]))
+    err = torch.tensor([[.5, .5], [.25, .25]])
+    r.update(torch.tensor([True, True, True]), torch.tensor([0, 2]), err)
+    assert r.residual.tolist() == [.5, .5, 0, 0, .25, .25]
+    r.compensate(torch.tensor([1., 1, 1, 1, 1, 1]))
+    r.update(torch.tensor([True, False, False]), torch.tensor([0, 2]), err)
+    assert r.residual.tolist() == [.5, .5, 1, 1, 1.25, 1.25]   # block 2 lost: whole
+
+
+def test_residual_rows_in_parts_match_the_whole_push():
+    whole, parts = Residual(8, 2), Residual(8, 2)
+    for r in (whole, parts):
+        r.compensate(torch.arange(8.))
+        r.update(torch.tensor([False, True, False, True]))
+    g = torch.full((8,), 10.)
+    want = whole.compensate(g).clone()
+    assert parts.compensate_rows(slice(0, 2), g).tolist() == [[10, 11], [10, 10]]
+    assert parts.compensate_rows(torch.tensor([2, 3]), g).tolist() == [[14, 15], [10, 10]]
+    assert torch.equal(parts.work, want)

@@ -216,7 +216,8 @@ def test_a_lost_and_a_delivered_coded_block_both_conserve(band_codec):
     arrived = np.concatenate([fab.bitmaps[0, s] for s in range(2)])
     remote = np.ones(lay.n_blocks, bool)
     remote[lay.shard_lo(0):lay.shard_hi(0)] = False   # the colocated shard: no coding
-    g = agent.planner.work.numpy().reshape(lay.n_blocks, lay.block_elems)
+    # the first push: the residual was empty, so the push is the gradient itself
+    g = fab.grads[0].reshape(lay.n_blocks, lay.block_elems)
     res = agent.residual.residual.numpy().reshape(lay.n_blocks, lay.block_elems)
     delivered, lost = np.flatnonzero(remote & arrived), np.flatnonzero(remote & ~arrived)
     assert delivered.size and lost.size, "the seeded loss keeps some and drops some"
@@ -227,7 +228,7 @@ def test_a_lost_and_a_delivered_coded_block_both_conserve(band_codec):
     assert np.array_equal(res[lost], g[lost])
     assert not res[~remote].any()   # local blocks go whole, in-process
     # what the shard applied: the decoded block (plus the other worker's), never g itself
-    other = fab.agents[1].planner.work.numpy().reshape(lay.n_blocks, lay.block_elems)
+    other = fab.grads[1].reshape(lay.n_blocks, lay.block_elems)
     other_res = fab.agents[1].residual.residual.numpy().reshape(lay.n_blocks, -1)
     agg = fab.aggs[0].reshape(lay.n_blocks, lay.block_elems).astype(np.float64) * 2
     total = agg + res + other_res

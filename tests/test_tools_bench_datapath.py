@@ -39,6 +39,7 @@ def test_against_a_revision_gives_a_table_and_json(tmp_path):
         assert s["replicas_identical"] and s["ratio"] > 0
         assert len(s["cpu_ms_per_push"]) == len(s["against_cpu_ms_per_push"]) == 1
         assert len(s["first_push_cpu_ms"]) == 1 and s["first_push_median"] > 0
+        assert len(s["against_first_push_cpu_ms"]) == 1 and s["against_first_push_median"] > 0
     assert "| `--mode dgt` |" in p.stdout and "today / HEAD" in p.stdout
     # the temporary worktree is gone again
     trees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True)

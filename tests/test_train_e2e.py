@@ -28,6 +28,10 @@ def test_default_job_reaches_target_accuracy(train, tmp_path):
     assert r["sidecar_cpu_ms_per_push"] == pytest.approx(
         sum(1000 * c / s["pushes"] for c, s in zip(cpu, r["sidecars"])) / 4)
     assert pushes == r["iterations"] and r["sidecar_cpu_ms_per_push"] > 0
+    # the sidecars write fresh memory with small pages (dgt.hugepages), and say so
+    assert [s["numpy_huge_page_advice"] for s in r["sidecars"]] == [False] * 4
+    assert all(s["max_rss_bytes"] > 0 for s in r["sidecars"])
+    assert 0 < r["register_seconds"] < r["train_seconds"]
 
 
 def test_differential_transmission_is_visible(train):

@@ -426,6 +426,8 @@ def build_report(run_dir: str, job: GlooJob, wall_s: float) -> dict:
         "final_test_accuracy": t0["final_test_accuracy"],
         "wall_seconds": wall_s,
         "train_seconds": max(t["train_seconds"] for t in ranks),
+        # the slowest rank's register() (init_process_group): inside train_seconds
+        "register_seconds": max(t.get("register_seconds", 0.0) for t in ranks),
         "comm_ms_median": float(np.median(comm)),
         "comm_ms_p95": float(np.percentile(comm, 95)),
         "comm_ms": [float(x) for x in comm],

@@ -1,0 +1,37 @@
+"""dgt.hugepages: numpy's huge-page advice is off in a process that asks, unless the
+user's NUMPY_MADVISE_HUGEPAGE says otherwise. Each case runs in a fresh interpreter:
+the switch is process-wide."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = ("import json; from dgt import hugepages as h; before = h.numpy_huge_page_advice(); "
+         "off = h.keep_small_pages(); "
+         "print(json.dumps([before, off, h.numpy_huge_page_advice()]))")
+
+
+def probe(env_value):
+    env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    if env_value is not None:
+        env["NUMPY_MADVISE_HUGEPAGE"] = env_value
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    return json.loads(out)
+
+
+def test_the_advice_goes_off_by_default():
+    before, off, after = probe(None)
+    if before is None:
+        pytest.skip("this numpy has no huge-page advice switch")
+    assert (off, after) == (True, False)
+
+
+def test_numpy_own_switch_wins():
+    before, off, after = probe("1")
+    if before is None:
+        pytest.skip("this numpy has no huge-page advice switch")
+    assert before is True and (off, after) == (False, True)   # the user asked for it
+    assert probe("0") == [False, True, False]   # numpy read 0 at import: off already

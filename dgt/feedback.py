@@ -34,6 +34,7 @@ class Residual:
         self.work = torch.empty(padded, dtype=torch.float32, device=device)
         self.empty = True       # the residual is all zero: compensate copies
         self._in_push = False   # between compensate and update: the mass is in the push
+        self._norm = 0.0        # L2 norm of what the last update left (norm())
 
     @property
     def residual(self) -> torch.Tensor:
@@ -44,6 +45,13 @@ class Residual:
         if self.empty or self._in_push:
             return torch.zeros_like(self.work)
         return self.work
+
+    def norm(self) -> float:
+        """L2 norm of the residual the last :meth:`update` left (gradient units; 0 when
+        disabled or empty). Kept by ``update`` from the blocks it keeps, so reading it
+        (a metrics scrape, in another thread) never reads the buffer, and it holds
+        while the next push is out."""
+        return self._norm
 
     def compensate(self, grad: torch.Tensor) -> torch.Tensor:
         """``work = residual + grad`` (``grad``: (padded,) float32, not changed).
@@ -88,12 +96,15 @@ class Residual:
         n = arrived.numel()
         blocks = self.work.view(n, -1)
         has_coded = coded is not None and coded.numel() > 0
+        sq = 0.0   # squared L2 norm of what is kept
         if bool(arrived.all()):   # the common case on a clean link
             if not has_coded:
-                self.empty = True   # nothing to keep, and nothing to write
+                self.empty, self._norm = True, 0.0   # nothing to keep, nothing to write
                 return
             blocks.zero_()
         else:
+            lost = (~arrived).nonzero().view(-1)
+            sq += float(blocks.index_select(0, lost).double().square().sum())
             blocks.mul_((~arrived).to(blocks.dtype).view(n, 1))   # per block, in place
         self.empty = False
         if has_coded:
@@ -101,6 +112,8 @@ class Residual:
             if not bool(sel.all()):   # lost coded blocks keep g (above), not the error
                 coded, error = coded[sel], error[sel]
             blocks.index_copy_(0, coded, error)
+            sq += float(error.double().square().sum())
+        self._norm = sq ** 0.5
 
     def state_dict(self) -> dict:
         """The residual ((padded,) float32, on CPU; empty when disabled) for a
@@ -120,3 +133,4 @@ class Residual:
             self.work.copy_(r)
         self.empty = bool(state["empty"])
         self._in_push = False
+        self._norm = float(r.double().norm()) if self.enabled and not self.empty else 0.0

@@ -26,9 +26,10 @@ from .transport import wire
 class PushPlanner:
     """``work``: (padded,) float32, this push's compensated gradient (the blocks sent
     are views of it until the next plan); it is the residual's buffer
-    (dgt.feedback.Residual), the residual again after :meth:`settle`. With ``cfg.check_conservation``, float64
-    running sums of the raw gradients (``raw_sum``) and of the applied aggregates x N
-    (``applied_sum``) for the conservation invariant."""
+    (dgt.feedback.Residual), the residual again after :meth:`settle`. With
+    ``cfg.check_conservation``, float64 running sums of the raw gradients
+    (``raw_sum``) and of the applied aggregates x N (``applied_sum``) for the
+    conservation invariant."""
 
     def __init__(self, cfg: TransmissionConfig, layout: BlockLayout, rank: int, seed: int):
         self.cfg, self.layout = cfg, layout

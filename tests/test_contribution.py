@@ -82,3 +82,22 @@ def test_residual_rows_in_parts_match_the_whole_push():
     assert parts.compensate_rows(slice(0, 2), g).tolist() == [[10, 11], [10, 10]]
     assert parts.compensate_rows(torch.tensor([2, 3]), g).tolist() == [[14, 15], [10, 10]]
     assert torch.equal(parts.work, want)
+
+
+def test_residual_norm_is_what_the_last_update_left_and_holds_during_a_push():
+    r = Residual(6, 2)
+    assert r.norm() == 0.0
+    r.compensate(torch.tensor([3., 4, 1, 1, 0, 0]))
+    r.update(torch.tensor([False, True, True]), torch.tensor([1]), torch.tensor([[0., 2]]))
+    want = float(torch.tensor([3., 4, 0, 2, 0, 0]).norm())
+    assert r.residual.tolist() == [3, 4, 0, 2, 0, 0]
+    assert r.norm() == pytest.approx(want)
+    r.compensate(torch.ones(6))   # the next push is out: the gauge keeps the last value
+    assert r.norm() == pytest.approx(want)
+    r.update(torch.tensor([True, True, True]))
+    assert r.norm() == 0.0
+    back = Residual(6, 2)
+    r.compensate(torch.tensor([0., 0, 5, 12, 0, 0]))
+    r.update(torch.tensor([True, False, True]))
+    back.load_state_dict(r.state_dict())
+    assert back.norm() == r.norm() == pytest.approx(13.0)

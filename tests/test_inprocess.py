@@ -227,6 +227,8 @@ def test_a_lost_and_a_delivered_coded_block_both_conserve(band_codec):
     assert np.abs(res[delivered]).sum() > 0
     assert np.array_equal(res[lost], g[lost])
     assert not res[~remote].any()   # local blocks go whole, in-process
+    # the metrics gauge's norm, kept by the update, is the buffer's
+    assert agent.residual.norm() == pytest.approx(float(np.linalg.norm(res.astype(np.float64))))
     # what the shard applied: the decoded block (plus the other worker's), never g itself
     other = fab.grads[1].reshape(lay.n_blocks, lay.block_elems)
     other_res = fab.agents[1].residual.residual.numpy().reshape(lay.n_blocks, -1)

@@ -35,6 +35,9 @@ class Residual:
         self.empty = True       # the residual is all zero: compensate copies
         self._in_push = False   # between compensate and update: the mass is in the push
         self._norm = 0.0        # L2 norm of what the last update left (norm())
+        #: keep :meth:`norm` up to date (one pass over the kept blocks per update; the
+        #: sidecar turns it on when it serves metrics, the only reader)
+        self.track_norm = False
 
     @property
     def residual(self) -> torch.Tensor:
@@ -46,12 +49,12 @@ class Residual:
             return torch.zeros_like(self.work)
         return self.work
 
-    def norm(self) -> float:
+    def norm(self) -> float | None:
         """L2 norm of the residual the last :meth:`update` left (gradient units; 0 when
-        disabled or empty). Kept by ``update`` from the blocks it keeps, so reading it
-        (a metrics scrape, in another thread) never reads the buffer, and it holds
-        while the next push is out."""
-        return self._norm
+        disabled or empty), or None unless ``track_norm``. Kept by ``update`` from the
+        blocks it keeps, so reading it (a metrics scrape, in another thread) never reads
+        the buffer, and it holds while the next push is out."""
+        return self._norm if self.track_norm else None
 
     def compensate(self, grad: torch.Tensor) -> torch.Tensor:
         """``work = residual + grad`` (``grad``: (padded,) float32, not changed).
@@ -96,15 +99,16 @@ class Residual:
         n = arrived.numel()
         blocks = self.work.view(n, -1)
         has_coded = coded is not None and coded.numel() > 0
-        sq = 0.0   # squared L2 norm of what is kept
+        sq, track = 0.0, self.track_norm   # sq: squared L2 norm of what is kept
         if bool(arrived.all()):   # the common case on a clean link
             if not has_coded:
                 self.empty, self._norm = True, 0.0   # nothing to keep, nothing to write
                 return
             blocks.zero_()
         else:
-            lost = (~arrived).nonzero().view(-1)
-            sq += float(blocks.index_select(0, lost).double().square().sum())
+            if track:
+                lost = (~arrived).nonzero().view(-1)
+                sq += float(torch.linalg.vector_norm(blocks.index_select(0, lost))) ** 2
             blocks.mul_((~arrived).to(blocks.dtype).view(n, 1))   # per block, in place
         self.empty = False
         if has_coded:
@@ -112,7 +116,8 @@ class Residual:
             if not bool(sel.all()):   # lost coded blocks keep g (above), not the error
                 coded, error = coded[sel], error[sel]
             blocks.index_copy_(0, coded, error)
-            sq += float(error.double().square().sum())
+            if track:
+                sq += float(torch.linalg.vector_norm(error)) ** 2
         self._norm = sq ** 0.5
 
     def state_dict(self) -> dict:

@@ -168,7 +168,7 @@ class SidecarCollector:
                                 value=agent.k_history[-1] if agent and agent.k_history
                                 else sc.cfg.k)
         if agent is not None:
-            norm = agent.residual.norm()   # as the last push left it; reads no buffer
+            norm = agent.residual.norm() or 0.0   # as the last push left it
             yield GaugeMetricFamily("dgt_residual_norm", "L2 norm of the worker's "
                                     "error-feedback residual (gradient units)", value=norm)
         pace = sc.cfg.pace_mbit if sc.cfg.pace_mbit > 0 else 0.0

@@ -231,6 +231,7 @@ class Sidecar:
                               lambda r: self.in_conns.get(r))
         self.buffers, grad = [path.grad], path.grad
         self.shard, self.agent, self.pulls = path.shard, path.agent, path.pulls
+        self.agent.residual.track_norm = self.endpoint is not None   # dgt_residual_norm
         self.adaptive, self.deadline_floor_s = path.adaptive, path.deadline_floor_s
         if state is not None:
             checkpoint.restore(self, state, msg["resume"])

@@ -86,6 +86,8 @@ def test_residual_rows_in_parts_match_the_whole_push():
 
 def test_residual_norm_is_what_the_last_update_left_and_holds_during_a_push():
     r = Residual(6, 2)
+    assert r.norm() is None   # not tracked: no pass spent on it
+    r.track_norm = True
     assert r.norm() == 0.0
     r.compensate(torch.tensor([3., 4, 1, 1, 0, 0]))
     r.update(torch.tensor([False, True, True]), torch.tensor([1]), torch.tensor([[0., 2]]))
@@ -97,6 +99,7 @@ def test_residual_norm_is_what_the_last_update_left_and_holds_during_a_push():
     r.update(torch.tensor([True, True, True]))
     assert r.norm() == 0.0
     back = Residual(6, 2)
+    back.track_norm = True
     r.compensate(torch.tensor([0., 0, 5, 12, 0, 0]))
     r.update(torch.tensor([True, False, True]))
     back.load_state_dict(r.state_dict())

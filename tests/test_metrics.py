@@ -72,7 +72,7 @@ def start_job(tmp_path, *extra):
 def test_endpoints_rise_and_final_scrape_equals_report(tmp_path):
     base = free_port_run(WORKERS)
     p = start_job(tmp_path, "--metrics-port", base, "--metrics-linger-s", 4,
-                  "--pull-codec", "int8")
+                  "--pull-codec", "int8", "--band-codec", "int8")
     run = tmp_path / "run"
     try:
         first: dict[int, dict] = {}
@@ -128,6 +128,9 @@ def test_endpoints_rise_and_final_scrape_equals_report(tmp_path):
         assert final[r][("dgt_blocks_cut_by_budget_total", ())] == \
             side["blocks_cut_by_budget"]
         assert final[r][("dgt_iteration", ())] == report["iterations"] - 1
+        # coded bands leave their coding error: the residual gauge (kept by the update,
+        # never read from the buffer by the scrape) is not zero
+        assert final[r][("dgt_residual_norm", ())] > 0
         # the file beside the report holds the same exposition's counters
         text = (run / f"metrics-{r}.prom").read_text()
         filed = {(s.name, tuple(sorted(s.labels.items()))): s.value

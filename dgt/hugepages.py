@@ -7,11 +7,12 @@ memory may stall in direct compaction while the kernel assembles 2 MiB pages, an
 several processes faulting at once (N sidecars on one host at their first push) stall
 each other. The sidecar's arrays are written once per push and live for the whole job,
 so it gains little from huge pages and loses its first push to the stalls
-(docs/bench/README.md, "Later runs": the first push_pull took 0.42 to 0.57 s without the
-advice against 0.68 to 1.01 s with it, same bits).
+(docs/bench/README.md, "Later runs": with the MLP of ``dgt bench``, a median first
+push_pull of 376 ms without the advice against 796 ms with it, same bits;
+``python -m dgt.tools.bench_startup``).
 
 :func:`keep_small_pages` switches the advice off for this process, unless the user set
-numpy's own switch, ``NUMPY_MADVISE_HUGEPAGE`` (then that wins). torch's allocator gives
+numpy's own switch, ``NUMPY_MADVISE_HUGEPAGE``, to anything but 0 (then that wins). torch's allocator gives
 no such advice unless ``THP_MEM_ALLOC_ENABLE=1``.
 """
 from __future__ import annotations

@@ -67,6 +67,14 @@ def process_age_s() -> float:
         return 0.0
 
 
+def connected_to_itself(sock: socket.socket) -> bool:
+    """True when ``sock``, a connected TCP socket, is connected to itself: on one host, a
+    connect to a port with no listener in the ephemeral range can pick that very port
+    as its source, and TCP's simultaneous open then connects it to itself. That is no
+    listener (a store not up yet), whatever connect() said."""
+    return sock.getsockname() == sock.getpeername()
+
+
 def wait_for_listener(host: str, port: int, timeout_s: float,
                       bound_s: float | None = None) -> None:
     """Poll until ``host:port`` accepts a TCP connection; raise PeerFailure (rank 0)
@@ -76,8 +84,11 @@ def wait_for_listener(host: str, port: int, timeout_s: float,
     while True:
         left = t_end - time.monotonic()
         try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
-                return
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))) \
+                    as s:
+                if not connected_to_itself(s):
+                    return
+                raise ConnectionRefusedError(111, "no listener (connected to itself)")
         except OSError as e:
             if time.monotonic() >= t_end:
                 raise PeerFailure(f"rendezvous store at {host}:{port} did not come up within "

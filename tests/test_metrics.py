@@ -1,12 +1,12 @@
 """The sidecars' Prometheus endpoints and per-iteration traces on a real 4-worker job:
 real HTTP scrapes, parsed with prometheus_client's own parser."""
+import http.client
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,12 +39,24 @@ def free_port_run(n: int) -> int:
 
 
 def scrape(port: int) -> dict | None:
-    """{(name, labels tuple): value} of one scrape, None when nothing answers."""
+    """{(name, labels tuple): value} of one scrape, None when nothing answers. A connect
+    to a port with no listener (the endpoint not up yet, or gone) can connect to itself
+    when the kernel picks that port as the source (TCP simultaneous open; the suite saw
+    its own request come back as the status line): that is nothing answering too."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
+        conn.connect()
+        if conn.sock.getsockname() == conn.sock.getpeername():
+            return None
+        conn.request("GET", "/metrics")
+        r = conn.getresponse()
+        if r.status != 200:
+            return None
+        text = r.read().decode()
     except OSError:
         return None
+    finally:
+        conn.close()
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

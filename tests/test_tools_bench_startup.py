@@ -24,7 +24,8 @@ def test_one_round_gives_every_system_from_its_report(tmp_path):
     for name, s in r["systems"].items():
         run, = s["runs"]
         assert run["replicas_identical"], name
-        assert 0 < run["register_s"] < run["to_iteration_2_s"] < run["to_iteration_4_s"]
+        # register_s is the slowest rank's, the times rank 0's (each on its own clock)
+        assert run["register_s"] > 0 and 0 < run["to_iteration_2_s"] < run["to_iteration_4_s"]
         assert run["first_push_pull_ms"] > 0
         assert s["median"]["register_s"] == run["register_s"]
         assert f"| {name} |" in p.stdout

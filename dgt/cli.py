@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .hugepages import env_problem
+    problem = env_problem()   # before numpy loads (the subcommands import it)
+    if problem:
+        print(f"dgt: error: {problem}", file=sys.stderr)
+        return 2
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand whose flags were wrong, not the top level

@@ -22,6 +22,22 @@ import os
 ENV = "NUMPY_MADVISE_HUGEPAGE"
 
 
+def env_problem() -> str | None:
+    """The one-line error for a ``NUMPY_MADVISE_HUGEPAGE`` that numpy cannot read (it
+    calls ``int()`` on it at import and stops the process with a traceback: an empty or
+    non-numeric value), or None when it is unset or an integer. Imports nothing, so a
+    command can check before numpy loads."""
+    value = os.environ.get(ENV)
+    if value is None:
+        return None
+    try:
+        int(value)
+    except ValueError:
+        return (f"{ENV}={value!r} is not an integer, and numpy stops at import on it; "
+                f"unset it, or set 0 (small pages) or 1 (huge pages)")
+    return None
+
+
 def _switch():
     """numpy's (get, set) pair for the advice, or (None, None) when it has none."""
     try:

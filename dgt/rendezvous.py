@@ -324,9 +324,9 @@ class Rendezvous:
                         f"a secret never reads): every rank needs the same --secret",
                         None, FailureReason.OTHER, [])
                 raise PeerFailure(f"rank(s) {ranks} did not reach rendezvous step "
-                                  f"'{step}' within {self.timeout_s:.0f} s (a rank with "
-                                  f"another --secret, or none, never does: every rank "
-                                  f"needs the same one)",
+                                  f"'{step}' within {self.timeout_s:.0f} s (dead, frozen, "
+                                  f"or started with another --secret or none: every "
+                                  f"rank needs the same one)",
                                   ranks[0] if ranks else None, FailureReason.PEER_SILENT,
                                   ranks)
             time.sleep(POLL_S)

@@ -35,3 +35,18 @@ def test_numpy_own_switch_wins():
         pytest.skip("this numpy has no huge-page advice switch")
     assert before is True and (off, after) == (False, True)   # the user asked for it
     assert probe("0") == [False, True, False]   # numpy read 0 at import: off already
+
+
+@pytest.mark.parametrize("value", ["", "abc", " x "])
+def test_a_value_numpy_cannot_read_is_one_line_from_dgt(value):
+    """numpy calls int() on NUMPY_MADVISE_HUGEPAGE at import: dgt says so in one line
+    (exit 2) before numpy loads, for every command, instead of numpy's traceback."""
+    env = dict(os.environ, NUMPY_MADVISE_HUGEPAGE=value)
+    for args in (["--help"], ["train", "--workers", "2"]):
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", *args], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, (value, args, p.stderr)
+        assert "Traceback" not in p.stderr
+        assert p.stderr.strip() == (f"dgt: error: NUMPY_MADVISE_HUGEPAGE={value!r} is not "
+                                    f"an integer, and numpy stops at import on it; unset "
+                                    f"it, or set 0 (small pages) or 1 (huge pages)")

@@ -106,10 +106,11 @@ class Residual:
                 return
             blocks.zero_()
         else:
+            missing = ~arrived
             if track:
-                lost = (~arrived).nonzero().view(-1)
+                lost = missing.nonzero().view(-1)
                 sq += float(torch.linalg.vector_norm(blocks.index_select(0, lost))) ** 2
-            blocks.mul_((~arrived).to(blocks.dtype).view(n, 1))   # per block, in place
+            blocks.mul_(missing.to(blocks.dtype).view(n, 1))   # per block, in place
         self.empty = False
         if has_coded:
             sel = arrived[coded]

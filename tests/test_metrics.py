@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dgt.metrics import CHANNEL_METRICS
+from dgt.rendezvous import connected_to_itself
 from dgt.trace import channel_totals, comm_times_ms, iterations, read_run
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,7 @@ def scrape(port: int) -> dict | None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
         conn.connect()
-        if conn.sock.getsockname() == conn.sock.getpeername():
+        if connected_to_itself(conn.sock):
             return None
         conn.request("GET", "/metrics")
         r = conn.getresponse()

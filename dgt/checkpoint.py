@@ -23,6 +23,10 @@ with a damaged file, e.g. truncated by a full disk, is skipped with a warning na
 the file; when no step loads, ValueError names the newest one's damaged file). A step
 folder given by name is used as it is: a damaged file in it is an error naming it.
 
+A DDP training script (dgt.ddp, examples/ddp_train.py) keeps the same layout with its
+own ``trainer-<r>.pt``; each trainer file says who wrote it (``writer``), and each tool
+refuses the other's (:func:`check_writer`).
+
 The pickled state holds tensors and plain Python values only: no socket, no mapping.
 """
 from __future__ import annotations
@@ -139,11 +143,42 @@ def run_flags(ns) -> dict:
     return {k: getattr(ns, k) for k in RUN_FLAGS if hasattr(ns, k)}
 
 
-def check_resume(folder: str, world: int, job, mode: str, block_bytes: int) -> None:
-    """Before anything starts: every rank's files in step ``folder`` are dgt checkpoint
-    files of this rank and ``world``, taken with this run's :data:`RUN_FLAGS` (``job``:
-    a JobConfig), ``--mode`` and ``--block-bytes``. Raises ValueError naming the flag
-    that differs, or the file that is not a checkpoint."""
+#: who writes a trainer file (its ``writer``): dgt train's trainers (dgt.job), or a
+#: DDP training script through dgt.ddp (examples/ddp_train.py); each resumes only its own
+WRITERS = {"dgt train": "dgt train --resume",
+           "ddp": "the DDP training script that wrote it (e.g. examples/ddp_train.py "
+                  "--resume)"}
+
+
+def writer_of(state: dict) -> str:
+    """Which of :data:`WRITERS` wrote trainer file ``state``: its ``writer`` field, or,
+    in a file written before that field, by its keys (dgt train's ``rank`` and
+    ``optimizer``, a DDP script's ``opt``)."""
+    w = state.get("writer")
+    if w in WRITERS:
+        return w
+    return "dgt train" if "rank" in state and "optimizer" in state else "ddp"
+
+
+def check_writer(state: dict, path: str, want: str) -> None:
+    """Raises ValueError, naming what resumes it, when trainer file ``path`` (loaded:
+    ``state``) was not written by ``want`` (one of :data:`WRITERS`)."""
+    got = writer_of(state)
+    if got != want:
+        what = "dgt train" if got == "dgt train" else "a DDP training script (dgt.ddp)"
+        raise ValueError(f"{path} is a checkpoint of {what}, not of "
+                         f"{'dgt train' if want == 'dgt train' else 'a DDP script'}; "
+                         f"resume it with {WRITERS[got]}")
+
+
+def check_resume(folder: str, world: int, job, tx) -> None:
+    """Before anything starts: every rank's files in step ``folder`` are dgt train's
+    checkpoint files of this rank and ``world``, taken with this run's
+    :data:`RUN_FLAGS` (``job``: a JobConfig) and ``--mode``, ``--block-bytes`` and
+    ``--error-feedback`` (``tx``: a TransmissionConfig). Raises ValueError naming the
+    flag that differs, or the file that is not such a checkpoint."""
+    mode, block_bytes = tx.mode, tx.block_bytes
+
     def differs(flag: str, then, now) -> ValueError:
         return ValueError(f"--resume {folder}: taken with --{flag} {then}, this run has "
                           f"--{flag} {now}; resume with the same flags")
@@ -153,7 +188,17 @@ def check_resume(folder: str, world: int, job, mode: str, block_bytes: int) -> N
             raise differs("mode", side["mode"], mode)
         if side.get("block_elems", block_bytes // 4) != block_bytes // 4:
             raise differs("block-bytes", 4 * side["block_elems"], block_bytes)
-        st = load(trainer_file(folder, r), mmap=True)
+        res = side.get("residual")
+        if isinstance(res, dict) and hasattr(res.get("residual"), "numel"):
+            kept = res["residual"].numel() > 0   # (0,) when error feedback was off
+            if kept != bool(tx.error_feedback):
+                flag = lambda on: "error-feedback" if on else "no-error-feedback"
+                raise ValueError(f"--resume {folder}: taken with --{flag(kept)}, this run "
+                                 f"has --{flag(tx.error_feedback)}; resume with the same "
+                                 f"flags")
+        path = trainer_file(folder, r)
+        st = load(path, mmap=True)
+        check_writer(st, path, "dgt train")
         if (st.get("rank", r), st.get("world", world)) != (r, world):
             raise ValueError(f"--resume {folder}: trainer-{r}.pt is of rank {st['rank']} "
                              f"of {st['world']}; resume with the same --workers")
@@ -174,7 +219,19 @@ def load(path: str, mmap: bool = False) -> dict:
     """``torch.load`` of one of our files (tensors and plain values only:
     ``weights_only``; ``mmap``: tensors stay on disk until read, for a cheap check).
     Raises ValueError for a file that is missing or not ours."""
+    import stat
+
     import torch
+    try:   # a FIFO or a device would block or stream forever in torch.load
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ValueError(f"{path} is not a dgt checkpoint file (not a regular file)")
+        with open(path, "rb") as f:   # torch.save writes a zip archive; torch's own
+            head = f.read(4)          # words for anything else are about mmap
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    if head != b"PK\x03\x04":
+        raise ValueError(f"{path} is not a dgt checkpoint file ("
+                         f"{'empty' if not head else 'not a torch.save zip archive'})")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except OSError as e:

@@ -164,7 +164,9 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     first_epoch = skip = 0  # where a resumed run picks up: epoch, batches done in it
     resumed_losses: list[float] = []
     if resume:   # before register(): the sidecars compare the parameters' SHA-256
-        st = checkpoint.load(checkpoint.trainer_file(resume, ns.rank))
+        path = checkpoint.trainer_file(resume, ns.rank)
+        st = checkpoint.load(path)
+        checkpoint.check_writer(st, path, "dgt train")
         if (st["rank"], st["world"]) != (ns.rank, ns.world):
             raise ValueError(f"--resume {resume}: the checkpoint is of rank {st['rank']} "
                              f"of {st['world']}; resume with the same --workers")
@@ -204,7 +206,8 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
         os.makedirs(folder, exist_ok=True)
         if hasattr(client, "save_state"):
             client.save_state(checkpoint.sidecar_file(folder, ns.rank))
-        checkpoint.save({"format": checkpoint.FORMAT, "rank": ns.rank, "world": ns.world,
+        checkpoint.save({"format": checkpoint.FORMAT, "writer": "dgt train",
+                         "rank": ns.rank, "world": ns.world,
                          "step": step, "rounds": rounds, "epoch": epoch, "index": index,
                          "evaluated_at": evaluated_at, "losses": list(losses),
                          "model": model.state_dict(), "optimizer": opt.state_dict(),

@@ -468,7 +468,7 @@ def resume_from(ckpt: CheckpointConfig, job: JobConfig, tx: TransmissionConfig) 
     if not ckpt.resume:
         return ""
     folder = checkpoint.resolve(ckpt.resume, job.workers)
-    checkpoint.check_resume(folder, job.workers, job, tx.mode, tx.block_bytes)
+    checkpoint.check_resume(folder, job.workers, job, tx)
     return folder
 
 

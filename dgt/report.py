@@ -164,7 +164,10 @@ def summary_head(r: dict, log=print) -> None:
         summary_row("workload", describe_workload(w), log)
     summary_row("iterations", r["iterations"], log)
     if w and w["algo"] == "fedavg":
-        summary_row("rounds", f"{r['rounds']} ({w['local_steps']} local steps each)", log)
+        # a round also ends with its epoch (docs/workloads.md): say what they averaged
+        per = r["iterations"] / r["rounds"] if r["rounds"] else 0.0
+        summary_row("rounds", f"{r['rounds']} ({per:.3g} local steps each on average; "
+                              f"--local-steps {w['local_steps']})", log)
     summary_row("final test accuracy", f"{r['final_test_accuracy']:.4f}", log)
     reached = r["target_reached"]
     summary_row(f"reached {r['target_accuracy']}",

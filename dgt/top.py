@@ -225,6 +225,8 @@ def _quit_pressed(timeout_s: float) -> bool:
 
 
 def main(ns: argparse.Namespace) -> int:
+    # without a terminal there is no live view to wait in: the table once, as --once
+    ns.once = ns.once or not sys.stdin.isatty()
     if not 0.05 <= ns.interval_s <= 3600:
         ns.parser.error(f"--interval-s must be in 0.05..3600, got {ns.interval_s:g}")
     if ns.endpoints:
@@ -242,16 +244,16 @@ def main(ns: argparse.Namespace) -> int:
                             f"that does not exist yet is waited for)")
         if ns.once and not os.path.isdir(ns.run_dir):
             ns.parser.error(f"{ns.run_dir} does not exist; give the job's --run-dir "
-                            f"(without --once, dgt top waits for it to appear)")
+                            f"(in a terminal and without --once, dgt top waits for it to appear)")
         if ns.once and not is_run_dir(ns.run_dir):
             ns.parser.error(f"{ns.run_dir} is not a run dir (no lock, trace-<rank>.jsonl "
                             f"or sidecar-<rank> files); give the job's --run-dir "
-                            f"(without --once, dgt top waits for the job to start there)")
+                            f"(in a terminal and without --once, dgt top waits for the job to start there)")
         source = TraceFollower(ns.run_dir)
         label = ns.run_dir
     from rich.console import Console
     console = Console()
-    if ns.once or not sys.stdin.isatty():
+    if ns.once:
         source.poll()
         errors = getattr(source, "errors", {})
         if errors and len(errors) == len(source.endpoints):

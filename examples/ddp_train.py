@@ -88,7 +88,8 @@ def save_checkpoint(root: str, step: int, epoch: int, batch: int, model, opt,
     rank = dist.get_rank()
     if state is not None:
         state.save_sidecar(checkpoint.sidecar_file(folder, rank))                   # dgt
-    checkpoint.save({"format": checkpoint.FORMAT, "model": model.module.state_dict(),
+    checkpoint.save({"format": checkpoint.FORMAT, "writer": "ddp",
+                     "model": model.module.state_dict(),
                      "opt": opt.state_dict(), "step": step, "epoch": epoch,
                      "batch": batch, "rng": torch.get_rng_state(),
                      "dgt": state.state_dict() if state is not None else None},   # dgt
@@ -166,6 +167,9 @@ def main() -> None:
                    help="a step-<t> folder, or a checkpoint folder (its newest complete "
                         "step; $DGT_RESUME)")
     a = p.parse_args()
+    if a.checkpoint_every < 0:
+        p.error(f"--checkpoint-every {a.checkpoint_every}: give N >= 1 iterations, or 0 "
+                f"for no checkpoints")
     if a.checkpoint_every and not a.checkpoint_dir:
         p.error("--checkpoint-every needs --checkpoint-dir D (or $DGT_CHECKPOINT_DIR)")
 
@@ -180,6 +184,8 @@ def main() -> None:
     opt = torch.optim.Adam(net.parameters(), lr=a.lr)
     folder = resume_from(a)
     ck = checkpoint.load(checkpoint.trainer_file(folder, rank)) if folder else None
+    if ck is not None:   # not dgt train's: its keys differ (one line, not a KeyError)
+        checkpoint.check_writer(ck, checkpoint.trainer_file(folder, rank), "ddp")
     if ck is not None:   # before DDP, which broadcasts rank 0's parameters
         net.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])

@@ -116,6 +116,9 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_anything_start
     base = ("--workers", 2, "--hidden", 32, "--iterations", 20, "--run-dir",
             tmp_path / "run1")
     for extra, want in ((("--hidden", 64), "taken with --hidden 32, this run has --hidden 64"),
+                        # breaker round, stop 27: caught only after launch, exit 1
+                        (("--no-error-feedback",), "taken with --error-feedback, this "
+                                                   "run has --no-error-feedback"),
                         (("--block-bytes", 704), "--block-bytes 1408, this run has "
                                                   "--block-bytes 704"),
                         (("--mode", "tcp"), "--mode dgt, this run has --mode tcp")):
@@ -130,8 +133,32 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_anything_start
     p = _train(*base, "--resume", ck)
     assert p.returncode == 2 and "sidecar-1.pt is not a dgt checkpoint file" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    open(side, "wb").close()   # empty: torch's own words were about mmap
+    p = _train(*base, "--resume", ck)
+    assert p.returncode == 2 and "sidecar-1.pt is not a dgt checkpoint file (empty)" \
+        in p.stderr, p.stderr
+    os.unlink(side)
+    os.mkfifo(side)   # breaker round, stop 27: torch.load blocked on it for ever
+    p = _train(*base, "--resume", ck, timeout=120)
+    assert p.returncode == 2 and "sidecar-1.pt is not a dgt checkpoint file (not a " \
+        "regular file)" in p.stderr, p.stderr
+    os.unlink(side)
     with open(side, "wb") as f:
         f.write(data)
+    # breaker round, stop 27: a DDP script resuming dgt train's checkpoint: a KeyError
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", "ddp_train.py")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", example, "--comm", "dgt", "--dataset",
+                        "digits", "--hidden", "32", "--iterations", "20", "--resume",
+                        step], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, DGT_RUN_DIR=str(tmp_path / "ddp-run"),
+                                OMP_NUM_THREADS="1"))
+    ours = [ln for ln in p.stderr.splitlines() if "ddp_train.py rank" in ln]
+    assert p.returncode != 0 and ours, p.stderr[-3000:]
+    assert all("is a checkpoint of dgt train, not of a DDP script; resume it with dgt "
+               "train --resume" in ln for ln in ours), p.stderr[-3000:]
+    assert "KeyError" not in p.stderr
     torch.save({"a": 1}, checkpoint.trainer_file(step, 0))   # foreign
     p = _train(*base, "--resume", ck)
     assert p.returncode == 2 and "trainer-0.pt is not a dgt checkpoint file" in p.stderr

@@ -199,3 +199,14 @@ def test_a_parser_error_quoting_multiline_text_is_one_line(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
     assert "encountered, but no persistent_load" in err and "see 't --help'" in err
+
+
+def test_top_without_a_terminal_checks_its_run_dir_as_once_does():
+    # breaker round, stop 27: with stdin not a terminal, 'dgt top' prints the table once
+    # (as --once) but skipped --once's checks: a waiting frame and exit 0 for a folder
+    # that does not exist
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "top", "/nonexistent-dgt-run"],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "/nonexistent-dgt-run does not exist" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "waiting" not in p.stdout

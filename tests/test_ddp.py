@@ -173,6 +173,23 @@ def test_a_resumed_example_ends_bitwise_where_an_uninterrupted_one_does(tmp_path
     assert len({r["param_sha256"] for r in whole}) == 1
     assert [r["param_sha256"] for r in resumed] == [r["param_sha256"] for r in whole]
     assert resumed[0]["iterations"] == 20
+    if mode == "dgt":   # breaker round, stop 27: dgt train took this DDP script's
+        # checkpoint, started every process and ended in a KeyError
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                            "--hidden", "32", "--iterations", "20", "--resume",
+                            str(step10), "--run-dir", str(tmp_path / "train-run")],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr
+        assert "trainer-0.pt is a checkpoint of a DDP training script (dgt.ddp), not of " \
+            "dgt train; resume it with the DDP training script" in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "train-run" / "pids.json").exists()   # nothing started
+
+
+def test_a_negative_checkpoint_interval_is_refused():
+    p = subprocess.run([sys.executable, EXAMPLE, "--checkpoint-every", "-1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--checkpoint-every -1: give N >= 1" in p.stderr, p.stderr
 
 
 def blocks_lost(run_dir) -> int:
@@ -297,6 +314,57 @@ def test_hook_state_round_trips_and_single_rank_means_itself(group):
         other.load_state_dict(sd)
     state.close()
     assert not [n for n in os.listdir(group / "run") if n.endswith(".sock")]
+
+
+def test_a_sidecar_killed_by_sigkill_leaves_no_socket(group):
+    # breaker round, stop 27: the sidecar cannot unlink its socket when SIGKILLed; the
+    # trainer that spawned it now does at close(), and a later generation's reap does
+    # for a sidecar of a failed one that has already ended
+    import torch
+
+    from dgt.ddp import DgtState, dgt_hook
+    model = _ddp()
+    state = DgtState()
+    model.register_comm_hook(state, dgt_hook)
+    _step(model)
+    sock = group / "run" / "sidecar-0.sock"
+    assert sock.exists()
+    pid = json.loads((group / "run" / "endpoints-0.json").read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    state.node.proc.wait(10)
+    assert sock.exists()   # precondition: the kill left it
+    state.close()
+    assert not sock.exists()
+    from dgt.ddp.node import reap_sidecar
+    stale = socket.socket(socket.AF_UNIX)   # bound, then closed: nothing listens
+    stale.bind(str(sock))
+    stale.close()
+    assert reap_sidecar(str(group / "run"), 0, "job-a", timeout_s=0.5) is None   # ended
+    assert not sock.exists()
+    live = socket.socket(socket.AF_UNIX)   # a listener's socket is left alone
+    live.bind(str(sock))
+    live.listen(1)
+    try:
+        reap_sidecar(str(group / "run"), 0, "job-a", timeout_s=0.5)
+        assert sock.exists()
+    finally:
+        live.close()
+    assert torch.isfinite(next(model.parameters())).all()
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf"), "soon"])
+def test_a_bad_hook_timeout_is_refused_at_construction(timeout_s):
+    from dgt.ddp import DgtState
+    with pytest.raises(ValueError, match="a finite number > 0"):
+        DgtState(timeout_s=timeout_s, connect=False)
+
+
+def test_a_hook_registered_without_its_state_is_one_line(group):
+    from dgt.ddp import dgt_hook
+    model = _ddp()
+    model.register_comm_hook(None, dgt_hook)
+    with pytest.raises(TypeError, match="must be a dgt.ddp.DgtState, got NoneType"):
+        _step(model)
 
 
 def test_hook_registered_twice_or_on_two_models_is_one_line(group):

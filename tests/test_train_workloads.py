@@ -46,6 +46,9 @@ def test_fedavg_non_iid_under_loss_keeps_replicas_and_conserves_deltas(train, tm
     assert len(hist) == 4 and all(sum(1 for v in row if v) <= 6 for row in hist)
     assert "samples per class and worker (partition shards:2)" in p.stdout
     assert "FedAvg H=3" in p.stdout and "MB sent per round" in p.stdout
+    # breaker round, stop 27: the row said "(H local steps each)" for any H, also
+    # where a round ends with its epoch first
+    assert "3 (3 local steps each on average; --local-steps 3)" in p.stdout
     assert "Traceback" not in logs_of(tmp_path / "run")
 
 

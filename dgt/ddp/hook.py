@@ -85,6 +85,10 @@ def dgt_hook(state: DgtState, bucket) -> torch.futures.Future[torch.Tensor]:
         >>> state = dgt.ddp.DgtState()
         >>> ddp_model.register_comm_hook(state, dgt.ddp.dgt_hook)
     """
+    if not isinstance(state, DgtState):   # register_comm_hook(None, dgt_hook): one line
+        raise TypeError(f"dgt_hook's state must be a dgt.ddp.DgtState, got "
+                        f"{type(state).__name__}: model.register_comm_hook(DgtState(), "
+                        f"dgt_hook)")
     handed = state.now()
     buf = bucket.buffer()
     if buf.dtype != torch.float32:

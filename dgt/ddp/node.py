@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -244,6 +245,11 @@ class NodeLink:
                 self.proc.kill()
                 self.proc.wait()
         _remove_shm(self.proc.pid)   # a sidecar killed before its first push
+        try:   # ours, spawned above; a sidecar that got SIGKILL could not unlink it
+            if stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
+                os.unlink(self.socket_path)
+        except OSError:   # it did (the usual end)
+            pass
 
 
 def _remove_shm(pid: int) -> None:
@@ -282,8 +288,9 @@ def reap_sidecar(run_dir: str, rank: int, run_id: str,
             pid = int(json.load(f)["pid"])
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None   # no sidecar ran there, or it has ended
+    except (OSError, ValueError, KeyError, TypeError):   # no sidecar ran there, or it
+        _unlink_if_stale(sock)   # ended: by SIGKILL, its socket is still there
+        return None
     job = argv[argv.index("--job") + 1] if "--job" in argv[:-1] else "none"
     if "dgt.sidecar" not in argv or sock not in argv or job != run_id:
         return None
@@ -303,6 +310,23 @@ def reap_sidecar(run_dir: str, rank: int, run_id: str,
         pass
     _remove_shm(pid)
     return pid
+
+
+def _unlink_if_stale(sock: str) -> None:
+    """Remove Unix socket ``sock`` when nothing listens on it any more (connect(2):
+    ECONNREFUSED), as a sidecar killed by SIGKILL leaves it."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(sock)
+    except ConnectionRefusedError:
+        try:
+            os.unlink(sock)
+        except OSError:
+            pass
+    except OSError:   # no such file, or not ours to test
+        pass
+    finally:
+        s.close()
 
 
 def _running(pid: int) -> bool:

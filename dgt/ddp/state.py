@@ -2,6 +2,8 @@
 the node's sidecar (which it does not)."""
 from __future__ import annotations
 
+import math
+
 import os
 import time
 
@@ -60,7 +62,13 @@ class DgtState:
         self.process_group = process_group
         self.socket_path = socket_path
         self.sidecar_args = list(sidecar_args)
-        self.timeout_s = float(timeout_s)
+        try:
+            self.timeout_s = float(timeout_s)
+        except (TypeError, ValueError):
+            self.timeout_s = math.nan
+        if not 0.0 < self.timeout_s < math.inf:   # NaN fails too
+            raise ValueError(f"DgtState(timeout_s={timeout_s!r}): give the seconds every "
+                             f"wait for the sidecar may take, a finite number > 0")
         self.overlap = bool(overlap)
         #: DDP iterations whose buckets were all averaged (the next push's iteration)
         self.iteration = 0

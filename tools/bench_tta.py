@@ -756,7 +756,8 @@ def plot_accuracy(doc: dict, path: str) -> None:
         ax.set_title(" ".join(key))
         ax.set_xlabel("training seconds")
         ax.set_ylabel("test accuracy")
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:   # no curve (every cell failed): none
+            ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()

@@ -180,25 +180,23 @@ def check_resume(folder: str, world: int, job, tx) -> None:
     mode, block_bytes = tx.mode, tx.block_bytes
 
     def differs(flag: str, then, now) -> ValueError:
-        return ValueError(f"--resume {folder}: taken with --{flag} {then}, this run has "
-                          f"--{flag} {now}; resume with the same flags")
+        def given(v):   # a switch (True/False) reads as the flag itself, or its --no-
+            return f"--{'' if v else 'no-'}{flag}" if isinstance(v, bool) else \
+                f"--{flag} {v}"
+        return ValueError(f"--resume {folder}: taken with {given(then)}, this run has "
+                          f"{given(now)}; resume with the same flags")
     for r in range(world):
         side = load(sidecar_file(folder, r), mmap=True)
         if side.get("mode", mode) != mode:
             raise differs("mode", side["mode"], mode)
         if side.get("block_elems", block_bytes // 4) != block_bytes // 4:
             raise differs("block-bytes", 4 * side["block_elems"], block_bytes)
-        res = side.get("residual")
-        if isinstance(res, dict) and hasattr(res.get("residual"), "numel"):
-            kept = res["residual"].numel() > 0   # (0,) when error feedback was off
-            if kept != bool(tx.error_feedback):
-                flag = lambda on: "error-feedback" if on else "no-error-feedback"
-                raise ValueError(f"--resume {folder}: taken with --{flag(kept)}, this run "
-                                 f"has --{flag(tx.error_feedback)}; resume with the same "
-                                 f"flags")
-        path = trainer_file(folder, r)
-        st = load(path, mmap=True)
-        check_writer(st, path, "dgt train")
+        res = side.get("residual")   # Residual.state_dict(): (0,) with error feedback off
+        res = res.get("residual") if isinstance(res, dict) else None
+        kept = res.numel() > 0 if hasattr(res, "numel") else bool(tx.error_feedback)
+        if kept != bool(tx.error_feedback):
+            raise differs("error-feedback", kept, bool(tx.error_feedback))
+        st = load(trainer_file(folder, r), mmap=True, writer="dgt train")
         if (st.get("rank", r), st.get("world", world)) != (r, world):
             raise ValueError(f"--resume {folder}: trainer-{r}.pt is of rank {st['rank']} "
                              f"of {st['world']}; resume with the same --workers")
@@ -215,9 +213,10 @@ def save(obj, path: str) -> None:
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def load(path: str, mmap: bool = False) -> dict:
+def load(path: str, mmap: bool = False, writer: str | None = None) -> dict:
     """``torch.load`` of one of our files (tensors and plain values only:
     ``weights_only``; ``mmap``: tensors stay on disk until read, for a cheap check).
+    ``writer``: a trainer file, which must be that tool's (:func:`check_writer`).
     Raises ValueError for a file that is missing or not ours."""
     import stat
 
@@ -242,6 +241,8 @@ def load(path: str, mmap: bool = False) -> dict:
         raise ValueError(f"{path} is not a dgt checkpoint file ({why})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dgt checkpoint file of format {FORMAT}")
+    if writer is not None:
+        check_writer(state, path, writer)
     return state
 
 

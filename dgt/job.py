@@ -164,9 +164,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     first_epoch = skip = 0  # where a resumed run picks up: epoch, batches done in it
     resumed_losses: list[float] = []
     if resume:   # before register(): the sidecars compare the parameters' SHA-256
-        path = checkpoint.trainer_file(resume, ns.rank)
-        st = checkpoint.load(path)
-        checkpoint.check_writer(st, path, "dgt train")
+        st = checkpoint.load(checkpoint.trainer_file(resume, ns.rank), writer="dgt train")
         if (st["rank"], st["world"]) != (ns.rank, ns.world):
             raise ValueError(f"--resume {resume}: the checkpoint is of rank {st['rank']} "
                              f"of {st['world']}; resume with the same --workers")

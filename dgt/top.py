@@ -244,11 +244,13 @@ def main(ns: argparse.Namespace) -> int:
                             f"that does not exist yet is waited for)")
         if ns.once and not os.path.isdir(ns.run_dir):
             ns.parser.error(f"{ns.run_dir} does not exist; give the job's --run-dir "
-                            f"(in a terminal and without --once, dgt top waits for it to appear)")
+                            f"(in a terminal and without --once, dgt top waits for it "
+                            f"to appear)")
         if ns.once and not is_run_dir(ns.run_dir):
             ns.parser.error(f"{ns.run_dir} is not a run dir (no lock, trace-<rank>.jsonl "
                             f"or sidecar-<rank> files); give the job's --run-dir "
-                            f"(in a terminal and without --once, dgt top waits for the job to start there)")
+                            f"(in a terminal and without --once, dgt top waits for the "
+                            f"job to start there)")
         source = TraceFollower(ns.run_dir)
         label = ns.run_dir
     from rich.console import Console

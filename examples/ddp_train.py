@@ -183,9 +183,9 @@ def main() -> None:
     net = make_model(shape, a.hidden)
     opt = torch.optim.Adam(net.parameters(), lr=a.lr)
     folder = resume_from(a)
-    ck = checkpoint.load(checkpoint.trainer_file(folder, rank)) if folder else None
-    if ck is not None:   # not dgt train's: its keys differ (one line, not a KeyError)
-        checkpoint.check_writer(ck, checkpoint.trainer_file(folder, rank), "ddp")
+    # writer: dgt train's files have other keys (one line here, not a KeyError later)
+    ck = checkpoint.load(checkpoint.trainer_file(folder, rank), writer="ddp") \
+        if folder else None
     if ck is not None:   # before DDP, which broadcasts rank 0's parameters
         net.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])

@@ -17,7 +17,6 @@ import os
 import re
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -245,11 +244,7 @@ class NodeLink:
                 self.proc.kill()
                 self.proc.wait()
         _remove_shm(self.proc.pid)   # a sidecar killed before its first push
-        try:   # ours, spawned above; a sidecar that got SIGKILL could not unlink it
-            if stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
-                os.unlink(self.socket_path)
-        except OSError:   # it did (the usual end)
-            pass
+        _unlink_if_stale(self.socket_path)   # one killed by SIGKILL could not unlink it
 
 
 def _remove_shm(pid: int) -> None:

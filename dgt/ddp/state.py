@@ -3,7 +3,6 @@ the node's sidecar (which it does not)."""
 from __future__ import annotations
 
 import math
-
 import os
 import time
 

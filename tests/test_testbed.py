@@ -157,6 +157,20 @@ def test_queue_bytes_and_rate(request):
 
 
 @root_only
+def test_a_slow_testbed_queues_in_time_not_in_bytes(request):
+    # htb-prio's queue_ms at 10 Mbit/s: 100 ms is 125 KB, under the 128 KiB floor, so
+    # every leaf the kernel holds (host and router side) is 131,072 bytes, not 2 MiB
+    prefix = f"dgtt{uuid.uuid4().hex[:6]}"
+    try:
+        tb = testbed.up(1, rate="10mbit", prefix=prefix)
+        for dev, ns in (("eth0", tb.host_netns(0)), ("p0", tb.router)):
+            st = applier.show(dev, ns)
+            assert {q["limit"] for q in st["qdiscs"] if q["kind"] == "bfifo"} == {131072}
+    finally:
+        testbed.down(prefix)
+
+
+@root_only
 def test_missing_qdisc_testbed_creates_nothing():
     prefix = f"dgtt{uuid.uuid4().hex[:6]}"
     before = _links_and_netns()

@@ -99,6 +99,21 @@ class Testbed:
         return ([(self.host_netns(i), HOST_DEV) for i in range(self.hosts)]
                 + [(self.router, router_port(i)) for i in range(self.hosts)])
 
+    def queue_drops(self) -> dict[str, dict[str, int]]:
+        """Packets every band's queue has dropped since the testbed came up, summed over
+        the hosts' egress (``"host"``: eth0) and over the router's ports (``"router"``:
+        p<i>), keyed by the band's lowest DSCP as a string (``"46"``: dgt's reliable
+        channel; ``"0"``: best effort). Classes without a DSCP filter are left out.
+        Raises TcError."""
+        out: dict[str, dict[str, int]] = {"host": {}, "router": {}}
+        for ns, dev in self.ports():
+            side = out["router" if ns == self.router else "host"]
+            for c in applier.show(dev, ns)["classes"]:
+                if c["dscp"]:
+                    key = str(min(c["dscp"]))
+                    side[key] = side.get(key, 0) + c["stats"]["drops"]
+        return out
+
     def _check(self, i: int) -> None:
         if not 0 <= int(i) < self.hosts:
             raise IndexError(f"host {i} is not in 0..{self.hosts - 1}")

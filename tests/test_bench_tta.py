@@ -178,3 +178,23 @@ def test_the_plot_of_cells_that_all_failed_so_far_warns_nothing(tmp_path):
         warnings.simplefilter("error")
         plot_accuracy(doc, str(tmp_path / "a.png"))
     assert (tmp_path / "a.png").stat().st_size > 0
+
+
+def test_a_cells_queue_drops_are_the_difference_and_get_their_own_table():
+    from dgt.tools.bench_tta import markdown, queue_drops_since
+    before = {"host": {"46": 5, "0": 0}, "router": {"46": 0, "24": 7}}
+    after = {"host": {"46": 5, "0": 3}, "router": {"46": 1200, "24": 7}}
+    d = queue_drops_since(before, after)
+    assert d == {"host": {"0": 3}, "router": {"46": 1200}}
+    doc = {"command": "dgt bench tta", "date": "2026-12-03T00:00:00+00:00",
+           "host": {"cpus": 2, "kernel": "k", "load_before": [0, 0, 0]},
+           "config": {"target_accuracy": 0.8, "workers": 4, "batch_size": 32,
+                      "eval_samples": 1000, "eval_every": 50, "max_iterations": 400,
+                      "scenarios": ["share"], "share": 0.5},
+           "cells": [{"rate": "8981kbit", "scenario": "share", "workload": "googlenet:0.125",
+                      "system": "tcp", "base": "tcp", "label": "dgt --mode tcp",
+                      "error": "exit status 1", "queue_drops": d, "command": "x",
+                      "history": []}]}
+    md = markdown(doc)
+    assert ("| 8981kbit | share | googlenet:0.125 | dgt --mode tcp | DSCP 0: 3 "
+            "| DSCP 46: 1,200 |") in md

@@ -171,6 +171,27 @@ def test_a_slow_testbed_queues_in_time_not_in_bytes(request):
 
 
 @root_only
+def test_queue_drops_counts_what_a_full_band_dropped_by_side_and_dscp():
+    # 400 datagrams of 1 KB marked EF into a 1 Mbit/s port whose queues hold 3,000 bytes:
+    # host 1's eth0 drops most of them in band 46, nothing else drops, and nothing
+    # reaches the router's queue faster than it drains
+    prefix = f"dgtt{uuid.uuid4().hex[:6]}"
+    try:
+        tb = testbed.up(2, rate="1mbit", queue_bytes=3000, prefix=prefix)
+        before = tb.queue_drops()
+        assert before == {"host": {k: 0 for k in before["host"]},
+                          "router": {k: 0 for k in before["router"]}}
+        assert "46" in before["host"] and "0" in before["host"]
+        tb.run_in(1, _send_udp, tb.host_addr(0), 9, [46], 400)
+        after = tb.queue_drops()
+        assert after["host"]["46"] > 300, after
+        assert sum(after["host"].values()) == after["host"]["46"]
+        assert sum(after["router"].values()) == 0, after
+    finally:
+        testbed.down(prefix)
+
+
+@root_only
 def test_missing_qdisc_testbed_creates_nothing():
     prefix = f"dgtt{uuid.uuid4().hex[:6]}"
     before = _links_and_netns()

@@ -417,8 +417,11 @@ def run_cell(cfg: TtaConfig, cell: dict, tb, work_dir: str) -> dict:
                                     TENANT_DSCP if cell["scenario"] == "share" else None)
         row["tenant_dscp"] = TENANT_DSCP if cell["scenario"] == "share" else 0
     row["load_before"] = _load_avg()
+    drops0 = tb.queue_drops() if tb is not None else None
     code, row["cell_seconds"] = bench.run_job(argv, run_dir, timeout_s)
     row["load_after"] = _load_avg()
+    if drops0 is not None:
+        row["queue_drops"] = queue_drops_since(drops0, tb.queue_drops())
     if tenant is not None:
         row["tenant"] = tenant.stop()
     rep = None
@@ -440,6 +443,15 @@ def run_cell(cfg: TtaConfig, cell: dict, tb, work_dir: str) -> dict:
     if not cfg.keep_runs and not row.get("shutdown_failure"):
         shutil.rmtree(run_dir, ignore_errors=True)
     return row
+
+
+def queue_drops_since(before: dict, after: dict) -> dict[str, dict[str, int]]:
+    """Per side (``host``, ``router``) and band (lowest DSCP), the packets dropped
+    between two :meth:`Testbed.queue_drops` readings; bands without a drop are left
+    out. The tenant's own drops are counted too (its band, or best effort)."""
+    return {side: {k: n - before.get(side, {}).get(k, 0) for k, n in bands.items()
+                   if n > before.get(side, {}).get(k, 0)}
+            for side, bands in after.items()}
 
 
 def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict]) -> dict:
@@ -729,12 +741,31 @@ def markdown(doc: dict) -> str:
             f"{_fmt(c['pull_bytes_per_iteration'] and c['pull_bytes_per_iteration'] / 1e3)} | "
             f"{'identical' if c['replicas_identical'] else 'DIFFER'} | {c.get('load_before')} |"
             + (" †" if c.get("shutdown_failure") else ""))
+    drops = [c for c in doc["cells"] if c.get("queue_drops") is not None]
+    if drops:
+        lines += ["", "Queue drops: packets the bands' queues dropped during each cell "
+                  "(tc class counters), on the hosts' egress and on the router's ports, "
+                  "by the band's DSCP (46: dgt's reliable channel; 0: best effort, gloo "
+                  f"and the tenant; {TENANT_DSCP}: the share tenant).", "",
+                  "| rate | scenario | workload | system | host egress | router ports |",
+                  "|---|---|---|---|---|---|"]
+        for c in drops:
+            d = c["queue_drops"]
+            lines.append(f"| {c['rate']} | {c['scenario']} | {c['workload']} | {c['label']} "
+                         f"| {_drops_text(d.get('host', {}))} "
+                         f"| {_drops_text(d.get('router', {}))} |")
     lines += ["", "Commands of the cells:", ""]
     lines += [f"- {c['rate'] or 'loopback'} {c['scenario']} {c['workload']} {c['system']}: "
               f"`{c['command']}`" for c in doc["cells"]]
     lines += ["", "Plot: `tta_accuracy.png` (test accuracy against training seconds, a "
               "panel per rate, scenario and workload). Raw numbers: `tta.json`.", ""]
     return "\n".join(lines)
+
+
+def _drops_text(bands: dict[str, int]) -> str:
+    return ", ".join(f"DSCP {k}: {n:,}" for k, n in sorted(bands.items(),
+                                                          key=lambda kv: -int(kv[0]))) \
+        or "none"
 
 
 def plot_accuracy(doc: dict, path: str) -> None:

@@ -135,8 +135,9 @@ def tb_up(args) -> int:
     dscp = [int(x) for x in args.loss_dscp.split(",")] if args.loss_dscp else None
     tb = testbed.up(args.hosts, rate=args.rate, profile=args.profile,
                     queue_bytes=args.queue_bytes, loss_pct=args.loss_pct, loss_dscp=dscp,
-                    prefix=args.prefix)
-    print(f"testbed up: {tb.hosts} hosts, {tb.rate}, profile {tb.profile}"
+                    prefix=args.prefix, tcp_congestion=args.tcp_congestion)
+    print(f"testbed up: {tb.hosts} hosts, {tb.rate}, profile {tb.profile}, TCP "
+          f"{tb.tcp_congestion or 'as this machine'}"
           + (f", loss {tb.loss_pct:g} %" if tb.loss_pct else ""))
     for i in range(tb.hosts):
         print(f"  host {i}: netns {tb.host_netns(i)}  addr {tb.host_addr(i)}")
@@ -245,6 +246,9 @@ def register(subparsers) -> None:
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--profile", default="htb-prio")
     p.add_argument("--queue-bytes", type=int, default=None)
+    p.add_argument("--tcp-congestion", default="cubic",
+                   help="every namespace's default TCP congestion control (default cubic, "
+                        "Linux's default; '' keeps this machine's)")
     p.add_argument("--loss-pct", type=float, default=0.0,
                    help="random loss in percent, 0..100 (nftables)")
     # the old spelling: still taken, with one deprecation line (names carry their unit)

@@ -78,6 +78,7 @@ class Testbed:
     queue_bytes: int | None = None
     loss_pct: float = 0.0
     loss_dscp: tuple[int, ...] | None = None
+    tcp_congestion: str = "cubic"
 
     # ---------------------------------------------------------------- names
     def host_netns(self, i: int) -> str:
@@ -255,13 +256,18 @@ def nft_loss_ruleset(loss_pct: float, loss_dscp=None) -> str:
 
 def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
        queue_bytes: int | None = None, loss_pct: float = 0.0, loss_dscp=None,
-       prefix: str = DEFAULT_PREFIX) -> Testbed:
+       prefix: str = DEFAULT_PREFIX, tcp_congestion: str = "cubic") -> Testbed:
     """Build the star testbed and return it. An old testbed with the same prefix goes first.
 
     ``rate``: every port's shaped rate (tc notation). ``profile``: tc profile on every
     port. ``queue_bytes``: overrides every band's queue limit (bfifo, bytes).
     ``loss_pct``: random drop in the router (nftables numgen), only for ``loss_dscp``
-    when given. Raises TestbedError (not root, bad arguments, kernel lacks a qdisc the
+    when given. ``tcp_congestion``: every namespace's default TCP congestion control
+    (net.ipv4.tcp_congestion_control, one of tcp_available_congestion_control; "" keeps
+    the machine's), so that every TCP flow on the testbed, the job's, gloo's and the
+    tenant's, runs the same algorithm whatever this machine's default is (Linux's is
+    cubic; docs/tc_profiles.md, "Congestion control").
+    Raises TestbedError (not root, bad arguments, kernel lacks a qdisc the
     profile needs: nothing is created then); on a failure half-way, everything built
     is removed before the error is raised.
     """
@@ -281,12 +287,17 @@ def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
         compile_profile(prof, rate_bit)  # every value fits its netlink field
     except (ValueError, applier.TcError) as e:
         raise TestbedError(str(e)) from None
+    if tcp_congestion and tcp_congestion not in available_congestion_controls():
+        raise TestbedError(f"TCP congestion control '{tcp_congestion}' is not available "
+                           f"here (net.ipv4.tcp_available_congestion_control: "
+                           f"{' '.join(available_congestion_controls())}); pick one of "
+                           f"those, or load its module (modprobe tcp_{tcp_congestion})")
     if loss_dscp is not None:
         loss_dscp = tuple(int(d) for d in loss_dscp)
         if any(not 0 <= d <= 63 for d in loss_dscp):
             raise TestbedError(f"loss_dscp values must be 0..63, got {loss_dscp}")
     tb = Testbed(int(hosts), str(rate), prof.name, prefix, queue_bytes, float(loss_pct),
-                 loss_dscp)
+                 loss_dscp, tcp_congestion or "")
     down(prefix)
     try:
         _build(tb, prof)
@@ -319,6 +330,9 @@ def _build(tb: Testbed, prof: Profile) -> None:
                 h.link("set", index=idx, state="up")
                 h.route("add", dst="0.0.0.0/0", gateway=router_addr(i))
     _sysctl(tb.router, "net/ipv4/ip_forward", "1")
+    if tb.tcp_congestion:
+        for n in names:
+            _sysctl(n, "net/ipv4/tcp_congestion_control", tb.tcp_congestion)
     for ns, dev in tb.ports():
         applier.apply(prof, dev, ns, rate=tb.rate)
     if tb.loss_pct > 0:
@@ -334,6 +348,16 @@ def _build(tb: Testbed, prof: Profile) -> None:
     _state_file(tb.prefix).write_text(json.dumps(dataclasses.asdict(tb)))
     log.info("testbed %s up: %d hosts, %s, profile %s, %.1f s", tb.prefix, tb.hosts,
              tb.rate, tb.profile, time.monotonic() - t0)
+
+
+def available_congestion_controls() -> list[str]:
+    """The TCP congestion controls this kernel has loaded
+    (net.ipv4.tcp_available_congestion_control); [] where unreadable."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
 
 
 def _write(path: str, value: str) -> None:

@@ -23,6 +23,7 @@ root_only = needs("ip", root="netns, veth, tc")
     (["--comm-ratio", "0"], "--comm-ratio must be"),
     (["--iterations", "5"], "use --max-iterations"),
     (["--rates", "fast"], "--rates"),
+    (["--tcp-congestion", "vegas2"], "--tcp-congestion: 'vegas2' is not available"),
 ])
 def test_tta_bad_flags_are_one_line(args, says, tmp_path):
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "tta", "--estimate",

@@ -191,6 +191,41 @@ def test_queue_drops_counts_what_a_full_band_dropped_by_side_and_dscp():
         testbed.down(prefix)
 
 
+def _read_sysctl(key: str) -> str:
+    with open(f"/proc/sys/{key}") as f:
+        return f.read().strip()
+
+
+@root_only
+def test_every_namespace_runs_the_asked_congestion_control(request):
+    # the testbed's TCP does not follow this machine's default (bbr on some VMs):
+    # cubic, Linux's default, unless asked otherwise; '' keeps the machine's
+    key = "net/ipv4/tcp_congestion_control"
+    machine = _read_sysctl(key)
+    other = "reno" if machine != "reno" else "cubic"
+    prefix = f"dgtt{uuid.uuid4().hex[:6]}"
+    try:
+        tb = testbed.up(2, rate="100mbit", prefix=prefix)
+        assert tb.tcp_congestion == "cubic"
+        for ns in (tb.router, tb.host_netns(0), tb.host_netns(1)):
+            assert testbed.run_in_netns(ns, _read_sysctl, key) == "cubic"
+        tb = testbed.up(2, rate="100mbit", prefix=prefix, tcp_congestion=other)
+        assert testbed.run_in_netns(tb.host_netns(1), _read_sysctl, key) == other
+        tb = testbed.up(2, rate="100mbit", prefix=prefix, tcp_congestion="")
+        assert testbed.run_in_netns(tb.host_netns(0), _read_sysctl, key) == machine
+    finally:
+        testbed.down(prefix)
+    assert _read_sysctl(key) == machine   # the machine's own default is left alone
+
+
+@root_only
+def test_an_unavailable_congestion_control_is_refused_before_anything_is_built():
+    prefix = f"dgtt{uuid.uuid4().hex[:6]}"
+    with pytest.raises(testbed.TestbedError, match="'vegas2' is not available.*pick one"):
+        testbed.up(1, prefix=prefix, tcp_congestion="vegas2")
+    assert testbed.current(prefix) is None
+
+
 @root_only
 def test_missing_qdisc_testbed_creates_nothing():
     prefix = f"dgtt{uuid.uuid4().hex[:6]}"

@@ -99,6 +99,7 @@ class BenchConfig:
     target_accuracy: float = 0.8
     loss_pct: tuple[float, ...] = (1.0,)   # one lossy cell per rate and lossy scenario
     profile: str = "htb-prio"
+    tcp_congestion: str = "cubic"   # the testbed namespaces' TCP congestion control
     prefix: str = "dgtbench"   # own testbed namespaces: never touches a 'dgt' testbed
     seed: int = 0
     out: str = "docs/bench"
@@ -146,7 +147,7 @@ class BenchConfig:
 def check_shared(cfg) -> None:
     """The checks every bench mode's config shares (BenchConfig, tools.bench_tta's
     TtaConfig): --workers, --target-accuracy, --prefix, --cell-timeout-s and, on the
-    testbed, --profile. Raises BenchError."""
+    testbed, --profile and --tcp-congestion. Raises BenchError."""
     if not 2 <= cfg.workers <= 64:
         raise BenchError(f"--workers must be 2..64, got {cfg.workers}")
     if not 0.0 < cfg.target_accuracy <= 1.0:
@@ -162,6 +163,12 @@ def check_shared(cfg) -> None:
             load_profile(cfg.profile)
         except ProfileError as e:
             raise BenchError(f"--profile: {e}") from None
+        from dgt.tc_profiles.testbed import available_congestion_controls
+        have = available_congestion_controls()
+        if cfg.tcp_congestion and cfg.tcp_congestion not in have:
+            raise BenchError(f"--tcp-congestion: '{cfg.tcp_congestion}' is not available "
+                             f"here ({' '.join(have)}); pick one of those, or '' for "
+                             f"this machine's default")
 
 
 def check_out_dir(out: str) -> None:
@@ -604,7 +611,8 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
                         + (f"DSCP {','.join(map(str, loss))}" if loss else "every packet")))
                     tb = testbed.up(cfg.workers, rate=cell["rate"], profile=cfg.profile,
                                     loss_pct=0.0 if loss is None else pct,
-                                    loss_dscp=loss or None, prefix=cfg.prefix)
+                                    loss_dscp=loss or None, prefix=cfg.prefix,
+                                    tcp_congestion=cfg.tcp_congestion)
                     tb_key = key
             where = "loopback" if cfg.loopback else f"{cell['rate']} {scenario_label(cell)}"
             tag = f"[{i + 1}/{len(cells)}] {where} {SYSTEM_LABEL[cell['system']]}"
@@ -1024,6 +1032,10 @@ def add_arguments(p) -> None:
                         "lossy-link: on every packet); a comma list (1,3,5) runs each "
                         "lossy scenario at each rate: a loss sweep (default 1)")
     p.add_argument("--profile", default=d.profile, help="tc profile of every port")
+    p.add_argument("--tcp-congestion", default=d.tcp_congestion,
+                   help="the testbed's TCP congestion control, for every flow: the job's, "
+                        "gloo's, the tenant's (default cubic, Linux's default; '' keeps "
+                        "this machine's)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--prefix", default=d.prefix,
                    help="name prefix of the bench's own testbed namespaces")
@@ -1053,7 +1065,8 @@ def config_from_args(a) -> BenchConfig:
                        iterations=d.iterations if a.iterations is None else a.iterations,
                        target_accuracy=d.target_accuracy if a.target_accuracy is None
                        else a.target_accuracy, loss_pct=a.loss_pct,
-                       profile=a.profile, prefix=a.prefix, seed=a.seed, out=a.out,
+                       profile=a.profile, tcp_congestion=a.tcp_congestion,
+                       prefix=a.prefix, seed=a.seed, out=a.out,
                        loopback=a.loopback, cell_timeout_s=a.cell_timeout_s,
                        keep_runs=a.keep_runs)
 

@@ -220,6 +220,7 @@ class TtaConfig:
     batch_size: int = 32
     seed: int = 0
     profile: str = "htb-prio"
+    tcp_congestion: str = "cubic"
     prefix: str = "dgttta"
     out: str = "docs/bench"
     loopback: bool = False
@@ -584,7 +585,7 @@ def run_tta(cfg: TtaConfig, command: str, log_fn=print) -> dict:
                     log_fn(f"testbed: {cfg.workers} hosts at {cell['rate']}"
                            + (f", job held to {cfg.share:g} of each port" if key[1] else ""))
                     tb = testbed.up(cfg.workers, rate=cell["rate"], profile=prof,
-                                    prefix=cfg.prefix)
+                                    prefix=cfg.prefix, tcp_congestion=cfg.tcp_congestion)
                     tb_key = key
             tag = (f"[{i + 1}/{len(cells)}] {cell['rate'] or 'loopback'} {cell['scenario']} "
                    f"{cell['workload'].name} {cell['system'].label}")
@@ -681,7 +682,11 @@ def markdown(doc: dict) -> str:
              f"{cfg['max_iterations']} iterations per cell. Scenarios: tenant = bulk iperf3 "
              f"TCP (DSCP 0) host i -> i+1; share = every port's bands held to "
              f"{cfg['share']:g} of it, the same tenant flows marked DSCP {TENANT_DSCP} in a "
-             f"band guaranteed the other {1 - cfg['share']:g}.", ""]
+             f"band guaranteed the other {1 - cfg['share']:g}."
+             + ("" if cfg.get("loopback") else
+                f" TCP congestion control on the testbed: "
+                f"{cfg.get('tcp_congestion') or 'this machine’s default'}"
+                + (" (every flow)." if cfg.get("tcp_congestion") else ".")), ""]
     cal = doc.get("calibration")
     if cal:
         lines += ["## Calibration", "",
@@ -856,7 +861,8 @@ def config_from_args(a) -> TtaConfig:
         eval_every=d.eval_every if a.eval_every is None else a.eval_every,
         eval_samples=a.eval_samples,
         max_iterations=a.max_iterations, batch_size=a.batch_size, seed=a.seed,
-        profile=a.profile, prefix=a.prefix if a.prefix != bench.BenchConfig.prefix
+        profile=a.profile, tcp_congestion=a.tcp_congestion,
+        prefix=a.prefix if a.prefix != bench.BenchConfig.prefix
         else d.prefix, out=a.out, loopback=a.loopback, cell_timeout_s=a.cell_timeout_s,
         keep_runs=a.keep_runs)
 

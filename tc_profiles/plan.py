@@ -123,18 +123,17 @@ def compile_profile(profile: Profile, rate_bit: int | None = None,
                                        max(1, int(link_Bps * b.ceil_pct / 100)),
                                        b.priority), band=b.name))
         leaf = (LEAF_MAJOR_BASE + i) << 16
-        limit_bytes = profile.leaf_limit_bytes(b, link)
         if b.name in nbands:
             ne = profile.netem
-            pkts = b.limit_packets or max(1, limit_bytes // NETEM_PACKET_BYTES)
+            pkts = b.limit_packets or max(1, b.limit_bytes // NETEM_PACKET_BYTES)
             if link and ne.delay_ms:   # room for the packets held back by the delay
                 pkts += math.ceil(link / 8 * ne.delay_ms / 1000 / NETEM_PACKET_BYTES)
             ops.append(TcOp("qdisc", "netem", leaf, cid,
                             {"limit": pkts, "delay_us": int(ne.delay_ms * 1000),
                              "jitter_us": int(ne.jitter_ms * 1000),
                              "loss_pct": ne.loss_pct}, band=b.name))
-        elif limit_bytes is not None:
-            ops.append(TcOp("qdisc", "bfifo", leaf, cid, {"limit": limit_bytes},
+        elif b.limit_bytes is not None:
+            ops.append(TcOp("qdisc", "bfifo", leaf, cid, {"limit": b.limit_bytes},
                             band=b.name))
         else:
             ops.append(TcOp("qdisc", "pfifo", leaf, cid, {"limit": b.limit_packets},

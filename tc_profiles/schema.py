@@ -34,10 +34,6 @@ RELIABLE_DSCP = 46
 #: TCP_RTO_MIN, whatever the socket's TCP_RTO_MIN_US): a 200 ms stall
 #: (docs/tc_profiles.md, "The TCP bands' queue")
 TCP_QUEUE_BYTES = 2 << 20
-#: the smallest leaf queue (bytes) that ``root.queue_ms`` sizes a band to: two full-size
-#: (64 KiB) GSO packets, so that one of them is never refused by a queue that holds
-#: anything else (docs/tc_profiles.md, "Queues sized in time")
-QUEUE_FLOOR_BYTES = 128 << 10
 
 _RATE_UNITS = {
     "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
@@ -130,22 +126,6 @@ class Profile:
     netem: Netem | None = None
     fallback: str | None = None
     source: str = ""
-    queue_ms: float | None = None
-
-    def leaf_limit_bytes(self, band: Band, rate_bit: int | None = None) -> int | None:
-        """The bfifo limit (bytes) of ``band``'s leaf at link rate ``rate_bit`` (default:
-        the profile's). Without ``root.queue_ms``, or for a pfifo leaf, ``limit_bytes``
-        as given. With it: the bytes the band drains in ``queue_ms`` at its ceil rate,
-        no fewer than :data:`QUEUE_FLOOR_BYTES` and no more than ``limit_bytes``. A queue
-        sized in bytes alone is milliseconds at 1 Gbit/s but seconds at a few Mbit/s,
-        where TCP's retransmission timer, backing off from such round trips, outlasts
-        any peer timeout."""
-        link = rate_bit or self.rate_bit
-        if self.queue_ms is None or band.limit_bytes is None or not link:
-            return band.limit_bytes
-        ceil_Bps = link / 8 * (band.ceil_pct if band.ceil_pct is not None else 100) / 100
-        timed = int(ceil_Bps * self.queue_ms / 1000)
-        return min(band.limit_bytes, max(QUEUE_FLOOR_BYTES, timed))
 
     def band(self, name: str) -> Band:
         for b in self.bands:
@@ -193,7 +173,7 @@ class Profile:
 
 _TOP_KEYS = {"schema", "name", "description", "root", "bands", "default_band", "netem",
              "fallback"}
-_ROOT_KEYS = {"kind", "rate", "queue_ms"}
+_ROOT_KEYS = {"kind", "rate"}
 _BAND_KEYS = {"name", "priority", "dscp", "rate_pct", "ceil_pct", "limit_bytes",
               "limit_packets"}
 _NETEM_KEYS = {"delay_ms", "jitter_ms", "loss_pct", "bands"}
@@ -265,12 +245,6 @@ def validate(data: Any, source: str = "<dict>") -> Profile:
             raise _err(pname, "root.rate", str(e)) from None
     elif kind == "htb":
         raise _err(pname, "root", "kind 'htb' needs rate (the link rate, e.g. '1gbit')")
-    queue_ms = None
-    if "queue_ms" in root:
-        if kind != "htb":
-            raise _err(pname, "root.queue_ms", "sizes queues at a band's rate: only root "
-                                               "kind 'htb' has one; remove queue_ms")
-        queue_ms = _num(pname, "root.queue_ms", root["queue_ms"], 0, 60_000, lo_open=True)
 
     raw_bands = data["bands"]
     if not isinstance(raw_bands, list) or not raw_bands:
@@ -360,7 +334,7 @@ def validate(data: Any, source: str = "<dict>") -> Profile:
     return Profile(
         name=data["name"], description=description.strip(), root_kind=kind,
         rate_bit=rate_bit, bands=tuple(bands), default_band=default, netem=netem,
-        fallback=fallback, source=source, queue_ms=queue_ms,
+        fallback=fallback, source=source,
     )
 
 

@@ -232,7 +232,7 @@ def _profile_with_queue(profile: Profile, queue_bytes: int | None) -> Profile:
         raise TestbedError(f"queue_bytes {queue_bytes} is above {1 << 31} (2 GiB)")
     bands = tuple(dataclasses.replace(b, limit_bytes=int(queue_bytes), limit_packets=None)
                   for b in profile.bands)
-    return dataclasses.replace(profile, bands=bands, queue_ms=None)  # the bytes asked for
+    return dataclasses.replace(profile, bands=bands)
 
 
 def nft_loss_ruleset(loss_pct: float, loss_dscp=None) -> str:

@@ -5,9 +5,9 @@ import pytest
 import yaml
 
 from dgt.tc_profiles import applier
-from dgt.tc_profiles.schema import (QUEUE_FLOOR_BYTES, RELIABLE_DSCP, TCP_QUEUE_BYTES,
-                                    ProfileError, format_rate, list_profiles,
-                                    load_profile, loads, parse_rate, validate)
+from dgt.tc_profiles.schema import (RELIABLE_DSCP, TCP_QUEUE_BYTES, ProfileError,
+                                    format_rate, list_profiles, load_profile, loads,
+                                    parse_rate, validate)
 
 BASE = {
     "schema": 1, "name": "t", "root": {"kind": "htb", "rate": "1gbit"},
@@ -59,6 +59,8 @@ def test_base_is_valid():
     (lambda d: d["bands"][1].update(name="ef"), "used twice"),
     (lambda d: d.update(default_band="nope"), "default_band: 'nope' is not a band name"),
     (lambda d: d.update(netem={"loss_pct": 101}), "netem.loss_pct"),
+    (lambda d: d.update(netem={"loss_pct": float("nan")}), "netem.loss_pct: nan"),
+    (lambda d: d["bands"][0].update(rate_pct=float("nan")), "bands[0].rate_pct: nan"),
     (lambda d: d.update(netem={"bands": ["zz"]}), "netem.bands"),
     (lambda d: (d["root"].update(kind="prio"), d["root"].pop("rate")), "does not shape"),
 ])
@@ -139,83 +141,3 @@ def test_a_short_tcp_queue_is_named_in_one_line():
     unmapped = validate(mutate(lambda d: d["bands"][0].update(dscp=[34])))
     ws = unmapped.tcp_queue_warnings()
     assert len(ws) == 1 and f"'{unmapped.default_band}'" in ws[0]
-
-
-# ---------------------------------------------------------------- queues sized in time
-
-
-def _leaf_limits(profile, rate_bit):
-    from dgt.tc_profiles.plan import compile_profile
-    return {op.band: op.params["limit"] for op in compile_profile(profile, rate_bit)
-            if op.kind == "bfifo"}
-
-
-@pytest.mark.parametrize("name", [n for n in list_profiles()
-                                  if load_profile(n).root_kind == "htb"
-                                  and not load_profile(n).netem])
-def test_a_shipped_queue_is_its_bytes_at_1gbit_and_at_most_a_floor_at_a_few_mbit(name):
-    # At 1 Gbit/s (and at the 806 Mbit/s the VGG-11 cells ran at, half of it under
-    # share) every leaf keeps the limit_bytes it was measured with; at 8.98 Mbit/s (the
-    # GoogLeNet cells) 2 MiB would be 1.9 s of queue, so each leaf holds the floor.
-    p = load_profile(name)
-    assert p.queue_ms == 100
-    given = {b.name: b.limit_bytes for b in p.bands}
-    assert _leaf_limits(p, 10**9) == given
-    assert _leaf_limits(p, 403_060_000) == given
-    assert set(_leaf_limits(p, 8_980_000).values()) == {QUEUE_FLOOR_BYTES}
-    # between the two: 100 ms at the band's ceil rate (100 Mbit/s: 1.25 MB)
-    at100 = _leaf_limits(p, 100_000_000)
-    assert at100[p.band_for_dscp(RELIABLE_DSCP).name] == 1_250_000
-    assert at100["af41"] == given["af41"]
-
-
-def test_queue_ms_uses_the_bands_ceil_rate_and_its_limit_bytes_as_a_cap():
-    d = mutate(lambda d: (d["root"].update(queue_ms=10, rate="100mbit"),
-                          d["bands"][0].update(limit_bytes=TCP_QUEUE_BYTES, ceil_pct=50)))
-    p = validate(d)
-    lim = _leaf_limits(p, None)
-    assert lim["ef"] == 131072            # 50 Mbit/s x 10 ms = 62,500 B: the floor
-    assert _leaf_limits(p, 10**9)["ef"] == 625_000     # 500 Mbit/s x 10 ms
-    assert _leaf_limits(p, 10**10)["ef"] == TCP_QUEUE_BYTES   # the cap
-    # a band whose limit_bytes is under the floor keeps it: the cap wins
-    small = validate(mutate(lambda d: d["root"].update(queue_ms=10)))
-    assert _leaf_limits(small, 8_000_000)["ef"] == 65536
-    # no queue_ms: bytes as given, at any rate
-    assert _leaf_limits(validate(BASE), 1_000_000)["ef"] == 65536
-
-
-@pytest.mark.parametrize("value,rule", [
-    (0, "0 < value"), (-5, "0 < value"), (float("nan"), "0 < value"),
-    (float("inf"), "0 < value"), ("50ms", "must be a number"), (True, "must be a number"),
-])
-def test_a_bad_queue_ms_is_one_line_naming_it(value, rule):
-    with pytest.raises(ProfileError, match=r"root\.queue_ms") as e:
-        validate(mutate(lambda d: d["root"].update(queue_ms=value)))
-    assert rule in str(e.value) and "\n" not in str(e.value)
-
-
-def test_queue_ms_on_a_prio_root_is_refused():
-    d = mutate(lambda d: d.update(root={"kind": "prio", "queue_ms": 50}))
-    for b in d["bands"]:
-        b.pop("rate_pct")
-    with pytest.raises(ProfileError, match=r"root\.queue_ms.*only root kind 'htb'"):
-        validate(d)
-
-
-def test_the_share_profile_and_a_testbed_queue_override_keep_their_meaning(tmp_path):
-    # the share scenario's profile sizes its queues as its base does (at half the rate
-    # the ceil is half, so is the queue); --queue-bytes asks for bytes, at any rate
-    import dataclasses
-
-    from dgt.tc_profiles import testbed
-    from tools.bench_tta import share_profile
-    sp = load_profile(share_profile("htb-prio", 0.5, str(tmp_path / "share.yaml")))
-    assert sp.queue_ms == load_profile("htb-prio").queue_ms
-    assert _leaf_limits(sp, 100_000_000)["ef"] == 625_000
-    assert _leaf_limits(sp, 8_980_000)["tenant"] == QUEUE_FLOOR_BYTES
-    over = testbed._profile_with_queue(load_profile("htb-prio"), 4 << 20)
-    assert over.queue_ms is None
-    assert set(_leaf_limits(over, 8_980_000).values()) == {4 << 20}
-    assert dataclasses.replace(over, queue_ms=100).leaf_limit_bytes(over.bands[0],
-                                                                    8_980_000) \
-        == QUEUE_FLOOR_BYTES

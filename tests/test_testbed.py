@@ -157,20 +157,6 @@ def test_queue_bytes_and_rate(request):
 
 
 @root_only
-def test_a_slow_testbed_queues_in_time_not_in_bytes(request):
-    # htb-prio's queue_ms at 10 Mbit/s: 100 ms is 125 KB, under the 128 KiB floor, so
-    # every leaf the kernel holds (host and router side) is 131,072 bytes, not 2 MiB
-    prefix = f"dgtt{uuid.uuid4().hex[:6]}"
-    try:
-        tb = testbed.up(1, rate="10mbit", prefix=prefix)
-        for dev, ns in (("eth0", tb.host_netns(0)), ("p0", tb.router)):
-            st = applier.show(dev, ns)
-            assert {q["limit"] for q in st["qdiscs"] if q["kind"] == "bfifo"} == {131072}
-    finally:
-        testbed.down(prefix)
-
-
-@root_only
 def test_queue_drops_counts_what_a_full_band_dropped_by_side_and_dscp():
     # 400 datagrams of 1 KB marked EF into a 1 Mbit/s port whose queues hold 3,000 bytes:
     # host 1's eth0 drops most of them in band 46, nothing else drops, and nothing

@@ -287,9 +287,7 @@ def share_profile(base: str, share: float, path: str) -> str:
                       limit_bytes=262144))
     doc = dict(schema=1, name="share", description=f"{base}, the job held to {share:g} of "
                f"the port, a tenant band (DSCP {TENANT_DSCP}) guaranteed the rest",
-               root=dict(kind="htb", rate="1gbit",
-                         **({"queue_ms": prof.queue_ms} if prof.queue_ms else {})),
-               bands=bands,
+               root=dict(kind="htb", rate="1gbit"), bands=bands,
                default_band=prof.default_band)
     with open(path, "w") as f:
         yaml.safe_dump(doc, f, sort_keys=False)

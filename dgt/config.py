@@ -228,6 +228,11 @@ class TransmissionConfig:
 
 #: a peer silent for an hour is dead; larger values overflow the store's timeouts
 MAX_PEER_TIMEOUT_S = 3600.0
+#: seconds the first push of a sidecar waits for its PULLs beyond ``peer_timeout_s``:
+#: the trainers reach their first push at different times (importing torch, loading
+#: the data and building the model, on a loaded machine tens of seconds apart), and a
+#: trainer that is still starting is not a dead peer (docs/architecture.md, "Processes and failure")
+START_SKEW_S = 40.0
 #: training samples of the digits split (dgt.workloads.datasets.load_digits: 1,797
 #: images, 20 % held out); every worker's batch of an iteration is a disjoint slice of them
 DIGITS_TRAIN_SAMPLES = 1437

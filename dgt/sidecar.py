@@ -5,7 +5,8 @@ It listens on TCP (reliable channel, END, PULL), on one UDP socket per unreliabl
 goes through ``torch.distributed.TCPStore`` (MASTER_ADDR/MASTER_PORT when set).
 
 Failure handling: a peer whose connection drops without BYE, a trainer that disconnects,
-or a PULL that does not come within ``peer_timeout_s`` fails the job: the sidecar sends
+or a PULL that does not come within ``peer_timeout_s`` (``+ START_SKEW_S`` for the first
+push) fails the job: the sidecar sends
 ERROR (naming the rank) to every peer and to its trainer, then exits with status 3.
 """
 from __future__ import annotations
@@ -28,8 +29,8 @@ from .agent import WorkerAgent
 from .atomic import write_json
 from .errors import PeerFailure
 from .failure import FailureReason
-from .config import (MetricsConfig, NodeConfig, OneLineParser, default_run_dir,
-                     TransmissionConfig, add_sidecar_arguments, from_args)
+from .config import (START_SKEW_S, MetricsConfig, NodeConfig, OneLineParser,
+                     default_run_dir, TransmissionConfig, add_sidecar_arguments, from_args)
 from .layout import BlockLayout
 from .node_report import write_node_results
 from .node_sockets import NodeSockets
@@ -273,8 +274,10 @@ class Sidecar:
             self.pushing = None
             self.pushes += 1
             send({"op": "pulled", "t": t, "k": k, "first_sent": self.agent.parts.first_sent})
+        # the first push also waits out the others' start-up (config.START_SKEW_S)
+        wait_s = self.cfg.peer_timeout_s + (START_SKEW_S if self.pushes == 0 else 0.0)
         k = await self.agent.push(t, float(loss) if loss is not None else None,
-                                  self.cfg.peer_timeout_s, pulled, on_range)
+                                  wait_s, pulled, on_range)
         self.trace.end(self.agent, k)
 
     def _check_closed(self, t: int) -> None:

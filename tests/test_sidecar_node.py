@@ -43,12 +43,12 @@ def _ready(p, run_dir, rank=0, timeout_s=60):
         time.sleep(0.05)
 
 
-def _ready_sidecars(n, tmp_path, timeout_s=60):
+def _ready_sidecars(n, tmp_path, timeout_s=60, peer_timeout_s=60):
     """(sockets, processes) of an n-node job's sidecars, each rendezvoused. The caller
     stops them (``stop_procs``); on a start-up failure here they are stopped already."""
     port = _free_port()
     socks = [tmp_path / f"s{r}.sock" for r in range(n)]
-    procs = [_sidecar(r, n, port, socks[r], tmp_path, "--peer-timeout-s", "60")
+    procs = [_sidecar(r, n, port, socks[r], tmp_path, "--peer-timeout-s", peer_timeout_s)
              for r in range(n)]
     try:
         for r, p in enumerate(procs):
@@ -111,12 +111,16 @@ def test_a_stale_socket_is_reclaimed_and_a_foreign_one_is_not_unlinked(tmp_path)
     other.close()
 
 
-def _train_steps(path, steps, out, key, seed=0):
+def _train_steps(path, steps, out, key, seed=0, sleep_before=None):
+    """``steps`` push_pulls of a tiny model on sidecar ``path``; ``out[key]``: "ok" or
+    the PeerFailure. ``sleep_before``: (step, seconds) to sleep before that push."""
     try:
         c = dgt.Client(str(path), timeout_s=120, connect_timeout_s=120)
         m = _model(seed)
         c.register(m)
         for t in range(steps):
+            if sleep_before is not None and sleep_before[0] == t:
+                time.sleep(sleep_before[1])
             m.zero_grad()
             m(torch.ones(2, 8)).sum().backward()
             c.push_pull(t)
@@ -141,6 +145,32 @@ def test_a_rank_that_closes_early_is_named_at_once_with_its_last_step(tmp_path):
         assert isinstance(out[0], PeerFailure), out
         assert "rank 1 closed after step 2" in str(out[0])
         assert "dead or frozen" not in str(out[0])
+    finally:
+        stop_procs(*procs)
+
+
+@pytest.mark.parametrize("late_step", [0, 1])
+def test_the_first_push_waits_out_a_slow_start_and_later_ones_do_not(tmp_path, late_step):
+    """--peer-timeout-s 2; rank 1's trainer sleeps 6 s before one of its pushes. Before
+    its first, it is still starting (importing, loading data, a cold first backward:
+    tens of seconds apart under dgt bench tta), and rank 0's first PULL wait covers that
+    (config.START_SKEW_S); before a later one, it is a silent peer, named after 2 s."""
+    socks, procs = _ready_sidecars(2, tmp_path, peer_timeout_s=2)
+    try:
+        out = {}
+        th = [threading.Thread(target=_train_steps, args=(socks[0], 3, out, 0)),
+              threading.Thread(target=_train_steps, args=(socks[1], 3, out, 1),
+                               kwargs={"sleep_before": (late_step, 6.0)})]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(timeout=200)
+        assert not any(t.is_alive() for t in th)
+        if late_step == 0:
+            assert out == {0: "ok", 1: "ok"}, out
+        else:
+            assert isinstance(out[0], PeerFailure), out
+            assert "no PULL for iteration 1" in str(out[0]) and "within 2 s" in str(out[0])
     finally:
         stop_procs(*procs)
 

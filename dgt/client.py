@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from . import ipc, unixsock
-from .config import LAUNCHED_ENV, default_socket
+from .config import LAUNCHED_ENV, default_socket, peer_timeout_of, trainer_timeout_s
 from .errors import PeerFailure
 
 
@@ -49,14 +49,18 @@ class Client:
     The sidecar must run as this process's user: the client reads the listening
     process's uid (SO_PEERCRED) and raises :class:`PeerFailure`, naming the socket and
     that uid, when it differs (another user's process squatting the path). ``timeout_s``
-    bounds every wait for the sidecar; on expiry :class:`PeerFailure` is raised rather
-    than hanging.
+    bounds every wait for the sidecar, in seconds; on expiry :class:`PeerFailure` is
+    raised rather than hanging. Default (None): ``dgt.config.trainer_timeout_s`` of
+    ``DGT_PEER_TIMEOUT_S`` (else the sidecar's default, 20 s), 100 s, longer than the
+    sidecar's wait on its first push, so that a peer that never comes is named.
     """
 
-    def __init__(self, path: str | None = None, timeout_s: float = 60.0,
+    def __init__(self, path: str | None = None, timeout_s: float | None = None,
                  connect_timeout_s: float = 60.0, rank: int = 0):
         if path is None:
             path = default_socket(rank)
+        if timeout_s is None:
+            timeout_s = trainer_timeout_s(peer_timeout_of(()))
         deadline = time.monotonic() + connect_timeout_s
         while True:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

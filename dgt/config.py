@@ -233,6 +233,41 @@ MAX_PEER_TIMEOUT_S = 3600.0
 #: the data and building the model, on a loaded machine tens of seconds apart), and a
 #: trainer that is still starting is not a dead peer (docs/architecture.md, "Processes and failure")
 START_SKEW_S = 40.0
+
+
+def trainer_timeout_s(peer_timeout_s: float) -> float:
+    """Seconds a trainer waits for its sidecar's answer (a push-pull, its start), given
+    the sidecars' ``peer_timeout_s``: ``max(60, 3 * peer_timeout_s) + START_SKEW_S``,
+    longer than the sidecar's own wait on its first push (``peer_timeout_s +
+    START_SKEW_S``), so that a silent peer is named by the sidecar, not reported as a
+    sidecar that did not answer. ``dgt train``'s trainers and ``dgt.ddp.DgtState``'s
+    default use it."""
+    return max(60.0, 3.0 * float(peer_timeout_s)) + START_SKEW_S
+
+
+def peer_timeout_of(argv, environ=os.environ) -> float:
+    """The ``peer_timeout_s`` a sidecar started with ``argv`` (``dgt sidecar`` flags)
+    would use: ``--peer-timeout-s`` in ``argv`` > ``DGT_PEER_TIMEOUT_S`` > the default.
+    Raises ValueError for a value that is not a number in (0, MAX_PEER_TIMEOUT_S]."""
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    p.add_argument("--peer-timeout-s", type=finite(float), default=None)
+    try:
+        ns, _ = p.parse_known_args([str(a) for a in argv])
+    except argparse.ArgumentError as e:
+        raise ValueError(f"--peer-timeout-s: {e.message}") from None
+    v = ns.peer_timeout_s
+    if v is None and _env("peer_timeout_s") in environ:
+        raw = environ[_env("peer_timeout_s")]
+        try:
+            v = finite(float)(raw)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise ValueError(f"{_env('peer_timeout_s')}={raw!r}: {e}") from None
+    if v is None:
+        v = TransmissionConfig.__dataclass_fields__["peer_timeout_s"].default
+    if not 0 < v <= MAX_PEER_TIMEOUT_S:
+        raise ValueError(f"--peer-timeout-s must be in (0, {MAX_PEER_TIMEOUT_S:g}] s, "
+                         f"got {v:g}")
+    return float(v)
 #: training samples of the digits split (dgt.workloads.datasets.load_digits: 1,797
 #: images, 20 % held out); every worker's batch of an iteration is a disjoint slice of them
 DIGITS_TRAIN_SAMPLES = 1437

@@ -35,8 +35,9 @@ from . import checkpoint, failure, records, unixsock
 from .transport import udpmac
 from .atomic import write_json
 from .interrupt import raise_keyboard_interrupt_on
-from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, START_SKEW_S, CheckpointConfig,
-                     JobConfig, TransmissionConfig, default_run_dir, to_argv)
+from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig,
+                     JobConfig, TransmissionConfig, default_run_dir, to_argv,
+                     trainer_timeout_s)
 from .rendezvous import QUIET_TORCH_ENV
 from .report import build_report, diverged, print_summary
 
@@ -189,8 +190,7 @@ class Job:
                                 "--device", j.device,
                                 "--target-accuracy", str(j.target_accuracy),
                                 *workload_argv(j), *self._checkpoint_argv(resume),
-                                "--timeout-s", str(max(60.0, 3 * self.tx.peer_timeout_s)
-                                                    + START_SKEW_S)]
+                                "--timeout-s", str(trainer_timeout_s(self.tx.peer_timeout_s))]
             self._spawn("trainer", r, trainer, env,
                         to_terminal=(r == 0 and not self._progress_bar()))
         # atomic: a reader polling for the file never sees it empty

@@ -518,3 +518,27 @@ def test_the_examples_own_errors_are_one_line_per_rank_without_a_traceback(tmp_p
     frames = [ln for ln in p.stderr.splitlines() if ln.lstrip().startswith('File "')
               and ("ddp_train.py" in ln or f"{os.sep}dgt{os.sep}" in ln)]
     assert not frames, p.stderr[-3000:]
+
+
+def test_the_hook_waits_longer_than_the_sidecars_first_push(monkeypatch):
+    """DgtState's default timeout outlasts the sidecar's first-push wait (peer timeout +
+    config.START_SKEW_S), so a peer that never comes is named by the sidecar rather than
+    reported as a sidecar that did not answer; the peer timeout comes from sidecar_args,
+    then DGT_PEER_TIMEOUT_S. (Before, it was 60 s: equal to that wait at the default 20 s.)"""
+    from dgt.config import START_SKEW_S
+    from dgt.ddp import DgtState
+    monkeypatch.delenv("DGT_PEER_TIMEOUT_S", raising=False)
+    for args, peer in (((), 20.0), (("--mode", "tcp", "--peer-timeout-s", "50"), 50.0),
+                       (("--peer-timeout-s=200",), 200.0)):
+        state = DgtState(sidecar_args=list(args), connect=False)
+        assert state.timeout_s == max(60.0, 3 * peer) + START_SKEW_S, (args, state.timeout_s)
+        assert state.timeout_s > peer + START_SKEW_S
+    monkeypatch.setenv("DGT_PEER_TIMEOUT_S", "70")
+    assert DgtState(connect=False).timeout_s == 210.0 + START_SKEW_S
+    assert DgtState(sidecar_args=["--peer-timeout-s", "1"], connect=False).timeout_s == \
+        60.0 + START_SKEW_S                                         # the flag wins
+    assert DgtState(timeout_s=5, connect=False).timeout_s == 5.0    # given: kept
+    for bad in (["--peer-timeout-s", "soon"], ["--peer-timeout-s", "0"],
+                ["--peer-timeout-s", "nan"]):
+        with pytest.raises(ValueError, match="--peer-timeout-s"):
+            DgtState(sidecar_args=bad, connect=False)

@@ -6,6 +6,8 @@ import math
 import os
 import time
 
+from ..config import peer_timeout_of, trainer_timeout_s
+
 #: version of :meth:`DgtState.state_dict`'s layout; load_state_dict refuses others
 STATE_VERSION = 1
 #: bucket timings kept for :attr:`DgtState.timings` (the last this many iterations)
@@ -29,7 +31,11 @@ class DgtState:
     start a sidecar until :meth:`connect`).
 
     ``timeout_s``: every wait for the sidecar (its start, each push-pull), in seconds;
-    on expiry :class:`dgt.PeerFailure` is raised rather than hanging.
+    on expiry :class:`dgt.PeerFailure` is raised rather than hanging. Default (None):
+    ``dgt.config.trainer_timeout_s`` of the sidecar's ``--peer-timeout-s`` (from
+    ``sidecar_args``, else ``DGT_PEER_TIMEOUT_S``, else 20 s): 100 s, longer than the
+    sidecar's own wait on the first push (peer timeout + 40 s), so a peer that never
+    comes is named by the sidecar rather than reported as a sidecar that did not answer.
 
     ``overlap``: push each bucket's blocks as DDP hands the bucket over, while backward
     goes on (wait-free backpropagation; the default). False: push the whole vector
@@ -56,11 +62,13 @@ class DgtState:
     """
 
     def __init__(self, process_group=None, socket_path: str | None = None,
-                 sidecar_args: list[str] | tuple[str, ...] = (), timeout_s: float = 60.0,
+                 sidecar_args: list[str] | tuple[str, ...] = (), timeout_s: float | None = None,
                  connect: bool = True, overlap: bool = True):
         self.process_group = process_group
         self.socket_path = socket_path
         self.sidecar_args = list(sidecar_args)
+        if timeout_s is None:
+            timeout_s = trainer_timeout_s(peer_timeout_of(self.sidecar_args))
         try:
             self.timeout_s = float(timeout_s)
         except (TypeError, ValueError):

@@ -245,29 +245,6 @@ def trainer_timeout_s(peer_timeout_s: float) -> float:
     return max(60.0, 3.0 * float(peer_timeout_s)) + START_SKEW_S
 
 
-def peer_timeout_of(argv, environ=os.environ) -> float:
-    """The ``peer_timeout_s`` a sidecar started with ``argv`` (``dgt sidecar`` flags)
-    would use: ``--peer-timeout-s`` in ``argv`` > ``DGT_PEER_TIMEOUT_S`` > the default.
-    Raises ValueError for a value that is not a number in (0, MAX_PEER_TIMEOUT_S]."""
-    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    p.add_argument("--peer-timeout-s", type=finite(float), default=None)
-    try:
-        ns, _ = p.parse_known_args([str(a) for a in argv])
-    except argparse.ArgumentError as e:
-        raise ValueError(f"--peer-timeout-s: {e.message}") from None
-    v = ns.peer_timeout_s
-    if v is None and _env("peer_timeout_s") in environ:
-        raw = environ[_env("peer_timeout_s")]
-        try:
-            v = finite(float)(raw)
-        except (ValueError, argparse.ArgumentTypeError) as e:
-            raise ValueError(f"{_env('peer_timeout_s')}={raw!r}: {e}") from None
-    if v is None:
-        v = TransmissionConfig.__dataclass_fields__["peer_timeout_s"].default
-    if not 0 < v <= MAX_PEER_TIMEOUT_S:
-        raise ValueError(f"--peer-timeout-s must be in (0, {MAX_PEER_TIMEOUT_S:g}] s, "
-                         f"got {v:g}")
-    return float(v)
 #: training samples of the digits split (dgt.workloads.datasets.load_digits: 1,797
 #: images, 20 % held out); every worker's batch of an iteration is a disjoint slice of them
 DIGITS_TRAIN_SAMPLES = 1437
@@ -555,6 +532,20 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
 
 
 _PARSERS = {"pace": parse_pace, "upper": str.upper}
+
+
+def peer_timeout_of(argv, environ=os.environ) -> float:
+    """The ``peer_timeout_s`` a sidecar started with ``argv`` (``dgt sidecar`` flags)
+    would use, by the sidecar's own rules (:func:`from_args`): flag > ``DGT_*`` >
+    default. Raises ValueError for a transmission flag or ``DGT_*`` variable the
+    sidecar would refuse."""
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_arguments(p, TransmissionConfig)
+    try:
+        ns, _ = p.parse_known_args([str(a) for a in argv])
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
+    return from_args(TransmissionConfig, ns, environ).peer_timeout_s
 
 
 @dataclass

@@ -27,6 +27,8 @@ PULL_CODECS = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
 #: mode (TransmissionConfig.resolve_codecs): no link to save bytes on, only the coding's
 #: CPU to spend
 AUTO_CODEC = {"dgt": "int8", "random": "int8", "tcp": "fp32", "topk": "fp32"}
+#: --reliable-codec words: the codings, no auto (fp32 unless asked)
+RELIABLE_CODECS = PULL_CODECS[1:]
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PACE_AUTO = -1.0   # --pace-mbit auto: the sidecar resolves it from the egress link
 
@@ -89,6 +91,12 @@ class TransmissionConfig:
     pull_coded_fraction: float = _f(0.5, "share of each shard's aggregate blocks, "
                                     "lowest mean |aggregate + shard residual| first, "
                                     "that --pull-codec codes (0..1)")
+    reliable_codec: str = _f("fp32", "how the reliable channel (TCP) carries the "
+                             "top-k blocks of a push: fp32 (as they are) | fp16 | "
+                             "bf16 | int8 | int4; the coding error stays in the "
+                             "residual, as --band-codec's. Not fp32: --mode tcp "
+                             "no longer equals plain transmission",
+                             choices=RELIABLE_CODECS)
     pace_mbit: float = _f(PACE_AUTO, "egress rate per node in Mbit/s, split in equal "
                           "shares over the peers for TCP (kernel pacing) and UDP alike: "
                           "auto (the egress link's HTB rate, else its speed; unpaced on "
@@ -201,6 +209,13 @@ class TransmissionConfig:
         resolved by --mode (:data:`AUTO_CODEC`)."""
         from .transport.wire import Coding
         return int(Coding[self._codec(self.pull_codec).upper()])
+
+    def channel_codings(self) -> list[int]:
+        """The coding of each channel (``MAX_UDP_CHANNELS + 1`` ints,
+        dgt.transport.wire.Coding): channel 0 ``--reliable-codec``, the UDP bands
+        :meth:`band_codings`'. Raises ValueError as that does."""
+        from .transport.wire import Coding
+        return [int(Coding[self.reliable_codec.upper()])] + self.band_codings()[1:]
 
     def band_codings(self) -> list[int]:
         """``--band-codec`` as the coding of each channel (``MAX_UDP_CHANNELS + 1``

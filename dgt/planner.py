@@ -42,12 +42,12 @@ class PushPlanner:
         self.raw_sum = torch.zeros(layout.padded, dtype=torch.float64) \
             if cfg.check_conservation else None
         self.applied_sum = torch.zeros_like(self.raw_sum) if self.raw_sum is not None else None
-        self.codings = cfg.band_codings()   # channel -> dgt.transport.wire.Coding
-        #: each reduced coding and its bands, in channel order (coded band after band)
+        self.codings = cfg.channel_codings()   # channel -> dgt.transport.wire.Coding
+        #: each reduced coding and its channels, in channel order (channel after channel)
         self._bands_by_coding = {k: [c for c, x in enumerate(self.codings) if x == k]
                                  for k in sorted(set(self.codings) - {0})}
         self.local = (layout.shard_lo(rank), layout.shard_hi(rank))
-        #: the coded bands of the blocks planned last (a whole push or a part): channel
+        #: the coded channels of the blocks planned last (a whole push or a part): channel
         #: -> (coding, block indices (m,) sorted int64, payloads (m, coded bytes) uint8),
         #: for transport.sender.PushSender.add
         self.coded: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
@@ -129,11 +129,13 @@ class PushPlanner:
 
     def _wire_cost(self) -> torch.Tensor:
         """(MAX_CHANNELS + 1,) float64: wire bytes one remote block costs on each
-        channel (transport.counters' units): reliable, its f32 payload and its u32
-        index in the INDEXED frame; a UDP band, its datagram (header, coded payload,
-        MAC with --secret). The last entry, 0, is channel -1's (not sent)."""
+        channel (transport.counters' units): reliable, its payload (f32, or
+        --reliable-codec's) and its u32 index in the INDEXED frame; a UDP band, its
+        datagram (header, coded payload, MAC with --secret). The last entry, 0, is
+        channel -1's (not sent)."""
         e, mac = self.layout.block_elems, bool(self.cfg.secret)
-        cost = [4 * e + 4] + [wire.block_datagram_bytes(c, e, mac) for c in self.codings[1:]]
+        cost = [wire.coded_payload_bytes(self.codings[0], e) + 4] + \
+            [wire.block_datagram_bytes(c, e, mac) for c in self.codings[1:]]
         return torch.tensor(cost + [0], dtype=torch.float64)
 
     def _fit_budget(self, rows: torch.Tensor | None, order: torch.Tensor,
@@ -169,13 +171,13 @@ class PushPlanner:
         return _joined(self._coding_error)
 
     def _code(self, rows: np.ndarray, chan: np.ndarray) -> dict:
-        """Code blocks ``rows`` ((m,) int64, ascending) of every band with a reduced form
-        (``--band-codec``; ``chan``: their channels, (m,) int8), but not those of the
-        colocated shard (they never touch the wire). Returns their coded bands (as
-        :attr:`coded`) and keeps their coding error ``g - decode(encode(g))`` for
-        :meth:`settle`. The bands of one coding are coded in one pass (one gather, one
-        encode that also gives the decoded values), band after band, so each band's
-        blocks and payloads are slices of it."""
+        """Code blocks ``rows`` ((m,) int64, ascending) of every channel with a reduced
+        form (``--band-codec``, ``--reliable-codec``; ``chan``: their channels, (m,)
+        int8), but not those of the colocated shard (they never touch the wire).
+        Returns their coded channels (as :attr:`coded`) and keeps their coding error
+        ``g - decode(encode(g))`` for :meth:`settle`. The channels of one coding are
+        coded in one pass (one gather, one encode that also gives the decoded values),
+        channel after channel, so each channel's blocks and payloads are slices of it."""
         coded: dict = {}
         if not self._bands_by_coding:
             return coded

@@ -79,6 +79,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "band_codec": _used(sidecars, "band_codec", used.band_codec)
         if tx.mode in ("dgt", "random") else None,
         "pull_codec": _used(sidecars, "pull_codec", used.pull_codec),
+        "reliable_codec": tx.reliable_codec,   # the top-k share on TCP
         "authenticated": bool(tx.secret),   # --secret given: a MAC on every message
         "workload": t0.get("workload"),
         "rounds": rounds,
@@ -156,9 +157,11 @@ def summary_head(r: dict, log=print) -> None:
     workers, workload, iterations (rounds), final accuracy, target reached, wall time.
     ``r``: a report dict (``build_report``'s keys)."""
     w = r.get("workload")
-    summary_row("mode", r["mode"] + (f" (UDP bands {r['band_codec']}, PULLs "
-                                     f"{r['pull_codec']})" if r.get("band_codec") else ""),
-                log)
+    coded = [f"reliable {r['reliable_codec']}"] \
+        if r.get("reliable_codec", "fp32") != "fp32" else []
+    if r.get("band_codec"):
+        coded += [f"UDP bands {r['band_codec']}", f"PULLs {r['pull_codec']}"]
+    summary_row("mode", r["mode"] + (f" ({', '.join(coded)})" if coded else ""), log)
     summary_row("workers", r["workers"], log)
     if w:
         summary_row("workload", describe_workload(w), log)

@@ -17,6 +17,7 @@ import numpy as np
 from . import codec
 from .layout import BlockLayout
 from .pull_codec import CodedPull, PullCoder
+from .transport.channels import RELIABLE
 from .transport.session import (BlocksArrived, IterationComplete, ShardSession,
                                  WorkerFinalised)
 
@@ -52,6 +53,9 @@ class ServerShard:
         """Apply session events: copy blocks, record bitmaps, aggregate when complete."""
         for e in events:
             if isinstance(e, BlocksArrived):
+                if e.channel == RELIABLE:   # it may displace a staged unreliable copy
+                    for _, held in self.staged.values():
+                        held[e.sender, e.rows] = False
                 if e.coding:   # a coded band: kept as it came, decoded at the aggregate
                     payloads, held = self._stage(e.coding, e.data.shape[-1])
                     payloads[e.sender, e.rows] = e.data

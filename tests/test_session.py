@@ -619,14 +619,76 @@ def test_a_gro_run_with_one_forged_coding_loses_only_that_datagram():
     assert s.counters.rejected["bad_coding"] == 1
 
 
-def test_a_tcp_blocks_frame_with_a_coding_is_rejected():
+def _coded_tcp(blocks, coding, flags_coding=None, cut=0):
+    """A reliable BLOCKS frame of ``blocks`` coded as ``coding`` (--reliable-codec);
+    ``flags_coding`` forges the header's coding, ``cut`` drops payload bytes."""
+    import torch
+    from dgt import codec
+    data = torch.tensor([[b + 0.1 * i + 1 / 3 for i in range(ELEMS)] for b in blocks],
+                        dtype=torch.float32)
+    payloads = codec.encode(coding, data)
+    parts = wire.coded_indexed_blocks_parts(np.array(blocks), payloads)
+    payload = b"".join(bytes(p) for p in parts)[:len(b"".join(bytes(p) for p in parts)) - cut]
+    c = coding if flags_coding is None else flags_coding
+    buf = wire.encode(MsgType.BLOCKS, session=S, sender=0, shard=1, channel=0,
+                      block=blocks[0], count=len(blocks),
+                      flags=Flag.INDEXED | (c << wire.CODING_SHIFT), payload=payload)
+    return wire.decode(buf), payloads, data.numpy()
+
+
+@pytest.mark.parametrize("coding", [wire.Coding.FP16, wire.Coding.BF16, wire.Coding.INT8,
+                                    wire.Coding.INT4])
+def test_a_coded_tcp_blocks_frame_arrives_with_its_coding(coding):
+    """--reliable-codec: the INDEXED payload holds the coded blocks after the indices;
+    the session hands them on as they came (the shard decodes), tagged with the
+    header's coding, counted on the reliable channel."""
     s = session(n_workers=1)
-    idx = np.array([10, 11])
-    buf = wire.encode(MsgType.BLOCKS, session=S, sender=0, shard=1, channel=0, block=10,
-                      count=2, flags=Flag.INDEXED | (wire.Coding.BF16 << wire.CODING_SHIFT),
-                      payload=wire.pack_indexed_blocks(idx, np.zeros((2, ELEMS), np.float32)))
-    assert s.receive_frame(*wire.decode(buf), now=0) == [Rejected("bad_coding")]
+    (h, payload), payloads, _ = _coded_tcp([10, 12, 11], coding)
+    ev = s.receive_frame(h, payload, now=0)
+    assert kinds(ev) == ["BlocksArrived"]
+    assert ev[0].coding == coding and ev[0].channel == 0
+    assert ev[0].rows.tolist() == [0, 2, 1]
+    assert np.array_equal(ev[0].data, payloads)
+    assert s.received[0, :3].all() and s.coding_of[0, :3].tolist() == [coding] * 3
+    assert s.counters.channels[0].blocks_delivered == 3
+
+
+def test_a_coded_tcp_blocks_frame_that_lies_is_rejected_whole():
+    """An unknown coding (7) is bad_coding; a coding whose size is not the payload's
+    (int4 payloads labelled fp16, a payload one byte short) is bad_length; nothing of
+    such a frame is received."""
+    s = session(n_workers=1)
+    for frame, reason in ((_coded_tcp([10, 11], wire.Coding.INT8, flags_coding=7)[0],
+                           "bad_coding"),
+                          (_coded_tcp([10, 11], wire.Coding.INT4,
+                                      flags_coding=wire.Coding.FP16)[0], "bad_length"),
+                          (_coded_tcp([10, 11], wire.Coding.BF16, cut=1)[0], "bad_length")):
+        assert s.receive_frame(*frame, now=0) == [Rejected(reason)]
+    assert s.counters.rejected == {"bad_coding": 1, "bad_length": 2}
     assert not s.received.any()
+
+
+def test_a_reliable_copy_displaces_a_staged_coded_one():
+    """A coded UDP copy of a block is staged at the shard, then the block's reliable
+    copy comes: the aggregate holds the reliable copy's values, not the staged
+    decode (the staged row is given up with the displaced delivery)."""
+    from dgt.layout import BlockLayout
+    from dgt.shard import ServerShard
+    lay = BlockLayout.from_bytes(20 * ELEMS, ELEMS * 4, 2)
+    s = ShardSession(session=S, shard=1, lo=lay.shard_lo(1), hi=lay.shard_hi(1),
+                     block_elems=ELEMS, n_workers=1, deadline_s=0.05)
+    pulled = []
+    shard = ServerShard(lay, 1, s, lambda *a: pulled.append(a[2].copy()))
+    lo = lay.shard_lo(1)
+    rows, _ = _coded(0, [lo + 1], wire.Coding.INT8, ch=2)
+    shard.handle(s.receive_datagram(rows[0].tobytes(), 0))
+    assert shard.staged[wire.Coding.INT8][1][0, 1]
+    n = lay.shard_blocks(1)
+    shard.handle(s.receive_frame(*tcp_blocks(0, list(range(lo, lo + n))), now=0))
+    shard.handle(s.receive_frame(*end(0, [n]), now=0))
+    assert len(pulled) == 1
+    got = pulled[0].reshape(n, ELEMS)[:, 0]
+    assert got.tolist() == [float(i) for i in range(n)]   # tcp_blocks' values
 
 
 def test_a_displaced_coded_copy_takes_back_its_own_bytes():

@@ -204,12 +204,13 @@ class PushSender:
         this push) are final, on channels ``chan`` ((m,) int8, as in :meth:`start`);
         ``blocks``: (n_blocks, block_elems) float32, the whole push's blocks (rows read,
         not copied, until END); ``coded``: channel -> (coding, block indices (m,)
-        sorted, payloads (m, coded bytes) uint8) for the bands sent in a reduced form
-        (dgt.codec; docs/wire.md, "Block codings"), holding every block of ``rows`` on
-        that channel to the remote shards. Returns their reliable frames (one INDEXED
+        sorted, payloads (m, coded bytes) uint8) for the channels sent in a reduced
+        form (dgt.codec; docs/wire.md, "Block codings"; channel 0 with
+        --reliable-codec), holding every block of ``rows`` on that channel to the
+        remote shards. Returns their reliable frames (one INDEXED
         ``BLOCKS`` per remote shard), to send now and in order; their UDP blocks join
         each shard's stream behind what it still has to send. Raises ValueError when a
-        coded band does not hold exactly its channel's blocks."""
+        coded channel does not hold exactly its blocks."""
         ctr, frames = self.counters, []
         for s, (lo, hi) in enumerate(self.ranges):   # reliable first: the important blocks
             a, b = np.searchsorted(rows, (lo, hi))
@@ -224,14 +225,23 @@ class PushSender:
             rel = rs[sc == 0]
             self.counts[s, 0] += rel.size
             if rel.size:
-                # contiguous (tcp mode): a view of ``blocks``, no gather
-                data = blocks[rel[0]:rel[-1] + 1] if rel[-1] - rel[0] + 1 == rel.size \
-                    else blocks[rel]
+                flags = INDEXED_BIT
+                if coded and 0 in coded:   # --reliable-codec: coded already
+                    coding, cidx, payloads = coded[0]
+                    ca, cb = np.searchsorted(cidx, (lo, hi))
+                    if cb - ca != rel.size:
+                        raise ValueError(f"coded reliable channel holds {cb - ca} blocks "
+                                         f"of shard {s}, the channel {rel.size}")
+                    flags |= coding << wire.CODING_SHIFT
+                    parts = wire.coded_indexed_blocks_parts(rel, payloads[ca:cb])
+                else:   # contiguous (tcp mode): a view of ``blocks``, no gather
+                    data = blocks[rel[0]:rel[-1] + 1] if rel[-1] - rel[0] + 1 == rel.size \
+                        else blocks[rel]
+                    parts = wire.indexed_blocks_parts(rel, data)
                 frame = wire.encode_parts(
                     MsgType.BLOCKS, session=self.session, sender=self.rank, shard=s,
                     iteration=self.iteration, channel=0, block=int(rel[0]),
-                    count=rel.size, flags=INDEXED_BIT, key=self.key,
-                    parts=wire.indexed_blocks_parts(rel, data))
+                    count=rel.size, flags=flags, key=self.key, parts=parts)
                 frames.append(TcpFrame(s, frame, "blocks"))
                 ctr.channels[0].blocks_sent += rel.size
                 ctr.channels[0].bytes_sent += sum(memoryview(b).nbytes for b in frame)

@@ -186,14 +186,14 @@ class ShardSession:
         if h.type == MsgType.BLOCKS:
             if h.channel != RELIABLE or not h.flags & _INDEXED:
                 return [self._reject("bad_tcp_blocks")]
-            if wire.coding_of(h.flags):   # the reliable channel carries f32 only
-                return [self._reject("bad_coding")]
+            coding = wire.coding_of(h.flags)   # --reliable-codec: a reduced form
             try:
-                idx, data = wire.unpack_indexed_blocks(payload, h.count, self.block_elems)
+                idx, data = wire.unpack_indexed_blocks(payload, h.count, self.block_elems,
+                                                       coding)
             except WireError as e:
                 return [self._reject(e.reason)]
             rows = idx.astype(np.int64) - self.lo
-            return self._blocks(h, rows, data, wire.frame_size(h), now)
+            return self._blocks(h, rows, data, wire.frame_size(h), now, coding)
         if h.type == MsgType.END:
             try:
                 counts = wire.unpack_end(payload)
@@ -538,7 +538,9 @@ class ShardSession:
         return events
 
     def _blocks(self, h: wire.Header, rows: np.ndarray, data: np.ndarray, nbytes: int,
-                now: float) -> list:
+                now: float, coding: int = 0) -> list:
+        """One reliable BLOCKS frame's blocks: shard ``rows`` ((n,) int64), ``data``
+        ((n, E) float32, or (n, P) uint8 payloads in ``coding``)."""
         bad = self._check_addressing(h)
         if bad:
             return [self._reject(bad)]
@@ -564,10 +566,11 @@ class ShardSession:
             return events
         self.received[w, rows] = True
         self.channel_of[w, rows] = RELIABLE
+        self.coding_of[w, rows] = coding
         self.per_channel[w, h.channel] += rows.size
         ch.blocks_delivered += rows.size
         ch.bytes_delivered += nbytes
-        events.append(BlocksArrived(w, h.iteration, h.channel, rows, data))
+        events.append(BlocksArrived(w, h.iteration, h.channel, rows, data, coding))
         if self.end_counts[w] is not None and self._complete(w):
             events += self._finalise(w, "complete")
         return events

@@ -314,19 +314,38 @@ def indexed_blocks_parts(indices: np.ndarray, blocks: np.ndarray) -> tuple:
     return indices.astype(">u4").tobytes(), np.ascontiguousarray(blocks, "<f4")
 
 
-def unpack_indexed_blocks(payload: memoryview, count: int, block_elems: int
-                          ) -> tuple[np.ndarray, np.ndarray]:
-    """Inverse of :func:`pack_indexed_blocks`; returns views (indices, (count, elems)).
+def coded_indexed_blocks_parts(indices: np.ndarray, payloads: np.ndarray) -> tuple:
+    """A coded INDEXED BLOCKS payload (``--reliable-codec``; the header's ``coding``
+    flags name the coding) as parts for :func:`encode_parts`: ``count`` big-endian u32
+    indices, then the ``count`` coded blocks, ``payloads`` ((count, P) uint8, P =
+    :func:`coded_payload_bytes`), not copied when C-contiguous. (A flat view: a
+    memoryview cannot cast an empty 2-D array.)"""
+    return (indices.astype(">u4").tobytes(),
+            np.ascontiguousarray(payloads, np.uint8).reshape(-1))
 
-    Raises :class:`WireError` (``bad_length``) when the payload does not hold exactly
-    ``count`` indices and blocks.
+
+def unpack_indexed_blocks(payload: memoryview, count: int, block_elems: int,
+                          coding: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`pack_indexed_blocks` (``coding`` FP32) and of
+    :func:`coded_indexed_blocks_parts` (a reduced ``coding``); returns views (indices
+    (count,) >u4, blocks): (count, block_elems) float32, or (count, P) uint8 coded
+    payloads for a reduced coding.
+
+    Raises :class:`WireError`: ``bad_coding`` for a coding this version does not know,
+    ``bad_length`` when the payload does not hold exactly ``count`` indices and blocks.
     """
-    need = count * 4 + count * block_elems * 4
+    size = coded_payload_bytes(coding, block_elems)
+    if size is None:
+        raise WireError("bad_coding", f"BLOCKS coding {coding}")
+    need = count * 4 + count * size
     if len(payload) != need:
         raise WireError("bad_length", f"BLOCKS payload {len(payload)} B, need {need} B")
     idx = np.frombuffer(payload, ">u4", count)
-    data = np.frombuffer(payload, "<f4", count * block_elems, offset=count * 4)
-    return idx, data.reshape(count, block_elems)
+    if coding == Coding.FP32:
+        data = np.frombuffer(payload, "<f4", count * block_elems, offset=count * 4)
+        return idx, data.reshape(count, block_elems)
+    data = np.frombuffer(payload, np.uint8, count * size, offset=count * 4)
+    return idx, data.reshape(count, size)
 
 
 def pack_end(counts) -> bytes:

@@ -6,10 +6,14 @@ is atomic within one file system; POSIX).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tempfile
 from typing import BinaryIO, Callable
+
+from . import outpath
 
 
 def write_atomic(path: str, write: Callable[[BinaryIO], None], fsync: bool = True) -> None:
@@ -24,6 +28,13 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None], fsync: bool = Tru
     except OSError as e:   # the error names the file we were asked to write
         raise OSError(e.errno, e.strerror, path) from None
     try:
+        # mkstemp makes the file 0600: give it the mode the file had, or the one a plain
+        # open() would give a new file (0666 less the umask)
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except OSError:
+            mode = 0o666 & ~_umask()
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             write(f)
             if fsync:
@@ -40,6 +51,19 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None], fsync: bool = Tru
         raise
 
 
+def _umask() -> int:
+    """This process's umask, read from /proc (os.umask would set it, racing other
+    threads' file creation); 0o022 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def write_bytes(path: str, data: bytes, fsync: bool = False) -> None:
     """Write ``data`` to ``path`` atomically (see ``write_atomic``). Raises OSError."""
     write_atomic(path, lambda f: f.write(data), fsync=fsync)
@@ -47,7 +71,12 @@ def write_bytes(path: str, data: bytes, fsync: bool = False) -> None:
 
 def write_json(path: str, obj, indent: int | None = None, fsync: bool = False,
                **kw) -> None:
-    """``json.dumps(obj)`` written to ``path`` atomically (see ``write_atomic``).
-    Raises OSError, or TypeError/ValueError when ``obj`` is not JSON-serialisable
-    (nothing is written then)."""
-    write_bytes(path, json.dumps(obj, indent=indent, **kw).encode(), fsync=fsync)
+    """``json.dumps(obj)`` written to ``path`` atomically (see ``write_atomic``), but
+    never over a file that is not JSON (dgt.outpath: an earlier output is JSON).
+    Raises OSError (FileExistsError for such a file), or TypeError/ValueError when
+    ``obj`` is not JSON-serialisable (nothing is written then)."""
+    data = json.dumps(obj, indent=indent, **kw).encode()
+    why = outpath.foreign(path, "json")
+    if why is not None:
+        raise FileExistsError(errno.EEXIST, why, path)
+    write_bytes(path, data, fsync=fsync)

@@ -232,11 +232,17 @@ class TransmissionConfig:
                f"e.g. 2:bf16,3:int8; got {self.band_codec!r}")
         if text in names:
             return [0] + [names[text]] * MAX_UDP_CHANNELS
+        seen: set[int] = set()
         for item in text.split(","):
             c, _, name = item.strip().partition(":")
             if not c.strip().isdigit() or name.strip() not in names \
                     or not 1 <= int(c) <= self.channels:
                 raise ValueError(how)
+            if int(c) in seen:
+                raise ValueError(f"--band-codec names channel {int(c)} twice; give each "
+                                 f"band one codec, e.g. 1:int8,2:fp16; got "
+                                 f"{self.band_codec!r}")
+            seen.add(int(c))
             out[int(c)] = names[name.strip()]
         return out
 
@@ -330,10 +336,10 @@ class NodeConfig:
         if self.world < 1:
             raise ValueError(f"--world must be >= 1, got {self.world} (the flag, env "
                              f"DGT_WORLD or torchrun's WORLD_SIZE is required)")
-        if not 0 <= self.rank < self.world:
-            what = "is required (env DGT_RANK or torchrun's RANK)" if self.rank < 0 else \
-                f"must be in 0..{self.world - 1}, got {self.rank}"
-            raise ValueError(f"--rank {what}")
+        if not 0 <= self.rank < self.world:   # -1: not given (the default)
+            got = "" if self.rank == -1 else f", got {self.rank}"
+            raise ValueError(f"--rank must be in 0..{self.world - 1} (the flag, env "
+                             f"DGT_RANK or torchrun's RANK){got}")
         if not 1 <= self.master_port <= 65535:
             raise ValueError(f"--master-port must be 1..65535, got {self.master_port}")
         if not self.master_addr:
@@ -342,6 +348,22 @@ class NodeConfig:
             raise ValueError(f"--master-listen-fd is for rank 0 only and must be an "
                              f"inherited descriptor >= 3 (or -1), got "
                              f"{self.master_listen_fd}")
+
+    def check_listen_fd(self) -> None:
+        """--master-listen-fd, in the process that inherited it: an open socket. Raises
+        ValueError that says what to do (else TCPStore fails later with EBADF)."""
+        import stat
+        if self.master_listen_fd == -1:
+            return
+        try:
+            sock = stat.S_ISSOCK(os.fstat(self.master_listen_fd).st_mode)
+        except OSError as e:
+            raise ValueError(f"--master-listen-fd {self.master_listen_fd} is not open in "
+                             f"this process ({e.strerror}); pass a listening socket the "
+                             f"parent leaves open, or leave the flag out") from None
+        if not sock:
+            raise ValueError(f"--master-listen-fd {self.master_listen_fd} is not a socket; "
+                             f"pass a listening TCP socket, or leave the flag out")
 
 
 @dataclass
@@ -426,7 +448,9 @@ class JobConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
         if not 0 <= self.base_port <= 65535 - 10 * self.workers - 8:
-            raise ValueError(f"--base-port must leave room for {self.workers} nodes")
+            raise ValueError(f"--base-port must be in 0..{65535 - 10 * self.workers - 8} "
+                             f"(room for the ports of {self.workers} nodes), got "
+                             f"{self.base_port}")
         from .tc_profiles.names import check_prefix   # pure string rule, no pyroute2
         check_prefix(self.testbed_prefix, "--testbed-prefix")
 

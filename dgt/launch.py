@@ -31,7 +31,7 @@ import tempfile
 import time
 
 
-from . import checkpoint, failure, records, unixsock
+from . import checkpoint, failure, outpath, records, unixsock
 from .transport import udpmac
 from .atomic import write_json
 from .interrupt import raise_keyboard_interrupt_on
@@ -441,6 +441,9 @@ def check_paths(job: JobConfig) -> None:
                              f"create it first or give another path")
         if os.path.isdir(job.report):
             raise ValueError(f"--report {job.report} is a directory; give a file path")
+        why = outpath.foreign(job.report, "json")
+        if why is not None:
+            raise ValueError(f"--report {job.report}: {why}")
         try:   # create a file there, as the report will be (os.access says yes to root
             # on /proc and on a read-only mount's permission bits)
             with tempfile.TemporaryFile(dir=folder, prefix=".dgt-report-"):

@@ -510,6 +510,7 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     try:
         cfg = from_args(TransmissionConfig, ns)
         node = from_args(NodeConfig, ns)
+        node.check_listen_fd()
         check_resolves(node.master_addr)
         mcfg = from_args(MetricsConfig, ns)
     except ValueError as e:

@@ -356,6 +356,9 @@ def load_profile(name_or_path: str | Path) -> Profile:
     s = str(name_or_path)
     if s.endswith((".yaml", ".yml")) or "/" in s:
         path = Path(s)
+        if path.is_dir():
+            raise ProfileError(f"profile file {s!r} is a folder; give a YAML file in it "
+                               f"or a shipped profile's name")
         if not path.is_file():
             raise ProfileError(f"profile file {s!r} does not exist")
         try:

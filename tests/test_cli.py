@@ -60,7 +60,8 @@ BAD = [
     # field faults, issue 12
     (["sidecar", "--rank", "1", "--world", "2", "--master-addr", "no-such-host.invalid"],
      "--master-addr no-such-host.invalid does not resolve"),
-    (["sidecar", "--world", "2"], "--rank is required"),
+    (["sidecar", "--world", "2"], "--rank must be in 0..1 (the flag, env DGT_RANK or "
+                                  "torchrun's RANK)"),
     (["train", "--report", "/nonexistent-dgt-dir/sub/r.json"], "does not exist"),
     # breaker round 3
     (["replay", "--dry-run", "--to", "127.0.0.1:31000", "/nonexistent.pcap"],
@@ -96,6 +97,16 @@ BAD = [
     (["train", "--dataset", "cifar10", "--data-dir", "/nonexistent/c"], "is not a folder"),
     (["train", "--model", "vgg11", "--workers", "64", "--batch-size", "8"],
      "--model vgg11 --width 1 needs about"),
+    # breaker round, stop 31: weak wording, or accepted silently
+    (["sidecar", "--rank", "-3", "--world", "2"], "--rank must be in 0..1 (the flag, env "
+                                                   "DGT_RANK or torchrun's RANK), got -3"),
+    (["train", "--base-port", "-5"], "--base-port must be in 0..65487 (room for the ports "
+                                     "of 4 nodes), got -5"),
+    (["train", "--band-codec", "1:int8,1:fp16"], "--band-codec names channel 1 twice"),
+    (["sidecar", "--rank", "0", "--world", "1", "--master-listen-fd", "99"],
+     "--master-listen-fd 99 is not open in this process"),
+    (["tc", "apply", "/", "--dev", "lo", "--dry-run"], "profile file '/' is a folder"),
+    (["train", "--reliable-codec", "fp8"], "argument --reliable-codec: invalid choice"),
 ]
 
 

@@ -24,6 +24,8 @@ import re
 import sys
 from pathlib import Path
 
+from dgt import outpath
+
 log = logging.getLogger("dgt.tools")
 
 
@@ -77,6 +79,10 @@ def _positive(flag: str, value, integer: bool = False) -> None:
         raise ValueError(f"{flag} must be a finite number > 0, got {value}")
 
 
+#: what each output flag writes (dgt.outpath), --json and the like: JSON
+_KIND = {"-w": "pcap", "--plot": "png"}
+
+
 def check_output(flag: str, path: str | None) -> None:
     """The output-path policy of every command (``-w``, ``--json``, ``--plot``),
     checked before any work: the path must not be a folder, its folder must exist (it
@@ -84,7 +90,9 @@ def check_output(flag: str, path: str | None) -> None:
     really be writable there: it is opened for writing (created and removed again when
     new; an existing file is neither truncated nor changed), so a read-only file
     system, a folder the user cannot write, or a place no file can be made (``/proc``)
-    fails here, not after the work. Raises ValueError, one line:
+    fails here, not after the work; and an existing file must hold what the flag
+    writes (dgt.outpath: JSON, a PNG, a pcap), so a typo never replaces another
+    file. Raises ValueError, one line:
     ``cannot write PATH (FLAG): why``."""
     if not path:
         return
@@ -94,6 +102,9 @@ def check_output(flag: str, path: str | None) -> None:
         return ValueError(f"cannot write {path} ({flag}): {why}")
     if p.is_dir():
         raise bad("is a folder, give a file name")
+    why = outpath.foreign(path, _KIND.get(flag, "json"))
+    if why is not None:
+        raise bad(why)
     parent = p.parent if str(p.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise bad(f"{parent} is not a folder")

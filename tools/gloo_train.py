@@ -492,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         check_prefix(ns.testbed_prefix, "--testbed-prefix")
     except PrefixError as e:
         p.error(str(e))
+    from dgt import outpath
+    why = outpath.foreign(ns.report, "json") if ns.report else None
+    if why is not None:   # before the training, not after it
+        p.error(f"--report {ns.report}: {why}")
     job = GlooJob(workers=ns.workers, epochs=ns.epochs, iterations=ns.iterations,
                   eval_every=ns.eval_every,
                   batch_size=ns.batch_size, lr=ns.lr, hidden=ns.hidden, seed=ns.seed,

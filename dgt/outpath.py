@@ -1,0 +1,61 @@
+"""What an output flag may replace: nothing, or a file of the kind it writes.
+
+``dgt train --report notes.txt`` used to replace ``notes.txt`` with a JSON report
+without a word (and, run as root, ``--report /etc/passwd`` replaced that). Every output
+flag that names a file (``--report``, ``--json``, ``--plot``, ``-w``) now replaces an
+existing file only when it already holds what the flag writes (JSON, a PNG, a pcap):
+an earlier run's output, so a rerun still overwrites its own report. Anything else is
+refused before any work, with one line that says what to do
+(tests/test_outpath.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+#: the largest existing JSON file read to see whether it is JSON (a report is KBs)
+MAX_JSON_BYTES = 64 << 20
+#: leading bytes of each binary kind (PNG: its signature, RFC 2083; pcap: the classic
+#: file's magic in either byte order, micro- or nanosecond, and pcapng's block type)
+_MAGIC = {
+    "png": (b"\x89PNG\r\n\x1a\n",),
+    "pcap": (b"\xd4\xc3\xb2\xa1", b"\xa1\xb2\xc3\xd4", b"\x4d\x3c\xb2\xa1",
+             b"\xa1\xb2\x3c\x4d", b"\x0a\x0d\x0d\x0a"),
+}
+KINDS = ("json", *_MAGIC)
+
+
+def foreign(path: str, kind: str) -> str | None:
+    """Why an output of ``kind`` (one of :data:`KINDS`) must not replace ``path``, or
+    None when it may: ``path`` does not exist, is not a regular file (a FIFO or
+    ``/dev/stdout``: written through, not replaced), is empty, or already holds
+    ``kind`` (JSON text that parses; a PNG or pcap signature). A file that cannot be
+    read is foreign. Raises ValueError for an unknown ``kind``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown output kind {kind!r}; one of {', '.join(KINDS)}")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot look at it: {e.strerror or e}"
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return None
+    what = {"json": "a JSON", "png": "a PNG", "pcap": "a pcap"}[kind]
+    refuse = (f"it exists and is not {what} file (an earlier output would be); "
+              f"remove it or give another path")
+    if kind == "json" and st.st_size > MAX_JSON_BYTES:
+        return refuse
+    try:
+        with open(path, "rb") as f:
+            head = f.read(MAX_JSON_BYTES if kind == "json" else 8)
+    except OSError as e:
+        return f"cannot read it to see what it holds: {e.strerror or e}"
+    if kind == "json":
+        try:
+            json.loads(head)
+        except (ValueError, UnicodeDecodeError):
+            return refuse
+        return None
+    return None if head.startswith(_MAGIC[kind]) else refuse

@@ -72,7 +72,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
     # the codings a run without sidecar reports would have used (dgt train: loopback
     # unless --testbed)
     used = tx.resolve_codecs(loopback=not getattr(job, "testbed", False))
-    return {
+    r = {
         "warnings": lost_t + lost_s + _warnings(sidecars),
         "mode": tx.mode,
         # what the UDP bands and the PULLs' low share were coded in (auto resolved)
@@ -132,6 +132,10 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "config": {"job": asdict(job),
                    "transmission": {k: v for k, v in asdict(tx).items() if k != "secret"}},
     }
+    bad = divergence(r)
+    if bad is not None:   # the report carries what the summary warns about
+        r["warnings"].append(bad)
+    return r
 
 
 def sidecar_cpu_ms_per_push(sidecars: list[dict]) -> float | None:
@@ -245,12 +249,9 @@ def print_summary(r: dict, log=print) -> None:
         log("accuracy curve: " + ", ".join(f"it {h['iteration']} {h['test_accuracy']:.3f} "
                                            f"@{h['seconds']:.0f}s" for h in curve[-8:])
             + (f" (last 8 of {len(curve)}; all in the JSON report)" if len(curve) > 8 else ""))
-    bad = diverged(r)
-    if bad is not None:
-        log(f"warning: the training loss is {bad['loss']} from iteration {bad['iteration']} "
-            f"on: training diverged (lower --lr) or a trainer pushed non-finite gradients "
-            f"({r['rejected'].get('non_finite', 0)} non-finite blocks were kept out of the "
-            f"aggregate); the numbers above describe a broken model")
+    bad = divergence(r)
+    if bad is not None and bad not in r.get("warnings", []):   # a report of before
+        log(f"warning: {bad}")
 
 
 def describe_workload(w: dict) -> str:
@@ -260,6 +261,18 @@ def describe_workload(w: dict) -> str:
     return (f"{w['model']} ({size}, {w['params'] / 1e6:.2f}M params, "
             f"{w['gradient_bytes'] / 1e6:.2f} MB per push) on {w['dataset']} "
             f"({w['train_samples']} train / {w['test_samples']} test), {w['partition']}, {algo}")
+
+
+def divergence(r: dict) -> str | None:
+    """The warning for a run whose training loss went NaN or inf (:func:`diverged`),
+    or None."""
+    bad = diverged(r)
+    if bad is None:
+        return None
+    return (f"the training loss is {bad['loss']} from iteration {bad['iteration']} on: "
+            f"training diverged (lower --lr) or a trainer pushed non-finite gradients "
+            f"({r['rejected'].get('non_finite', 0)} non-finite blocks were kept out of the "
+            f"aggregate); the numbers of this run describe a broken model")
 
 
 def diverged(r: dict) -> dict | None:

@@ -145,6 +145,9 @@ def test_a_diverged_run_says_so_in_the_summary(train):
     assert any(h["loss"] != h["loss"] or abs(h["loss"]) == float("inf")
                for h in r["history"])
     assert "warning: the training loss is" in p.stdout and "lower --lr" in p.stdout
+    assert p.stdout.count("warning: the training loss is") == 1
+    # the report carries it too (breaker round, stop 31: its warnings were empty)
+    assert any(w.startswith("the training loss is") for w in r["warnings"])
     assert p.returncode == 1   # a script that chains on dgt train must not go on
     assert r["replicas_identical"]
 

@@ -172,6 +172,8 @@ class Client:
         self._maps = [ipc.ShmBuffer(msg["grad"], msg["padded"])]
         if msg["aggregate"] != msg["grad"]:
             self._maps.append(ipc.ShmBuffer(msg["aggregate"], msg["padded"]))
+        for m in self._maps:   # mapped: the names can go (nothing left by a SIGKILL)
+            ipc.drop_name(m.path)
         self.params = params
         self.grad, self.aggregate = self._maps[0].array, self._maps[-1].array
         self.n_params = n

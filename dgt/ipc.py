@@ -69,6 +69,20 @@ class ShmBuffer:
                 pass
 
 
+def drop_name(path: str) -> None:
+    """The attaching side's part of :class:`ShmBuffer`'s rule: once this process has
+    mapped a buffer, its name is not needed, so it goes now (a sidecar killed by
+    SIGKILL before its first push then leaves nothing in /dev/shm; the creator's own
+    unlink finds it gone). Only a dgt buffer's name in :func:`shm_dir` is removed,
+    whatever ``path`` the peer named."""
+    if os.path.dirname(path) != shm_dir() or not os.path.basename(path).startswith("dgt-"):
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 

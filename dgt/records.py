@@ -41,8 +41,9 @@ def spill_dir() -> str:
 
 def make_spill_dir() -> str:
     """A fresh spill folder for one ``dgt train`` job (0700, in the shared-memory folder
-    dgt.ipc.shm_dir): pass it to the children as ``$DGT_RECORD_SPILL``."""
-    return tempfile.mkdtemp(prefix="dgt-records-", dir=shm_dir())
+    dgt.ipc.shm_dir, named after this process: ``dgt-records-<pid>-*``): pass it to the
+    children as ``$DGT_RECORD_SPILL``."""
+    return tempfile.mkdtemp(prefix=f"dgt-records-{os.getpid()}-", dir=shm_dir())
 
 
 def write(path: str, record: dict, indent: int | None = None) -> str | None:

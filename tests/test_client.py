@@ -75,14 +75,15 @@ def test_client_use_and_misuse(sidecar):
 
 
 def test_dead_sidecar_is_a_peer_failure_not_a_hang(sidecar):
-    """...and leaves nothing in /dev/shm: the buffer's name went at the first push
-    (both sides had mapped it), so even a SIGKILL that nobody cleans up after (the
-    launcher killed too) cannot leak it."""
+    """...and leaves nothing in /dev/shm: the buffer's name goes as soon as the
+    client has mapped it, at register (it used to stay until the first push, and a
+    sidecar killed before it leaked the buffer), so even a SIGKILL that nobody cleans
+    up after (the launcher killed too) cannot leak it."""
     path, proc = sidecar
     c = dgt.Client(path, timeout_s=30)
     m = nn.Linear(4, 2)
     c.register(m)
-    assert glob.glob(os.path.join("/dev/shm", f"dgt-{proc.pid}-*"))
+    assert not glob.glob(os.path.join("/dev/shm", f"dgt-{proc.pid}-*"))
     m(torch.randn(3, 4)).sum().backward()
     c.push_pull(0)
     assert not glob.glob(os.path.join("/dev/shm", f"dgt-{proc.pid}-*"))

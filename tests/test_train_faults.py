@@ -118,6 +118,7 @@ def test_bad_input_during_training_is_counted_and_dropped(tmp_path, secret):
                                         ("sidecar", signal.SIGSEGV)])
 def test_dead_peer_ends_the_job_with_its_rank_named(tmp_path, victim, sig):
     run_dir = tmp_path / "run"
+    shm_before = set(os.listdir("/dev/shm"))   # a pid may be reused: only new names count
     p = start_train(run_dir, "--epochs", 200)
     wait_for(run_dir / "pids.json", p)
     for line in p.stdout:  # rank 0's progress: training has started
@@ -147,7 +148,10 @@ def test_dead_peer_ends_the_job_with_its_rank_named(tmp_path, victim, sig):
         assert (run_dir / f"sidecar-{r}.json").exists(), logs   # it got to its end
     # the survivors named the dead rank themselves
     assert "rank 2" in (run_dir / "trainer-0.log").read_text()
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dgt-{dead['pid']}")]
+    # no sidecar of the job left a buffer (each is named dgt-<sidecar pid>-...)
+    left = set(os.listdir("/dev/shm")) - shm_before
+    assert not [f for f in left for x in pids
+                if x["kind"] == "sidecar" and f.startswith(f"dgt-{x['pid']}-")], left
 
 
 def _started(tmp_path, *args):

@@ -181,6 +181,21 @@ def test_the_plot_of_cells_that_all_failed_so_far_warns_nothing(tmp_path):
     assert (tmp_path / "a.png").stat().st_size > 0
 
 
+def test_no_two_curves_of_a_panel_share_a_colour():
+    """stop 31: a variant's curve took matplotlib's next colour, tcp's orange
+    (docs/bench/tta_googlenet_reliable_accuracy.png before it was redrawn)."""
+    import json
+    from pathlib import Path
+
+    from dgt.tools.bench_tta import curve_colors
+    doc = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench" /
+                      "tta_googlenet_reliable.json").read_text())
+    cells = doc["cells"]
+    assert len(cells) == 5 and sum(c["system"] != c["base"] for c in cells) == 3
+    colors = curve_colors(cells)
+    assert None not in colors and len(set(colors)) == len(cells), colors
+
+
 def test_a_cells_queue_drops_are_the_difference_and_get_their_own_table():
     from dgt.tools.bench_tta import markdown, queue_drops_since
     before = {"host": {"46": 5, "0": 0}, "router": {"46": 0, "24": 7}}

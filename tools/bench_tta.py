@@ -74,6 +74,10 @@ BASE_LABEL = {"gloo": "gloo all_reduce", "gloo-fp16": "DDP gloo + fp16_compress_
               "dgt": "dgt --mode dgt"}
 BASE_COLOR = {"gloo": "tab:blue", "gloo-fp16": "tab:cyan", "gloo-powersgd": "tab:purple",
               "tcp": "tab:orange", "dgt": "tab:red"}
+#: the variants' colours (a system with flags), in order within a panel: none of the
+#: base systems' (matplotlib's default cycle gave a variant tcp's orange)
+VARIANT_COLORS = ("tab:green", "tab:brown", "tab:pink", "tab:olive", "tab:gray",
+                  "black", "gold", "navy")
 SCENARIOS = ("clean", "tenant", "share")
 #: The DGT paper's figures: training time less than MXNet's default transmission, 6 GTX
 #: 1080Ti GPUs on a 1 Gbit/s network (Zhou et al., FGCS 2021, abstract), percent.
@@ -771,6 +775,21 @@ def _drops_text(bands: dict[str, int]) -> str:
         or "none"
 
 
+def curve_colors(cells: list[dict]) -> list[str | None]:
+    """The colour of each of one panel's ``cells``' curves: a base system its own
+    (:data:`BASE_COLOR`; None, matplotlib's next, for one without), each variant the
+    next of :data:`VARIANT_COLORS`, so no two curves of a panel share one (up to 8
+    variants)."""
+    out, variants = [], 0
+    for c in cells:
+        if c["system"] == c["base"]:
+            out.append(BASE_COLOR.get(c["base"]))
+        else:
+            out.append(VARIANT_COLORS[variants % len(VARIANT_COLORS)])
+            variants += 1
+    return out
+
+
 def plot_accuracy(doc: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -782,12 +801,12 @@ def plot_accuracy(doc: dict, path: str) -> None:
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     for ax, key in zip(axes.flat, panels):
-        for c in cells:
-            if (c["rate"] or "loopback", c["scenario"], c["workload"]) == key:
-                h = c["history"]
-                ax.plot([x["seconds"] for x in h], [x["test_accuracy"] for x in h],
-                        marker="o", ms=3, label=c["label"],
-                        color=BASE_COLOR.get(c["base"]) if c["system"] == c["base"] else None)
+        mine = [c for c in cells if (c["rate"] or "loopback", c["scenario"],
+                                     c["workload"]) == key]
+        for c, color in zip(mine, curve_colors(mine)):
+            h = c["history"]
+            ax.plot([x["seconds"] for x in h], [x["test_accuracy"] for x in h],
+                    marker="o", ms=3, label=c["label"], color=color)
         ax.axhline(doc["config"]["target_accuracy"], color="grey", lw=0.8, ls="--")
         ax.set_title(" ".join(key))
         ax.set_xlabel("training seconds")

@@ -30,16 +30,15 @@ def foreign(path: str, kind: str) -> str | None:
     """Why an output of ``kind`` (one of :data:`KINDS`) must not replace ``path``, or
     None when it may: ``path`` does not exist, is not a regular file (a FIFO or
     ``/dev/stdout``: written through, not replaced), is empty, or already holds
-    ``kind`` (JSON text that parses; a PNG or pcap signature). A file that cannot be
-    read is foreign. Raises ValueError for an unknown ``kind``."""
+    ``kind`` (JSON text that parses; a PNG or pcap signature); also None when ``path``
+    cannot be looked at (the writer then fails with its own reason). A file that exists
+    but cannot be read is foreign. Raises ValueError for an unknown ``kind``."""
     if kind not in KINDS:
         raise ValueError(f"unknown output kind {kind!r}; one of {', '.join(KINDS)}")
     try:
         st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return f"cannot look at it: {e.strerror or e}"
+    except OSError:   # no such file, or no way to it (a part is a file, no access):
+        return None   # nothing to replace; the writer's own checks name the cause
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
         return None
     what = {"json": "a JSON", "png": "a PNG", "pcap": "a pcap"}[kind]

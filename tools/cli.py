@@ -102,9 +102,6 @@ def check_output(flag: str, path: str | None) -> None:
         return ValueError(f"cannot write {path} ({flag}): {why}")
     if p.is_dir():
         raise bad("is a folder, give a file name")
-    why = outpath.foreign(path, _KIND.get(flag, "json"))
-    if why is not None:
-        raise bad(why)
     parent = p.parent if str(p.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise bad(f"{parent} is not a folder")
@@ -116,6 +113,9 @@ def check_output(flag: str, path: str | None) -> None:
         raise bad(f"{e.strerror} (a part of {parent} is not a folder)") from None
     except OSError as e:
         raise bad(e.strerror or str(e)) from None
+    why = outpath.foreign(path, _KIND.get(flag, "json"))
+    if why is not None:
+        raise bad(why)
 
 
 def _probe_writable(p: Path) -> None:

@@ -249,9 +249,6 @@ def print_summary(r: dict, log=print) -> None:
         log("accuracy curve: " + ", ".join(f"it {h['iteration']} {h['test_accuracy']:.3f} "
                                            f"@{h['seconds']:.0f}s" for h in curve[-8:])
             + (f" (last 8 of {len(curve)}; all in the JSON report)" if len(curve) > 8 else ""))
-    bad = divergence(r)
-    if bad is not None and bad not in r.get("warnings", []):   # a report of before
-        log(f"warning: {bad}")
 
 
 def describe_workload(w: dict) -> str:

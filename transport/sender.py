@@ -103,6 +103,19 @@ class UdpBatch:
     tail: bool = False
 
 
+def _shard_payloads(coded: dict, channel: int, lo: int, hi: int, n: int,
+                    shard: int) -> tuple[int, np.ndarray]:
+    """(coding, payloads (n, coded bytes) uint8 view) of the ``n`` blocks [lo, hi) of
+    ``shard`` that ``coded[channel]`` (PushSender.add's ``coded``) holds. Raises
+    ValueError when it holds another number of them than the channel sends."""
+    coding, cidx, payloads = coded[channel]
+    a, b = np.searchsorted(cidx, (lo, hi))
+    if b - a != n:
+        raise ValueError(f"coded channel {channel} holds {b - a} blocks of shard {shard}, "
+                         f"the channel {n}")
+    return coding, payloads[a:b]
+
+
 def batch_rows(datagram_bytes: int) -> int:
     """Datagrams per GSO send (one UDP payload of at most 65,000 bytes)."""
     return max(1, MAX_GSO_BYTES // datagram_bytes)
@@ -227,13 +240,9 @@ class PushSender:
             if rel.size:
                 flags = INDEXED_BIT
                 if coded and 0 in coded:   # --reliable-codec: coded already
-                    coding, cidx, payloads = coded[0]
-                    ca, cb = np.searchsorted(cidx, (lo, hi))
-                    if cb - ca != rel.size:
-                        raise ValueError(f"coded reliable channel holds {cb - ca} blocks "
-                                         f"of shard {s}, the channel {rel.size}")
+                    coding, data = _shard_payloads(coded, 0, lo, hi, rel.size, s)
                     flags |= coding << wire.CODING_SHIFT
-                    parts = wire.coded_indexed_blocks_parts(rel, payloads[ca:cb])
+                    parts = wire.coded_indexed_blocks_parts(rel, data)
                 else:   # contiguous (tcp mode): a view of ``blocks``, no gather
                     data = blocks[rel[0]:rel[-1] + 1] if rel[-1] - rel[0] + 1 == rel.size \
                         else blocks[rel]
@@ -256,12 +265,7 @@ class PushSender:
                     continue
                 coding, data = wire.Coding.FP32, None
                 if coded and c in coded:   # the payloads, coded already: this shard's
-                    coding, cidx, payloads = coded[c]
-                    ca, cb = np.searchsorted(cidx, (lo, hi))
-                    data = payloads[ca:cb]
-                    if cb - ca != idx.size:
-                        raise ValueError(f"coded band {c} holds {cb - ca} blocks of shard "
-                                         f"{st.shard}, the channel {idx.size}")
+                    coding, data = _shard_payloads(coded, c, lo, hi, idx.size, st.shard)
                 dgrams = wire.encode_block_datagrams(
                     session=self.session, sender=self.rank, shard=st.shard,
                     iteration=self.iteration, channel=c, indices=idx,

@@ -42,6 +42,9 @@ class FailureReason(str, enum.Enum):
     STORE_LOST = "store_lost"
     #: this node's own trainer disconnected or misbehaved
     OWN_TRAINER = "own_trainer"
+    #: a shard refused this rank's own connection: another one that knew the session id
+    #: held the rank's place there (a stranger, not a rank: nobody is blamed)
+    IMPERSONATED = "impersonated"
     #: stopped by a signal (the launcher relays the first failure in failure.json)
     STOPPED = "stopped"
     #: anything else (a bug of ours, a local resource)

@@ -319,6 +319,10 @@ class Job:
         # the exiting rank's own record does not blame it again; another process's
         # record names whom it blames, the exiting rank too (a frozen trainer's sidecar
         # may be the first process to exit, on the ERROR that blames its rank)
+        if cause is not None and cause.reason is failure.FailureReason.IMPERSONATED:
+            # a stranger's doing: its words first, and no rank is to blame
+            return f"{cause.message[:400]}; {kind} of rank {rank} exited with status " \
+                f"{code}", None
         exited = rank if cause is not None and cause.rank == rank else None
         blame = cause.headline_blame(exited) if cause is not None else ""
         # a rank that hung is named first, not the rank whose wait for it ran out

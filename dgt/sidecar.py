@@ -47,8 +47,9 @@ from .transport.aio import FrameProtocol
 from .unixsock import private_dir
 from .transport.channels import channel_dscp
 from .transport.control import (HELLO_TIMEOUT_S, MAX_PENDING_HELLO,  # noqa: F401
-                                CloseConnection, ControlProtocol, PeerFailed, PeerLeft,
-                                PullArrived, ShardFrame)
+                                CloseConnection, ConnectionRefused, ControlProtocol,
+                                PeerFailed, PeerLeft, PullArrived, RefuseConnection,
+                                ShardFrame)
 from .transport.counters import Counters
 from .transport.reasons import Rejected
 from .trace import Trace
@@ -358,7 +359,7 @@ class Sidecar:
                 out = self.shard.session.receive_frame(e.header, e.payload, now)
                 self.shard.handle(out)
                 if not any(isinstance(o, Rejected) for o in out):
-                    self.control.confirm(e.conn)
+                    self._apply(self.control.confirm(e.conn), now)
                 self._arm_timer()
             elif isinstance(e, PullArrived):
                 agg = e.aggregate
@@ -374,6 +375,19 @@ class Sidecar:
                 p = self.conns.get(e.conn)
                 if p is not None and p.transport is not None:
                     p.transport.abort()
+            elif isinstance(e, RefuseConnection):   # the ERROR first, then the close
+                p = self.conns.get(e.conn)
+                if p is not None and p.transport is not None:
+                    p.send(messages.error(self.session_id, self.rank, messages.REFUSED,
+                                          e.text, self.key))
+                    p.transport.close()
+            elif isinstance(e, ConnectionRefused) and not self.done.is_set():
+                hint = ("any process that can read the rendezvous store can do this "
+                        "without --secret: run every rank with --secret"
+                        if self.key is None else "this job's --secret has leaked")
+                self.fail(f"rank {e.shard} refused rank {self.rank}'s connection: "
+                          f"{e.text}; {hint}", None, why=FailureReason.IMPERSONATED,
+                          blamed=[])
             elif isinstance(e, PeerLeft):
                 if not e.clean:
                     log.warning("rank %d: rank %d left without BYE", self.rank, e.rank)

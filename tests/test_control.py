@@ -2,9 +2,10 @@
 eviction, forged HELLO/ERROR/BYE, PULL checks, blame on a lost connection."""
 import numpy as np
 
-from dgt.transport import wire
-from dgt.transport.control import (CloseConnection, ConnState, ControlProtocol,
-                                   PeerFailed, PeerLeft, PullArrived, ShardFrame)
+from dgt.transport import messages, wire
+from dgt.transport.control import (CloseConnection, ConnectionRefused, ConnState,
+                                   ControlProtocol, PeerFailed, PeerLeft, PullArrived,
+                                   RefuseConnection, ShardFrame)
 from dgt.transport.reasons import Reason, Rejected
 from dgt.transport.wire import MsgType
 
@@ -84,16 +85,23 @@ def test_candidates_per_rank_are_capped_and_a_peer_s_own_is_kept():
         c.accepted(conn, 0.0, host)
         return c.receive_frame(conn, *frame(MsgType.HELLO, sender=sender), 0.0)
 
+    def refused(ev):   # the closes, each with the ERROR that says why
+        assert all(isinstance(e, RefuseConnection) and e.rank == 1 for e in ev), ev
+        return [(e.conn, e.reason) for e in ev]
+
     assert hello_from(1, "10.0.0.1") == []          # the real rank 1
     assert hello_from(2, "10.9.9.9") == []          # forged, from elsewhere
-    assert hello_from(3, "10.9.9.9") == [CloseConnection(2, "evicted_candidate")]
-    assert hello_from(4, "::ffff:10.9.9.9") == [CloseConnection(3, "evicted_candidate")]
+    assert refused(hello_from(3, "10.9.9.9")) == [(2, "evicted_candidate")]
+    assert refused(hello_from(4, "::ffff:10.9.9.9")) == [(3, "evicted_candidate")]
     assert c.incoming() == {1: 1}                   # PULLs go to the rank's address
     # forged from the rank's own address too: the newcomer goes, the first one stays
-    assert hello_from(5, "10.0.0.1") == [CloseConnection(4, "evicted_candidate")]
-    assert hello_from(6, "10.0.0.1") == [CloseConnection(6, "evicted_candidate")]
-    c.confirm(5)
-    assert c.incoming() == {1: 5}                   # traffic decides
+    assert refused(hello_from(5, "10.0.0.1")) == [(4, "evicted_candidate")]
+    ev = hello_from(6, "10.0.0.1")
+    assert refused(ev) == [(6, "evicted_candidate")]
+    assert "2 other connections claim rank 1" in ev[0].text
+    # traffic decides, and the rank's other candidate is refused then
+    assert refused(c.confirm(5)) == [(1, "rank_taken")]
+    assert c.incoming() == {1: 5}
     assert c.lost(1, 1.0) == []
 
 
@@ -206,8 +214,12 @@ def test_once_a_rank_s_connection_is_established_no_rival_takes_its_place():
     end = frame(MsgType.END, sender=1, payload=wire.pack_end([0]))
     assert c.receive_frame(1, *end, 1.0) == [ShardFrame(1, *end)]
     c.confirm(1)                                             # established
-    # a HELLO for rank 1 after that: closed at once
-    assert hello(c, 2, sender=1) == [CloseConnection(2, "rank_taken")]
+    # a HELLO for rank 1 after that: closed at once, with an ERROR that says why (the
+    # real rank 1 learns it, should this be its connection and the stranger's the first)
+    ev = hello(c, 2, sender=1)
+    assert [(type(e), e.conn, e.reason, e.rank) for e in ev] == \
+        [(RefuseConnection, 2, "rank_taken", 1)]
+    assert "holds rank 1's place" in ev[0].text
     assert c.rejected["rank_taken"] == 1
     assert c.incoming() == {1: 1}
     assert c.lost(2, 2.0) == []                              # nobody blamed
@@ -215,15 +227,39 @@ def test_once_a_rank_s_connection_is_established_no_rival_takes_its_place():
 
 def test_a_rival_candidate_s_traffic_is_never_applied_once_one_is_established():
     c = control()
-    assert hello(c, 1, sender=1) == []                       # two candidates at start-up
+    assert hello(c, 1, sender=1) == []                       # three candidates at start-up
     assert hello(c, 2, sender=1) == []
+    assert hello(c, 3, sender=1) == []
     end = frame(MsgType.END, sender=1, payload=wire.pack_end([0]))
     assert c.receive_frame(1, *end, 1.0) == [ShardFrame(1, *end)]
-    c.confirm(1)
-    # the rival's traffic is dropped, and confirming it (were it accepted) changes nothing
-    assert c.receive_frame(2, *end, 1.0) == [Rejected("rank_taken")]
-    c.confirm(2)
+    assert c.receive_frame(3, *end, 1.0) == [ShardFrame(3, *end)]
+    # the first one the shard accepts wins; the rivals are refused at once
+    ev = c.confirm(1)
+    assert [(type(e), e.conn, e.reason) for e in ev] == \
+        [(RefuseConnection, 2, "rank_taken"), (RefuseConnection, 3, "rank_taken")]
+    # a rival's frame already read is dropped, and confirming it changes nothing
+    assert c.receive_frame(3, *end, 1.0) == []
+    assert c.confirm(3) == [] and c.confirm(2) == []
     assert c.incoming() == {1: 1}
     assert c.lost(2, 2.0) == []
     assert c.lost(1, 2.0) == [PeerFailed(1, "lost connection to rank 1 (process died "
                                             "or network down)")]
+
+
+def test_a_refusal_reaches_the_rank_only_on_the_connection_it_dialled():
+    """A shard's ERROR with block REFUSED on a connection we dialled: our own connection
+    was cut off there, because another connection holds our rank (a stranger with the
+    session id won the race at start-up): ConnectionRefused, which the sidecar turns
+    into a failure that blames no rank. On an accepted connection it is unverified."""
+    c = control()
+    c.connected(9, 1, 0.0)                                   # we dialled shard 1
+    err = frame(MsgType.ERROR, sender=1, shard=0, block=messages.REFUSED,
+                payload=b"another connection holds rank 0's place")
+    assert c.receive_frame(9, *err, 1.0) == \
+        [ConnectionRefused(1, "another connection holds rank 0's place")]
+    assert hello(c, 2, sender=1) == []                       # an accepted one: no
+    assert c.receive_frame(2, *err, 1.0) == [Rejected("unverified_control")]
+    # a plain ERROR naming nobody stays a peer's report
+    plain = frame(MsgType.ERROR, sender=1, shard=0, block=messages.NO_RANK, payload=b"x")
+    assert c.receive_frame(9, *plain, 1.0) == [PeerFailed(None, "rank 1 reports: x",
+                                                          reported=True)]

@@ -14,6 +14,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from conftest import logs_of, run_train
+from dgt import failure
 from dgt.errors import PeerFailure
 from dgt.rendezvous import Rendezvous, key_name
 from dgt.registration import check_endpoint
@@ -105,6 +106,81 @@ def test_without_a_secret_garbage_in_the_store_is_never_a_traceback(tmp_path):
                 recs.append(json.load(f))
         assert all(1 not in rec["blamed"] for rec in recs), recs
         print(lines[0])
+
+
+def _impostor(run_dir: str, base: int, world: int, stop: threading.Event,
+              seen: dict) -> None:
+    """A store reader that races the ranks' own connections at start-up: from the
+    moment it reads the session id, it says HELLO as every other rank to every shard
+    (ports known from --base-port), over and over, so each rank's candidates are taken
+    by its connections before the rank dials."""
+    from dgt.transport import wire
+    from dgt.transport.wire import MsgType
+    port = None
+    while port is None and not stop.wait(0.005):
+        port = _store_port(run_dir)
+    if port is None:
+        return
+    try:
+        s = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                     timeout=timedelta(seconds=60))
+        while not stop.is_set() and not s.check(["dgt/session/0"]):
+            stop.wait(0.002)
+        session = int(s.get("dgt/session/0"))
+    except Exception:   # the job ended first
+        return
+    socks = []
+    try:
+        while not stop.is_set():
+            for shard in range(world):
+                for rank in range(world):
+                    if rank == shard:
+                        continue
+                    try:
+                        c = socket.create_connection(("127.0.0.1", base + 10 * shard), 1)
+                        c.sendall(wire.encode(MsgType.HELLO, session=session,
+                                              sender=rank, shard=shard))
+                    except OSError:
+                        continue
+                    socks.append(c)
+                    seen["hellos"] = seen.get("hellos", 0) + 1
+            stop.wait(0.01)
+    finally:
+        for c in socks:
+            c.close()
+
+
+@pytest.mark.slow
+def test_without_a_secret_a_store_reader_that_takes_a_rank_s_place_is_named(tmp_path):
+    """The breaker's race: a process that read the session id from the store says
+    HELLO as each rank before the rank dials. Without --secret the trust model allows
+    the stall, but the failure must say what happened and blame no rank: the shard
+    refuses the real rank's connection with an ERROR that says why (docs/wire.md,
+    REFUSED), where it used to close it and the rank blamed that live shard as gone."""
+    from test_train_faults import free_base_port
+    run_dir, base = str(tmp_path / "run"), free_base_port()
+    stop, seen = threading.Event(), {}
+    t = threading.Thread(target=_impostor, args=(run_dir, base, 3, stop, seen))
+    t.start()
+    try:
+        p, _ = run_train(tmp_path, *JOB, "--base-port", base, "--peer-timeout-s", 10,
+                         timeout=300, check=False)
+    finally:
+        stop.set()
+        t.join(60)
+    out, logs = p.stdout + p.stderr, logs_of(run_dir)
+    assert seen.get("hellos", 0) > 0, "the impostor never said HELLO"
+    assert p.returncode != 0, out[-2000:]
+    lines = [ln for ln in out.splitlines() if "dgt train: failed:" in ln]
+    assert len(lines) == 1 and "refused rank" in lines[0] and "--secret" in lines[0], out
+    assert "went away" not in lines[0] and "lost connection" not in lines[0], lines[0]
+    print(lines[0])
+    assert "Traceback" not in out + logs, logs[-3000:]
+    with open(os.path.join(run_dir, "failure.json")) as f:
+        assert json.load(f)["rank"] is None            # nobody blamed
+    records = failure.read_all(run_dir)   # oldest first: the first cause
+    assert failure.first_cause(records).reason is failure.FailureReason.IMPERSONATED
+    assert failure.first_cause(records).blamed == [], records
 
 
 def _pair(secret=""):

@@ -45,6 +45,7 @@ import numpy as np
 
 from . import wire
 from .reasons import Event, Reason, Rejected
+from .messages import REFUSED
 from .wire import MsgType
 
 #: an accepted TCP connection must send HELLO within this many seconds
@@ -119,6 +120,30 @@ class CloseConnection(Event):
 
     conn: int
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RefuseConnection(Event):
+    """Send ERROR(``block`` = ``messages.REFUSED``, ``text``) on connection ``conn``,
+    then close it once that is sent (already counted under ``reason``). It said a valid
+    HELLO for ``rank``, which another connection holds: if it is that rank's own
+    connection, the rank learns from the ERROR why it is cut off (``ConnectionRefused``
+    there) instead of taking the close for our death."""
+
+    conn: int
+    reason: str
+    rank: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionRefused(Event):
+    """Shard ``shard`` refused the connection we dialled to it (an ERROR with
+    ``block`` = ``messages.REFUSED``): another connection holds our rank there, so
+    someone else has this job's session id. ``text``: the shard's words."""
+
+    shard: int
+    text: str
 
 
 @dataclass(slots=True)
@@ -197,14 +222,18 @@ class ControlProtocol:
         """We dialled ``rank``'s shard on ``conn`` (and sent HELLO)."""
         self.conns[conn] = _Conn(conn, True, now, ConnState.ESTABLISHED, rank)
 
-    def confirm(self, conn: int) -> None:
+    def confirm(self, conn: int) -> list:
         """The shard accepted traffic on ``conn``: it is its rank's connection now, for
         good. dgt never reconnects, so once a rank's connection is established no other
-        takes its place (a rival's HELLO or traffic is ``rank_taken``)."""
+        takes its place: the rank's other candidates are refused now, and a later HELLO
+        for it too (``rank_taken``, :class:`RefuseConnection`)."""
         c = self.conns.get(conn)
-        if c is not None and c.state is ConnState.CANDIDATE and \
-                self._established(c.rank) is None:
-            c.state = ConnState.ESTABLISHED
+        if c is None or c.state is not ConnState.CANDIDATE or \
+                self._established(c.rank) is not None:
+            return []
+        c.state = ConnState.ESTABLISHED
+        return [self._refuse(o, c.rank, Reason.RANK_TAKEN) for o in list(self.conns.values())
+                if o.rank == c.rank and not o.outgoing and o.state is ConnState.CANDIDATE]
 
     def _established(self, rank: int | None) -> "_Conn | None":
         """The accepted connection established for ``rank``, if any."""
@@ -255,6 +284,8 @@ class ControlProtocol:
                 return [PeerLeft(c.rank, clean=True, pushed=h.count)]
             text = bytes(payload[:4 * MAX_ERROR_TEXT]).decode("utf-8", "replace")
             text = "".join(ch if ch.isprintable() else "?" for ch in text[:MAX_ERROR_TEXT])
+            if h.block == REFUSED and c.outgoing:   # our connection, cut off there
+                return [ConnectionRefused(h.sender, text)]
             blamed = h.block if h.block < self.world else None
             return [PeerFailed(blamed, f"rank {h.sender} reports: {text}", reported=True)]
         if t == MsgType.PULL and c.outgoing:
@@ -279,8 +310,9 @@ class ControlProtocol:
             return [self._close(c, Reason.BAD_HELLO)]
         if self._established(h.sender) is not None:
             # the rank's own connection carries its traffic already; dgt never
-            # reconnects, so this is a stranger who learnt the session id
-            return [self._close(c, Reason.RANK_TAKEN)]
+            # reconnects, so this is a stranger who learnt the session id (or the rank
+            # itself, if a stranger's came first: the ERROR tells it why)
+            return [self._refuse(c, h.sender, Reason.RANK_TAKEN)]
         events: list = []
         rivals = [o for o in self.conns.values() if o.rank == h.sender and not o.outgoing
                   and o.state is ConnState.CANDIDATE]
@@ -291,8 +323,8 @@ class ControlProtocol:
             known = self.hosts.get(h.sender, set())
             foreign = [o for o in rivals if o.host not in known]
             if not foreign:
-                return [self._close(c, Reason.EVICTED_CANDIDATE)]
-            events.append(self._close(foreign[0], Reason.EVICTED_CANDIDATE))
+                return [self._refuse(c, h.sender, Reason.EVICTED_CANDIDATE)]
+            events.append(self._refuse(foreign[0], h.sender, Reason.EVICTED_CANDIDATE))
         c.state, c.rank = ConnState.CANDIDATE, h.sender
         return events
 
@@ -367,6 +399,20 @@ class ControlProtocol:
         self._reject(reason)
         self.conns.pop(c.id, None)
         return CloseConnection(c.id, reason.value)
+
+    def _refuse(self, c: _Conn, rank: int, reason: Reason) -> RefuseConnection:
+        """Close ``c``, which said a valid HELLO for ``rank``, with an ERROR that tells
+        ``rank``, should ``c`` be its own connection, why."""
+        self._reject(reason)
+        self.conns.pop(c.id, None)
+        if reason is Reason.RANK_TAKEN:
+            text = (f"another connection that knows this job's session id holds rank "
+                    f"{rank}'s place")
+        else:
+            text = (f"{self.max_candidates} other connections claim rank {rank}, all "
+                    f"from its address: one that knows this job's session id may hold "
+                    f"its place")
+        return RefuseConnection(c.id, reason.value, rank, text)
 
 
 def _plain(host: str | None) -> str | None:

@@ -12,6 +12,9 @@ from .wire import MsgType
 
 #: the ``block`` field of an ERROR that names no rank
 NO_RANK = 0xFFFFFFFF
+#: ERROR's ``block`` when the shard refuses the connection the ERROR comes on: it said
+#: HELLO for a rank that another connection holds there (docs/wire.md, "Connections")
+REFUSED = 0xFFFFFFFE
 
 
 def hello(session: int, sender: int, shard: int, key: bytes | None) -> bytes:

@@ -87,6 +87,12 @@ def test_tta_loopback_cell_end_to_end(tmp_path):
         assert c["replicas_identical"] and len(set(c["param_sha256"])) == 1
         assert len(c["param_sha256"]) == 2
         assert c["time_to_target_s"] is not None and c["iterations_to_target"] <= 30
+        # the evaluations' own time is recorded and taken out of the second figure
+        evals = [h["eval_seconds"] for h in c["history"]]
+        assert evals == sorted(evals) and evals[-1] > 0
+        assert c["train_time_to_target_s"] == pytest.approx(
+            c["time_to_target_s"] - c["target_reached"]["eval_seconds"])
+        assert 0 < c["train_time_to_target_s"] < c["time_to_target_s"]
         assert c["iterations"] == c["iterations_to_target"]   # stopped at the target
         assert c["final_test_accuracy"] >= 0.3
         assert c["push_bytes_per_iteration"] > 0 and c["pull_bytes_per_iteration"] > 0
@@ -100,6 +106,7 @@ def test_tta_loopback_cell_end_to_end(tmp_path):
         assert "RUN_DIR" in c["command"]
     md = (out / "tta.md").read_text()
     assert doc["command"] in md and "training-time reduction" in md
+    assert "evaluation time excluded" in md
     assert "| loopback | loopback | mlp:64 | dgt |" in md
     assert (out / "tta_accuracy.png").stat().st_size > 0
 

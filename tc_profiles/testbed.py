@@ -331,6 +331,7 @@ def _build(tb: Testbed, prof: Profile) -> None:
                 h.route("add", dst="0.0.0.0/0", gateway=router_addr(i))
     _sysctl(tb.router, "net/ipv4/ip_forward", "1")
     if tb.tcp_congestion:
+        allow_congestion_control(tb.tcp_congestion)
         for n in names:
             _sysctl(n, "net/ipv4/tcp_congestion_control", tb.tcp_congestion)
     for ns, dev in tb.ports():
@@ -348,6 +349,35 @@ def _build(tb: Testbed, prof: Profile) -> None:
     _state_file(tb.prefix).write_text(json.dumps(dataclasses.asdict(tb)))
     log.info("testbed %s up: %d hosts, %s, profile %s, %.1f s", tb.prefix, tb.hosts,
              tb.rate, tb.profile, time.monotonic() - t0)
+
+
+ALLOWED_CC = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+
+
+def allow_congestion_control(name: str) -> bool:
+    """Add ``name`` to this (the initial) namespace's
+    net.ipv4.tcp_allowed_congestion_control when it is not there; True if it was added.
+
+    Linux lets a network namespace other than the initial one take as its default only
+    an *allowed* algorithm (EPERM otherwise, even for root: tcp_cong.c,
+    tcp_set_default_congestion_control). The allowed list starts as the boot default and
+    reno, so on a machine that boots with bbr, cubic is available but not allowed, and
+    no testbed namespace could run it. Adding it changes no default: only which
+    algorithms unprivileged sockets may pick. Raises TestbedError when the list cannot
+    be read or written."""
+    try:
+        with open(ALLOWED_CC) as f:
+            allowed = f.read().split()
+        if name in allowed:
+            return False
+        _write(ALLOWED_CC, " ".join(allowed + [name]))
+    except OSError as e:
+        raise TestbedError(f"cannot allow TCP congestion control '{name}' for the "
+                           f"testbed's namespaces ({ALLOWED_CC}: {e.strerror}); pass "
+                           f"--tcp-congestion '' to keep this machine's default") from None
+    log.warning("added %s to net.ipv4.tcp_allowed_congestion_control (was: %s), so that "
+                "the testbed's namespaces can run it", name, " ".join(allowed))
+    return True
 
 
 def available_congestion_controls() -> list[str]:

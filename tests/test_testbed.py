@@ -205,6 +205,30 @@ def test_every_namespace_runs_the_asked_congestion_control(request):
 
 
 @root_only
+def test_an_available_but_not_allowed_congestion_control_is_allowed_first():
+    """A machine that boots with bbr allows only "reno bbr": Linux then refuses cubic as
+    a namespace's default with EPERM, even to root, and every testbed failed to come up
+    ("in netns ...-sw: PermissionError"). up() adds it to the allowed list first."""
+    allowed_key, key = "net/ipv4/tcp_allowed_congestion_control", \
+        "net/ipv4/tcp_congestion_control"
+    machine, allowed = _read_sysctl(key), _read_sysctl(allowed_key)
+    cc = "cubic" if machine != "cubic" else "reno"
+    prefix = f"dgtt{uuid.uuid4().hex[:6]}"
+    try:   # the machine as it boots with another default: cc available, not allowed
+        testbed._write(f"/proc/sys/{allowed_key}",
+                       " ".join(a for a in allowed.split() if a != cc) or machine)
+        assert cc not in _read_sysctl(allowed_key).split()
+        tb = testbed.up(2, rate="100mbit", prefix=prefix, tcp_congestion=cc)
+        for ns in (tb.router, tb.host_netns(0), tb.host_netns(1)):
+            assert testbed.run_in_netns(ns, _read_sysctl, key) == cc
+        assert cc in _read_sysctl(allowed_key).split()
+    finally:
+        testbed.down(prefix)
+        testbed._write(f"/proc/sys/{allowed_key}", allowed)
+    assert _read_sysctl(key) == machine   # the machine's own default is left alone
+
+
+@root_only
 def test_an_unavailable_congestion_control_is_refused_before_anything_is_built():
     prefix = f"dgtt{uuid.uuid4().hex[:6]}"
     with pytest.raises(testbed.TestbedError, match="'vegas2' is not available.*pick one"):

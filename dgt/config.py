@@ -27,8 +27,13 @@ PULL_CODECS = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
 #: mode (TransmissionConfig.resolve_codecs): no link to save bytes on, only the coding's
 #: CPU to spend
 AUTO_CODEC = {"dgt": "int8", "random": "int8", "tcp": "fp32", "topk": "fp32"}
-#: --reliable-codec words: the codings, no auto (fp32 unless asked)
-RELIABLE_CODECS = PULL_CODECS[1:]
+#: --reliable-codec words: the codings and auto
+RELIABLE_CODECS = PULL_CODECS
+#: what ``auto`` means for --reliable-codec (the top-k share on TCP) across a link: int8
+#: for the modes that rank blocks by contribution (docs/bench/tta_googlenet_seeds.md:
+#: three seeds of GoogLeNet under the tenant, int8 at or ahead of fp32 in each, at 0.70 x
+#: the bytes); fp32 for the baselines, and over loopback
+AUTO_RELIABLE_CODEC = {"dgt": "int8", "random": "int8", "tcp": "fp32", "topk": "fp32"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PACE_AUTO = -1.0   # --pace-mbit auto: the sidecar resolves it from the egress link
 
@@ -91,8 +96,10 @@ class TransmissionConfig:
     pull_coded_fraction: float = _f(0.5, "share of each shard's aggregate blocks, "
                                     "lowest mean |aggregate + shard residual| first, "
                                     "that --pull-codec codes (0..1)")
-    reliable_codec: str = _f("fp32", "how the reliable channel (TCP) carries the "
-                             "top-k blocks of a push: fp32 (as they are) | fp16 | "
+    reliable_codec: str = _f("auto", "how the reliable channel (TCP) carries the "
+                             "top-k blocks of a push: auto (int8 for --mode dgt and "
+                             "random across a link; fp32 for tcp and topk, and over "
+                             "loopback) | fp32 (as they are) | fp16 | "
                              "bf16 | int8 | int4; the coding error stays in the "
                              "residual, as --band-codec's. Not fp32: --mode tcp "
                              "no longer equals plain transmission",
@@ -188,21 +195,29 @@ class TransmissionConfig:
                              f"({1000.0 * self.peer_timeout_s:g}), got "
                              f"{self.deadline_max_ms:g}")
 
-    def _codec(self, text: str, loopback: bool = False) -> str:
-        """A --band-codec or --pull-codec value with ``auto`` resolved: fp32 when the
-        peers are on ``loopback``, else :data:`AUTO_CODEC` by --mode; any other value
-        as given."""
+    def _codec(self, text: str, loopback: bool = False, auto: dict = AUTO_CODEC) -> str:
+        """A --band-codec, --pull-codec or (``auto`` = :data:`AUTO_RELIABLE_CODEC`)
+        --reliable-codec value with ``auto`` resolved: fp32 when the peers are on
+        ``loopback``, else ``auto`` by --mode; any other value as given."""
         if text.strip().lower() != "auto":
             return text
-        return "fp32" if loopback else AUTO_CODEC.get(self.mode, "fp32")
+        return "fp32" if loopback else auto.get(self.mode, "fp32")
+
+    def auto_codecs(self) -> bool:
+        """Whether --band-codec, --pull-codec or --reliable-codec is ``auto`` (so the
+        node must learn whether its peers are on loopback: :meth:`resolve_codecs`)."""
+        return "auto" in (self.band_codec.strip().lower(), self.pull_codec.lower(),
+                          self.reliable_codec.lower())
 
     def resolve_codecs(self, loopback: bool) -> "TransmissionConfig":
-        """This config with ``auto`` --band-codec and --pull-codec replaced by what
-        they mean for this node (:data:`AUTO_CODEC` by --mode; fp32 when its peers are
+        """This config with ``auto`` --band-codec, --pull-codec and --reliable-codec
+        replaced by what they mean for this node (:data:`AUTO_CODEC` by --mode; fp32 when its peers are
         on ``loopback``). Nodes may differ: a datagram and a PULL say their own coding,
         and every worker applies the same bytes from each shard."""
         return dataclasses.replace(self, band_codec=self._codec(self.band_codec, loopback),
-                                   pull_codec=self._codec(self.pull_codec, loopback))
+                                   pull_codec=self._codec(self.pull_codec, loopback),
+                                   reliable_codec=self._codec(self.reliable_codec, loopback,
+                                                              AUTO_RELIABLE_CODEC))
 
     def pull_coding(self) -> int:
         """``--pull-codec`` as a dgt.transport.wire.Coding (0: PULLs all f32), ``auto``
@@ -212,10 +227,15 @@ class TransmissionConfig:
 
     def channel_codings(self) -> list[int]:
         """The coding of each channel (``MAX_UDP_CHANNELS + 1`` ints,
-        dgt.transport.wire.Coding): channel 0 ``--reliable-codec``, the UDP bands
-        :meth:`band_codings`'. Raises ValueError as that does."""
+        dgt.transport.wire.Coding): channel 0 ``--reliable-codec`` (fp32 while it is an
+        unresolved ``auto``), the UDP bands :meth:`band_codings`'. Raises ValueError as
+        that does."""
         from .transport.wire import Coding
-        return [int(Coding[self.reliable_codec.upper()])] + self.band_codings()[1:]
+        # an ``auto`` not resolved yet (:meth:`resolve_codecs`, at registration) is fp32:
+        # the reliable channel is coded only once a node knows its peers are across a
+        # link (a config built in-process, as the tests' fabric does, keeps it f32)
+        reliable = "fp32" if self.reliable_codec == "auto" else self.reliable_codec
+        return [int(Coding[reliable.upper()])] + self.band_codings()[1:]
 
     def band_codings(self) -> list[int]:
         """``--band-codec`` as the coding of each channel (``MAX_UDP_CHANNELS + 1``

@@ -528,8 +528,8 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
     band, pull = used.band_codec, used.pull_codec
     coded = (f" ({tx.channels} UDP channels in {band}, low PULL share in {pull})"
              if tx.mode in ("dgt", "random") else "")
-    if tx.reliable_codec != "fp32":
-        coded += f" (reliable channel in {tx.reliable_codec})"
+    if used.reliable_codec != "fp32":
+        coded += f" (reliable channel in {used.reliable_codec})"
     log(f"dgt train: {job.workers} workers, mode {tx.mode}{coded}, k {tx.k}, block "
         f"{tx.block_bytes} B, {'testbed' if job.testbed else 'loopback'}, "
         f"{'MAC on every message' if tx.secret else 'no --secret (messages unauthenticated)'}; "

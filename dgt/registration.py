@@ -155,8 +155,7 @@ def route_facts(cfg: TransmissionConfig, peers: dict[int, dict], rank: int) -> R
     0.3 s of CPU per node, which would otherwise lengthen every trainer's register."""
     hosts = [ep["host"] for r, ep in sorted(peers.items()) if r != rank]
     pace = auto_pace_mbit(hosts) if cfg.pace_mbit == PACE_AUTO else None
-    loopback = peers_on_loopback(hosts) \
-        if "auto" in (cfg.band_codec.strip().lower(), cfg.pull_codec) else None
+    loopback = peers_on_loopback(hosts) if cfg.auto_codecs() else None
     return RouteFacts(pace, loopback)
 
 
@@ -166,8 +165,8 @@ async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict]
                 ) -> tuple[TransmissionConfig, BlockLayout, str | None]:
     """At register: :func:`agree_model` (``sha``: the trainer's SHA-256 of its initial
     parameters, anything else: none sent), --pace-mbit auto resolved to this host's
-    egress rate towards the ``peers`` (dgt.link_rate), --band-codec and --pull-codec
-    auto resolved by whether those peers are on loopback, the block layout, and
+    egress rate towards the ``peers`` (dgt.link_rate), --band-codec, --pull-codec and
+    --reliable-codec auto resolved by whether those peers are on loopback, the block layout, and
     :func:`check_pace`. ``facts``: :func:`route_facts` for ``cfg`` and ``peers``,
     looked up earlier (None: looked up here). Returns (the config with the pacing rate,
     the layout, where the rate came from or None when it was given). Raises
@@ -183,11 +182,12 @@ async def agree(rdv: Rendezvous, cfg: TransmissionConfig, peers: dict[int, dict]
         cfg = dataclasses.replace(cfg, pace_mbit=pace)
         log.info("rank %d: UDP pacing %s (%s)", rank,
                  f"{pace:g} Mbit/s" if pace else "off", source)
-    if "auto" in (cfg.band_codec.strip().lower(), cfg.pull_codec):
+    if cfg.auto_codecs():
         loopback = facts.loopback
         cfg = cfg.resolve_codecs(loopback)
-        log.info("rank %d: UDP bands %s, PULLs %s (auto%s)", rank, cfg.band_codec,
-                 cfg.pull_codec, ", peers on loopback" if loopback else "")
+        log.info("rank %d: UDP bands %s, PULLs %s, reliable channel %s (auto%s)", rank,
+                 cfg.band_codec, cfg.pull_codec, cfg.reliable_codec,
+                 ", peers on loopback" if loopback else "")
     lay = BlockLayout.from_bytes(n_params, cfg.block_bytes, world)
     check_pace(cfg, lay, world, rank)
     return cfg, lay, source

@@ -79,7 +79,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "band_codec": _used(sidecars, "band_codec", used.band_codec)
         if tx.mode in ("dgt", "random") else None,
         "pull_codec": _used(sidecars, "pull_codec", used.pull_codec),
-        "reliable_codec": tx.reliable_codec,   # the top-k share on TCP
+        "reliable_codec": _used(sidecars, "reliable_codec", used.reliable_codec),
         "authenticated": bool(tx.secret),   # --secret given: a MAC on every message
         "workload": t0.get("workload"),
         "rounds": rounds,

@@ -25,15 +25,12 @@ PULL_CODECS = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
 #: and 0.63 x the PULL bytes); the baselines keep every byte fp32 (tcp: the paper's plain
 #: transmission; topk sends no band at all). Over loopback ``auto`` is fp32 for every
 #: mode (TransmissionConfig.resolve_codecs): no link to save bytes on, only the coding's
-#: CPU to spend
+#: CPU to spend. --reliable-codec auto means the same for the top-k share on TCP
+#: (docs/bench/tta_googlenet_seeds.md: three seeds of GoogLeNet under the tenant, int8 at
+#: or ahead of fp32 in each, at 0.70 x the bytes)
 AUTO_CODEC = {"dgt": "int8", "random": "int8", "tcp": "fp32", "topk": "fp32"}
 #: --reliable-codec words: the codings and auto
 RELIABLE_CODECS = PULL_CODECS
-#: what ``auto`` means for --reliable-codec (the top-k share on TCP) across a link: int8
-#: for the modes that rank blocks by contribution (docs/bench/tta_googlenet_seeds.md:
-#: three seeds of GoogLeNet under the tenant, int8 at or ahead of fp32 in each, at 0.70 x
-#: the bytes); fp32 for the baselines, and over loopback
-AUTO_RELIABLE_CODEC = {"dgt": "int8", "random": "int8", "tcp": "fp32", "topk": "fp32"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PACE_AUTO = -1.0   # --pace-mbit auto: the sidecar resolves it from the egress link
 
@@ -195,13 +192,13 @@ class TransmissionConfig:
                              f"({1000.0 * self.peer_timeout_s:g}), got "
                              f"{self.deadline_max_ms:g}")
 
-    def _codec(self, text: str, loopback: bool = False, auto: dict = AUTO_CODEC) -> str:
-        """A --band-codec, --pull-codec or (``auto`` = :data:`AUTO_RELIABLE_CODEC`)
-        --reliable-codec value with ``auto`` resolved: fp32 when the peers are on
-        ``loopback``, else ``auto`` by --mode; any other value as given."""
+    def _codec(self, text: str, loopback: bool = False) -> str:
+        """A --band-codec, --pull-codec or --reliable-codec value with ``auto``
+        resolved: fp32 when the peers are on ``loopback``, else :data:`AUTO_CODEC` by
+        --mode; any other value as given."""
         if text.strip().lower() != "auto":
             return text
-        return "fp32" if loopback else auto.get(self.mode, "fp32")
+        return "fp32" if loopback else AUTO_CODEC.get(self.mode, "fp32")
 
     def auto_codecs(self) -> bool:
         """Whether --band-codec, --pull-codec or --reliable-codec is ``auto`` (so the
@@ -211,13 +208,12 @@ class TransmissionConfig:
 
     def resolve_codecs(self, loopback: bool) -> "TransmissionConfig":
         """This config with ``auto`` --band-codec, --pull-codec and --reliable-codec
-        replaced by what they mean for this node (:data:`AUTO_CODEC` by --mode; fp32 when its peers are
-        on ``loopback``). Nodes may differ: a datagram and a PULL say their own coding,
+        replaced by what they mean for this node (:data:`AUTO_CODEC` by --mode; fp32
+        when its peers are on ``loopback``). Nodes may differ: a datagram and a PULL say their own coding,
         and every worker applies the same bytes from each shard."""
         return dataclasses.replace(self, band_codec=self._codec(self.band_codec, loopback),
                                    pull_codec=self._codec(self.pull_codec, loopback),
-                                   reliable_codec=self._codec(self.reliable_codec, loopback,
-                                                              AUTO_RELIABLE_CODEC))
+                                   reliable_codec=self._codec(self.reliable_codec, loopback))
 
     def pull_coding(self) -> int:
         """``--pull-codec`` as a dgt.transport.wire.Coding (0: PULLs all f32), ``auto``

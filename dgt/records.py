@@ -3,8 +3,8 @@ full or broken run dir.
 
 A process that finished its part of the run writes its record to the run dir; when that
 write fails (ENOSPC, EIO, the folder gone) the record goes to the *spill folder* instead:
-``$DGT_RECORD_SPILL`` (``dgt train`` makes one per job in /dev/shm, mode 0700, and
-removes it when it exits), else ``/dev/shm/dgt-records-<uid>`` (a sidecar started by
+``$DGT_RECORD_SPILL`` (``dgt train`` names one per job in /dev/shm; the first record
+spilled creates it, mode 0700, and the launcher removes it when it exits), else ``/dev/shm/dgt-records-<uid>`` (a sidecar started by
 hand). The spilled file has the record's base name and holds ``{"path": the run-dir
 path, "error": what failed, "record": the record}``. ``dgt train`` reads records from
 both places (``load``) and turns each spilled one into a warning naming the run-dir file
@@ -18,7 +18,8 @@ import glob
 import json
 import logging
 import os
-import tempfile
+import secrets
+import shutil
 
 from .atomic import write_json
 from .ipc import shm_dir
@@ -33,17 +34,36 @@ def spill_dir() -> str:
     user's ``dgt-records-<uid>`` in the shared-memory folder, created 0700 and checked to
     be ours (dgt.unixsock.private_dir raises NotOurs when another user made it)."""
     path = os.environ.get(SPILL_ENV)
-    if path:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        return path
-    return private_dir(os.path.join(shm_dir(), f"dgt-records-{os.getuid()}"))
+    return private_dir(path or os.path.join(shm_dir(), f"dgt-records-{os.getuid()}"))
 
 
 def make_spill_dir() -> str:
-    """A fresh spill folder for one ``dgt train`` job (0700, in the shared-memory folder
-    dgt.ipc.shm_dir, named after this process: ``dgt-records-<pid>-*``): pass it to the
-    children as ``$DGT_RECORD_SPILL``."""
-    return tempfile.mkdtemp(prefix=f"dgt-records-{os.getpid()}-", dir=shm_dir())
+    """A fresh spill folder's path for one ``dgt train`` job, in the shared-memory folder
+    dgt.ipc.shm_dir, named after this process and 96 random bits:
+    ``dgt-records-<pid>-<hex>``. Nothing is created: the first record spilled makes it
+    (spill_dir, 0700 and checked to be ours), so a launcher killed by SIGKILL, which
+    cannot remove it, leaves nothing behind unless a record was spilled. Before that,
+    the folders of this user's launchers that are gone (their pid not running) are
+    removed: such a launcher was killed before it could. Pass the path to the children
+    as ``$DGT_RECORD_SPILL``."""
+    _remove_orphans()
+    return os.path.join(shm_dir(), f"dgt-records-{os.getpid()}-{secrets.token_hex(12)}")
+
+
+def _remove_orphans() -> None:
+    """Remove this user's ``dgt-records-<pid>-*`` folders whose launcher pid runs no
+    more. A live pid (the launcher, or a process that reused its number) keeps its
+    folder."""
+    for path in glob.glob(os.path.join(shm_dir(), "dgt-records-*-*")):
+        pid = os.path.basename(path).split("-")[2]
+        try:
+            if not pid.isdigit() or os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:   # gone meanwhile, or a live process of another user
+            continue
 
 
 def write(path: str, record: dict, indent: int | None = None) -> str | None:

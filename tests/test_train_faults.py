@@ -197,6 +197,8 @@ def test_sigterm_to_the_launcher_stops_every_child(tmp_path):
     mine = {str(x["pid"]) for x in pids}
     assert not [f for f in os.listdir("/dev/shm") if f.split("-")[1:2] and
                 f.split("-")[1] in mine]
+    # nor the launcher's spill folder (dgt-records-<launcher pid>-*)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dgt-records-{p.pid}-")]
     assert not list(run_dir.glob("*.sock"))
 
 
@@ -328,12 +330,44 @@ def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
     mine = {str(x["pid"]) for x in pids}
     assert not [f for f in os.listdir("/dev/shm") if f.split("-")[1:2] and
                 f.split("-")[1] in mine]
+    # nor the launcher's spill folder (dgt-records-<launcher pid>-*): it used to be made
+    # at the start, and a SIGKILLed launcher could not remove it
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dgt-records-{p.pid}-")]
     # each sidecar got to its end (a crash writes no report): uvloop used to die of
     # SIGSEGV here on the ICMP errors from the peers that had closed first
     sidecars = [x["rank"] for x in pids if x["kind"] == "sidecar"]
     assert [r for r in sidecars if not (run_dir / f"sidecar-{r}.json").exists()] == [], \
         logs_of(run_dir)
     assert "Fatal Python error" not in logs_of(run_dir)
+
+
+def test_a_launcher_killed_before_it_could_remove_its_spill_folder_is_cleaned_up_after():
+    """The spill folder of a launcher that is gone (dgt-records-<pid>-*, its pid not
+    running) is removed by the next launcher; a running launcher's folder, another
+    user's, and the per-user folder of hand-started sidecars stay."""
+    from dgt import records
+    from dgt.ipc import shm_dir
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    orphan = os.path.join(shm_dir(), f"dgt-records-{gone.pid}-test{os.getpid()}")
+    live = os.path.join(shm_dir(), f"dgt-records-{os.getpid()}-test")
+    others = os.path.join(shm_dir(), f"dgt-records-{gone.pid}-other{os.getpid()}")
+    os.makedirs(os.path.join(orphan, "inner"))
+    os.makedirs(live)
+    if os.geteuid() == 0:   # a gone launcher's folder of another user (uid 65534)
+        os.makedirs(others)
+        os.chown(others, 65534, 65534)
+    try:
+        path = records.make_spill_dir()
+        assert not os.path.exists(orphan)
+        assert os.path.isdir(live)
+        assert os.path.isdir(others) or os.geteuid() != 0
+        assert os.path.basename(path).startswith(f"dgt-records-{os.getpid()}-")
+        assert not os.path.exists(path)   # made only when a record is spilled
+    finally:
+        shutil.rmtree(orphan, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(others, ignore_errors=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a small tmpfs)")

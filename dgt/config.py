@@ -187,10 +187,25 @@ class TransmissionConfig:
             raise ValueError(f"--pace-mbit must be auto or >= 0, got {self.pace_mbit:g}")
         if self.deadline_ms < 0:
             raise ValueError(f"--deadline-ms must be >= 0, got {self.deadline_ms:g}")
+        most = self.longest_wait_after_end_s() * 1000.0
+        if self.deadline_ms > most:
+            raise ValueError(
+                f"--deadline-ms must be in 0..{most:g} (half of --peer-timeout-s "
+                f"{self.peer_timeout_s:g} s: a shard that waits longer after END keeps its "
+                f"PULL from workers that give up after --peer-timeout-s), got "
+                f"{self.deadline_ms:g}; lower it or raise --peer-timeout-s")
         if not 0.0 <= self.deadline_max_ms <= 1000.0 * self.peer_timeout_s:
             raise ValueError(f"--deadline-max-ms must be in 0..--peer-timeout-s x 1000 "
                              f"({1000.0 * self.peer_timeout_s:g}), got "
                              f"{self.deadline_max_ms:g}")
+
+    def longest_wait_after_end_s(self) -> float:
+        """The longest a shard may wait after a worker's END (s): half of
+        --peer-timeout-s, the workers' wait for a PULL, so that the PULL, sent after the
+        wait, still has the other half to arrive. Bounds --deadline-ms (refused above
+        it), and the adaptive ceiling (--deadline-max-ms) and the floor that the pacing
+        rate gives, both cut to it (dgt.datapath)."""
+        return self.peer_timeout_s / 2.0
 
     def _codec(self, text: str, loopback: bool = False) -> str:
         """A --band-codec, --pull-codec or --reliable-codec value with ``auto``

@@ -46,8 +46,11 @@ def build(cfg: TransmissionConfig, lay: BlockLayout, rank: int, session: int,
     grad = ipc.ShmBuffer(os.path.join(ipc.shm_dir(), tag + "-grad"), lay.padded, True)
     policy = DeadlinePolicy(min_s=cfg.deadline_ms / 1000.0,
                             rate_mbit=cfg.pace_mbit or 1000.0)
-    floor = policy.after_end_s()
-    adaptive = AdaptiveDeadline(floor, cfg.deadline_max_ms / 1000.0) \
+    # a slow --pace-mbit makes a long drain time, a short --peer-timeout-s a short PULL
+    # wait: never wait past what the workers wait for
+    longest = cfg.longest_wait_after_end_s()
+    floor = min(policy.after_end_s(), longest)
+    adaptive = AdaptiveDeadline(floor, min(cfg.deadline_max_ms / 1000.0, longest)) \
         if cfg.adaptive_deadline else None
     shard_session = ShardSession(session=session, shard=rank, lo=lay.shard_lo(rank),
                                  hi=lay.shard_hi(rank), block_elems=lay.block_elems,

@@ -484,9 +484,11 @@ def check_checkpoint_dir(path: str) -> None:
     """--checkpoint-dir can be made and written, before anything starts. Raises
     ValueError naming the flag."""
     try:
-        os.makedirs(path, exist_ok=True)
+        unixsock.owned_dir(path, "--checkpoint-dir")
         with tempfile.TemporaryFile(dir=path):
             pass
+    except unixsock.NotOurs as e:
+        raise ValueError(str(e)) from None
     except OSError as e:
         raise ValueError(f"--checkpoint-dir {path}: {e.strerror or e}") from None
 
@@ -511,12 +513,13 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=print, metrics=None,
 def _run(j: Job, t0: float) -> tuple[int, dict | None]:
     job, tx, log = j.job, j.tx, j.log
     try:   # a busy run dir, a missing testbed or root: say so before anything starts
+        unixsock.owned_dir(j.run_dir, "--run-dir")
         j.lock()
         j._hosts()
         resume = resume_from(j.ckpt, job, tx)
         if j.ckpt.checkpoint_every:
             check_checkpoint_dir(j.checkpoint_dir)
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, unixsock.NotOurs) as e:
         j.cleanup()
         log(f"dgt train: {e}")
         return 2, None

@@ -550,7 +550,9 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if os.path.exists(node.run_dir) and not os.path.isdir(node.run_dir):
         parser.error(f"--run-dir {node.run_dir} is a file; give a folder")
     try:
-        os.makedirs(node.run_dir, mode=0o700, exist_ok=True)
+        unixsock.owned_dir(node.run_dir, "--run-dir")
+    except unixsock.NotOurs as e:
+        parser.error(str(e))
     except OSError as e:
         parser.error(f"--run-dir: cannot create {node.run_dir}: {e.strerror}")
     if not os.access(node.run_dir, os.W_OK):

@@ -49,15 +49,42 @@ def private_dir(path: str) -> str:
     except OSError as e:
         raise NotOurs(f"cannot create {path} ({e.strerror}); set XDG_RUNTIME_DIR to a "
                       f"folder of yours, or give --socket and --run-dir") from None
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        what = "is not a folder" if not stat.S_ISDIR(st.st_mode) else \
-            f"is owned by uid {st.st_uid}" if st.st_uid != os.getuid() else \
-            f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    what = _not_ours(os.lstat(path))
+    if what:
         raise NotOurs(f"{path} {what}; dgt keeps its sockets and spilled records in a "
                       f"folder only this user (uid {os.getuid()}) can write: remove it, or "
                       f"set XDG_RUNTIME_DIR, or give --socket and --run-dir")
     return path
+
+
+def owned_dir(path: str, flag: str) -> str:
+    """Create the folder ``path`` given by ``flag`` (e.g. ``--run-dir``) if missing, mode
+    0700, and check that no other user can put a file in it: a folder (a symbolic link
+    to one is followed), owned by this process's uid, not writable by group or others.
+    dgt writes its logs, traces and records there by name; in a folder that another
+    user can write, that user could plant a symbolic link under one of those names and
+    have this process (root, perhaps) write through it to any file. Returns ``path``.
+    Raises NotOurs (the message names ``flag``, the folder, and what to do), or OSError
+    from mkdir(2)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    what = _not_ours(os.stat(path))
+    if what:
+        raise NotOurs(f"{flag} {path} {what}: another user could put links there that "
+                      f"this job would write through; give a folder only this user "
+                      f"(uid {os.getuid()}) can write" +
+                      (f" (chmod go-w {path})" if "writable" in what else ""))
+    return path
+
+
+def _not_ours(st: os.stat_result) -> str:
+    """Why a folder with status ``st`` is not this user's alone ("" when it is)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}"
+    if st.st_mode & 0o022:
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
 
 
 def peer_creds(sock: socket.socket) -> tuple[int, int, int]:

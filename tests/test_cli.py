@@ -89,6 +89,8 @@ BAD = [
     # breaker round 4, 2026-12-02: catch-all messages named no flag
     (["train", "--peer-timeout-s", "0"], "--peer-timeout-s must be in (0, 3600] s, got 0"),
     (["train", "--deadline-ms", "-1"], "--deadline-ms must be >= 0, got -1"),
+    (["train", "--deadline-ms", "60000", "--peer-timeout-s", "5"],   # breaker, stop 33
+     "--deadline-ms must be in 0..2500 (half of --peer-timeout-s 5 s"),
     (["train", "--lr", "-1"], "--lr must be > 0, got -1"),
     (["train", "--hidden", "0"], "--hidden must be >= 1, got 0"),
     (["train", "--dataset", "fashion-mnist", "--data-dir", "/nonexistent/fm"],

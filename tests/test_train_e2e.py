@@ -110,6 +110,19 @@ def test_loss_is_survived_and_conserved(train):
     assert "at their tail markers" in p.stdout
 
 
+def test_a_slow_pace_never_makes_a_shard_wait_past_the_workers_pull_wait(train):
+    """Breaker round, stop 33: a wait after END longer than --peer-timeout-s keeps a
+    shard's PULL from workers that have given up, which failed the job blaming a live
+    rank. At 1 Mbit/s (half of it per peer) the drain-time floor of 1 MiB of queue is
+    16.8 s, and the workers wait 6 s for a PULL: the wait is now cut to half of that,
+    so a lost tail marker costs at most 3 s (the old code reported 16,777 ms here)."""
+    p, r = train("--workers", 2, "--iterations", 3, "--hidden", 32, "--pace-mbit", 1,
+                 "--peer-timeout-s", 6, "--drop-udp", 0.5, timeout=300)
+    assert r["iterations"] == 3 and r["replicas_identical"], p.stdout
+    assert r["emulated_drops"] > 0
+    assert 0 < r["deadline_ms_highest"] <= 3000.0, r["deadline_ms_highest"]
+
+
 def test_conservation_fails_without_error_feedback(train):
     """The invariant check can fail: with error feedback off, lost mass is gone."""
     _, r = train("--epochs", 1, "--drop-udp", 0.2, "--check-conservation",

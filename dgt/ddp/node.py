@@ -26,7 +26,7 @@ from datetime import timedelta
 from .. import ipc
 from ..client import Client
 from ..config import default_run_dir
-from ..unixsock import private_dir
+from ..unixsock import owned_dir, private_dir
 from ..errors import PeerFailure
 from ..rendezvous import QUIET_TORCH_ENV
 from . import generation
@@ -169,7 +169,7 @@ class NodeLink:
             run_dir = os.path.join(private_dir(default_run_dir()), f"torchrun-{env.tag}")
         elif env.restart_count:   # a failed generation's sidecars may still be stopping
             run_dir = os.path.join(run_dir, f"restart-{env.restart_count}")
-        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        owned_dir(run_dir, "DGT_RUN_DIR")   # raises NotOurs: a folder another user can write
         sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
         for folder in {run_dir, _previous_run_dir(env)} - {None}:
             reap_sidecar(folder, rank, env.run_id)

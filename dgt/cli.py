@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(ns.func(ns) or 0)
     except KeyboardInterrupt:
         print("dgt: interrupted", file=sys.stderr)
-        return 130
+        from .interrupt import exit_status
+        return exit_status()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,14 @@ import signal
 _owner_pid: int | None = None
 _installed: set[int] = set()
 _fork_hook_registered = False
+_received: int | None = None   # the signal that raised, for exit_status()
+
+
+def exit_status() -> int:
+    """The exit status of a command stopped by a signal, as a shell gives it: 128 + the
+    signal that raised KeyboardInterrupt here (130 for SIGINT and Ctrl-C, 143 for
+    SIGTERM, 129 for SIGHUP)."""
+    return 128 + (_received or signal.SIGINT)
 
 
 def raise_keyboard_interrupt_on(*signums: int, ignore_repeats: bool = False) -> None:
@@ -43,6 +51,8 @@ def raise_keyboard_interrupt_on(*signums: int, ignore_repeats: bool = False) -> 
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        global _received
+        _received = signum
         if ignore_repeats:
             for s in signums:
                 signal.signal(s, signal.SIG_IGN)

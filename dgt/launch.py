@@ -34,7 +34,7 @@ import time
 from . import checkpoint, failure, outpath, records, unixsock
 from .transport import udpmac
 from .atomic import write_json
-from .interrupt import raise_keyboard_interrupt_on
+from .interrupt import exit_status, raise_keyboard_interrupt_on
 from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig,
                      JobConfig, TransmissionConfig, default_run_dir, to_argv,
                      trainer_timeout_s)
@@ -571,7 +571,7 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         j.kill()
         log(f"dgt train: interrupted; children stopped, logs kept in {j.run_dir}")
-        return 130, None
+        return exit_status(), None
     except BaseException:
         j.kill()
         raise

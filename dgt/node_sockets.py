@@ -151,11 +151,12 @@ class NodeSockets:
 
 
 def _naming_port(proto: str, port: int, make: Callable, *args):
-    """``make(*args)``; EADDRINUSE is raised again naming ``proto`` and ``port`` (the
-    error's ``filename``, so the message says which port is taken)."""
+    """``make(*args)``; EADDRINUSE and EACCES are raised again naming ``proto`` and
+    ``port`` (the error's ``filename``, so the message says which port is taken or
+    needs root)."""
     try:
         return make(*args)
     except OSError as e:
-        if e.errno == errno.EADDRINUSE and port:
+        if e.errno in (errno.EADDRINUSE, errno.EACCES) and port:
             raise OSError(e.errno, e.strerror, f"{proto} port {port}") from None
         raise

@@ -221,7 +221,8 @@ class Rendezvous:
         listens on every interface, and the store is unauthenticated: it hands the
         session id to anyone who asks. None when ``host`` is not an address of this
         host (behind NAT, say): TCPStore then binds every interface, with a warning.
-        Raises PeerFailure when the port is taken."""
+        Raises PeerFailure when the port is taken or this user may not bind it (a port
+        below 1024 without root)."""
         import errno
         import logging
         import socket
@@ -233,6 +234,14 @@ class Rendezvous:
             if e.errno == errno.EADDRINUSE:
                 raise PeerFailure(f"--master-port {self.port} is in use on {self.host}; "
                                   f"pick another port (or stop what holds it)", None) from None
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise PeerFailure(f"--master-port {self.port} on {self.host}: "
+                                  f"{os.strerror(e.errno)} (ports below 1024 need root); "
+                                  f"pick a port from 1024 up", None) from None
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise PeerFailure(f"--master-addr {self.host} --master-port {self.port}: "
+                                  f"cannot listen there: {os.strerror(e.errno)}",
+                                  None) from None
             logging.getLogger("dgt.rendezvous").warning(
                 "--master-addr %s is not an address of this host (%s); the rendezvous "
                 "store listens on every interface", self.host, e.strerror)

@@ -135,7 +135,24 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
     bad = divergence(r)
     if bad is not None:   # the report carries what the summary warns about
         r["warnings"].append(bad)
+    r["warnings"] += strangers_accepted(r["channels"])
     return r
+
+
+def strangers_accepted(channels: dict) -> list[str]:
+    """A warning per channel that delivered more blocks than this job's ranks sent
+    (``channels``: the report's per-channel counters). No block is sent twice (a copy
+    is counted as ``blocks_duplicate``), so the surplus came from elsewhere: datagrams
+    that a stranger forged with the session id, which nothing tells apart without
+    --secret (breaker round, stop 33: 176,226 delivered of 176,225 sent, unflagged)."""
+    out = []
+    for name, ch in channels.items():
+        extra = ch.get("blocks_delivered", 0) - ch.get("blocks_sent", 0)
+        if extra > 0:
+            out.append(f"channel {name} delivered {extra} more block(s) than the ranks "
+                       f"sent: datagrams that no rank sent were accepted (forged with "
+                       f"this job's session id); run every rank with --secret")
+    return out
 
 
 def sidecar_cpu_ms_per_push(sidecars: list[dict]) -> float | None:
@@ -224,6 +241,9 @@ def print_summary(r: dict, log=print) -> None:
     extra = f"local {r['blocks_local']}, unsent (topk) {r['blocks_unsent']}"
     if r["rejected"]:
         extra += ", rejected " + ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items()))
+    if r.get("udp_kernel_drops"):
+        extra += (f", {r['udp_kernel_drops']} datagrams dropped by the kernel filter (no "
+                  f"peer's channel sent them)")
     log(extra)
     if r.get("blocks_cut_by_budget"):
         log(f"time budget: {r['blocks_cut_by_budget']} remote blocks not sent (of the "

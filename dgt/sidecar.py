@@ -575,6 +575,10 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                                   f"use (--base-port "
                                   f"{node.base_port}: TCP base+10*rank, UDP base+10*rank+c); "
                                   f"pick another --base-port or 0 for free ports",
+                errno.EACCES: f"{e.filename or 'a port'} of rank {node.rank}: permission "
+                              f"denied (--base-port {node.base_port}: ports below 1024 "
+                              f"need root); pick a --base-port from 1024 up, or 0 for "
+                              f"free ports",
                 errno.EADDRNOTAVAIL: f"--host {node.host} is not an address of this host",
                 errno.EAFNOSUPPORT: f"--host {node.host}: this host has IPv6 turned off "
                                     f"(sysctl net.ipv6.conf.all.disable_ipv6=1); give an "

@@ -231,9 +231,11 @@ def main(ns: argparse.Namespace) -> int:
         ns.parser.error(f"--interval-s must be in 0.05..3600, got {ns.interval_s:g}")
     if ns.endpoints:
         eps = [e.strip() for e in ns.endpoints.split(",") if e.strip()]
-        bad = [e for e in eps if not re.fullmatch(r"\[?[0-9A-Za-z.:-]+\]?:\d{1,5}", e)]
+        bad = [e for e in eps if not re.fullmatch(r"\[?[0-9A-Za-z.:-]+\]?:\d{1,5}", e)
+               or not 1 <= int(e.rsplit(":", 1)[1]) <= 65535]
         if bad:
-            ns.parser.error(f"--endpoints: {bad[0]!r} is not HOST:PORT")
+            ns.parser.error(f"--endpoints: {bad[0]!r} is not HOST:PORT (a port is "
+                            f"1..65535)")
         source: TraceFollower | EndpointPoller = EndpointPoller(eps)
         label = ",".join(eps)
     else:

@@ -278,8 +278,11 @@ def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
         raise TestbedError(f"hosts must be 1..{MAX_HOSTS}, got {hosts}")
     if not 0 <= float(loss_pct) <= 100:
         raise TestbedError(f"loss_pct must be 0..100, got {loss_pct}")
-    if float(loss_pct) > 0 and not system.have("nft"):   # before anything is built
-        raise TestbedError(system.missing_message("nft", "--loss (an nftables drop rule)"))
+    need = [("ip", "the testbed (ip netns exec)")] + (   # before anything is built
+        [("nft", "--loss (an nftables drop rule)")] if float(loss_pct) > 0 else [])
+    missing = [system.missing_message(t, what) for t, what in need if not system.have(t)]
+    if missing:
+        raise TestbedError("; ".join(missing))
     try:
         rate_bit = parse_rate(rate)
         prof = _profile_with_queue(load_profile(profile), queue_bytes)
@@ -442,9 +445,29 @@ def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
     return nss
 
 
+def _netns_pids(ns: str) -> list[int]:
+    """Processes in the named network namespace ``ns``: those whose /proc/PID/ns/net is
+    the file ``ip netns`` bound under /run/netns (what ``ip netns pids`` reads; done
+    here, so taking a testbed down needs no ``ip`` binary)."""
+    try:
+        want = os.stat(os.path.join("/run/netns", ns))
+    except OSError:
+        return []
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            st = os.stat(f"/proc/{name}/ns/net")
+        except OSError:   # gone meanwhile, or a kernel thread
+            continue
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            pids.append(int(name))
+    return pids
+
+
 def _kill_netns_pids(ns: str) -> None:
-    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-    pids = [int(p) for p in r.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+    pids = _netns_pids(ns)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = []
         for p in pids:

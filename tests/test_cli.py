@@ -71,6 +71,14 @@ BAD = [
     (["top", "/nonexistent-dgt-run", "--once"], "/nonexistent-dgt-run does not exist"),
     (["top", "--endpoints", "127.0.0.1:1", "--once"], "no metrics endpoint answered"),
     (["top", "/tmp", "--interval-s", "-1"], "--interval-s must be in 0.05..3600"),
+    # breaker round, stop 33: ports out of range read as 'Connection refused' or as
+    # 'nothing to send'
+    (["top", "--endpoints", "127.0.0.1:99999", "--once"],
+     "--endpoints: '127.0.0.1:99999' is not HOST:PORT (a port is 1..65535)"),
+    (["replay", "--dry-run", "--to", "127.0.0.1", "--base-port", "70000", "/nonexistent.pcap"],
+     "argument --base-port: must be a port, 1..65535, got '70000'"),
+    (["capture", "--base-port", "0", "-o", "/tmp/x.pcap"],
+     "argument --base-port: must be a port, 1..65535, got '0'"),
     (["train", "--secret", ""], "--secret (or DGT_SECRET) is empty"),
     (["sidecar", "--rank", "0", "--world", "1", "--secret", ""],
      "--secret (or DGT_SECRET) is empty"),

@@ -357,3 +357,32 @@ def test_a_socket_path_too_long_to_bind_is_one_line_saying_so(tmp_path):
     assert f"--socket {sock} is {len(sock)} bytes; a Unix socket path can have at most " \
            f"107: give a shorter one" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.parametrize("flag", ["--master-port", "--base-port"])
+def test_a_port_this_user_may_not_bind_is_named_with_what_to_do(flag):
+    # breaker round, stop 33: '[Errno 13] Permission denied' naming no port for
+    # --base-port 80, and for --master-port 80 a warning that the address is not this
+    # host's, the store then listening on every interface, and torch's EACCES
+    with open("/proc/sys/net/ipv4/ip_unprivileged_port_start") as f:
+        if int(f.read()) <= 80:
+            pytest.skip(reason="this machine lets any user bind port 80")
+    nobody = as_nobody()
+    run = tempfile.mkdtemp(prefix="dgt-port-", dir="/tmp")   # theirs: tmp_path is 0700
+    os.chown(run, 65534, 65534)
+    port = ["--master-port", "80"] if flag == "--master-port" else \
+        ["--master-port", str(_free_port()), "--base-port", "80"]
+    try:
+        p = subprocess.run(nobody + [
+            sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0", "--world", "1",
+            *port, "--socket", os.path.join(run, "s.sock"), "--run-dir", run],
+            capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(run)
+    assert p.returncode != 0, p.stderr
+    want = ("--master-port 80 on 127.0.0.1: Permission denied (ports below 1024 need "
+            "root); pick a port from 1024 up") if flag == "--master-port" else \
+        ("TCP port 80 of rank 0: permission denied (--base-port 80: ports below 1024 "
+         "need root); pick a --base-port from 1024 up")
+    assert want in p.stderr, p.stderr
+    assert "not an address of this host" not in p.stderr and "Traceback" not in p.stderr

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dgt.interrupt import raise_keyboard_interrupt_on
+from dgt.interrupt import exit_status, raise_keyboard_interrupt_on
 from dgt.progress import CellProgress
 from dgt.transport.channels import DEFAULT_UDP_CHANNELS, channel_dscp
 
@@ -1092,6 +1092,31 @@ def check_goodput_args(a, iterations: int) -> None:
     check_prefix(a.prefix)
 
 
+def missing_tools(scenarios) -> list[str]:
+    """One line per system tool that the testbed cells of ``scenarios`` run and this
+    machine lacks (dgt.tc_profiles.system: each names its package): ``ip`` for every
+    testbed, ``iperf3`` for a tenant (``tenant``, ``share``), ``nft`` for a loss rule
+    (``lossy``, ``lossy-link``)."""
+    from dgt.tc_profiles import system
+    need = [("ip", "the testbed (ip netns exec)")]
+    if {"tenant", "share"} & set(scenarios):
+        need.append(("iperf3", "the tenant scenario"))
+    if any(sc.startswith("lossy") for sc in scenarios):
+        need.append(("nft", "the lossy scenarios (an nftables drop rule)"))
+    return [system.missing_message(tool, what) for tool, what in need
+            if not system.have(tool)]
+
+
+def check_tools(scenarios, estimate: bool) -> None:
+    """Before any cell runs: raise BenchError naming every missing tool (see
+    :func:`missing_tools`); with ``estimate``, print them as warnings instead."""
+    missing = missing_tools(scenarios)
+    if missing and not estimate:
+        raise BenchError("; ".join(missing))
+    for line in missing:
+        print(f"warning: {line}")
+
+
 def cmd_bench(a) -> int:
     """Entry point of ``dgt bench``: errors are one line on stderr, exit 2."""
     from dgt.tc_profiles.testbed import TestbedError
@@ -1125,6 +1150,8 @@ def cmd_bench(a) -> int:
         cfg = config_from_args(a)
         cfg.validate()
         if a.estimate:
+            if not cfg.loopback:
+                check_tools(cfg.scenarios, estimate=True)
             check_out_dir(cfg.out)   # the run it plans would write there
             for c in plan(cfg):
                 print(f"{c['rate'] or 'loopback':>8} {scenario_label(c):<16} {c['system']:<5} "
@@ -1135,6 +1162,8 @@ def cmd_bench(a) -> int:
             return 0
         if not cfg.loopback and os.geteuid() != 0:
             raise BenchError(NOT_ROOT)
+        if not cfg.loopback:
+            check_tools(cfg.scenarios, estimate=False)
         doc = run_matrix(cfg, command)
         print()
         print(markdown(doc, cfg.loopback))
@@ -1145,4 +1174,4 @@ def cmd_bench(a) -> int:
         return 2
     except KeyboardInterrupt:
         print("dgt bench: interrupted (jobs stopped, testbed removed)", file=sys.stderr)
-        return 130
+        return exit_status()

@@ -920,6 +920,8 @@ def cmd_tta(a, command: str) -> int:
                    indent=1)
         return 0
     if a.estimate:
+        if not cfg.loopback:
+            bench.check_tools(cfg.scenarios, estimate=True)
         bench.check_out_dir(cfg.out)
         cells = plan(cfg)
         for c in cells:
@@ -932,6 +934,8 @@ def cmd_tta(a, command: str) -> int:
         return 0
     if not cfg.loopback and os.geteuid() != 0:
         raise BenchError(bench.NOT_ROOT)
+    if not cfg.loopback:
+        bench.check_tools(cfg.scenarios, estimate=False)
     doc = run_tta(cfg, command)
     print()
     print(markdown(doc))

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from dgt import outpath
+from dgt.interrupt import exit_status
 
 log = logging.getLogger("dgt.tools")
 
@@ -42,7 +43,7 @@ def _add_port_args(p: argparse.ArgumentParser, required: bool = False,
     if not layout:
         p.set_defaults(layout_base=None)
         return
-    m.add_argument("--base-port", type=int, metavar="B", dest="layout_base",
+    m.add_argument("--base-port", type=port, metavar="B", dest="layout_base",
                    help="the job's --base-port: rank r uses TCP B+10r, UDP B+10r+c")
     g.add_argument("--ranks", type=int, default=2,
                    help="with --base-port: number of ranks")
@@ -186,7 +187,7 @@ def _guard(fn):
             return 2
         except KeyboardInterrupt:
             print(f"dgt {args.command}: interrupted", file=sys.stderr)
-            return 130
+            return exit_status()
     run.__name__ = fn.__name__
     return run
 
@@ -340,6 +341,17 @@ def cmd_bench(args) -> int:
     return bench.cmd_bench(args)
 
 
+def port(text: str) -> int:
+    """argparse type: a TCP/UDP port, 1..65535. Raises argparse.ArgumentTypeError."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port, 1..65535, got {text!r}")
+    return value
+
+
 def _check_host(flag: str, host: str) -> None:
     """``host`` must be an address or a name that resolves (no ``host:port``: ports
     come from the capture and the port flags). Raises ValueError naming the flag."""
@@ -421,9 +433,9 @@ def register(subparsers) -> None:
     p.add_argument("--to", required=True, metavar="HOST", help="destination host")
     p.add_argument("--port-map", default="", metavar="OLD:NEW,...",
                    help="rewrite destination ports")
-    p.add_argument("--base-port", type=int, metavar="B", dest="to_base_port",
+    p.add_argument("--base-port", type=port, metavar="B", dest="to_base_port",
                    help="map ports by base: B + (port - FROM_BASE_PORT)")
-    p.add_argument("--from-base-port", type=int, metavar="A",
+    p.add_argument("--from-base-port", type=port, metavar="A",
                    help="the captured job's base port (default: lowest captured server port)")
     _add_port_args(p, layout=False)
     p.add_argument("--iterations", metavar="A-B", help="only these iterations (inclusive)")

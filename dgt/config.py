@@ -90,9 +90,10 @@ class TransmissionConfig:
                          "int8 | int4; the shard keeps the coding error in its own "
                          "residual, every replica applies the same bytes",
                          choices=PULL_CODECS)
-    pull_coded_fraction: float = _f(0.5, "share of each shard's aggregate blocks, "
+    pull_coded_fraction: float = _f(1.0, "share of each shard's aggregate blocks, "
                                     "lowest mean |aggregate + shard residual| first, "
-                                    "that --pull-codec codes (0..1)")
+                                    "that --pull-codec codes (0..1; default all: "
+                                    "measured in docs/bench/tta_googlenet_pull.md)")
     reliable_codec: str = _f("auto", "how the reliable channel (TCP) carries the "
                              "top-k blocks of a push: auto (int8 for --mode dgt and "
                              "random across a link; fp32 for tcp and topk, and over "

@@ -529,7 +529,9 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         return 2, None
     used = tx.resolve_codecs(loopback=not job.testbed)
     band, pull = used.band_codec, used.pull_codec
-    coded = (f" ({tx.channels} UDP channels in {band}, low PULL share in {pull})"
+    share = "PULLs" if tx.pull_coded_fraction >= 1.0 else \
+        f"the lowest {tx.pull_coded_fraction:g} of each PULL"
+    coded = (f" ({tx.channels} UDP channels in {band}, {share} in {pull})"
              if tx.mode in ("dgt", "random") else "")
     if used.reliable_codec != "fp32":
         coded += f" (reliable channel in {used.reliable_codec})"

@@ -4,8 +4,8 @@ full or broken run dir.
 A process that finished its part of the run writes its record to the run dir; when that
 write fails (ENOSPC, EIO, the folder gone) the record goes to the *spill folder* instead:
 ``$DGT_RECORD_SPILL`` (``dgt train`` names one per job in /dev/shm; the first record
-spilled creates it, mode 0700, and the launcher removes it when it exits), else ``/dev/shm/dgt-records-<uid>`` (a sidecar started by
-hand). The spilled file has the record's base name and holds ``{"path": the run-dir
+spilled creates it, mode 0700, and the launcher removes it when it exits), else
+``/dev/shm/dgt-records-<uid>`` (a sidecar started by hand). The spilled file has the record's base name and holds ``{"path": the run-dir
 path, "error": what failed, "record": the record}``. ``dgt train`` reads records from
 both places (``load``) and turns each spilled one into a warning naming the run-dir file
 and the errno text; the run and its ``--report`` are kept. No process fails because its

@@ -231,16 +231,17 @@ class Rendezvous:
                                         family=socket.AF_INET6 if ":" in self.host
                                         else socket.AF_INET)
         except OSError as e:
+            why = os.strerror(e.errno) if e.errno else str(e)   # not Python's long strerror
             if e.errno == errno.EADDRINUSE:
                 raise PeerFailure(f"--master-port {self.port} is in use on {self.host}; "
                                   f"pick another port (or stop what holds it)", None) from None
             if e.errno in (errno.EACCES, errno.EPERM):
                 raise PeerFailure(f"--master-port {self.port} on {self.host}: "
-                                  f"{os.strerror(e.errno)} (ports below 1024 need root); "
+                                  f"{why} (ports below 1024 need root); "
                                   f"pick a port from 1024 up", None) from None
-            if e.errno != errno.EADDRNOTAVAIL:
+            if e.errno != errno.EADDRNOTAVAIL and not isinstance(e, socket.gaierror):
                 raise PeerFailure(f"--master-addr {self.host} --master-port {self.port}: "
-                                  f"cannot listen there: {os.strerror(e.errno)}",
+                                  f"cannot listen there: {why}",
                                   None) from None
             logging.getLogger("dgt.rendezvous").warning(
                 "--master-addr %s is not an address of this host (%s); the rendezvous "

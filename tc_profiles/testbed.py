@@ -254,6 +254,15 @@ def nft_loss_ruleset(loss_pct: float, loss_dscp=None) -> str:
             f"}}\n")
 
 
+def missing_tools(loss: bool) -> list[str]:
+    """One line per system tool a testbed needs and this machine lacks
+    (dgt.tc_profiles.system: each names its package): ``ip`` (commands in its hosts),
+    and with ``loss`` ``nft`` (the drop rule). Also what ``dgt bench`` checks first."""
+    need = [("ip", "the testbed (ip netns exec)")] + (
+        [("nft", "--loss (an nftables drop rule)")] if loss else [])
+    return [system.missing_message(t, what) for t, what in need if not system.have(t)]
+
+
 def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
        queue_bytes: int | None = None, loss_pct: float = 0.0, loss_dscp=None,
        prefix: str = DEFAULT_PREFIX, tcp_congestion: str = "cubic") -> Testbed:
@@ -278,9 +287,7 @@ def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
         raise TestbedError(f"hosts must be 1..{MAX_HOSTS}, got {hosts}")
     if not 0 <= float(loss_pct) <= 100:
         raise TestbedError(f"loss_pct must be 0..100, got {loss_pct}")
-    need = [("ip", "the testbed (ip netns exec)")] + (   # before anything is built
-        [("nft", "--loss (an nftables drop rule)")] if float(loss_pct) > 0 else [])
-    missing = [system.missing_message(t, what) for t, what in need if not system.have(t)]
+    missing = missing_tools(loss=float(loss_pct) > 0)   # before anything is built
     if missing:
         raise TestbedError("; ".join(missing))
     try:
@@ -339,9 +346,7 @@ def _build(tb: Testbed, prof: Profile) -> None:
             _sysctl(n, "net/ipv4/tcp_congestion_control", tb.tcp_congestion)
     for ns, dev in tb.ports():
         applier.apply(prof, dev, ns, rate=tb.rate)
-    if tb.loss_pct > 0:
-        if not system.have("nft"):
-            raise TestbedError(system.missing_message("nft", "--loss (an nftables drop rule)"))
+    if tb.loss_pct > 0:   # nft is there: up() checked (missing_tools)
         r = subprocess.run(["ip", "netns", "exec", tb.router, "nft", "-f", "-"],
                            input=nft_loss_ruleset(tb.loss_pct, tb.loss_dscp), text=True,
                            capture_output=True)

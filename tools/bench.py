@@ -1094,17 +1094,14 @@ def check_goodput_args(a, iterations: int) -> None:
 
 def missing_tools(scenarios) -> list[str]:
     """One line per system tool that the testbed cells of ``scenarios`` run and this
-    machine lacks (dgt.tc_profiles.system: each names its package): ``ip`` for every
-    testbed, ``iperf3`` for a tenant (``tenant``, ``share``), ``nft`` for a loss rule
-    (``lossy``, ``lossy-link``)."""
-    from dgt.tc_profiles import system
-    need = [("ip", "the testbed (ip netns exec)")]
-    if {"tenant", "share"} & set(scenarios):
-        need.append(("iperf3", "the tenant scenario"))
-    if any(sc.startswith("lossy") for sc in scenarios):
-        need.append(("nft", "the lossy scenarios (an nftables drop rule)"))
-    return [system.missing_message(tool, what) for tool, what in need
-            if not system.have(tool)]
+    machine lacks (dgt.tc_profiles.system: each names its package): the testbed's own
+    (dgt.tc_profiles.testbed.missing_tools: ``ip``, and ``nft`` for the loss rule of
+    ``lossy`` and ``lossy-link``), and ``iperf3`` for a tenant (``tenant``, ``share``)."""
+    from dgt.tc_profiles import system, testbed
+    missing = testbed.missing_tools(loss=any(sc.startswith("lossy") for sc in scenarios))
+    if {"tenant", "share"} & set(scenarios) and not system.have("iperf3"):
+        missing.append(system.missing_message("iperf3", "the tenant scenario"))
+    return missing
 
 
 def check_tools(scenarios, estimate: bool) -> None:

@@ -37,6 +37,8 @@ STORE_REJECTED = Reason.STORE_REJECTED.value
 MESSAGE_CHARS = 500
 log = logging.getLogger("dgt.rendezvous")
 POLL_S = 0.05
+# s: the first connection to the store, which tells a service that is not one (_probe_store)
+PROBE_S = 3.0
 #: torch's C++ logging is ERROR-only in our processes, and never prints C++ stack frames
 #: (set before torch is imported: the launcher puts it in its children's environment)
 QUIET_TORCH_ENV = {"TORCH_CPP_LOG_LEVEL": "FATAL", "TORCH_SHOW_CPP_STACKTRACES": "0"}
@@ -205,9 +207,13 @@ class Rendezvous:
             self._own_listener = self._listen()
             if self._own_listener is not None:   # the store owns the descriptor now
                 self.listen_fd = self._own_listener.detach()
+        extra = {"master_listen_fd": self.listen_fd} if is_master and \
+            self.listen_fd >= 0 else {}
+        if not is_master:
+            store = self._probe_store(TCPStore)
+            if store is not None:
+                return store
         try:
-            extra = {"master_listen_fd": self.listen_fd} if is_master and \
-                self.listen_fd >= 0 else {}
             return TCPStore(self.host, self.port, self.world, is_master=is_master,
                             timeout=timedelta(seconds=self.timeout_s),
                             wait_for_workers=False, **extra)
@@ -215,6 +221,28 @@ class Rendezvous:
             raise PeerFailure(f"rendezvous store at {self.host}:{self.port} unreachable: "
                               f"{str(e).splitlines()[0]}", 0 if not is_master else None,
                               FailureReason.STORE_LOST) from None
+
+    def _probe_store(self, TCPStore):
+        """A first connection with a short timeout (PROBE_S), so that a service at
+        ``host:port`` that is not a TCPStore is named as such at once: TCPStore's client
+        retries a wrong reply to its ping until its whole timeout, which outlasts
+        :meth:`_bounded`'s wait and would read as rank 0 frozen. Returns the store (its
+        timeout then raised to timeout_s), or None when the probe only timed out (rank
+        0 still starting: the caller connects again with the whole timeout). Raises
+        PeerFailure when the reply is not a store's."""
+        try:
+            store = TCPStore(self.host, self.port, self.world, is_master=False,
+                             timeout=timedelta(seconds=PROBE_S), wait_for_workers=False)
+        except Exception as e:
+            if "ping failed" not in str(e).lower():
+                return None
+            raise PeerFailure(f"{self.host}:{self.port} answers, but not as dgt's "
+                              f"rendezvous store (its reply to a store's ping was "
+                              f"something else): --master-addr and --master-port must "
+                              f"name rank 0's store; another service holds this one",
+                              0, FailureReason.STORE_LOST) from None
+        store.set_timeout(timedelta(seconds=self.timeout_s))
+        return store
 
     def _listen(self):
         """Rank 0: a listening socket on ``host:port`` only. Left to itself TCPStore

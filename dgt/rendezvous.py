@@ -37,7 +37,8 @@ STORE_REJECTED = Reason.STORE_REJECTED.value
 MESSAGE_CHARS = 500
 log = logging.getLogger("dgt.rendezvous")
 POLL_S = 0.05
-# s: the first connection to the store, which tells a service that is not one (_probe_store)
+#: s: a rank's first connection to the store, which tells a service that is not one
+#: (Rendezvous._probe_store)
 PROBE_S = 3.0
 #: torch's C++ logging is ERROR-only in our processes, and never prints C++ stack frames
 #: (set before torch is imported: the launcher puts it in its children's environment)
@@ -203,17 +204,17 @@ class Rendezvous:
         return out["store"]
 
     def _connect_store(self, TCPStore, is_master: bool):
-        if is_master and self.listen_fd < 0:
-            self._own_listener = self._listen()
-            if self._own_listener is not None:   # the store owns the descriptor now
-                self.listen_fd = self._own_listener.detach()
-        extra = {"master_listen_fd": self.listen_fd} if is_master and \
-            self.listen_fd >= 0 else {}
         if not is_master:
             store = self._probe_store(TCPStore)
             if store is not None:
                 return store
+        elif self.listen_fd < 0:
+            self._own_listener = self._listen()
+            if self._own_listener is not None:   # the store owns the descriptor now
+                self.listen_fd = self._own_listener.detach()
         try:
+            extra = {"master_listen_fd": self.listen_fd} if is_master and \
+                self.listen_fd >= 0 else {}
             return TCPStore(self.host, self.port, self.world, is_master=is_master,
                             timeout=timedelta(seconds=self.timeout_s),
                             wait_for_workers=False, **extra)

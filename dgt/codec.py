@@ -8,10 +8,15 @@ of each delivered coded block in its residual (dgt.feedback), as it keeps a lost
 whole. The byte layouts are the wire's (``dgt.transport.wire.Coding``, docs/wire.md,
 "Block codings").
 
-Speed: every pass is one of torch's vectorised kernels; decode and the int8/int4
-encoder write into arrays numpy allocates (numpy asks for huge pages: few page faults),
-and int8/int4 go through the blocks one L2-sized chunk at a time, so the input is read
-from memory once. One core codes and decodes 2 GB/s of float32 or more:
+Speed: int8, the default reduced form, is coded and decoded by a C helper
+(``dgt/_int8codec.c``) in one pass per block: the block's max |x|, then its q, its
+payload and its decoded value while the block is in cache; the same IEEE steps as the
+torch path below, so the same bits (tests/test_int8codec.py). Without a C compiler at
+install, or with ``DGT_INT8_CODEC=torch`` in the environment, torch's kernels do it.
+On the torch path every pass is one of torch's vectorised kernels; decode and the
+int8/int4 encoder write into arrays numpy allocates (numpy asks for huge pages: few page
+faults), and int8/int4 go through the blocks one L2-sized chunk at a time, so the input
+is read from memory once. One core codes and decodes 2 GB/s of float32 or more:
 ``python -m dgt.tools.bench_codec speed`` (tools/bench_codec.py), figures in
 docs/bench/codecs.md.
 
@@ -26,10 +31,19 @@ Example::
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from .transport.wire import Coding, coded_payload_bytes
+
+try:   # optional (setup.py): without it, torch's kernels give the same bits, slower
+    from . import _int8codec as _native
+except ImportError:   # pragma: no cover - depends on the install
+    _native = None
+if os.environ.get("DGT_INT8_CODEC") == "torch":   # A/B benchmarks of the two paths
+    _native = None
 
 _HALF = {Coding.FP16: torch.float16, Coding.BF16: torch.bfloat16}
 _LEVELS = {Coding.INT8: 127.0, Coding.INT4: 7.0}
@@ -40,32 +54,63 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _HIGH_NIBBLES = -0x0F10   # 0xF0F0 as an int16
 
 
-def encode(coding: int, blocks: torch.Tensor, decoded: torch.Tensor | None = None
-           ) -> np.ndarray:
+def encode(coding: int, blocks: torch.Tensor, decoded: torch.Tensor | None = None,
+           error: torch.Tensor | None = None) -> np.ndarray:
     """Code ``blocks`` ((m, E) float32) as ``coding``; returns the payloads,
     (m, coded_payload_bytes(coding, E)) uint8, one row per block (docs/wire.md, "Block
     codings"). With ``decoded`` ((m, E) float32, may be ``blocks`` itself) it also
     receives ``decode(coding, payloads, E)`` computed in the same pass, bitwise what
     :func:`decode` gives for every block that decodes finite (a sender's own copy of
-    what the receivers will apply, without a second pass over the payloads). fp16/bf16: IEEE round to nearest even (fp16: 65520 and above is
+    what the receivers will apply, without a second pass over the payloads). With
+    ``error`` ((m, E) float32, may be ``blocks`` itself; then ``decoded`` must be another
+    array or None) it receives the
+    coding error ``blocks - decode(...)``, one f32 subtraction per value (what error
+    feedback keeps). fp16/bf16: IEEE round to nearest even (fp16: 65520 and above is
     inf). int8: ``a = max|x|``, ``s = a / 127`` (f32, sent),
     ``r = min(127 / a, FLT_MAX)``, ``q = round_half_even(x * r)`` in -127..127 (so
     q = 0 for a zero block); int4 the same with 7 for 127, two q a byte (the even value
     in the low nibble). A block with a NaN or inf gets a non-finite s (its q are
     unspecified), so it decodes non-finite and the shard keeps it out of the sum as any
-    non-finite block. Raises ValueError for FP32 or an unknown coding."""
+    non-finite block. Raises ValueError for FP32, an unknown coding, or ``decoded`` and
+    ``error`` in one array."""
     m, e = blocks.shape
     p = coded_payload_bytes(coding, e)
     if coding == Coding.FP32 or p is None:
         raise ValueError(f"no block codec for coding {coding}")
+    if error is not None and (error is decoded or decoded is blocks):
+        raise ValueError("decoded and error must be two arrays, and decoded not blocks "
+                         "when error is asked for")
+    if coding == Coding.INT8 and _native is not None and _plain_cpu(blocks, decoded,
+                                                                      error):
+        out = np.empty((m, p), np.uint8)
+        _native.encode(blocks.numpy(), out, *(None if t is None else t.numpy()
+                                              for t in (decoded, error)))
+        return out
+    dec = decoded if error is None or decoded is not None else torch.empty_like(blocks)
     if coding in _HALF:
         half = blocks.to(_HALF[coding])
-        if decoded is not None:
-            decoded.copy_(half)
-        return half.view(torch.uint8).numpy()
-    out = np.empty((m, p), np.uint8)
-    _quantise(blocks, _LEVELS[coding], out, decoded)
+        if dec is not None:
+            dec.copy_(half)
+        out = half.view(torch.uint8).numpy()
+    else:
+        out = np.empty((m, p), np.uint8)
+        _quantise(blocks, _LEVELS[coding], out, dec)
+    if error is not None:
+        torch.sub(blocks, dec, out=error)
     return out
+
+
+def native() -> bool:
+    """True when int8 goes through the C helper (``dgt/_int8codec.c``)."""
+    return _native is not None
+
+
+def _plain_cpu(*ts) -> bool:
+    """Every tensor given is a CPU float32 one whose rows hold contiguous elements (what
+    the C helper takes as a numpy view); None counts as fine."""
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
+                             and t.dim() == 2 and t.stride(1) == 1
+                             and not t.requires_grad) for t in ts)
 
 
 def _quantise(blocks: torch.Tensor, levels: float, out: np.ndarray,
@@ -106,19 +151,29 @@ def _quantise(blocks: torch.Tensor, levels: float, out: np.ndarray,
     out[:, :4] = (s if s is not None else torch.div(a, lv[:m])).numpy().view(np.uint8)
 
 
-def decode(coding: int, rows: np.ndarray, block_elems: int) -> np.ndarray:
+def decode(coding: int, rows: np.ndarray, block_elems: int,
+           out: np.ndarray | None = None) -> np.ndarray:
     """Inverse of :func:`encode`: ``rows`` ((m, coded_payload_bytes) uint8, rows may be
     strided views into datagrams) to (m, block_elems) float32, deterministic (int8: one
-    f32 multiply ``q * s`` per value; int4 too). Raises ValueError for FP32, an unknown
-    coding, or rows of the wrong width."""
+    f32 multiply ``q * s`` per value; int4 too). Written into ``out`` when given ((m,
+    block_elems) float32, C-contiguous, e.g. a shard's receive rows), else into a new
+    array; returns it. Raises ValueError for FP32, an unknown coding, rows of the wrong
+    width, or an ``out`` that does not fit."""
     p = coded_payload_bytes(coding, block_elems)
     if coding == Coding.FP32 or p is None:
         raise ValueError(f"no block codec for coding {coding}")
     m, e = rows.shape[0], block_elems
     if rows.shape[1:] != (p,):
         raise ValueError(f"coding {coding} rows must be {p} B wide, got {rows.shape}")
-    out = np.empty((m, e), np.float32)
+    if out is None:
+        out = np.empty((m, e), np.float32)
+    elif out.shape != (m, e) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of {(m, e)}, got "
+                         f"{out.dtype} {out.shape}")
     if m == 0:   # numpy may give an empty array any strides; torch cannot view those
+        return out
+    if coding == Coding.INT8 and _native is not None and rows.strides[-1] == 1:
+        _native.decode(rows, out)
         return out
     dec = torch.from_numpy(out)
     if coding in _HALF:

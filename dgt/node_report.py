@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from . import records
+from . import codec, records
 from .hugepages import numpy_huge_page_advice
 from .transport import udpmac
 
@@ -67,6 +67,8 @@ def write_node_results(sc) -> None:
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         # numpy advises huge pages for its arrays (dgt.hugepages: off unless asked)
         "numpy_huge_page_advice": numpy_huge_page_advice(),
+        # who codes int8 blocks: the C helper (dgt/_int8codec.c) or torch's kernels
+        "int8_codec": "C" if codec.native() else "torch",
     }
     sc.trace.close()   # its last line: what the counters grew since the last push
     if sc.trace.error:   # shown by 'dgt train', not only in this sidecar's log

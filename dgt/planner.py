@@ -176,7 +176,8 @@ class PushPlanner:
         int8), but not those of the colocated shard (they never touch the wire).
         Returns their coded channels (as :attr:`coded`) and keeps their coding error
         ``g - decode(encode(g))`` for :meth:`settle`. The channels of one coding are
-        coded in one pass (one gather, one encode that also gives the decoded values),
+        coded in one pass (one gather, one encode that also writes the coding error over
+        the gathered copy),
         channel after channel, so each channel's blocks and payloads are slices of it."""
         coded: dict = {}
         if not self._bands_by_coding:
@@ -191,15 +192,14 @@ class PushPlanner:
                 continue
             ti = torch.from_numpy(idx)
             g = blocks.index_select(0, ti)   # a gathered copy: it becomes the error
-            decoded = torch.empty_like(g)
-            payloads = codec.encode(coding, g, decoded)
+            payloads = codec.encode(coding, g, error=g)
             at = 0
             for c, part in zip(bands, parts):
                 if part.size:
                     coded[c] = (coding, part, payloads[at:at + part.size])
                 at += part.size
             self._coded_index.append(ti)
-            self._coding_error.append(g.sub_(decoded))
+            self._coding_error.append(g)
         return coded
 
     def applied(self, lo: int, aggregate: np.ndarray) -> None:

@@ -79,16 +79,18 @@ class PullCoder:
             acc += self.residual
         n, e = acc.shape
         idx = np.sort(np.argsort(np.abs(acc).mean(axis=1), kind="stable")[:self.n_coded])
-        low = acc[idx]   # a gathered copy
+        low = acc[idx]   # a gathered copy: encode writes the coding error over it
         dec = np.empty((idx.size, e), np.float32)   # decode(payloads), from encode's pass
-        payloads = codec.encode(self.coding, torch.from_numpy(low), torch.from_numpy(dec))
+        tlow = torch.from_numpy(low)
+        payloads = codec.encode(self.coding, tlow, torch.from_numpy(dec),
+                                error=tlow if self.keep_residual else None)
         ok = np.isfinite(dec).all(axis=1)
         if not ok.all():
             idx, payloads, dec, low = idx[ok], payloads[ok], dec[ok], low[ok]
         if self.keep_residual:
             if not self.empty:
                 self.residual.fill(0)
-            self.residual[idx] = np.subtract(low, dec, out=low)
+            self.residual[idx] = low
             self.empty = not idx.size
         acc[idx] = dec
         coded = np.zeros(n, bool)
@@ -115,6 +117,9 @@ def decode_pull(e: PullArrived, block_elems: int) -> np.ndarray | None:
     float32, a new array; None when a coded block decodes to NaN or inf (the shard
     never sends one: the caller counts ``non_finite_pull`` and drops the PULL)."""
     n = e.coded.size
+    if e.coded.all():   # the whole PULL coded (the default): decoded in place
+        out = codec.decode(e.coding, e.payloads, block_elems)
+        return out.reshape(-1) if np.isfinite(out).all() else None
     out = np.empty((n, block_elems), np.float32)
     dec = codec.decode(e.coding, e.payloads, block_elems)
     if not np.isfinite(dec).all():

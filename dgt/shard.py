@@ -88,12 +88,14 @@ class ServerShard:
         """Decode every worker's coded blocks of this iteration into ``recv``, one call
         per worker and coding (dgt.codec: row by row, so the bits are those of a decode
         per datagram), before the rank-ordered sum."""
+        e = self.layout.block_elems
         for coding, (payloads, held) in self.staged.items():
             for w in range(self.n_workers):
                 rows = np.flatnonzero(held[w])
-                if rows.size:
-                    self.recv[w, rows] = codec.decode(coding, payloads[w, rows],
-                                                      self.layout.block_elems)
+                if rows.size == held.shape[1]:   # every block coded: straight into recv
+                    codec.decode(coding, payloads[w], e, out=self.recv[w])
+                elif rows.size:
+                    self.recv[w, rows] = codec.decode(coding, payloads[w, rows], e)
             held.fill(False)
 
     def _aggregate(self, iteration: int) -> None:

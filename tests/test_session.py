@@ -433,10 +433,17 @@ def test_a_reliable_block_displaces_an_unreliable_copy_of_it(gro):
     assert s.counters.channels[0].blocks_duplicate == 1
 
 
-def test_a_tcp_frame_naming_a_block_twice_is_rejected():
+@pytest.mark.parametrize("rows", [[10, 11, 10], [10, 10, 11], [13, 19, 19], [18, 12, 18]])
+def test_a_tcp_frame_naming_a_block_twice_is_rejected(rows):
     s = session(n_workers=1)
-    assert s.receive_frame(*tcp_blocks(0, [10, 11, 10]), now=0) == [Rejected("bad_block")]
+    assert s.receive_frame(*tcp_blocks(0, rows), now=0) == [Rejected("bad_block")]
     assert not s.received.any()
+
+
+def test_a_tcp_frame_of_distinct_blocks_in_any_order_is_taken():
+    s = session(n_workers=1)
+    ev = s.receive_frame(*tcp_blocks(0, [18, 12, 15]), now=0)
+    assert [e.rows.tolist() for e in ev] == [[8, 2, 5]]   # shard rows (lo = 10)
 
 
 def test_end_completes_the_reliable_channel_without_a_deadline():

@@ -45,8 +45,11 @@ def plan(mb: float, pushes: int, block_bytes: int) -> tuple[int, int]:
 
 async def receive(bind: str, port: int, mb: float, pushes: int, block_bytes: int,
                   timeout_s: float) -> dict:
-    """Accept one sender; return {bytes, seconds, mbit_s, pushes} once every push is
-    complete. Raises TimeoutError after ``timeout_s``."""
+    """Accept one sender; once every push is complete return {bytes, seconds, mbit_s,
+    pushes, block_bytes, cpu_s (this process's CPU seconds from the call on), reads and
+    parses (the connection's FrameProtocol counts), rejected}. Raises TimeoutError after
+    ``timeout_s``."""
+    cpu0 = time.process_time()
     loop = asyncio.get_running_loop()
     per_push, elems = plan(mb, pushes, block_bytes)
     sess = ShardSession(session=SESSION, shard=0, lo=0, hi=per_push, block_elems=elems,
@@ -104,8 +107,11 @@ async def receive(bind: str, port: int, mb: float, pushes: int, block_bytes: int
         server.close()
     seconds = t_end - state["t0"]
     nbytes = per_push * pushes * block_bytes
+    conn = state["sender"]
     return {"bytes": nbytes, "seconds": seconds, "mbit_s": nbytes * 8 / seconds / 1e6,
             "pushes": pushes, "block_bytes": block_bytes,
+            "cpu_s": time.process_time() - cpu0, "reads": conn.reads,
+            "parses": conn.parses,
             "rejected": state["bad"] + sum(sess.counters.rejected.values())}
 
 

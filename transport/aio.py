@@ -1,8 +1,10 @@
 """Thin asyncio adapters (run on uvloop) around the sans-IO pieces.
 
-``FrameProtocol``: one TCP connection; bytes -> :class:`~.framing.Deframer` -> callback per
-frame. A malformed frame closes the connection (a TCP stream cannot resynchronise) and is
-counted by the owner's ``on_bad`` callback.
+``FrameProtocol``: one TCP connection; bytes -> :func:`~.framing.split_frames` -> callback
+per frame. A malformed frame closes the connection (a TCP stream cannot resynchronise) and
+is counted by the owner's ``on_bad`` callback. While a large frame is incomplete, the
+socket's SO_RCVLOWAT (:func:`~.framing.wake_bytes`) lets the kernel gather its rest
+before waking us, and a read that still leaves the frame short is not parsed again.
 
 ``DatagramProtocol``: one UDP channel socket; each datagram goes to a callback with the
 receive time. Optional receive-side loss emulation (``drop_fraction``) drops datagrams
@@ -19,7 +21,8 @@ import time
 from typing import Callable
 
 from . import sockopts
-from .framing import split_frames
+from . import wire
+from .framing import split_frames, wake_bytes
 from .wire import WireError
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
     connection starts with ``UNAUTHENTICATED_MAX`` bytes and gets ``INITIAL_BYTES``
     once it knows its peer (``peer_rank``, set from HELLO): a stranger's idle
     connection costs 64 KiB, not 1 MiB.
+
+    ``reads`` counts the reads (``buffer_updated``), ``parses`` those that had a whole
+    message or header to look at; ``lowat`` is the socket's SO_RCVLOWAT as last set
+    (1, the kernel's default, or None where the socket refused it).
     """
 
     INITIAL_BYTES = 1 << 20
@@ -48,6 +55,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.key = key
         self.buf = bytearray(self.UNAUTHENTICATED_MAX)
         self.have = 0           # bytes in buf
+        self.need = wire.HEADER_BYTES   # bytes buf must hold before a parse can yield
+        self.reads = self.parses = 0
+        self.lowat: int | None = 1
+        self._sock: socket.socket | None = None
         self.dscp = dscp
         self.rto_min_ms = rto_min_ms   # sockopts.set_rto_min, both ends
         self.transport: asyncio.Transport | None = None
@@ -67,6 +78,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 log.debug("could not set DSCP on accepted socket: %s", e)
         if sock is not None:
             sockopts.set_rto_min(sock, self.rto_min_ms)
+            if sock.family != socket.AF_UNIX:
+                self._sock = sock
         if self.on_made is not None:
             self.on_made(self)
 
@@ -84,6 +97,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes):
         self.have += nbytes
+        self.reads += 1
+        if self.have < self.need:   # the message in progress is still short
+            self._wake_at(wake_bytes(self.need, self.have))
+            return
+        self.parses += 1
         view = memoryview(self.buf)[: self.have]
         try:
             frames, used, need = split_frames(view, self.key)
@@ -108,6 +126,20 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self.transport.abort()
                 return
             self._grow(need)
+        self.need = need
+        self._wake_at(wake_bytes(need, rest))
+
+    def _wake_at(self, nbytes: int) -> None:
+        """Set SO_RCVLOWAT to ``nbytes`` when it changes; a socket that refuses it (not
+        TCP) is left at the default for good."""
+        if nbytes == self.lowat or self.lowat is None or self._sock is None:
+            return
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self.lowat = nbytes
+        except OSError as e:
+            log.debug("SO_RCVLOWAT refused: %s", e)
+            self.lowat = None
 
     def eof_received(self):
         return False

@@ -116,14 +116,12 @@ def decode_pull(e: PullArrived, block_elems: int) -> np.ndarray | None:
     """A coded PULL's aggregate as the shard applied it: (n_blocks * block_elems,)
     float32, a new array; None when a coded block decodes to NaN or inf (the shard
     never sends one: the caller counts ``non_finite_pull`` and drops the PULL)."""
-    n = e.coded.size
-    if e.coded.all():   # the whole PULL coded (the default): decoded in place
-        out = codec.decode(e.coding, e.payloads, block_elems)
-        return out.reshape(-1) if np.isfinite(out).all() else None
-    out = np.empty((n, block_elems), np.float32)
     dec = codec.decode(e.coding, e.payloads, block_elems)
     if not np.isfinite(dec).all():
         return None
+    if e.coded.all():   # the whole PULL coded (the default): no scatter
+        return dec.reshape(-1)
+    out = np.empty((e.coded.size, block_elems), np.float32)
     out[e.coded] = dec
     out[~e.coded] = e.aggregate.reshape(-1, block_elems)
     return out.reshape(-1)

@@ -20,8 +20,7 @@ import socket
 import time
 from typing import Callable
 
-from . import sockopts
-from . import wire
+from . import sockopts, wire
 from .framing import split_frames, wake_bytes
 from .wire import WireError
 

@@ -61,8 +61,10 @@ def write_node_results(sc) -> None:
         "k_mean": float(np.mean(sc.agent.k_history)) if sc.agent and
         sc.agent.k_history else None,
         **sc.counters.to_dict(sc.cfg.channels),
-        # this process's CPU time so far, user + system (getrusage(2)), seconds
+        # this process's CPU time so far, user + system (getrusage(2)), seconds; and the
+        # system part alone (the kernel on our behalf: syscalls, page faults)
         "cpu_s": cpu_seconds(),
+        "cpu_sys_s": resource.getrusage(resource.RUSAGE_SELF).ru_stime,
         # its peak resident memory (getrusage(2) ru_maxrss), bytes
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         # numpy advises huge pages for its arrays (dgt.hugepages: off unless asked)

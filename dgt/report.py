@@ -126,7 +126,8 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
                       "udp_ports": s["udp_ports"], "session": s["session"],
                       "pushes": s.get("pushes"), "pulls_held": s.get("pulls_held", 0),
-                      "cpu_s": s.get("cpu_s"), "max_rss_bytes": s.get("max_rss_bytes"),
+                      "cpu_s": s.get("cpu_s"), "cpu_sys_s": s.get("cpu_sys_s"),
+                      "max_rss_bytes": s.get("max_rss_bytes"),
                       "numpy_huge_page_advice": s.get("numpy_huge_page_advice"),
                       "int8_codec": s.get("int8_codec")}
                      for s in sidecars],

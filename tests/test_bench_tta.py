@@ -14,13 +14,14 @@ root_only = needs("ip", root="netns, veth, tc")
 @pytest.mark.parametrize("args, says", [
     (["--systems", "nccl"], "unknown system 'nccl'"),
     (["--systems", "dgt:--no-such-flag"], "no transmission flag '--no-such-flag'"),
-    (["--systems", "gloo:--band-codec=int8"], "only tcp and dgt take"),
+    (["--systems", "gloo:--band-codec=int8"], "only tcp, dgt and dgt-ddp take"),
     (["--systems", "dgt:--mode=tcp"], "the base name sets --mode"),
     (["--models", "alexnet:wide"], "MODEL:WIDTH"),
     (["--models", "bert"], "unknown model 'bert'"),
     (["--scenarios", "lossy"], "tta runs clean,tenant,share"),
     (["--share", "1.5"], "--share must be in"),
     (["--comm-ratio", "0"], "--comm-ratio must be"),
+    (["--ddp-bucket-cap-mb", "0"], "--ddp-bucket-cap-mb must be"),
     (["--iterations", "5"], "use --max-iterations"),
     (["--rates", "fast"], "--rates"),
     (["--tcp-congestion", "vegas2"], "--tcp-congestion: 'vegas2' is not available"),
@@ -132,6 +133,51 @@ def test_ddp_hook_baselines_keep_replicas_identical(hook, tmp_path):
         assert r["push_bytes_per_iteration"] == n   # (N-1)/N of 2n bytes, N = 2
     else:
         assert sent[:10] == [4 * n] * 10 and all(0 < b < 4 * n for b in sent[10:])
+
+
+def test_dgt_hook_in_ddp_applies_what_ddps_all_reduce_applies(tmp_path):
+    """gloo_train --ddp-hook dgt: DDP hands its buckets (here several: 1 kB each) to
+    dgt_hook, one sidecar per rank pushes them during backward and PULLs the mean. With
+    two workers and --mode tcp that mean is bitwise DDP's own all-reduce's ((a + b) / 2),
+    so both runs end with the same parameters; each rank's sidecar took every push."""
+    def run(name, *hook):
+        p = subprocess.run([sys.executable, "-m", "dgt.tools.gloo_train", "--workers", "2",
+                            "--iterations", "3", "--hidden", "32", *hook, "--report",
+                            str(tmp_path / f"{name}.json"), "--run-dir",
+                            str(tmp_path / name)], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        return json.loads((tmp_path / f"{name}.json").read_text())
+    ddp = run("ddp", "--ddp-hook", "none")
+    dgt = run("dgt", "--ddp-hook", "dgt", "--bucket-cap-mb", "0.001",
+              "--sidecar-args", "--mode tcp --peer-timeout-s 20")
+    assert dgt["mode"] == "gloo-ddp-dgt" and dgt["replicas_identical"]
+    assert dgt["param_sha256"] == ddp["param_sha256"]
+    assert "tx bytes" in dgt["bytes_source"]
+    for r in range(2):
+        side = json.loads((tmp_path / "dgt" / f"sidecar-{r}.json").read_text())
+        assert side["pushes"] == 3 and side["config"]["mode"] == "tcp"
+        assert side["failed"] is None
+
+
+def test_dgt_ddp_cells_run_the_hook_with_dgt_flags(tmp_path):
+    """A dgt-ddp cell is gloo_train with dgt's hook, several buckets, and the sidecars
+    given what a dgt cell gives dgt train: --mode dgt, the peer timeout, the pace and
+    the variant's flags."""
+    from dgt.tools import bench_tta
+    cfg = bench_tta.TtaConfig(workloads=bench_tta.parse_workloads("vgg11:0.25"),
+                              systems=bench_tta.parse_systems("dgt-ddp:--k=0.3,dgt"))
+    w = cfg.workloads[0]
+    argv = {s.base: bench_tta.cell_argv(cfg, dict(system=s, workload=w, rate="1gbit"),
+                                        "r.json", "RUN") for s in cfg.systems}
+    hook = argv["dgt-ddp"]
+    assert hook[2] == "dgt.tools.gloo_train" and hook[hook.index("--ddp-hook") + 1] == "dgt"
+    assert float(hook[hook.index("--bucket-cap-mb") + 1]) < 4 * w.n_params() / 2 ** 20
+    sidecar = hook[hook.index("--sidecar-args") + 1].split()
+    plain = argv["dgt"]
+    assert sidecar[:2] == ["--mode", "dgt"] and sidecar[-1] == "--k=0.3"
+    for flag in ("--peer-timeout-s", "--pace-mbit"):
+        assert sidecar[sidecar.index(flag) + 1] == plain[plain.index(flag) + 1]
 
 
 @root_only

@@ -24,6 +24,8 @@ def test_default_job_reaches_target_accuracy(train, tmp_path):
     # from the trainers' cores (docs/metrics.md, "Cost")
     cpu = [s["cpu_s"] for s in r["sidecars"]]
     assert len(cpu) == 4 and all(c > 0 for c in cpu), cpu
+    # its system part (the kernel's: syscalls, page faults) is within it
+    assert all(0 < s["cpu_sys_s"] < s["cpu_s"] for s in r["sidecars"]), r["sidecars"]
     pushes = r["sidecars"][0]["pushes"]
     assert r["sidecar_cpu_ms_per_push"] == pytest.approx(
         sum(1000 * c / s["pushes"] for c, s in zip(cpu, r["sidecars"])) / 4)

@@ -1006,7 +1006,7 @@ def add_arguments(p) -> None:
                         "the DGT paper's experiment (docs/bench/tta.md)")
     p.add_argument("--systems", default=None,
                    help=f"comma list of {','.join(SYSTEMS)} (default all; tta: "
-                        f"gloo,gloo-fp16,gloo-powersgd,tcp,dgt and dgt:FLAGS variants)")
+                        f"gloo,gloo-fp16,gloo-powersgd,tcp,dgt,dgt-ddp and dgt:FLAGS variants)")
     p.add_argument("--scenarios", default=None,
                    help=f"comma list of {','.join(SCENARIOS)} (default all; tta: "
                         f"clean,tenant,share)")

@@ -22,9 +22,11 @@ Systems: ``gloo`` (``dgt.tools.gloo_train``: one flat gloo all_reduce per iterat
 ``gloo-fp16`` and ``gloo-powersgd`` (DDP over gloo with PyTorch's own
 ``fp16_compress_hook`` and ``powerSGD_hook``, see :class:`dgt.tools.gloo_train.DDPHook`;
 PowerSGD gets one DDP bucket, because torch 2.13's hook deadlocks on gloo with two or
-more); ``tcp`` and ``dgt`` (``dgt train --mode tcp|dgt``); and ``dgt:FLAGS`` (or
-``tcp:FLAGS``), a variant with extra ``dgt train`` flags passed through as given, e.g.
-``dgt:--band-codec=int8`` (several flags: separated by spaces in one quoted item).
+more); ``tcp`` and ``dgt`` (``dgt train --mode tcp|dgt``); ``dgt-ddp`` (DDP with dgt's
+own comm hook, ``dgt.ddp.dgt_hook``, through ``gloo_train --ddp-hook dgt``: each bucket
+pushed to the sidecars while backward goes on); and ``dgt:FLAGS`` (or ``tcp:FLAGS``,
+``dgt-ddp:FLAGS``), a variant with extra ``dgt train`` flags passed through as given,
+e.g. ``dgt:--band-codec=int8`` (several flags: separated by spaces in one quoted item).
 
 Scenarios: ``clean``; ``tenant`` (bulk iperf3 TCP, DSCP 0, host i -> i+1, as in ``dgt
 bench``); ``share``: every port's profile is ``--profile`` with each of its bands held to
@@ -67,13 +69,20 @@ import numpy as np
 from dgt.tools import bench
 from dgt.tools.bench import BenchError, _csv, _fmt, _load_avg, rate_bits_per_s
 
-BASES = ("gloo", "gloo-fp16", "gloo-powersgd", "tcp", "dgt")
-DDP_HOOK = {"gloo-fp16": "fp16", "gloo-powersgd": "powersgd"}
+BASES = ("gloo", "gloo-fp16", "gloo-powersgd", "tcp", "dgt", "dgt-ddp")
+DDP_HOOK = {"gloo-fp16": "fp16", "gloo-powersgd": "powersgd", "dgt-ddp": "dgt"}
 BASE_LABEL = {"gloo": "gloo all_reduce", "gloo-fp16": "DDP gloo + fp16_compress_hook",
               "gloo-powersgd": "DDP gloo + powerSGD_hook", "tcp": "dgt --mode tcp",
-              "dgt": "dgt --mode dgt"}
+              "dgt": "dgt --mode dgt", "dgt-ddp": "DDP + dgt_hook (--mode dgt)"}
 BASE_COLOR = {"gloo": "tab:blue", "gloo-fp16": "tab:cyan", "gloo-powersgd": "tab:purple",
-              "tcp": "tab:orange", "dgt": "tab:red"}
+              "tcp": "tab:orange", "dgt": "tab:red", "dgt-ddp": "darkred"}
+#: The systems run by dgt.tools.gloo_train: DDP or one all_reduce (gloo's), or DDP with
+#: dgt's comm hook, which pushes each bucket to the sidecars during backward
+TRAINED_BY_GLOO_TRAIN = ("gloo", "gloo-fp16", "gloo-powersgd", "dgt-ddp")
+#: dgt-ddp's DDP bucket size, MB (``--ddp-bucket-cap-mb``): several buckets for each of
+#: the default workloads (VGG-11 at 0.25 has 2.3 MB of gradient), so that a push starts
+#: while backward runs
+DGT_DDP_BUCKET_CAP_MB = 0.5
 #: the variants' colours (a system with flags), in order within a panel: none of the
 #: base systems' (matplotlib's default cycle gave a variant tcp's orange)
 VARIANT_COLORS = ("tab:green", "tab:brown", "tab:pink", "tab:olive", "tab:gray",
@@ -190,8 +199,9 @@ def parse_systems(text: str) -> tuple[System, ...]:
         if sep and not flags:
             raise BenchError(f"--systems: {item!r} names no flags; e.g. "
                              f"dgt:--band-codec=int8")
-        if flags and base not in ("tcp", "dgt"):
-            raise BenchError(f"--systems: {item!r}: only tcp and dgt take dgt train flags")
+        if flags and base not in ("tcp", "dgt", "dgt-ddp"):
+            raise BenchError(f"--systems: {item!r}: only tcp, dgt and dgt-ddp take dgt "
+                             f"train flags")
         if flags:
             try:
                 _, unknown = _transmission_parser().parse_known_args(list(flags))
@@ -231,6 +241,7 @@ class TtaConfig:
     cell_timeout_s: float = 0.0
     calibrate_iterations: int = 12
     keep_runs: bool = False
+    ddp_bucket_cap_mb: float = DGT_DDP_BUCKET_CAP_MB   # dgt-ddp's DDP buckets
 
     def __post_init__(self):
         if not self.workloads:
@@ -252,6 +263,9 @@ class TtaConfig:
         if not 0.05 <= self.share <= 0.9:   # also false for nan
             raise BenchError(f"--share must be in [0.05, 0.9] (the job's fraction of each "
                              f"port), got {self.share:g}")
+        if not (math.isfinite(self.ddp_bucket_cap_mb) and 0 < self.ddp_bucket_cap_mb < 1e6):
+            raise BenchError(f"--ddp-bucket-cap-mb must be a size > 0 MB, got "
+                             f"{self.ddp_bucket_cap_mb:g}")
         if not (math.isfinite(self.comm_ratio) and self.comm_ratio > 0):
             raise BenchError(f"--comm-ratio must be a finite number > 0, got "
                              f"{self.comm_ratio:g}")
@@ -370,16 +384,20 @@ def cell_argv(cfg: TtaConfig, cell: dict, report: str, run_dir: str,
         common.append("--stop-at-target")
     if rate is not None:
         common += ["--testbed", "--testbed-prefix", cfg.prefix]
-    if s.base.startswith("gloo"):
-        hook = ["--ddp-hook", DDP_HOOK[s.base]] if s.base in DDP_HOOK else []
-        return [sys.executable, "-m", "dgt.tools.gloo_train"] + common + hook
     grad = 4 * w.n_params()
     xfer = 2 * (cfg.workers - 1) / cfg.workers * grad * 8 / rate_bits_per_s(rate) \
         if rate else 0.0
-    argv = [sys.executable, "-m", "dgt.cli", "train", "--mode", s.base,
-            "--peer-timeout-s", f"{max(20.0, round(10 * xfer)):g}"] + common
+    dgt_flags = ["--peer-timeout-s", f"{max(20.0, round(10 * xfer)):g}"]
     if rate is not None:   # pace the UDP channels at the line rate, not above it
-        argv += ["--pace-mbit", f"{rate_bits_per_s(rate) / 1e6:g}"]
+        dgt_flags += ["--pace-mbit", f"{rate_bits_per_s(rate) / 1e6:g}"]
+    if s.base in TRAINED_BY_GLOO_TRAIN:
+        hook = ["--ddp-hook", DDP_HOOK[s.base]] if s.base in DDP_HOOK else []
+        if s.base == "dgt-ddp":   # the sidecars take dgt train's transmission flags
+            hook += ["--bucket-cap-mb", f"{cfg.ddp_bucket_cap_mb:g}", "--sidecar-args",
+                     shlex.join(["--mode", "dgt"] + dgt_flags + list(s.flags))]
+        return [sys.executable, "-m", "dgt.tools.gloo_train"] + common + hook
+    argv = [sys.executable, "-m", "dgt.cli", "train", "--mode", s.base] + dgt_flags[:2] + \
+        common + dgt_flags[2:]
     return argv + list(s.flags)
 
 
@@ -466,7 +484,10 @@ def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict]
     comm = t0.get("comm_s") or []
     n = cell["workload"].n_params()
     base = cell["system"].base
-    if base.startswith("gloo"):
+    if base == "dgt-ddp":   # gloo_train's report: the wire's bytes, both directions
+        push = pull = None
+        src = "not split: wire_tx_bytes_per_iteration, a host's tx bytes (push and PULLs)"
+    elif base in TRAINED_BY_GLOO_TRAIN:
         push = rep.get("push_bytes_per_iteration") if rep else None
         pull = rep.get("pull_bytes_per_iteration") if rep else None
         src = "ring model: (N-1)/N of the bytes all-reduced, each direction"
@@ -499,6 +520,7 @@ def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict]
         comm_ms_median=float(np.median(comm)) * 1e3 if comm else None,
         comm_ms_p95=float(np.percentile(comm, 95)) * 1e3 if comm else None,
         push_bytes_per_iteration=push, pull_bytes_per_iteration=pull, bytes_source=src,
+        wire_tx_bytes_per_iteration=(rep or {}).get("wire_tx_bytes_per_iteration"),
         train_seconds=t0.get("train_seconds"),
         param_sha256=shas, replicas_identical=len(shas) == cfg.workers and
         len(set(shas)) == 1,
@@ -645,7 +667,7 @@ def _config_doc(cfg: TtaConfig) -> dict:
 
 def reductions(doc: dict, field: str = "time_to_target_s") -> list[dict]:
     """The paper's table: for each rate, scenario, workload and dgt system (base
-    ``dgt``), the time-to-target reduction against ``tcp`` and each gloo system:
+    ``dgt`` or ``dgt-ddp``), the time-to-target reduction against ``tcp`` and each gloo system:
     ``1 - t_dgt / t_ref`` (None where either did not reach the target or failed).
     ``field``: the cells' time to target to compare (``train_time_to_target_s``:
     evaluation excluded)."""
@@ -654,7 +676,7 @@ def reductions(doc: dict, field: str = "time_to_target_s") -> list[dict]:
            for c in cells}
     rows = []
     for c in cells:
-        if c["base"] != "dgt":
+        if c["base"] not in ("dgt", "dgt-ddp"):
             continue
         k = (c["rate"], c["scenario"], c["workload"])
         row = dict(rate=c["rate"], scenario=c["scenario"], workload=c["workload"],
@@ -870,6 +892,9 @@ def add_arguments(p) -> None:
     g.add_argument("--eval-samples", type=int, default=TtaConfig.eval_samples,
                    help="tta: evaluate on the first this many test samples (0: all)")
     g.add_argument("--batch-size", type=int, default=TtaConfig.batch_size)
+    g.add_argument("--ddp-bucket-cap-mb", type=float, default=TtaConfig.ddp_bucket_cap_mb,
+                   help="tta: the DDP bucket size of system dgt-ddp, MB (above the "
+                        "gradient's size: one bucket, the whole push after backward)")
     g.add_argument("--calibrate", action="store_true",
                    help="tta: only measure compute per iteration per workload and print "
                         "the calibrated rates")
@@ -880,7 +905,7 @@ def check_not_tta(a) -> None:
     d = dict(models=",".join(DEFAULT_MODELS), share=TtaConfig.share,
              comm_ratio=TtaConfig.comm_ratio, max_iterations=TtaConfig.max_iterations,
              eval_samples=TtaConfig.eval_samples, batch_size=TtaConfig.batch_size,
-             calibrate=False)
+             calibrate=False, ddp_bucket_cap_mb=TtaConfig.ddp_bucket_cap_mb)
     for k, v in d.items():
         if getattr(a, k) != v:
             raise BenchError(f"--{k.replace('_', '-')} applies to 'dgt bench tta' only")
@@ -901,7 +926,7 @@ def config_from_args(a) -> TtaConfig:
         profile=a.profile, tcp_congestion=a.tcp_congestion,
         prefix=a.prefix if a.prefix != bench.BenchConfig.prefix
         else d.prefix, out=a.out, loopback=a.loopback, cell_timeout_s=a.cell_timeout_s,
-        keep_runs=a.keep_runs)
+        keep_runs=a.keep_runs, ddp_bucket_cap_mb=a.ddp_bucket_cap_mb)
 
 
 def cmd_tta(a, command: str) -> int:

@@ -31,6 +31,7 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -123,12 +124,14 @@ def ring_bytes_per_iteration(n_params: int, world: int) -> int:
     return int(round(2 * (world - 1) / world * 4 * n_params)) if world > 1 else 0
 
 
-HOOKS = ("none", "fp16", "powersgd")
+HOOKS = ("none", "fp16", "powersgd", "dgt")
 #: PowerSGD settings: those of the example in PyTorch's powerSGD_hook docstring
 #: (rank-1 approximation, vanilla all-reduce for the first 10 iterations).
 POWERSGD_RANK = 1
 POWERSGD_START_ITER = 10
 POWERSGD_MIN_COMPRESSION_RATE = 0.5
+#: DDP's own default bucket size, MB
+DDP_BUCKET_CAP_MB = 25.0
 
 
 class DDPHook:
@@ -143,9 +146,16 @@ class DDPHook:
     :func:`dgt.job.train` runs forward through, so the averaging happens during
     ``backward()`` and ``push_pull`` only records the iteration.
 
+    ``"dgt"`` is dgt's own hook (:func:`dgt.ddp.dgt_hook`): each bucket's blocks are pushed
+    to the sidecars as DDP hands the bucket over, while backward goes on, and each
+    bucket's future resolves to its slice of the PULLed aggregate (docs/ddp.md). The
+    rank's sidecar is started by :class:`dgt.ddp.DgtState` with ``sidecar_args``
+    (``dgt sidecar`` flags); the process group then only rendezvouses and broadcasts the
+    initial parameters. Its bytes are measured on the wire (``iface``), not counted.
+
     torch 2.13's ``powerSGD_hook`` deadlocks on gloo once DDP has two or more buckets,
-    so PowerSGD gets ONE bucket (``bucket_cap_mb`` above the gradient's size); fp16 and
-    none keep DDP's default 25 MB buckets.
+    so PowerSGD gets ONE bucket (``bucket_cap_mb`` above the gradient's size); the others
+    take ``bucket_cap_mb`` (default: DDP's 25 MB).
 
     Per iteration it records ``spans_s`` (seconds from the first bucket handed to the
     hook to the last bucket's result: the communication, which overlaps the rest of
@@ -158,11 +168,15 @@ class DDPHook:
     last_k = None
 
     def __init__(self, rank: int, world: int, hook: str = "none", timeout_s: float = 60.0,
-                 iface: str | None = None):
+                 iface: str | None = None, bucket_cap_mb: float | None = None,
+                 sidecar_args: list[str] | tuple[str, ...] = ()):
         if hook not in HOOKS:
             raise ValueError(f"hook must be one of {', '.join(HOOKS)}, got {hook!r}")
         self.rank, self.world, self.hook, self.timeout_s = rank, world, hook, timeout_s
         self.iface = iface
+        self.bucket_cap_mb = DDP_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        self.sidecar_args = list(sidecar_args)
+        self.dgt_state = None
         self.tx0 = self.tx1 = None
         self.spans_s: list[float] = []
         self.allreduced_bytes: list[int] = []
@@ -185,10 +199,17 @@ class DDPHook:
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         from torch.nn.parallel import DistributedDataParallel as DDP
-        cap_mb = 25.0
+        cap_mb = self.bucket_cap_mb
         if self.hook == "powersgd":   # one bucket: see the class docstring
             cap_mb = 4 * self.n_params / 2 ** 20 + 1
         ddp = DDP(model, bucket_cap_mb=cap_mb)
+        if self.hook == "dgt":
+            from dgt.ddp import DgtState, dgt_hook
+            # the sidecar's rank, world and rendezvous as torchrun would give them
+            os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world))
+            self.dgt_state = DgtState(sidecar_args=self.sidecar_args)
+            ddp.register_comm_hook(self.dgt_state, self._timed(dgt_hook))
+            return ddp
         if self.hook == "none":
             state, inner = dist.group.WORLD, default_hooks.allreduce_hook
         elif self.hook == "fp16":
@@ -235,13 +256,16 @@ class DDPHook:
         self._bytes = 0
 
     def close(self) -> None:
-        """Count tx bytes, then wait for every rank. The process group is not destroyed:
+        """Count tx bytes, then wait for every rank, then stop dgt's sidecar (hook
+        ``dgt``: no rank still waits for a PULL then). The process group is not destroyed:
         with a DDP module alive, ``destroy_process_group`` hung on one rank of two
         (torch 2.13, gloo) after the other had returned; the rank exits right after."""
         import torch.distributed as dist
         self.tx1 = _tx_bytes(self.iface) if self.iface else None
         if dist.is_initialized():
             dist.barrier()
+        if self.dgt_state is not None:   # every rank has its last PULL: the sidecars stop
+            self.dgt_state.close()
 
 
 # ---------------------------------------------------------------------------- one rank
@@ -251,11 +275,13 @@ def rank_main(ns: argparse.Namespace) -> int:
     from dgt.job import train
     torch.set_num_threads(1)
     hook = getattr(ns, "ddp_hook", None)
+    from dgt.errors import PeerFailure
     comm = (GlooAllReduce(ns.rank, ns.world, ns.timeout_s, ns.iface) if not hook else
-            DDPHook(ns.rank, ns.world, hook, ns.timeout_s, ns.iface))
+            DDPHook(ns.rank, ns.world, hook, ns.timeout_s, ns.iface, ns.bucket_cap_mb,
+                    shlex.split(ns.sidecar_args or "")))
     try:
         result = train(ns, comm=comm)
-    except RuntimeError as e:
+    except (RuntimeError, PeerFailure) as e:
         print(f"gloo trainer {ns.rank}: job failed: {str(e).splitlines()[0]}",
               file=sys.stderr, flush=True)
         return 3
@@ -264,7 +290,8 @@ def rank_main(ns: argparse.Namespace) -> int:
         result["comm_s"] = comm.spans_s
         result["compute_s"] = [max(0.0, c - s) for c, s in
                                zip(result["compute_s"], comm.spans_s)]
-        result["allreduced_bytes"] = comm.allreduced_bytes
+        # dgt's hook all-reduces nothing: its bytes are the wire's (tx_bytes)
+        result["allreduced_bytes"] = comm.allreduced_bytes if hook != "dgt" else []
     else:
         result["allreduced_bytes"] = [4 * comm.n_params] * len(result["comm_s"])
     result["tx_bytes"] = (comm.tx1 - comm.tx0) if None not in (comm.tx0, comm.tx1) else None
@@ -294,7 +321,9 @@ class GlooJob:
     data_dir: str = JobConfig.data_dir
     eval_samples: int = JobConfig.eval_samples
     stop_at_target: bool = False
-    ddp_hook: str = ""   # "": one flat all_reduce; none|fp16|powersgd: DDP with that hook
+    ddp_hook: str = ""   # "": one flat all_reduce; none|fp16|powersgd|dgt: DDP with that hook
+    bucket_cap_mb: float | None = None   # DDP's buckets (None: DDP's 25 MB)
+    sidecar_args: str = ""   # ddp_hook dgt: the sidecars' flags (one shell-quoted string)
     testbed: bool = False
     testbed_prefix: str = JobConfig.testbed_prefix
     timeout_s: float = 60.0
@@ -337,6 +366,9 @@ def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
         master_port = free_port()
     env = dict(os.environ, MASTER_ADDR=hosts[0][0], MASTER_PORT=str(master_port),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=hosts[0][2])
+    if job.ddp_hook == "dgt":   # the sidecars' files beside the trainers', one job id
+        env.update(DGT_RUN_DIR=run_dir,
+                   TORCHELASTIC_RUN_ID=f"gloo-train-{os.getpid()}-{master_port}")
     log(f"gloo_train: {n} workers, gloo "
         f"{'DDP, hook ' + job.ddp_hook if job.ddp_hook else 'all_reduce'}, model "
         f"{job.model}, "
@@ -357,6 +389,10 @@ def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
             argv.append("--stop-at-target")
         if job.ddp_hook:
             argv += ["--ddp-hook", job.ddp_hook]
+        if job.bucket_cap_mb is not None:
+            argv += ["--bucket-cap-mb", str(job.bucket_cap_mb)]
+        if job.sidecar_args:
+            argv += ["--sidecar-args", job.sidecar_args]
         if hosts[r][2] != "lo":
             argv += ["--iface", hosts[r][2]]
         logf = open(os.path.join(run_dir, f"trainer-{r}.log"), "wb")
@@ -413,6 +449,7 @@ def build_report(run_dir: str, job: GlooJob, wall_s: float) -> dict:
     # all-gather as much again (the pull)
     share = (job.workers - 1) / job.workers
     allreduced = t0.get("allreduced_bytes") or []
+    dgt_hook = job.ddp_hook == "dgt"   # nothing all-reduced: the wire's bytes only
     compute = t0.get("compute_s") or []
     return {
         "mode": MODE if not job.ddp_hook else f"{MODE}-ddp-{job.ddp_hook}",
@@ -420,7 +457,8 @@ def build_report(run_dir: str, job: GlooJob, wall_s: float) -> dict:
         "compute_ms_median": float(np.median(compute)) * 1e3 if compute else None,
         "push_bytes_per_iteration": share * float(np.mean(allreduced)) if allreduced else None,
         "pull_bytes_per_iteration": share * float(np.mean(allreduced)) if allreduced else None,
-        "bytes_source": "ring model: (N-1)/N of the bytes all-reduced, each direction",
+        "bytes_source": ("the wire: tx bytes of each host's interface" if dgt_hook else
+                         "ring model: (N-1)/N of the bytes all-reduced, each direction"),
         "workers": job.workers,
         "iterations": iters,
         "final_test_accuracy": t0["final_test_accuracy"],
@@ -437,7 +475,8 @@ def build_report(run_dir: str, job: GlooJob, wall_s: float) -> dict:
         "param_sha256": shas,
         "n_params": t0["n_params"],
         "gradient_bytes": 4 * t0["n_params"],
-        "bytes_per_iteration": (2 * share * float(np.mean(allreduced)) if allreduced else
+        "bytes_per_iteration": (wire if dgt_hook else
+                                2 * share * float(np.mean(allreduced)) if allreduced else
                                 ring_bytes_per_iteration(t0["n_params"], job.workers)),
         "wire_tx_bytes_per_iteration": wire,
         "channels": {},
@@ -451,9 +490,13 @@ def print_summary(r: dict, log=print) -> None:
     its own traffic model."""
     summary_head(r, log)
     summary_comm(r, log)
-    summary_row("MB/iteration/node", f"{r['bytes_per_iteration'] / 1e6:.2f} (ring model)"
-                + (f", {r['wire_tx_bytes_per_iteration'] / 1e6:.2f} on the wire"
-                   if r["wire_tx_bytes_per_iteration"] else ""), log)
+    wire = r["wire_tx_bytes_per_iteration"]
+    if r["mode"].endswith("-dgt"):   # nothing all-reduced: only the wire tells
+        summary_row("MB/iteration/node", f"{wire / 1e6:.2f} on the wire" if wire else
+                    "not counted (loopback: one interface for every rank)", log)
+    else:
+        summary_row("MB/iteration/node", f"{r['bytes_per_iteration'] / 1e6:.2f} (ring "
+                    f"model)" + (f", {wire / 1e6:.2f} on the wire" if wire else ""), log)
     summary_row("replicas identical", r["replicas_identical"], log)
 
 
@@ -476,12 +519,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ddp-hook", choices=HOOKS, default=None,
                    help="DDP over gloo with this comm hook instead of one flat all_reduce: "
                         "none (DDP's all-reduce), fp16 (fp16_compress_hook), powersgd "
-                        "(powerSGD_hook, rank 1, from iteration 10, one bucket)")
+                        "(powerSGD_hook, rank 1, from iteration 10, one bucket), dgt "
+                        "(dgt.ddp.dgt_hook: each bucket pushed to a dgt sidecar per rank "
+                        "during backward)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="with --ddp-hook: DDP's bucket size in MB (default DDP's 25; "
+                        "PowerSGD always gets one bucket)")
+    p.add_argument("--sidecar-args", default="",
+                   help="with --ddp-hook dgt: the sidecars' flags, one quoted string "
+                        "(e.g. '--mode dgt --pace-mbit 1000')")
     p.add_argument("--report", default="", help="write the JSON report here")
     p.add_argument("--run-dir", default="", help="keep logs and per-rank results here")
     from dgt.job import add_loop_arguments
     add_loop_arguments(p)
     ns = p.parse_args(argv)
+    if ns.bucket_cap_mb is not None and not (ns.ddp_hook and 0 < ns.bucket_cap_mb < 1e6):
+        p.error(f"--bucket-cap-mb {ns.bucket_cap_mb:g}: give a size > 0 MB, with --ddp-hook")
+    if ns.sidecar_args and ns.ddp_hook != "dgt":
+        p.error("--sidecar-args goes with --ddp-hook dgt")
+    try:
+        shlex.split(ns.sidecar_args)
+    except ValueError as e:
+        p.error(f"--sidecar-args {ns.sidecar_args!r}: {e}")
     if ns.rank is not None:
         if ns.world is None or not ns.result:
             p.error("--rank needs --world and --result")
@@ -502,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                   target_accuracy=ns.target_accuracy, model=ns.model, width=ns.width,
                   dataset=ns.dataset, data_dir=ns.data_dir, eval_samples=ns.eval_samples,
                   stop_at_target=ns.stop_at_target, ddp_hook=ns.ddp_hook or "",
+                  bucket_cap_mb=ns.bucket_cap_mb, sidecar_args=ns.sidecar_args,
                   testbed=ns.testbed,
                   testbed_prefix=ns.testbed_prefix,
                   timeout_s=ns.timeout_s, run_dir=ns.run_dir)

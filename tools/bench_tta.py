@@ -387,18 +387,17 @@ def cell_argv(cfg: TtaConfig, cell: dict, report: str, run_dir: str,
     grad = 4 * w.n_params()
     xfer = 2 * (cfg.workers - 1) / cfg.workers * grad * 8 / rate_bits_per_s(rate) \
         if rate else 0.0
-    dgt_flags = ["--peer-timeout-s", f"{max(20.0, round(10 * xfer)):g}"]
-    if rate is not None:   # pace the UDP channels at the line rate, not above it
-        dgt_flags += ["--pace-mbit", f"{rate_bits_per_s(rate) / 1e6:g}"]
+    timeout = ["--peer-timeout-s", f"{max(20.0, round(10 * xfer)):g}"]
+    # pace the UDP channels at the line rate, not above it
+    pace = ["--pace-mbit", f"{rate_bits_per_s(rate) / 1e6:g}"] if rate is not None else []
     if s.base in TRAINED_BY_GLOO_TRAIN:
         hook = ["--ddp-hook", DDP_HOOK[s.base]] if s.base in DDP_HOOK else []
-        if s.base == "dgt-ddp":   # the sidecars take dgt train's transmission flags
+        if s.base == "dgt-ddp":   # the sidecars take what a dgt cell gives dgt train
             hook += ["--bucket-cap-mb", f"{cfg.ddp_bucket_cap_mb:g}", "--sidecar-args",
-                     shlex.join(["--mode", "dgt"] + dgt_flags + list(s.flags))]
+                     shlex.join(["--mode", "dgt"] + timeout + pace + list(s.flags))]
         return [sys.executable, "-m", "dgt.tools.gloo_train"] + common + hook
-    argv = [sys.executable, "-m", "dgt.cli", "train", "--mode", s.base] + dgt_flags[:2] + \
-        common + dgt_flags[2:]
-    return argv + list(s.flags)
+    return [sys.executable, "-m", "dgt.cli", "train", "--mode", s.base] + timeout + \
+        common + pace + list(s.flags)
 
 
 def _command(argv: list[str]) -> str:

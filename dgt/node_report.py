@@ -29,6 +29,7 @@ def write_node_results(sc) -> None:
     too."""
     socks = sc.sockets
     udp_senders = socks.senders.values()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
     report = {
         "rank": sc.rank, "host": sc.node.host, "tcp_port": socks.tcp_port,
         "udp_ports": socks.udp_ports, "session": f"{sc.session_id:016x}",
@@ -61,12 +62,13 @@ def write_node_results(sc) -> None:
         "k_mean": float(np.mean(sc.agent.k_history)) if sc.agent and
         sc.agent.k_history else None,
         **sc.counters.to_dict(sc.cfg.channels),
-        # this process's CPU time so far, user + system (getrusage(2)), seconds; and the
-        # system part alone (the kernel on our behalf: syscalls, page faults)
-        "cpu_s": cpu_seconds(),
-        "cpu_sys_s": resource.getrusage(resource.RUSAGE_SELF).ru_stime,
-        # its peak resident memory (getrusage(2) ru_maxrss), bytes
-        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # this process's CPU time so far (getrusage(2), every thread), user + system,
+        # seconds; and the system part alone (the kernel on our behalf: syscalls, page
+        # faults)
+        "cpu_s": ru.ru_utime + ru.ru_stime,
+        "cpu_sys_s": ru.ru_stime,
+        # its peak resident memory (ru_maxrss), bytes
+        "max_rss_bytes": ru.ru_maxrss * 1024,
         # numpy advises huge pages for its arrays (dgt.hugepages: off unless asked)
         "numpy_huge_page_advice": numpy_huge_page_advice(),
         # who codes int8 blocks: the C helper (dgt/_int8codec.c) or torch's kernels
@@ -131,10 +133,3 @@ def pull_blocks_coded(sc) -> int:
 def blocks_cut_by_budget(sc) -> int:
     """Remote blocks ``sc``'s worker did not send for the time budget (--time-budget-ms)."""
     return sc.agent.meter.cut_total if sc.agent and sc.agent.meter else 0
-
-
-def cpu_seconds() -> float:
-    """User + system CPU seconds this process has used (getrusage(2), RUSAGE_SELF: every
-    thread of it)."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime

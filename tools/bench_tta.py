@@ -483,13 +483,11 @@ def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict]
     comm = t0.get("comm_s") or []
     n = cell["workload"].n_params()
     base = cell["system"].base
-    if base == "dgt-ddp":   # gloo_train's report: the wire's bytes, both directions
-        push = pull = None
-        src = "not split: wire_tx_bytes_per_iteration, a host's tx bytes (push and PULLs)"
-    elif base in TRAINED_BY_GLOO_TRAIN:
+    if base in TRAINED_BY_GLOO_TRAIN:   # gloo_train's own accounting (dgt-ddp: the wire)
         push = rep.get("push_bytes_per_iteration") if rep else None
         pull = rep.get("pull_bytes_per_iteration") if rep else None
-        src = "ring model: (N-1)/N of the bytes all-reduced, each direction"
+        src = (rep or {}).get("bytes_source",
+                              "ring model: (N-1)/N of the bytes all-reduced, each direction")
     else:
         chans = (rep or {}).get("channels") or {}
         push = sum(v["bytes_sent"] for v in chans.values()) / cfg.workers / iters \

@@ -251,7 +251,8 @@ class DDPHook:
         """Record the iteration's comm span and bytes (DDP averaged during backward)."""
         first, last = self._first, self._last
         self.spans_s.append(last - first if first is not None and last is not None else 0.0)
-        self.allreduced_bytes.append(self._bytes)
+        if self.hook != "dgt":   # dgt's hook all-reduces nothing: the wire's bytes count
+            self.allreduced_bytes.append(self._bytes)
         self._first = self._last = None
         self._bytes = 0
 
@@ -290,8 +291,7 @@ def rank_main(ns: argparse.Namespace) -> int:
         result["comm_s"] = comm.spans_s
         result["compute_s"] = [max(0.0, c - s) for c, s in
                                zip(result["compute_s"], comm.spans_s)]
-        # dgt's hook all-reduces nothing: its bytes are the wire's (tx_bytes)
-        result["allreduced_bytes"] = comm.allreduced_bytes if hook != "dgt" else []
+        result["allreduced_bytes"] = comm.allreduced_bytes
     else:
         result["allreduced_bytes"] = [4 * comm.n_params] * len(result["comm_s"])
     result["tx_bytes"] = (comm.tx1 - comm.tx0) if None not in (comm.tx0, comm.tx1) else None
@@ -457,7 +457,8 @@ def build_report(run_dir: str, job: GlooJob, wall_s: float) -> dict:
         "compute_ms_median": float(np.median(compute)) * 1e3 if compute else None,
         "push_bytes_per_iteration": share * float(np.mean(allreduced)) if allreduced else None,
         "pull_bytes_per_iteration": share * float(np.mean(allreduced)) if allreduced else None,
-        "bytes_source": ("the wire: tx bytes of each host's interface" if dgt_hook else
+        "bytes_source": ("the wire: wire_tx_bytes_per_iteration, each host's tx bytes "
+                         "(push and PULLs, not split)" if dgt_hook else
                          "ring model: (N-1)/N of the bytes all-reduced, each direction"),
         "workers": job.workers,
         "iterations": iters,
@@ -491,7 +492,7 @@ def print_summary(r: dict, log=print) -> None:
     summary_head(r, log)
     summary_comm(r, log)
     wire = r["wire_tx_bytes_per_iteration"]
-    if r["mode"].endswith("-dgt"):   # nothing all-reduced: only the wire tells
+    if r["push_bytes_per_iteration"] is None:   # nothing all-reduced: the wire tells
         summary_row("MB/iteration/node", f"{wire / 1e6:.2f} on the wire" if wire else
                     "not counted (loopback: one interface for every rank)", log)
     else:

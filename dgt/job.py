@@ -157,6 +157,9 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     t_start = time.monotonic()
     comm_s: list[float] = []
     compute_s: list[float] = []   # per iteration: batch, forward and backward (seconds)
+    # per iteration: this process's CPU (all its threads, user + system, seconds) from
+    # the batch to the optimiser step done (evaluations not included)
+    cpu_s: list[float] = []
     comm_at: list[tuple[float, float]] = []   # (push, pull) on CLOCK_MONOTONIC: host-wide
     stepped_at: list[float] = []
     history = []
@@ -247,7 +250,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
                 break
             if epoch == first_epoch and i < skip:   # done before the checkpoint
                 continue
-            t_batch = time.monotonic()
+            t_batch, cpu_batch = time.monotonic(), time.process_time()
             idx = idx.to(device)
             xb = xtr[idx]
             if aug is not None:
@@ -288,6 +291,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
                     comm_at.append((t0, t1))
                     rounds += 1
                     round_losses = []
+            cpu_s.append(time.process_time() - cpu_batch)
             losses.append(loss_value)
             step += 1
             if eval_every and synced and not last and step // eval_every > \
@@ -317,7 +321,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     return {"rank": ns.rank, "iterations": step, "rounds": rounds,
             "final_test_accuracy": history[-1]["test_accuracy"],
             "history": history, "param_sha256": param_sha256(model), "comm_s": comm_s,
-            "compute_s": compute_s,
+            "compute_s": compute_s, "cpu_s": cpu_s,
             # CLOCK_MONOTONIC when each BSP iteration's optimiser step had finished
             # (dgt.tools.bench_pipeline: push to step done)
             "stepped_at": stepped_at,

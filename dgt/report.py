@@ -9,7 +9,7 @@ from dataclasses import asdict
 import numpy as np
 
 from . import records
-from .trace import comm_times_ms, read_trace, trace_path
+from .trace import comm_times_ms, cpu_ms, read_run, read_trace, trace_path
 from .transport.counters import merge
 
 
@@ -44,6 +44,24 @@ def comm_ms(run_dir: str, trainers: list[dict]) -> np.ndarray:
         if ms and (not trainers or len(ms) == trainers[0]["iterations"]):
             return np.array(ms)
     return np.array(trainers[0]["comm_s"]) * 1e3 if trainers else np.zeros(1)
+
+
+def cpu_per_iteration(run_dir: str, trainers: list[dict]) -> dict:
+    """CPU per iteration of one node's processes, ms, medians over every rank and
+    iteration but each one's first (start-up): ``trainer_ms`` (the trainer process from
+    batch to optimiser step, every thread: a gloo baseline's all-reduce threads too;
+    trainer records' ``cpu_s``), ``sidecar_ms`` and ``sidecar_sys_ms`` (its system part;
+    the sidecars' trace lines, dgt.trace), each None when no record has it; and
+    ``cores``, the CPUs this process may run on (the node's processes share them when
+    the job runs on one host: dgt train, the testbed)."""
+    def med(xs):
+        return float(np.median(xs)) if xs else None
+    runs = read_run(run_dir)
+    return {"trainer_ms": med([1e3 * c for t in trainers for c in (t.get("cpu_s") or [])[1:]]),
+            "sidecar_ms": med([x for lines in runs.values() for x in cpu_ms(lines)]),
+            "sidecar_sys_ms": med([x for lines in runs.values()
+                                   for x in cpu_ms(lines, "cpu_sys_s")]),
+            "cores": len(os.sched_getaffinity(0))}
 
 
 def _used(sidecars: list[dict], field: str, default: str) -> str:
@@ -121,6 +139,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "deadline_drained_reads": sum(s.get("deadline_drained_reads", 0) for s in sidecars),
         # CPU ms a sidecar used per push, mean over the sidecars (start-up included)
         "sidecar_cpu_ms_per_push": sidecar_cpu_ms_per_push(sidecars),
+        "cpu_per_iteration": cpu_per_iteration(run_dir, trainers),
         "conservation_rel_error": conservation_error(run_dir),
         "history": trainers[0]["history"] if trainers else [],
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
@@ -229,6 +248,11 @@ def print_summary(r: dict, log=print) -> None:
         log(f"{'MB pulled per ' + per:<22}{r['pull_bytes_per_round'] / 1e6:.2f} (all "
             f"nodes; {r['pull_bytes_per_round'] / 1e6 / r['workers']:.2f} per node)")
     summary_comm(r, log)
+    cpu = r.get("cpu_per_iteration") or {}
+    if cpu.get("trainer_ms") is not None and cpu.get("sidecar_ms") is not None:
+        log(f"{'CPU ms per iteration':<22}trainer {cpu['trainer_ms']:.1f}, sidecar "
+            f"{cpu['sidecar_ms']:.1f} (system {cpu['sidecar_sys_ms']:.1f}); medians per "
+            f"node, {cpu['cores']} cores here")
     log(f"{'replicas identical':<22}{r['replicas_identical']}  ({r['param_sha256'][0][:16]}…)")
     if r["conservation_rel_error"] is not None:
         log(f"{'conservation error':<22}{r['conservation_rel_error']:.2e}")

@@ -13,6 +13,9 @@ Each line (``"kind": "iteration"``) holds, for iteration ``t`` of this node's wo
 - ``comm_s``: the communication time, ``apply - push_start`` on CLOCK_MONOTONIC (host-
   wide: the trainer and its sidecar share it, also in testbed namespaces);
 - ``pull_wait_s``: from END sent to the last PULL;
+- ``cpu_s``, ``cpu_sys_s``: the CPU seconds this sidecar process used (all its threads;
+  user + system, and the system part; getrusage(2)) since its previous line (the first
+  line: since the sidecar started its trace, registration included);
 - ``k``: the reliable fraction used; ``lost``: this worker's blocks that did not reach
   their shard (from the PULL bitmaps; blocks mode topk never sent are not lost);
 - with ``--time-budget-ms`` (dgt.push_meter): ``budget_cut``, the remote blocks this
@@ -37,6 +40,7 @@ import glob
 import json
 import logging
 import os
+import resource
 import time
 
 from .metrics import TimeHistogram
@@ -70,6 +74,7 @@ class Trace:
         self.lost_total = 0
         self.t = None
         self.start_mono = self.start_wall = 0.0
+        self.cpu_prev = resource.getrusage(resource.RUSAGE_SELF)
 
     def _snapshot(self) -> dict:
         ctr = self.counters
@@ -109,6 +114,8 @@ class Trace:
         end_s = marks.get("end_s")
         pull_wait = max(pulls.values()) - end_s if pulls and end_s is not None else 0.0
         d = self._deltas()
+        cpu, prev = resource.getrusage(resource.RUSAGE_SELF), self.cpu_prev
+        self.cpu_prev = cpu
         lost = max(0, agent.not_arrived - d["blocks_unsent"])
         self.lost_total += lost
         self.last_iteration = self.t
@@ -120,6 +127,8 @@ class Trace:
                 "reliable_sent_s": marks.get("reliable_sent_s"), "end_s": end_s,
                 "pull_s": {str(s): v for s, v in sorted(pulls.items())},
                 "apply_s": wall, "comm_s": comm_s, "pull_wait_s": pull_wait,
+                "cpu_s": cpu.ru_utime + cpu.ru_stime - prev.ru_utime - prev.ru_stime,
+                "cpu_sys_s": cpu.ru_stime - prev.ru_stime,
                 "k": k, "lost": lost, **d}
         if agent.meter is not None:   # --time-budget-ms: what it cut, what it measured
             line.update(agent.meter.last)
@@ -230,6 +239,13 @@ def iterations(lines: list[dict]) -> list[dict]:
 def comm_times_ms(lines: list[dict]) -> list[float]:
     """Comm time per iteration in ms (the report's ``comm_ms_median``/``p95`` source)."""
     return [ln["comm_s"] * 1e3 for ln in iterations(lines)]
+
+
+def cpu_ms(lines: list[dict], field: str = "cpu_s") -> list[float]:
+    """A sidecar's CPU per iteration in ms (``field``: ``cpu_s`` or ``cpu_sys_s``),
+    without the first line (which holds the start-up); lines from before the field was
+    written are left out."""
+    return [ln[field] * 1e3 for ln in iterations(lines)[1:] if _number(ln.get(field))]
 
 
 def channel_totals(lines: list[dict]) -> dict[str, dict[str, int]]:

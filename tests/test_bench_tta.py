@@ -103,12 +103,24 @@ def test_tta_loopback_cell_end_to_end(tmp_path):
             # 0.5 = 0.31 of the fp32 gradient's bytes even with int8 PULLs
             assert c["pull_bytes_per_iteration"] > 0.3 * c["gradient_bytes"]
         assert c["compute_ms_median"] > 0 and c["comm_ms_median"] > 0
+        # CPU per iteration: trainers' and (dgt) sidecars', the job's over the cores
+        u = c["cpu"]
+        assert u["trainer_ms"] > 0 and u["iteration_ms"] > 0
+        if c["system"] == "dgt":
+            assert u["sidecar_ms"] > 0 and 0 <= u["sidecar_sys_ms"] <= u["sidecar_ms"]
+        else:   # gloo's all-reduce runs in the trainer: no sidecar
+            assert u["sidecar_ms"] is None
+        assert u["job_ms"] == pytest.approx(2 * (u["trainer_ms"] + (u["sidecar_ms"] or 0)))
+        assert u["floor_ms"] == pytest.approx(u["job_ms"] / u["cores"])
         assert c["history"] and c["history"][-1]["test_accuracy"] >= 0.3
         assert "RUN_DIR" in c["command"]
     md = (out / "tta.md").read_text()
     assert doc["command"] in md and "training-time reduction" in md
     assert "evaluation time excluded" in md
     assert "| loopback | loopback | mlp:64 | dgt |" in md
+    cpu_rows = [ln for ln in md.split("CPU per iteration, ms", 1)[1].split("\n\n")[1]
+                .splitlines() if ln.startswith("| loopback | loopback | mlp:64 |")]
+    assert len(cpu_rows) == 2 and "| gloo" in cpu_rows[0] and " | – | " in cpu_rows[0]
     assert (out / "tta_accuracy.png").stat().st_size > 0
 
 

@@ -34,6 +34,20 @@ def test_default_job_reaches_target_accuracy(train, tmp_path):
     assert [s["numpy_huge_page_advice"] for s in r["sidecars"]] == [False] * 4
     assert all(s["max_rss_bytes"] > 0 for s in r["sidecars"])
     assert 0 < r["register_seconds"] < r["train_seconds"]
+    # CPU per iteration: each trainer's (batch to optimiser step) and each sidecar's
+    # trace line (since its previous line), their medians in the report and summary
+    run = tmp_path / "run"
+    for rank in range(4):
+        t = json.loads((run / f"trainer-{rank}.json").read_text())
+        assert len(t["cpu_s"]) == t["iterations"] and all(c > 0 for c in t["cpu_s"])
+        lines = [json.loads(x) for x in (run / f"trace-{rank}.jsonl").read_text().splitlines()]
+        its = [x for x in lines if x["kind"] == "iteration"]
+        assert len(its) == r["iterations"]
+        assert all(0 <= x["cpu_sys_s"] <= x["cpu_s"] and x["cpu_s"] > 0 for x in its), its
+    u = r["cpu_per_iteration"]
+    assert u["trainer_ms"] > 0 and 0 <= u["sidecar_sys_ms"] <= u["sidecar_ms"]
+    assert u["sidecar_ms"] > 0 and u["cores"] >= 1
+    assert "CPU ms per iteration" in p.stdout
 
 
 def test_differential_transmission_is_visible(train):

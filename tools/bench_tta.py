@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dgt.tools import bench
+from dgt.report import cpu_per_iteration
 from dgt.tools.bench import BenchError, _csv, _fmt, _load_avg, rate_bits_per_s
 
 BASES = ("gloo", "gloo-fp16", "gloo-powersgd", "tcp", "dgt", "dgt-ddp")
@@ -459,7 +460,7 @@ def run_cell(cfg: TtaConfig, cell: dict, tb, work_dir: str) -> dict:
             row["shutdown_failure"], row["error"] = row["error"], None
         else:
             return row
-    row.update(summarise(cfg, cell, rep, trainers))
+    row.update(summarise(cfg, cell, rep, trainers, run_dir))
     if not cfg.keep_runs and not row.get("shutdown_failure"):
         shutil.rmtree(run_dir, ignore_errors=True)
     return row
@@ -474,7 +475,8 @@ def queue_drops_since(before: dict, after: dict) -> dict[str, dict[str, int]]:
             for side, bands in after.items()}
 
 
-def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict]) -> dict:
+def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict],
+              run_dir: str) -> dict:
     """A cell's numbers from its report (None: from the trainers' own records) and the
     per-rank results."""
     t0 = trainers[0] if trainers else {}
@@ -516,6 +518,7 @@ def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict]
         compute_ms_median=float(np.median(compute)) * 1e3 if compute else None,
         comm_ms_median=float(np.median(comm)) * 1e3 if comm else None,
         comm_ms_p95=float(np.percentile(comm, 95)) * 1e3 if comm else None,
+        cpu=cpu_budget(cfg.workers, cpu_per_iteration(run_dir, trainers), compute, comm),
         push_bytes_per_iteration=push, pull_bytes_per_iteration=pull, bytes_source=src,
         wire_tx_bytes_per_iteration=(rep or {}).get("wire_tx_bytes_per_iteration"),
         train_seconds=t0.get("train_seconds"),
@@ -525,6 +528,19 @@ def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict]
         history=[{k: h[k] for k in ("iteration", "seconds", "eval_seconds",
                                     "test_accuracy", "loss") if k in h}
                  for h in t0.get("history", [])])
+
+
+def cpu_budget(workers: int, cpu: dict, compute: list[float], comm: list[float]) -> dict:
+    """``cpu`` (dgt.report.cpu_per_iteration) with what it means on this host: the job's
+    CPU per iteration (``workers`` x (trainer + sidecar), ms) over the cores
+    (``floor_ms``: no iteration can be shorter while the job has the host to itself)
+    next to the trainer's median compute + comm (``iteration_ms``, rank 0). When the
+    floor is near the iteration, the host's CPU sets the pace, not the network."""
+    side = cpu["sidecar_ms"] or 0.0
+    job = workers * (cpu["trainer_ms"] + side) if cpu["trainer_ms"] is not None else None
+    it = [a + b for a, b in zip(compute, comm)]
+    return dict(cpu, job_ms=job, floor_ms=job / cpu["cores"] if job is not None else None,
+                iteration_ms=float(np.median(it)) * 1e3 if it else None)
 
 
 # --------------------------------------------------------------------------- calibration
@@ -787,6 +803,7 @@ def markdown(doc: dict) -> str:
             f"{_fmt(c['pull_bytes_per_iteration'] and c['pull_bytes_per_iteration'] / 1e3)} | "
             f"{'identical' if c['replicas_identical'] else 'DIFFER'} | {c.get('load_before')} |"
             + (" †" if c.get("shutdown_failure") else ""))
+    lines += _cpu_table(doc["cells"])
     drops = [c for c in doc["cells"] if c.get("queue_drops") is not None]
     if drops:
         lines += ["", "Queue drops: packets the bands' queues dropped during each cell "
@@ -806,6 +823,32 @@ def markdown(doc: dict) -> str:
     lines += ["", "Plot: `tta_accuracy.png` (test accuracy against training seconds, a "
               "panel per rate, scenario and workload). Raw numbers: `tta.json`.", ""]
     return "\n".join(lines)
+
+
+def _cpu_table(cells: list[dict]) -> list[str]:
+    """The cells' CPU per iteration (:func:`cpu_budget`) as markdown lines; none when no
+    cell has it (a run from before it was recorded)."""
+    rows = [c for c in cells if (c.get("cpu") or {}).get("job_ms") is not None]
+    if not rows:
+        return []
+    cores = sorted({c["cpu"]["cores"] for c in rows})
+    out = ["", "CPU per iteration, ms (medians over ranks and iterations, each rank's "
+           "first left out): trainer = one trainer process from batch to optimiser step "
+           "(every thread: a gloo baseline's all-reduce too); sidecar = one dgt sidecar "
+           "(its system part in brackets); job = workers x (trainer + sidecar); floor = "
+           f"job / cores ({'/'.join(map(str, cores))} here), the shortest iteration this "
+           "host's CPU allows the job; iteration = trainer rank 0's compute + comm. Where "
+           "the floor is near the iteration, the CPU sets the pace, not the network.", "",
+           "| rate | scenario | workload | system | trainer | sidecar (system) | job | "
+           "floor | iteration |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in rows:
+        u = c["cpu"]
+        side = "–" if u["sidecar_ms"] is None else \
+            f"{u['sidecar_ms']:.1f} ({_fmt(u['sidecar_sys_ms'])})"
+        out.append(f"| {c['rate'] or 'loopback'} | {c['scenario']} | {c['workload']} | "
+                   f"{c['label']} | {u['trainer_ms']:.1f} | {side} | {u['job_ms']:.1f} | "
+                   f"{u['floor_ms']:.1f} | {_fmt(u['iteration_ms'])} |")
+    return out
 
 
 def _drops_text(bands: dict[str, int]) -> str:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 import numpy as np
 
 from . import records
-from .trace import comm_times_ms, cpu_ms, read_run, read_trace, trace_path
+from .trace import comm_times_ms, cpu_ms, read_run
 from .transport.counters import merge
 
 
@@ -34,32 +34,29 @@ def conservation_error(run_dir: str) -> float | None:
     return float(np.linalg.norm(applied + residual - raw) / denom)
 
 
-def comm_ms(run_dir: str, trainers: list[dict]) -> np.ndarray:
-    """Comm time per iteration (ms): rank 0's per-iteration trace (``dgt.trace``: the
-    trainer's push_pull call to the aggregate applied, measured by its sidecar), else
-    rank 0 trainer's own ``comm_s``."""
-    path = trace_path(run_dir, 0)
-    if os.path.exists(path):
-        ms = comm_times_ms(read_trace(path))
-        if ms and (not trainers or len(ms) == trainers[0]["iterations"]):
-            return np.array(ms)
+def comm_ms(traces: dict[int, list[dict]], trainers: list[dict]) -> np.ndarray:
+    """Comm time per iteration (ms): rank 0's per-iteration trace (``traces``, dgt.trace's
+    ``read_run``: the trainer's push_pull call to the aggregate applied, measured by its
+    sidecar), else rank 0 trainer's own ``comm_s``."""
+    ms = comm_times_ms(traces.get(0, []))
+    if ms and (not trainers or len(ms) == trainers[0]["iterations"]):
+        return np.array(ms)
     return np.array(trainers[0]["comm_s"]) * 1e3 if trainers else np.zeros(1)
 
 
-def cpu_per_iteration(run_dir: str, trainers: list[dict]) -> dict:
+def cpu_per_iteration(traces: dict[int, list[dict]], trainers: list[dict]) -> dict:
     """CPU per iteration of one node's processes, ms, medians over every rank and
     iteration but each one's first (start-up): ``trainer_ms`` (the trainer process from
     batch to optimiser step, every thread: a gloo baseline's all-reduce threads too;
     trainer records' ``cpu_s``), ``sidecar_ms`` and ``sidecar_sys_ms`` (its system part;
-    the sidecars' trace lines, dgt.trace), each None when no record has it; and
-    ``cores``, the CPUs this process may run on (the node's processes share them when
-    the job runs on one host: dgt train, the testbed)."""
+    the sidecars' trace lines, ``traces`` as dgt.trace's ``read_run`` gives them), each
+    None when no record has it; and ``cores``, the CPUs this process may run on (the
+    node's processes share them when the job runs on one host: dgt train, the testbed)."""
     def med(xs):
         return float(np.median(xs)) if xs else None
-    runs = read_run(run_dir)
     return {"trainer_ms": med([1e3 * c for t in trainers for c in (t.get("cpu_s") or [])[1:]]),
-            "sidecar_ms": med([x for lines in runs.values() for x in cpu_ms(lines)]),
-            "sidecar_sys_ms": med([x for lines in runs.values()
+            "sidecar_ms": med([x for lines in traces.values() for x in cpu_ms(lines)]),
+            "sidecar_sys_ms": med([x for lines in traces.values()
                                    for x in cpu_ms(lines, "cpu_sys_s")]),
             "cores": len(os.sched_getaffinity(0))}
 
@@ -78,7 +75,8 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
     run dir refused, in the spill folder ``spill`` (dgt.records)."""
     trainers, lost_t = records.load(run_dir, "trainer-*.json", spill)
     sidecars, lost_s = records.load(run_dir, "sidecar-*.json", spill)
-    comm = comm_ms(run_dir, trainers)
+    traces = read_run(run_dir)   # every rank's trace, read once
+    comm = comm_ms(traces, trainers)
     traffic = merge(sidecars)
     total_blocks = sum(ch["blocks_sent"] for ch in traffic["channels"].values())
     shares = {name: (ch["blocks_sent"] / total_blocks if total_blocks else 0.0)
@@ -139,7 +137,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "deadline_drained_reads": sum(s.get("deadline_drained_reads", 0) for s in sidecars),
         # CPU ms a sidecar used per push, mean over the sidecars (start-up included)
         "sidecar_cpu_ms_per_push": sidecar_cpu_ms_per_push(sidecars),
-        "cpu_per_iteration": cpu_per_iteration(run_dir, trainers),
+        "cpu_per_iteration": cpu_per_iteration(traces, trainers),
         "conservation_rel_error": conservation_error(run_dir),
         "history": trainers[0]["history"] if trainers else [],
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],

@@ -14,8 +14,10 @@ Each line (``"kind": "iteration"``) holds, for iteration ``t`` of this node's wo
   wide: the trainer and its sidecar share it, also in testbed namespaces);
 - ``pull_wait_s``: from END sent to the last PULL;
 - ``cpu_s``, ``cpu_sys_s``: the CPU seconds this sidecar process used (all its threads;
-  user + system, and the system part; getrusage(2)) since its previous line (the first
-  line: since the sidecar started its trace, registration included);
+  user + system, and the system part; getrusage(2), in µs) since its previous line (the
+  first line: since the sidecar started its trace, registration included). The kernel
+  splits user from system time at its ticks, so one line's system part may be all of
+  it or none; medians over many lines are what it is for;
 - ``k``: the reliable fraction used; ``lost``: this worker's blocks that did not reach
   their shard (from the PULL bitmaps; blocks mode topk never sent are not lost);
 - with ``--time-budget-ms`` (dgt.push_meter): ``budget_cut``, the remote blocks this
@@ -127,8 +129,10 @@ class Trace:
                 "reliable_sent_s": marks.get("reliable_sent_s"), "end_s": end_s,
                 "pull_s": {str(s): v for s, v in sorted(pulls.items())},
                 "apply_s": wall, "comm_s": comm_s, "pull_wait_s": pull_wait,
-                "cpu_s": cpu.ru_utime + cpu.ru_stime - prev.ru_utime - prev.ru_stime,
-                "cpu_sys_s": cpu.ru_stime - prev.ru_stime,
+                # in µs as getrusage gives them: the system part of an iteration spent
+                # all in the kernel equals its total, not 1e-16 above it
+                "cpu_s": round(cpu.ru_utime + cpu.ru_stime - prev.ru_utime - prev.ru_stime, 6),
+                "cpu_sys_s": round(cpu.ru_stime - prev.ru_stime, 6),
                 "k": k, "lost": lost, **d}
         if agent.meter is not None:   # --time-budget-ms: what it cut, what it measured
             line.update(agent.meter.last)

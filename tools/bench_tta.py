@@ -68,6 +68,7 @@ import numpy as np
 
 from dgt.tools import bench
 from dgt.report import cpu_per_iteration
+from dgt.trace import read_run
 from dgt.tools.bench import BenchError, _csv, _fmt, _load_avg, rate_bits_per_s
 
 BASES = ("gloo", "gloo-fp16", "gloo-powersgd", "tcp", "dgt", "dgt-ddp")
@@ -518,7 +519,8 @@ def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict]
         compute_ms_median=float(np.median(compute)) * 1e3 if compute else None,
         comm_ms_median=float(np.median(comm)) * 1e3 if comm else None,
         comm_ms_p95=float(np.percentile(comm, 95)) * 1e3 if comm else None,
-        cpu=cpu_budget(cfg.workers, cpu_per_iteration(run_dir, trainers), compute, comm),
+        cpu=cpu_budget(cfg.workers, cpu_per_iteration(read_run(run_dir), trainers),
+                       compute, comm),
         push_bytes_per_iteration=push, pull_bytes_per_iteration=pull, bytes_source=src,
         wire_tx_bytes_per_iteration=(rep or {}).get("wire_tx_bytes_per_iteration"),
         train_seconds=t0.get("train_seconds"),

@@ -16,12 +16,16 @@ rename(2), so a file that exists is complete):
   memory to the file, never through the trainer's control channel.
 
 A folder is complete when every rank's ``trainer-<r>.pt`` is there (each trainer writes
-its file after its sidecar's). Every rank saves after the same iteration (BSP), and
-rank 0 keeps the newest ``KEEP`` complete folders. ``--resume`` takes a step folder, or
-the checkpoint folder itself: its newest complete step whose files all load (a step
-with a damaged file, e.g. truncated by a full disk, is skipped with a warning naming
-the file; when no step loads, ValueError names the newest one's damaged file). A step
-folder given by name is used as it is: a damaged file in it is an error naming it.
+its file after its sidecar's, and neither stays when one of them cannot be written:
+:func:`discard`). Every rank saves after the same iteration (BSP), and rank 0 keeps
+the newest ``KEEP`` complete folders. A file that cannot be written (a full disk, EIO,
+a folder in its place) costs that step only: the trainer warns, naming the file, and
+trains on. ``--resume`` takes a step folder, or the checkpoint folder itself: its
+newest complete step whose files all load (every rank's ``trainer-<r>.pt`` and
+``sidecar-<r>.pt``; a step with a damaged or missing file, e.g. truncated by a full
+disk, is skipped with a warning naming the file; when no step loads, ValueError names
+the newest one's damaged file). A step folder given by name is used as it is: a
+damaged file in it is an error naming it.
 
 A DDP training script (dgt.ddp, examples/ddp_train.py) keeps the same layout with its
 own ``trainer-<r>.pt``; each trainer file says who wrote it (``writer``), and each tool
@@ -62,7 +66,8 @@ def sidecar_file(folder: str, rank: int) -> str:
 
 
 def complete_steps(root: str, world: int) -> list[tuple[int, str]]:
-    """(step, folder) of every complete checkpoint under ``root``, oldest first."""
+    """(step, folder) of every complete checkpoint under ``root`` (every rank's
+    ``trainer-<r>.pt`` there, a regular file), oldest first."""
     try:
         names = os.listdir(root)
     except OSError:
@@ -71,22 +76,25 @@ def complete_steps(root: str, world: int) -> list[tuple[int, str]]:
     for name in names:
         m = _STEP.match(name)
         folder = os.path.join(root, name)
-        if m and all(os.path.exists(trainer_file(folder, r)) for r in range(world)):
+        if m and all(os.path.isfile(trainer_file(folder, r)) for r in range(world)):
             found.append((int(m.group(1)), folder))
     return sorted(found)
 
 
 def damaged(folder: str, world: int) -> str | None:
-    """Why step ``folder`` cannot be resumed from: the first of its files (every rank's
-    ``sidecar-<r>.pt`` when present, then ``trainer-<r>.pt``) that :func:`load` refuses,
-    as its one-line message; None when every file loads (tensors stay on disk: mmap)."""
+    """Why step ``folder`` cannot be resumed from: the first of its files that
+    :func:`load` refuses (missing included), as its one-line message; None when every
+    file loads (tensors stay on disk: mmap). Each rank's ``trainer-<r>.pt``, then its
+    ``sidecar-<r>.pt``, which is needed when that trainer file is dgt train's or any
+    rank's sidecar file is there (a DDP script without dgt writes none)."""
+    sides = any(os.path.exists(sidecar_file(folder, r)) for r in range(world))
     for r in range(world):
-        side = sidecar_file(folder, r)
-        for path in ([side] if os.path.exists(side) else []) + [trainer_file(folder, r)]:
-            try:
-                load(path, mmap=True)
-            except ValueError as e:
-                return str(e)
+        try:
+            state = load(trainer_file(folder, r), mmap=True)
+            if sides or writer_of(state) == "dgt train":
+                load(sidecar_file(folder, r), mmap=True)
+        except ValueError as e:
+            return str(e)
     return None
 
 
@@ -207,10 +215,53 @@ def check_resume(folder: str, world: int, job, tx) -> None:
 
 
 def save(obj, path: str) -> None:
-    """``torch.save(obj, path)``, atomically (dgt.atomic). Raises OSError."""
+    """``torch.save(obj, path)``, atomically (dgt.atomic): a write that fails leaves
+    what was at ``path`` before (or nothing) and no temporary file. Raises OSError
+    naming ``path``, also for the RuntimeError torch raises after a write of the archive
+    failed (ENOSPC: ``unexpected pos``)."""
     import torch
     from .atomic import write_atomic
-    write_atomic(path, lambda f: torch.save(obj, f))
+    try:
+        write_atomic(path, lambda f: torch.save(obj, f))
+    except (OSError, RuntimeError) as e:   # e.g. rename(2) names the temporary file
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, path) from e
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError that ``e`` was raised from or while handling, or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def not_written(path: str, e: OSError) -> str:
+    """The one-line warning for checkpoint file ``path`` that could not be written."""
+    return f"checkpoint {path} not written: {e.strerror or e}"
+
+
+def discard(folder: str, rank: int) -> None:
+    """Remove ``rank``'s files from step ``folder`` (its trainer file first: the step is
+    incomplete from then on) after one of them could not be written, so that no file of
+    an older run under the same name makes the step look complete, and the space
+    comes back. A file that cannot be removed is left (a file there is whole:
+    dgt.atomic)."""
+    for path in (trainer_file(folder, rank), sidecar_file(folder, rank)):
+        _remove(path)
+
+
+def _remove(path: str) -> None:
+    """unlink(2) ``path``; nothing when it is not there or cannot be removed."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def load(path: str, mmap: bool = False, writer: str | None = None) -> dict:
@@ -249,7 +300,9 @@ def load(path: str, mmap: bool = False, writer: str | None = None) -> dict:
 def prune(root: str, world: int, keep: int = KEEP, writing: int | None = None) -> None:
     """Remove all but the newest ``keep`` step folders, and incomplete ones older than
     the newest complete one. ``writing``: the step being written now (by the other
-    ranks too), counted as one of the ``keep``; the older ones kept are complete."""
+    ranks too), counted as one of the ``keep``; the older ones kept are complete, and
+    the newest of them is always kept (``keep`` >= 1), so a ``writing`` step that ends
+    incomplete (a file not written) never costs the last complete checkpoint."""
     steps = [s for s, _ in complete_steps(root, world) if s != writing]
     kept = set(steps[-(keep - 1):] if writing is not None and keep > 1 else
                steps[-keep:])
@@ -339,17 +392,21 @@ def restore(sidecar, state: dict, path: str) -> None:
 async def save_op(sidecar, msg: dict) -> None:
     """``{"op": "save", "path": P}`` between two iterations: write ``sidecar``'s state
     (:func:`sidecar_state_dict`) to P with torch.save, then answer ``saved``. The agent
-    is idle until our trainer's next push, which waits for it. Raises PeerFailure when
-    the file cannot be written."""
+    is idle until our trainer's next push, which waits for it. A file that cannot be
+    written (a full disk, EIO, a folder at P) fails no one: it is logged, P is removed,
+    and ``saved`` carries ``error`` (the errno text) and ``errno`` (an int or null), for
+    the trainer to decide (dgt.Client.save_state raises OSError)."""
     path = msg.get("path")
     if sidecar.agent is None or not isinstance(path, str) or not path:
         sidecar.trainer.send({"op": "error", "rank": sidecar.rank,
                               "message": "save needs a registered model and a path"})
         return
     state = sidecar_state_dict(sidecar)
+    reply = {"op": "saved", "path": path, "iterations": sidecar.pushes}
     try:
         await asyncio.get_running_loop().run_in_executor(None, save, state, path)
     except OSError as e:
-        raise PeerFailure(f"rank {sidecar.rank}: cannot write checkpoint {path}: "
-                          f"{e.strerror or e}", sidecar.rank) from None
-    sidecar.trainer.send({"op": "saved", "path": path, "iterations": sidecar.pushes})
+        _remove(path)   # an older run's file there must not pass for this step's
+        log.warning("rank %d: %s", sidecar.rank, not_written(path, e))
+        reply.update(error=e.strerror or str(e), errno=e.errno)
+    sidecar.trainer.send(reply)

@@ -26,15 +26,17 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--local-steps only applies with --algo fedavg; add --algo fedavg or "
                      "drop --local-steps")
     from .job import check_workload
-    from .launch import (check_checkpoint_dir, check_memory, check_paths, resume_from,
-                         run_job)
+    from .launch import (check_checkpoint_dir, check_memory, check_paths, check_ports,
+                         resume_from, run_job)
     try:
+        check_ports(job, metrics)   # the endpoints against the job's own ports
         if metrics.metrics_port and not job.testbed:   # on loopback: rank r, port + r
             check_metrics_ports(metrics, job.workers)
         check_paths(job)
         check_workload(job)
         check_memory(job)
-        resume_from(ckpt, job, tx)
+        # the step folder itself: run_job checks it again, without a second warning
+        ckpt.resume = resume_from(ckpt, job, tx)
         if ckpt.checkpoint_every and ckpt.checkpoint_dir:
             check_checkpoint_dir(ckpt.checkpoint_dir)
     except ValueError as e:

@@ -278,12 +278,17 @@ class Client:
         ``push_pull``, before the next) to ``path`` with ``torch.save``: what
         ``register(model, resume=path)`` needs to continue bitwise. The model's and
         optimiser's state are the caller's to save. Raises RuntimeError before
-        register() or after close(), PeerFailure when the sidecar cannot write it."""
+        register() or after close(); OSError naming ``path`` when the sidecar could not
+        write it (a full disk, EIO: nothing is left at ``path``, and the sidecar goes
+        on); PeerFailure when the sidecar fails."""
         self._check_open()
         if self.grad is None:
             raise RuntimeError("call register(model) before save_state()")
         self._send({"op": "save", "path": path})
-        self._recv("saved")
+        msg = self._recv("saved")
+        if msg.get("error"):
+            code = msg.get("errno")
+            raise OSError(code if type(code) is int else None, str(msg["error"]), path)
 
     def push_buffer(self, step: int, loss: float | None = None,
                     start: float | None = None,

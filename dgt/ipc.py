@@ -13,7 +13,9 @@ way). The socket carries one JSON object per line:
                         {"op": "bye"}
     sidecar -> trainer: {"op": "registered", "grad": path, "aggregate": path (the same),
                          "padded": int, "block_elems": int, "iterations": int}
-                        {"op": "saved", "path": str, "iterations": int}
+                        {"op": "saved", "path": str, "iterations": int,
+                         "error": str, "errno": int | null (both only when the file
+                         could not be written)}
                         {"op": "pulled", "t": int, "k": float}
                         {"op": "error", "message": str, "rank": int | null}
 """

@@ -169,6 +169,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
     eval_s = 0.0            # seconds spent evaluating so far (in every "seconds" below)
     first_epoch = skip = 0  # where a resumed run picks up: epoch, batches done in it
     resumed_losses: list[float] = []
+    warnings: list[str] = []   # one line each: a checkpoint file not written
     if resume:   # before register(): the sidecars compare the parameters' SHA-256
         st = checkpoint.load(checkpoint.trainer_file(resume, ns.rank), writer="dgt train")
         if (st["rank"], st["world"]) != (ns.rank, ns.world):
@@ -206,24 +207,33 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
 
     def save_checkpoint(epoch: int, index: int, losses: list[float]) -> None:
         """After ``step`` iterations (between two, every replica alike): the sidecar's
-        state, then ours (dgt.checkpoint); rank 0 prunes old steps."""
-        folder = checkpoint.step_dir(ckpt_dir, step)
-        os.makedirs(folder, exist_ok=True)
-        if hasattr(client, "save_state"):
-            client.save_state(checkpoint.sidecar_file(folder, ns.rank))
-        checkpoint.save({"format": checkpoint.FORMAT, "writer": "dgt train",
-                         "rank": ns.rank, "world": ns.world,
-                         "step": step, "rounds": rounds, "epoch": epoch, "index": index,
-                         "evaluated_at": evaluated_at, "losses": list(losses),
-                         "model": model.state_dict(), "optimizer": opt.state_dict(),
-                         "rng": torch.get_rng_state(),
-                         "aug": aug.get_state() if aug is not None else None,
-                         "flags": checkpoint.run_flags(ns),
-                         "history": history, "reached": reached, "comm_s": comm_s,
-                         "comm_at": comm_at, "seconds": time.monotonic() - t_start,
-                         "eval_seconds": eval_s},
-                        checkpoint.trainer_file(folder, ns.rank))
-        if ns.rank == 0:
+        state, then ours (dgt.checkpoint); rank 0 prunes old steps. A file that cannot
+        be written (a full disk, EIO) leaves this step incomplete (this rank's files
+        removed: checkpoint.discard) and is one line in ``warnings``; training goes on."""
+        folder = path = checkpoint.step_dir(ckpt_dir, step)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            path = checkpoint.sidecar_file(folder, ns.rank)
+            if hasattr(client, "save_state"):
+                client.save_state(path)
+            path = checkpoint.trainer_file(folder, ns.rank)
+            checkpoint.save({"format": checkpoint.FORMAT, "writer": "dgt train",
+                             "rank": ns.rank, "world": ns.world,
+                             "step": step, "rounds": rounds, "epoch": epoch,
+                             "index": index, "evaluated_at": evaluated_at,
+                             "losses": list(losses),
+                             "model": model.state_dict(), "optimizer": opt.state_dict(),
+                             "rng": torch.get_rng_state(),
+                             "aug": aug.get_state() if aug is not None else None,
+                             "flags": checkpoint.run_flags(ns),
+                             "history": history, "reached": reached, "comm_s": comm_s,
+                             "comm_at": comm_at, "seconds": time.monotonic() - t_start,
+                             "eval_seconds": eval_s}, path)
+        except OSError as e:
+            checkpoint.discard(folder, ns.rank)
+            warnings.append(checkpoint.not_written(path, e))
+            log.warning("%s", warnings[-1])
+        if ns.rank == 0:   # never the newest complete step (checkpoint.prune)
             checkpoint.prune(ckpt_dir, ns.world, writing=step)
 
     def evaluate(epoch, losses):
@@ -335,7 +345,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
             "train_seconds": time.monotonic() - t_start, "target_reached": reached,
             # register() alone (the sidecars' or gloo's rendezvous), inside train_seconds
             "register_seconds": register_s,
-            "device": str(device)}
+            "device": str(device), "warnings": warnings}
 
 
 def _fmt_k(k) -> str:

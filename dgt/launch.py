@@ -11,6 +11,8 @@ The launcher names the failed rank, and leaves no process behind. With
 ``--max-restarts M`` it then starts every sidecar and trainer again, from the newest
 complete checkpoint (dgt.checkpoint), up to M times, as torchrun's elastic agent
 restarts its worker group; the failed attempt's files move to ``<run-dir>/attempt-<i>/``.
+Before it starts, the files a previous job left in the run dir are removed
+(dgt.run_files.clear_previous): the report holds this job's ranks alone.
 
 Supervision is this module's own, not ``torch.distributed.elastic.multiprocessing.
 start_processes``: rank 0's sidecar inherits the rendezvous store's listening socket
@@ -31,7 +33,7 @@ import tempfile
 import time
 
 
-from . import checkpoint, failure, outpath, records, unixsock
+from . import checkpoint, failure, outpath, records, run_files, unixsock
 from .transport import udpmac
 from .atomic import write_json
 from .interrupt import exit_status, raise_keyboard_interrupt_on
@@ -148,7 +150,7 @@ class Job:
         master_addr = hosts[0][0]
         store_fd: list[int] = []   # rank 0 hosts the store on a socket we bound
         if j.testbed:
-            master_port = 29400 + (os.getpid() % 500)
+            master_port = testbed_master_port(os.getpid(), self._rank0_ports())
         else:   # bound and listening here, inherited by rank 0: no other process can
             # take the port between our choice and the store's start (a free_port race)
             self._store_sock = socket.create_server((master_addr, 0), backlog=128)
@@ -209,7 +211,7 @@ class Job:
         self.restarts += 1
         self.remove_spill()   # the failed attempt's records
         folder = os.path.join(self.run_dir, f"attempt-{self.restarts}")
-        os.makedirs(folder)
+        os.makedirs(folder, exist_ok=True)   # a previous job's, with a file not ours
         for name in os.listdir(self.run_dir):
             path = os.path.join(self.run_dir, name)
             if name != "lock" and os.path.isfile(path):
@@ -228,6 +230,11 @@ class Job:
                 total = min(total, j.iterations) if total else j.iterations
             self.progress = TrainProgress(self.run_dir, total)
         return self.progress is not None
+
+    def _rank0_ports(self) -> set[int]:
+        """The TCP ports rank 0's flags give it: its sidecar's (--base-port) and its
+        metrics endpoint's (--metrics-port); 0 for each that the kernel picks."""
+        return {self.job.base_port, self.metrics.port_of(0) if self.metrics else 0}
 
     def _metrics_argv(self, rank: int) -> list[str]:
         m = self.metrics
@@ -424,15 +431,52 @@ def check_memory(job: JobConfig, meminfo: str = "/proc/meminfo") -> None:
     per_worker = 2 * PROCESS_BASE_BYTES + MODEL_COPIES_PER_WORKER * 4 * job.n_params()
     need = job.workers * per_worker
     if need > 0.9 * avail:
-        fit = max(1, int(0.9 * avail // per_worker))
+        fit = int(0.9 * avail // per_worker)
         size = f"--hidden {job.hidden}" if job.model == "mlp" else \
             f"--model {job.model} --width {job.width:g}"
+        smaller = "--hidden" if job.model == "mlp" else "--width"
+        if fit < 1:   # fewer workers cannot help: only a smaller model
+            raise ValueError(f"{size} needs about {per_worker / 2**30:.2f} GiB of memory "
+                             f"per worker (a sidecar and a trainer), but "
+                             f"{avail / 2**30:.1f} GiB is available here: not even "
+                             f"--workers 1 fits; use a smaller {smaller}")
         raise ValueError(f"--workers {job.workers} {size} needs about "
                          f"{need / 2**30:.1f} GiB of memory here (a sidecar and a trainer "
                          f"per worker, {per_worker / 2**30:.2f} GiB together), but "
                          f"{avail / 2**30:.1f} GiB is available; use --workers {fit} or "
-                         f"fewer, or a smaller "
-                         f"{'--hidden' if job.model == 'mlp' else '--width'}")
+                         f"fewer, or a smaller {smaller}")
+
+
+def check_ports(job: JobConfig, metrics) -> None:
+    """The metrics endpoints (``metrics``: a dgt.metrics.MetricsConfig; rank r on
+    metrics-port + r) against the job's own TCP ports, before anything starts: rank r's
+    sidecar listens on base-port + 10 r (its UDP channels on base-port + 10 r + c are
+    another port space, free to share a number with an endpoint). On loopback every
+    rank binds on this host; with --testbed each in its own namespace, so only a rank's
+    own two can clash. (The rendezvous store's port is no flag's: the kernel picks it on
+    loopback, and on the testbed it steps past rank 0's: testbed_master_port.) Raises
+    ValueError naming both flags; nothing when either is 0 (the kernel's ports)."""
+    m, b, n = (metrics.metrics_port if metrics else 0), job.base_port, job.workers
+    if not m or not b:
+        return
+    for r in range(n):
+        s = (m + r - b) // 10
+        if (m + r - b) % 10 == 0 and 0 <= s < n and (s == r or not job.testbed):
+            free = b + 10 * n if b + 11 * n - 1 <= 65535 else max(1, b - n)
+            raise ValueError(f"--metrics-port {m} overlaps --base-port {b}: port {m + r} "
+                             f"would be rank {r}'s metrics endpoint (metrics-port + rank) "
+                             f"and rank {s}'s TCP listener (base-port + 10 x rank); use "
+                             f"e.g. --metrics-port {free}")
+
+
+def testbed_master_port(pid: int, taken: set[int]) -> int:
+    """The rendezvous store's port on the testbed, in rank 0's namespace: 29400 + ``pid``
+    mod 500 (two launchers seldom share it), moved up past the ``taken`` TCP ports (rank
+    0's --base-port and --metrics-port), which would otherwise fail rank 0 as in use."""
+    port = 29400 + pid % 500
+    while port in taken:
+        port += 1
+    return port
 
 
 def check_paths(job: JobConfig) -> None:
@@ -519,6 +563,8 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         resume = resume_from(j.ckpt, job, tx)
         if j.ckpt.checkpoint_every:
             check_checkpoint_dir(j.checkpoint_dir)
+        # ours now (the lock): a previous job's files must not mix into this one's report
+        cleared = run_files.clear_previous(j.run_dir, keep=(j.checkpoint_dir, j.ckpt.resume))
     except (RuntimeError, ValueError, unixsock.NotOurs) as e:
         j.cleanup()
         log(f"dgt train: {e}")
@@ -541,6 +587,9 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         f"logs in {j.run_dir}" + (" (a temporary folder: removed after a successful run, "
                                   "kept on failure; --run-dir keeps it)"
                                   if j.own_run_dir else ""))
+    if cleared:
+        log(f"dgt train: removed {cleared} file(s) of a previous job from {j.run_dir} "
+            f"(its logs, records and traces)")
     if tx.secret and not udpmac.NATIVE:
         log(f"dgt train: warning: {udpmac.NOT_NATIVE}")
     if resume or j.ckpt.checkpoint_every:

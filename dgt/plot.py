@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from .run_files import job_world
 from .trace import channel_totals, comm_times_ms, read_run, skipped_note
 
 
@@ -27,7 +28,7 @@ def load(source: str) -> dict:
     saying what is missing."""
     if os.path.isdir(source):
         skipped: dict[str, int] = {}
-        traces = read_run(source, skipped)
+        traces = read_run(source, skipped, job_world(source))   # this job's ranks
         notes = skipped_note(skipped)
         history = []
         path = os.path.join(source, "trainer-0.json")

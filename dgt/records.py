@@ -23,6 +23,7 @@ import shutil
 
 from .atomic import write_json
 from .ipc import shm_dir
+from .run_files import of_job
 from .unixsock import private_dir
 
 SPILL_ENV = "DGT_RECORD_SPILL"
@@ -86,18 +87,21 @@ def write(path: str, record: dict, indent: int | None = None) -> str | None:
     return error
 
 
-def load(run_dir: str, pattern: str, spill: str | None) -> tuple[list[dict], list[str]]:
+def load(run_dir: str, pattern: str, spill: str | None, world: int | None = None
+         ) -> tuple[list[dict], list[str]]:
     """The records matching ``pattern`` (e.g. ``"sidecar-*.json"``) from ``run_dir`` and,
-    for names not there, from the spill folder ``spill``; sorted by ``rank``. Returns
-    (records, warnings: one per spilled record, naming the run-dir file and the error).
-    A record that cannot be read or parsed is skipped with a warning naming it."""
+    for names not there, from the spill folder ``spill``; sorted by ``rank``. With
+    ``world``, only the files of ranks 0..world-1 (dgt.run_files.rank_of): another job's
+    ranks are never this one's. Returns (records, warnings: one per spilled record,
+    naming the run-dir file and the error). A record that cannot be read or parsed is
+    skipped with a warning naming it."""
     found: dict[str, dict] = {}
     warnings: list[str] = []
-    for path in sorted(glob.glob(os.path.join(run_dir, pattern))):
+    for path in of_job(os.path.join(run_dir, pattern), world):
         rec = _read(path, warnings)
         if rec is not None:
             found[os.path.basename(path)] = rec
-    for path in sorted(glob.glob(os.path.join(spill, pattern))) if spill else []:
+    for path in of_job(os.path.join(spill, pattern), world) if spill else []:
         name = os.path.basename(path)
         wrapped = _read(path, warnings)
         if name in found or not isinstance(wrapped, dict) or "record" not in wrapped:

@@ -45,10 +45,39 @@ def exchange_endpoints(node: NodeConfig, cfg: TransmissionConfig, me: dict,
     on_store(rdv)
     if node.rank == 0:
         rdv.set("dgt/session/0", str(random.SystemRandom().getrandbits(64)))
-    rdv.set(f"dgt/ep/{node.rank}", json.dumps(me))
+    rdv.set(f"dgt/ep/{node.rank}", json.dumps({**me, "wire": wire_settings(cfg)}))
     session = rdv.wait(["dgt/session/0"], check_session)["dgt/session/0"]
     peers = rdv.gather("dgt/ep", check_endpoint)
+    agree_wire(peers)
     return rdv, session, peers
+
+
+#: the flags every rank must give alike: each one shapes what a peer's bytes mean (the
+#: block layout, which UDP port is which band), so a rank apart cannot be understood
+WIRE_FLAGS = ("block_bytes", "channels")
+
+
+def wire_settings(cfg: TransmissionConfig) -> dict[str, int]:
+    """This rank's values of :data:`WIRE_FLAGS`, as published in its endpoint record."""
+    return {name: getattr(cfg, name) for name in WIRE_FLAGS}
+
+
+def agree_wire(peers: dict[int, dict]) -> None:
+    """Every rank published the same :data:`WIRE_FLAGS` as rank 0 (``peers``: rank ->
+    endpoint record, :func:`check_endpoint`). Raises PeerFailure (MISMATCH) naming the
+    flag, the ranks apart and both values: two sidecars started with different
+    --block-bytes or --channels (a hand-started node, a torchrun node with its own
+    DGT_* variables) would otherwise fail at their first push, with errors that name
+    neither the flag nor the rank."""
+    ref = peers[0]["wire"]
+    for name in WIRE_FLAGS:
+        apart = sorted(r for r, ep in peers.items() if ep["wire"][name] != ref[name])
+        if apart:
+            flag = "--" + name.replace("_", "-")
+            got = ", ".join(f"rank {r} has {peers[r]['wire'][name]}" for r in apart)
+            raise PeerFailure(f"{got}, rank 0 has {flag} {ref[name]}; every rank must "
+                              f"give the same {flag}", apart[0],
+                              FailureReason.MISMATCH, apart)
 
 
 def check_session(_key: str, text: str) -> int:
@@ -65,13 +94,15 @@ def _is_port(p) -> bool:
 
 def check_endpoint(key: str, text: str) -> dict:
     """A rank's endpoints as stored under ``dgt/ep/<rank>``: a JSON object with that
-    ``rank``, ``host`` (str), ``tcp_port`` and ``udp_ports`` (ports 1..65535) and
-    ``pid`` (int). Raises ValueError/TypeError/KeyError otherwise."""
+    ``rank``, ``host`` (str), ``tcp_port`` and ``udp_ports`` (ports 1..65535), ``pid``
+    (int) and ``wire`` (:func:`wire_settings`: an int for each of :data:`WIRE_FLAGS`).
+    Raises ValueError/TypeError/KeyError otherwise."""
     ep = json.loads(text)
     if not (type(ep) is dict and ep["rank"] == int(key.rsplit("/", 1)[1])
             and isinstance(ep["host"], str) and ep["host"] and _is_port(ep["tcp_port"])
             and type(ep["udp_ports"]) is list and all(map(_is_port, ep["udp_ports"]))
-            and type(ep["pid"]) is int):
+            and type(ep["pid"]) is int and type(ep["wire"]) is dict
+            and all(type(ep["wire"][f]) is int for f in WIRE_FLAGS)):
         raise ValueError("not an endpoint record")
     return ep
 

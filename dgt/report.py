@@ -1,7 +1,6 @@
 """The ``dgt train`` report: one JSON document and the same numbers as a summary table."""
 from __future__ import annotations
 
-import glob
 import math
 import os
 from dataclasses import asdict
@@ -9,16 +8,18 @@ from dataclasses import asdict
 import numpy as np
 
 from . import records
+from .run_files import of_job
 from .trace import comm_times_ms, cpu_ms, read_run
 from .transport.counters import merge
 
 
-def conservation_error(run_dir: str) -> float | None:
+def conservation_error(run_dir: str, world: int | None = None) -> float | None:
     """Relative error of the conservation invariant (docs/architecture.md):
     ``||sum(aggregate * N) + sum_w residual_w + N sum_s residual_s - sum_w,t g_w,t||
     / ||sum_w,t g_w,t||`` (residual_s: shard s's, dgt.pull_codec), from the float64
-    sums the sidecars saved (``--check-conservation``)."""
-    files = sorted(glob.glob(os.path.join(run_dir, "conservation-*.npz")))
+    sums the sidecars saved (``--check-conservation``); with ``world``, ranks
+    0..world-1's only."""
+    files = of_job(os.path.join(run_dir, "conservation-*.npz"), world)
     if not files:
         return None
     raw = applied = residual = None
@@ -72,10 +73,12 @@ def _used(sidecars: list[dict], field: str, default: str) -> str:
 
 def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None) -> dict:
     """The report of a finished run from its records in ``run_dir`` and, for those the
-    run dir refused, in the spill folder ``spill`` (dgt.records)."""
-    trainers, lost_t = records.load(run_dir, "trainer-*.json", spill)
-    sidecars, lost_s = records.load(run_dir, "sidecar-*.json", spill)
-    traces = read_run(run_dir)   # every rank's trace, read once
+    run dir refused, in the spill folder ``spill`` (dgt.records): of ranks
+    0..job.workers-1 only, whatever else the run dir holds."""
+    world = job.workers
+    trainers, lost_t = records.load(run_dir, "trainer-*.json", spill, world)
+    sidecars, lost_s = records.load(run_dir, "sidecar-*.json", spill, world)
+    traces = read_run(run_dir, world=world)   # every rank's trace, read once
     comm = comm_ms(traces, trainers)
     traffic = merge(sidecars)
     total_blocks = sum(ch["blocks_sent"] for ch in traffic["channels"].values())
@@ -89,7 +92,9 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
     # unless --testbed)
     used = tx.resolve_codecs(loopback=not getattr(job, "testbed", False))
     r = {
-        "warnings": lost_t + lost_s + _warnings(sidecars),
+        # the trainers' own: e.g. a checkpoint file not written (dgt.job)
+        "warnings": lost_t + lost_s + _warnings(sidecars) +
+        [w for t in trainers for w in t.get("warnings", [])],
         "mode": tx.mode,
         # what the UDP bands and the PULLs' low share were coded in (auto resolved)
         "band_codec": _used(sidecars, "band_codec", used.band_codec)
@@ -138,7 +143,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         # CPU ms a sidecar used per push, mean over the sidecars (start-up included)
         "sidecar_cpu_ms_per_push": sidecar_cpu_ms_per_push(sidecars),
         "cpu_per_iteration": cpu_per_iteration(traces, trainers),
-        "conservation_rel_error": conservation_error(run_dir),
+        "conservation_rel_error": conservation_error(run_dir, world),
         "history": trainers[0]["history"] if trainers else [],
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
                       "udp_ports": s["udp_ports"], "session": s["session"],

@@ -104,15 +104,19 @@ class ServerShard:
         for w in range(self.n_workers):  # a block that did not arrive counts as zero
             if not bitmaps[w].all():
                 recv[w][~bitmaps[w]] = 0
-        acc = self._sum(recv)
-        # a NaN/inf in any worker's block makes that block's sum non-finite: one pass
-        # over the sum (1/N of the data) finds them; only those blocks are looked at
-        bad = np.flatnonzero(~np.isfinite(acc.sum(axis=1)))
-        if bad.size:
-            self._exclude_non_finite(bad, acc)
-        acc /= np.float32(self.n_workers)
-        if self.coder is not None:   # two-sided error feedback: the PULL side
-            self.coded_pull = self.coder.code(acc)
+        # finite blocks near float32's limit (a forged datagram, a diverging worker)
+        # may sum to inf: an outcome handled here and downstream like any non-finite
+        # value, not a numpy warning in the sidecar's log; the numbers are unchanged
+        with np.errstate(over="ignore", invalid="ignore"):
+            acc = self._sum(recv)
+            # a NaN/inf in any worker's block makes that block's sum non-finite: one
+            # pass over the sum (1/N of the data) finds them; only those are looked at
+            bad = np.flatnonzero(~np.isfinite(acc.sum(axis=1)))
+            if bad.size:
+                self._exclude_non_finite(bad, acc)
+            acc /= np.float32(self.n_workers)
+            if self.coder is not None:   # two-sided error feedback: the PULL side
+                self.coded_pull = self.coder.code(acc)
         flat = acc.reshape(-1)
         self.bitmaps = [None] * self.n_workers
         self.session.advance()

@@ -6,19 +6,25 @@ endpoints (``--endpoints HOST:PORT,...``, ``dgt.metrics``), and shows per rank: 
 iteration, iterations per second, comm time (last and median of the window), k, this
 worker's lost blocks, and per channel the blocks per second sent and the share of blocks
 its shard lost; the test accuracy when the trainer has printed one. ``q`` quits (also
-Ctrl-C). Without a terminal (``--once``) it prints the table once and exits.
+Ctrl-C). Without a terminal (``--once``) it prints the table once and exits; a rate
+needs two scrapes of an endpoint, so there it is ``-``. An endpoint that does not
+answer, or answers with something other than a dgt sidecar's metrics page (a web page,
+forged labels), is named in the table's caption; with ``--once`` and no endpoint left,
+in one error line (exit 2).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
+import math
 import os
 import re
 import select
 import sys
 import time
 
+from .run_files import in_job, job_world
 from .trace import iterations, parse_line, skipped_note
 
 #: trace lines per rank the rates and medians are taken over
@@ -42,9 +48,10 @@ class TraceFollower:
             names = os.listdir(self.run_dir)
         except OSError:
             return
+        world = job_world(self.run_dir)   # a previous job's traces of more ranks: not shown
         for name in names:
             m = re.fullmatch(r"trace-(\d+)\.jsonl", name)
-            if not m:
+            if not m or not in_job(int(m.group(1)), world):
                 continue
             r = int(m.group(1))
             try:
@@ -93,62 +100,148 @@ class TraceFollower:
         return out
 
 
+#: the most ranks a job has: a rank is a 16-bit field on the wire (dgt.transport.wire)
+MAX_WORLD = 1 << 16
+#: the longest metrics page read from an endpoint (a sidecar's is a few KiB)
+MAX_BODY = 4 << 20
+
+
+class NotMetrics(ValueError):
+    """Something answered at an endpoint, but not a dgt sidecar's metrics page."""
+
+
+def _quote(text: str, n: int = 60) -> str:
+    """A stranger's text for one line of ours: its first ``n`` characters, quoted, no
+    control character (a page could hold terminal escapes)."""
+    return repr(text[:n] + ("..." if len(text) > n else ""))
+
+
+def fetch(ep: str) -> str:
+    """The page at ``http://EP/metrics``. Raises OSError when nothing answers there, and
+    NotMetrics when what answers is not HTTP 200 with a UTF-8 page."""
+    import http.client
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{ep}/metrics", timeout=2) as resp:
+            body = resp.read(MAX_BODY + 1)
+    except urllib.error.HTTPError as e:   # an OSError too: the server did answer
+        raise NotMetrics(f"HTTP {e.code} {_quote(str(e.reason))}") from None
+    except http.client.HTTPException as e:
+        raise NotMetrics(f"not an HTTP answer: {_quote(str(e) or type(e).__name__)}") \
+            from None
+    except UnicodeError:   # idna: a host name no resolver takes ('a..b')
+        raise OSError(f"{ep.rsplit(':', 1)[0]} is not a host name") from None
+    if len(body) > MAX_BODY:
+        raise NotMetrics(f"a page over {MAX_BODY >> 20} MiB")
+    try:
+        return body.decode()
+    except UnicodeDecodeError:
+        raise NotMetrics("the page is not UTF-8 text") from None
+
+
+def parse_page(text: str) -> tuple[int, dict]:
+    """``(rank, {(name, channel or le): value})`` of a dgt sidecar's metrics page;
+    values that are not finite are left out. Raises NotMetrics: not Prometheus text,
+    no ``dgt_sidecar_info``, or one whose rank and world are not 0 <= rank < world <=
+    MAX_WORLD."""
+    from prometheus_client.parser import text_string_to_metric_families
+    values: dict = {}
+    info = None
+    try:
+        for fam in text_string_to_metric_families(text):
+            for x in fam.samples:
+                if x.name == "dgt_sidecar_info":
+                    info = x.labels
+                elif math.isfinite(x.value):
+                    values[(x.name, x.labels.get("channel", x.labels.get("le", "")))] = \
+                        x.value
+    except (ValueError, TypeError, IndexError, KeyError) as e:
+        raise NotMetrics(f"not Prometheus text: {_quote(str(e))}") from None
+    if info is None:
+        raise NotMetrics("no dgt_sidecar_info metric")
+    rank, world = info.get("rank", ""), info.get("world", "")
+    if not (_whole(rank) and _whole(world) and int(rank) < int(world) <= MAX_WORLD):
+        raise NotMetrics(f"dgt_sidecar_info has rank {_quote(rank, 12)}, world "
+                         f"{_quote(world, 12)}")
+    return int(rank), values
+
+
+def _whole(label: str) -> bool:
+    """Whether a label is a whole number written in ASCII digits (no sign, no space)."""
+    return label.isascii() and label.isdecimal() and len(label) <= 6
+
+
 class EndpointPoller:
-    """Scrapes each ``HOST:PORT`` endpoint and turns counters into the same rows."""
+    """Scrapes each ``HOST:PORT`` endpoint and turns counters into the same rows. A rate
+    needs two scrapes: until an endpoint's second, its rates are None (shown ``-``)."""
 
     def __init__(self, endpoints: list[str]):
         self.endpoints = endpoints
         self.prev: dict[str, tuple[float, dict]] = {}
         self.last: dict[int, dict] = {}
-        self.errors: dict[str, str] = {}   # endpoint -> why its last scrape failed
+        #: endpoint -> (whether something answered, why its last scrape failed)
+        self.errors: dict[str, tuple[bool, str]] = {}
 
     def poll(self) -> None:
-        import urllib.request
-
-        from prometheus_client.parser import text_string_to_metric_families
         for ep in self.endpoints:
             try:
-                with urllib.request.urlopen(f"http://{ep}/metrics", timeout=2) as resp:
-                    text = resp.read().decode()
+                rank, s = parse_page(fetch(ep))
+            except NotMetrics as e:
+                self.errors[ep] = (True, str(e))
+                continue
             except OSError as e:
-                self.errors[ep] = str(getattr(e, "reason", None) or e.strerror or e)
+                self.errors[ep] = (False, str(getattr(e, "reason", None) or e.strerror
+                                              or e))
                 continue
             self.errors.pop(ep, None)
-            now = time.monotonic()
-            s: dict = {}
-            rank = None
-            for fam in text_string_to_metric_families(text):
-                for x in fam.samples:
-                    s[(x.name, x.labels.get("channel", x.labels.get("le", "")))] = x.value
-                    if x.name == "dgt_sidecar_info":
-                        rank = int(x.labels["rank"])
-            if rank is None:
-                continue
-            t0, p = self.prev.get(ep, (now, s))
-            self.prev[ep] = (now, s)
-            dt = now - t0
+            self.last[rank] = self._row(ep, rank, s)
 
-            def d(key):
-                return s.get(key, 0.0) - p.get(key, 0.0)
-            n = d(("dgt_comm_seconds_count", ""))
-            chans = sorted({k[1] for k in s if k[0] == "dgt_channel_blocks_sent_total"},
-                           key=lambda c: (c != "tcp", c))
-            row = {"iteration": int(s.get(("dgt_iteration", ""), -1)),
-                   "comm_ms": d(("dgt_comm_seconds_sum", "")) / n * 1e3 if n else
-                   self.last.get(rank, {}).get("comm_ms", 0.0),
-                   "comm_ms_median": None, "k": s.get(("dgt_reliable_fraction", ""), 0.0),
-                   "lost": int(s.get(("dgt_blocks_lost_own_total", ""), 0)),
-                   "rate": n / dt if dt > 0 else 0.0, "channels": {}}
-            for c in chans:
-                got = d(("dgt_channel_blocks_delivered_total", c))
-                lost = d(("dgt_channel_blocks_lost_total", c))
-                row["channels"][c] = {
-                    "blocks_per_s": d(("dgt_channel_blocks_sent_total", c)) / dt if dt > 0
-                    else 0.0, "loss": lost / (got + lost) if got + lost else 0.0}
-            self.last[rank] = row
+    def _row(self, ep: str, rank: int, s: dict) -> dict:
+        """Rank ``rank``'s row from scrape ``s`` of ``ep`` and the one before it."""
+        now = time.monotonic()
+        t0, p = self.prev.get(ep, (now, None))
+        self.prev[ep] = (now, s)
+        dt = now - t0
+        if p is None or dt <= 0:   # one sample: no rate yet
+            dt, p = 0.0, s
+
+        def d(key):
+            return s.get(key, 0.0) - p.get(key, 0.0)
+
+        def per_s(key):
+            return d(key) / dt if dt else None
+        n = d(("dgt_comm_seconds_count", ""))
+        chans = sorted({k[1] for k in s if k[0] == "dgt_channel_blocks_sent_total"},
+                       key=lambda c: (c != "tcp", c))
+        row = {"iteration": int(s.get(("dgt_iteration", ""), -1)),
+               "comm_ms": d(("dgt_comm_seconds_sum", "")) / n * 1e3 if n else
+               self.last.get(rank, {}).get("comm_ms"),
+               "comm_ms_median": None, "k": s.get(("dgt_reliable_fraction", ""), 0.0),
+               "lost": int(s.get(("dgt_blocks_lost_own_total", ""), 0)),
+               "rate": per_s(("dgt_comm_seconds_count", "")), "channels": {}}
+        for c in chans:
+            got = d(("dgt_channel_blocks_delivered_total", c))
+            lost = d(("dgt_channel_blocks_lost_total", c))
+            row["channels"][c] = {
+                "blocks_per_s": per_s(("dgt_channel_blocks_sent_total", c)),
+                "loss": None if not dt else lost / (got + lost) if got + lost else 0.0}
+        return row
+
+    def notes(self) -> list[str]:
+        """Each endpoint whose last scrape failed, and why."""
+        return [error_line(ep, answered, why)
+                for ep, (answered, why) in self.errors.items()]
 
     def rows(self) -> dict[int, dict]:
         return dict(sorted(self.last.items()))
+
+
+def error_line(ep: str, answered: bool, why: str) -> str:
+    """Why endpoint ``ep`` gave no row: not a dgt metrics endpoint, or no answer."""
+    if answered:
+        return f"{ep} is not a dgt metrics endpoint ({why})"
+    return f"{ep} does not answer ({why})"
 
 
 def accuracy(run_dir: str | None) -> float | None:
@@ -183,9 +276,15 @@ def is_run_dir(path: str) -> bool:
                for n in names)
 
 
+def _cell(value: float | None, fmt: str) -> str:
+    """``value`` formatted, or ``-`` where it is not known (a rate of one sample)."""
+    return "-" if value is None else format(value, fmt)
+
+
 def render(rows: dict[int, dict], source: str, acc: float | None,
-           notes: list[str] | None = None):
-    """The rich Table of ``rows``; ``notes`` (e.g. lines skipped) go into its caption."""
+           notes: list[str] | None = None, live: bool = True):
+    """The rich Table of ``rows``; ``notes`` (e.g. lines skipped) go into its caption,
+    and, when ``live`` (not ``--once``), how to quit."""
     from rich.table import Table
     chans: list[str] = []
     for row in rows.values():
@@ -204,17 +303,32 @@ def render(rows: dict[int, dict], source: str, acc: float | None,
     for c in chans:
         t.add_column(f"{c}\nblk/s\nloss", justify="right", no_wrap=True)
     for r, row in rows.items():
-        cells = [str(r), str(row["iteration"]), f"{row['rate']:.1f}",
-                 f"{row['comm_ms']:.1f}",
-                 "-" if row["comm_ms_median"] is None else f"{row['comm_ms_median']:.1f}",
+        cells = [str(r), str(row["iteration"]), _cell(row["rate"], ".1f"),
+                 _cell(row["comm_ms"], ".1f"), _cell(row["comm_ms_median"], ".1f"),
                  f"{row['k']:.2f}", str(row["lost"])]
         for c in chans:
             ch = row["channels"].get(c, {"blocks_per_s": 0.0, "loss": 0.0})
-            cells.append(f"{ch['blocks_per_s']:.0f}\n{ch['loss']:.0%}")
+            cells.append(f"{_cell(ch['blocks_per_s'], '.0f')}\n{_cell(ch['loss'], '.0%')}")
         t.add_row(*cells)
-    t.caption = "; ".join((notes or []) + [
-        "waiting for the first iteration (q quits)" if not rows else "q quits"])
+    if live:
+        notes = (notes or []) + [
+            "waiting for the first iteration (q quits)" if not rows else "q quits"]
+    elif not rows:
+        notes = (notes or []) + ["no iteration yet"]
+    t.caption = "; ".join(notes or [])
     return t
+
+
+def no_endpoint(errors: dict[str, tuple[bool, str]]) -> str:
+    """The one line for ``--once`` when no endpoint gave a row: the first one's reason
+    (``EndpointPoller.errors``), and how many more failed."""
+    (ep, (answered, why)), more = next(iter(errors.items())), len(errors) - 1
+    tail = f"; {more} more endpoint(s) failed too" if more else ""
+    if answered:
+        return (f"{error_line(ep, answered, why)}{tail}; give the job's metrics "
+                f"endpoints (dgt train --metrics-port P: 127.0.0.1:P+rank)")
+    return (f"no metrics endpoint answered ({ep}: {why}){tail}; is the job running with "
+            f"--metrics-port?")
 
 
 def _quit_pressed(timeout_s: float) -> bool:
@@ -259,13 +373,10 @@ def main(ns: argparse.Namespace) -> int:
     console = Console()
     if ns.once:
         source.poll()
-        errors = getattr(source, "errors", {})
-        if errors and len(errors) == len(source.endpoints):
-            ep, why = next(iter(errors.items()))
-            ns.parser.error(f"no metrics endpoint answered ({ep}: {why}); is the job "
-                            f"running with --metrics-port?")
-        console.print(render(source.rows(), label, accuracy(ns.run_dir),
-                             getattr(source, "notes", list)()))
+        if isinstance(source, EndpointPoller) and len(source.errors) == len(eps):
+            ns.parser.error(no_endpoint(source.errors))
+        console.print(render(source.rows(), label, accuracy(ns.run_dir), source.notes(),
+                             live=False))
         return 0
     import termios
     import tty
@@ -279,7 +390,7 @@ def main(ns: argparse.Namespace) -> int:
             while True:
                 source.poll()
                 live.update(render(source.rows(), label, accuracy(ns.run_dir),
-                                   getattr(source, "notes", list)()), refresh=True)
+                                   source.notes()), refresh=True)
                 if _quit_pressed(ns.interval_s):
                     break
     except KeyboardInterrupt:

@@ -38,7 +38,6 @@ the same records (``docs/metrics.md``).
 """
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ import resource
 import time
 
 from .metrics import TimeHistogram
+from .run_files import of_job
 from .transport.counters import FIELDS
 
 log = logging.getLogger("dgt.trace")
@@ -225,11 +225,13 @@ def skipped_note(skipped: dict[str, int]) -> list[str]:
             for name, n in sorted(skipped.items())]
 
 
-def read_run(run_dir: str, skipped: dict[str, int] | None = None) -> dict[int, list[dict]]:
+def read_run(run_dir: str, skipped: dict[str, int] | None = None,
+             world: int | None = None) -> dict[int, list[dict]]:
     """{rank: trace lines} of every ``trace-<rank>.jsonl`` in ``run_dir`` (``read_trace``;
-    ``skipped`` counts the unreadable lines per file)."""
+    ``skipped`` counts the unreadable lines per file); with ``world``, of ranks
+    0..world-1 only (a previous job's traces of more ranks are not this job's)."""
     out = {}
-    for path in glob.glob(os.path.join(run_dir, "trace-*.jsonl")):
+    for path in of_job(os.path.join(run_dir, "trace-*.jsonl"), world):
         rank = os.path.basename(path)[len("trace-"):-len(".jsonl")]
         if rank.isdigit():
             out[int(rank)] = read_trace(path, skipped)

@@ -21,9 +21,11 @@ optimiser, loop position, the hook's state_dict()) and, under ``--comm dgt``,
 sidecar-<r>.pt (the sidecar's residual, scores, ...); ``--resume D`` (its newest
 complete step whose files all load; a damaged one is skipped with a warning) or
 ``--resume D/step-<t>``. dgt's own errors (a bad DGT_* value, a damaged checkpoint, a
-failed peer) end each trainer with one line and exit status 2, no traceback. Under ``torchrun --max-restarts M`` a
-restarted generation resumes from the newest complete step in D by itself;
-``dgt.ddp.init_process_group`` gives each generation its own keys in torchrun's store.
+failed peer) and the environment's (OSError: a DGT_RUN_DIR other users can write, a
+folder that cannot be made) end each trainer with one line and exit status 2, no
+traceback. Under ``torchrun --max-restarts M`` a restarted generation resumes from the
+newest complete step in D by itself; ``dgt.ddp.init_process_group`` gives each
+generation its own keys in torchrun's store.
 """
 from __future__ import annotations
 
@@ -246,7 +248,10 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, dgt.PeerFailure) as e:   # dgt's errors say what to do in one line
+    # dgt's errors say what to do in one line; so do the environment's that it meets
+    # (OSError: a DGT_RUN_DIR other users can write, a folder it cannot create, an
+    # address it cannot bind)
+    except (ValueError, OSError, dgt.PeerFailure) as e:
         who = f" rank {os.environ['RANK']}" if "RANK" in os.environ else ""
         print(f"{os.path.basename(sys.argv[0])}{who}: error: {e}", file=sys.stderr,
               flush=True)

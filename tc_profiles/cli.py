@@ -3,7 +3,10 @@
 ``register(subparsers)`` adds both; each leaf parser sets ``func=handler(args) -> int``
 and ``parser`` (itself). Errors print one line to stderr, ``<prog>: error: <message>``
 (e.g. ``dgt testbed up: error: --hosts must be >= 1, got 0``), and return 2; never a
-traceback. Every ``dgt testbed`` subcommand checks ``--prefix`` before anything else.
+traceback. Every ``dgt testbed`` subcommand that takes ``--prefix`` checks it before
+anything else (``priority`` builds a testbed of its own, named by its pid, and takes
+none). A flag value that does not parse (``--loss-dscp abc``) is argparse's error,
+naming the flag and what it takes.
 
 Example::
 
@@ -113,6 +116,30 @@ def _root(args) -> int | None:
     return None if os.geteuid() == 0 else _fail(args, testbed.NOT_ROOT)
 
 
+def _index(text: str) -> bool:
+    """Whether ``text`` is a host index: ASCII digits only."""
+    return text.isascii() and text.isdecimal()
+
+
+def dscp_list(text: str) -> tuple[int, ...]:
+    """``--loss-dscp``: DSCPs 0..63, comma-separated. Raises ArgumentTypeError."""
+    items = [x.strip() for x in text.split(",")]
+    if not all(_index(x) and int(x) <= 63 for x in items):
+        raise argparse.ArgumentTypeError(f"give DSCPs 0..63, comma-separated (e.g. "
+                                         f"34,18,10), got {text!r}")
+    return tuple(int(x) for x in items)
+
+
+def host_pairs(text: str) -> list[tuple[int, int]]:
+    """``--pairs``: ``src:dst`` host indexes, comma-separated. Raises
+    ArgumentTypeError."""
+    pairs = [tuple(x.strip() for x in item.split(":")) for item in text.split(",")]
+    if not all(len(p) == 2 and _index(p[0]) and _index(p[1]) for p in pairs):
+        raise argparse.ArgumentTypeError(f"give src:dst host indexes, comma-separated "
+                                         f"(e.g. 0:1,1:0), got {text!r}")
+    return [(int(a), int(b)) for a, b in pairs]
+
+
 @_guard
 def tb_up(args) -> int:
     if args.hosts < 1:
@@ -132,9 +159,9 @@ def tb_up(args) -> int:
         return _fail(args, f"--rate: {e}")
     if (rc := _root(args)) is not None:
         return rc
-    dscp = [int(x) for x in args.loss_dscp.split(",")] if args.loss_dscp else None
     tb = testbed.up(args.hosts, rate=args.rate, profile=args.profile,
-                    queue_bytes=args.queue_bytes, loss_pct=args.loss_pct, loss_dscp=dscp,
+                    queue_bytes=args.queue_bytes, loss_pct=args.loss_pct,
+                    loss_dscp=args.loss_dscp,
                     prefix=args.prefix, tcp_congestion=args.tcp_congestion)
     print(f"testbed up: {tb.hosts} hosts, {tb.rate}, profile {tb.profile}, TCP "
           f"{tb.tcp_congestion or 'as this machine'}"
@@ -176,7 +203,7 @@ def tb_exec(args) -> int:
     if tb is None:
         return _fail(args, f"no testbed with prefix '{args.prefix}' is up; run "
                            f"`dgt testbed up`")
-    host = int(args.host) if args.host.isdigit() else args.host
+    host = int(args.host) if _index(args.host) else args.host
     tb._need_ip()
     return subprocess.run(["ip", "netns", "exec", tb._ns(host), *cmd]).returncode
 
@@ -191,10 +218,7 @@ def tb_load(args) -> int:
     if tb is None:
         return _fail(args, f"no testbed with prefix '{args.prefix}' is up; run "
                            f"`dgt testbed up`")
-    pairs = None
-    if args.pairs:
-        pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairs.split(",")]
-    for r in tb.load(args.seconds, pairs):
+    for r in tb.load(args.seconds, args.pairs):
         print(f"h{r['src']} -> h{r['dst']}: {r['mbit_s']:.1f} Mbit/s")
     return 0
 
@@ -232,13 +256,13 @@ def register(subparsers) -> None:
     tb = subparsers.add_parser("testbed", help="netns star testbed with shaped ports")
     tbs = tb.add_subparsers(dest="testbed_command", required=True)
 
-    def sub(name, help_, func, prefix_help=True):
+    def sub(name, help_, func, prefix=True):
         sp = tbs.add_parser(name, help=help_)
-        sp.add_argument("--prefix", default=names.DEFAULT_PREFIX,
-                        help=(f"the testbed's name prefix: namespaces <prefix>-sw, "
-                              f"<prefix>-h<i> (default {names.DEFAULT_PREFIX}; 1.."
-                              f"{names.MAX_PREFIX_LEN} letters, digits, '-', '_')")
-                        if prefix_help else argparse.SUPPRESS)
+        if prefix:
+            sp.add_argument("--prefix", default=names.DEFAULT_PREFIX,
+                            help=f"the testbed's name prefix: namespaces <prefix>-sw, "
+                                 f"<prefix>-h<i> (default {names.DEFAULT_PREFIX}; 1.."
+                                 f"{names.MAX_PREFIX_LEN} letters, digits, '-', '_')")
         sp.set_defaults(func=func, parser=sp)
         return sp
     p = sub("up", "build N hosts around a router; every port shaped", tb_up)
@@ -254,7 +278,7 @@ def register(subparsers) -> None:
     # the old spelling: still taken, with one deprecation line (names carry their unit)
     p.add_argument("--loss", type=float, dest="loss_deprecated", default=None,
                    help=argparse.SUPPRESS)
-    p.add_argument("--loss-dscp", default=None,
+    p.add_argument("--loss-dscp", type=dscp_list, default=None, metavar="DSCP,...",
                    help="only these DSCPs, e.g. 34,18,10 (dgt's default UDP channels)")
     sub("down", "remove the testbed (found by name, also after a crash)", tb_down)
     p = sub("status", "per-port class counters", tb_status)
@@ -264,9 +288,12 @@ def register(subparsers) -> None:
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     p = sub("load", "bulk best-effort TCP between hosts", tb_load)
     p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--pairs", default=None, help="src:dst,... (default i -> i+1)")
+    p.add_argument("--pairs", type=host_pairs, default=None, metavar="SRC:DST,...",
+                   help="host index pairs (default i -> i+1)")
+    # its own testbed, named dgtpc<pid>, built and removed: a --prefix could name the
+    # user's testbed, which 'up' would tear down first
     p = sub("priority", "measure EF/CS1 delivery under bulk load (own 3-host testbed)",
-            tb_priority, prefix_help=False)
+            tb_priority, prefix=False)
     from .priority_check import add_arguments
     add_arguments(p)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -411,9 +412,31 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-bulk", action="store_true", help="no bulk TCP (baseline)")
     ap.add_argument("--no-gso", action="store_true",
                     help="one UDP datagram per send (shows the CPU limit without GSO)")
-    ap.add_argument("--cases", default=None, metavar="NAME:DSCP:MBIT,...",
+    ap.add_argument("--cases", type=_cases, default=None, metavar="NAME:DSCP:MBIT,...",
                     help="default EF:46:200,EF:46:400,EF:46:600,CS1:8:300,CS1:8:600")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+
+
+def _cases(text: str) -> tuple:
+    """``--cases`` (:func:`parse_cases`). Raises ArgumentTypeError."""
+    try:
+        return parse_cases(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_flags(args) -> str:
+    """Why the flags of a run cannot work ("" when they can): checked before root and
+    before a testbed is built."""
+    if not (math.isfinite(args.seconds) and args.seconds > 0):
+        return f"--seconds must be a finite number > 0, got {args.seconds}"
+    if args.queue_bytes is not None and args.queue_bytes < 1500:
+        return f"--queue-bytes must be >= 1500 (one packet), got {args.queue_bytes}"
+    try:
+        parse_rate(args.rate)
+    except ValueError as e:
+        return f"--rate: {e}"
+    return ""
 
 
 def _fail(args, msg: str) -> int:
@@ -425,6 +448,9 @@ def _fail(args, msg: str) -> int:
 
 
 def run(args) -> int:
+    why = check_flags(args)
+    if why:
+        return _fail(args, why)
     if os.geteuid() != 0:
         return _fail(args, "dgt testbed needs root (CAP_NET_ADMIN); run as root or use "
                            "loopback mode")
@@ -433,7 +459,7 @@ def run(args) -> int:
         return _fail(args, "the priority check needs iperf3 for the bulk TCP; install it "
                            "(apt-get install iperf3) or use --no-bulk")
     try:
-        cases = parse_cases(args.cases) if args.cases else DEFAULT_CASES
+        cases = args.cases or DEFAULT_CASES
         res = priority_check(args.rate, args.seconds, args.profile, cases=cases,
                              bulk=not args.no_bulk, queue_bytes=args.queue_bytes,
                              gso=not args.no_gso)

@@ -120,7 +120,7 @@ class Testbed:
             raise IndexError(f"host {i} is not in 0..{self.hosts - 1}")
 
     def _ns(self, host: int | str) -> str:
-        if isinstance(host, str) and not host.isdigit():
+        if isinstance(host, str) and not (host.isascii() and host.isdigit()):
             if host not in ([self.router] + [self.host_netns(i) for i in range(self.hosts)]):
                 raise TestbedError(f"'{host}' is not a namespace of this testbed")
             return host

@@ -25,6 +25,16 @@ root_only = needs("ip", root="netns, veth, tc")
     (["--iterations", "5"], "use --max-iterations"),
     (["--rates", "fast"], "--rates"),
     (["--tcp-congestion", "vegas2"], "--tcp-congestion: 'vegas2' is not available"),
+    # breaker: a variant's flag names were checked, not its values: the cell failed
+    # minutes in. dgt train's own validation (dgt.config.from_args), the system named
+    (["--systems", "dgt:--k 5"], "--systems 'dgt:--k 5': --k must be in [0, 1], got 5.0"),
+    (["--systems", "tcp,dgt-ddp:--block-bytes=3"], "--systems 'dgt-ddp:--block-bytes=3': "
+                                                   "--block-bytes must be a multiple of 4"),
+    (["--systems", "dgt:--k abc"], "--systems 'dgt:--k abc': argument --k: invalid"),
+    # valid under some peer timeout, not the 20 s its cells get
+    (["--systems", "dgt:--deadline-ms 15000"],
+     "--systems 'dgt:--deadline-ms 15000': --deadline-ms must be in 0..10000 (half of "
+     "--peer-timeout-s 20 s"),
 ])
 def test_tta_bad_flags_are_one_line(args, says, tmp_path):
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "tta", "--estimate",
@@ -34,6 +44,23 @@ def test_tta_bad_flags_are_one_line(args, says, tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("variant, says", [
+    ("dgt:--k 5", "--k must be in [0, 1], got 5.0"),
+    ("dgt:--deadline-ms 15000", "--deadline-ms must be in 0..10000"),
+])
+def test_a_bad_variant_value_stops_the_run_before_any_cell(variant, says, tmp_path):
+    """Not --estimate: the run itself refuses the variant before its first cell (no
+    cell ran, nothing written), one line, exit 2."""
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "tta", "--loopback",
+                        "--models", "mlp:64", "--max-iterations", "2", "--systems",
+                        f"gloo,{variant}", "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.count("\n") == 1 and f"--systems {variant!r}: {says}" in p.stderr, \
+        p.stderr
+    assert "[1/" not in p.stdout and list(tmp_path.iterdir()) == [], p.stdout
 
 
 def test_tta_flags_outside_tta_are_refused(tmp_path):

@@ -5,6 +5,7 @@ import fcntl
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -269,3 +270,150 @@ def test_a_damaged_newest_step_is_skipped_and_none_loadable_names_the_file(tmp_p
         checkpoint.resolve(str(tmp_path), 2)
     assert f"{bad20} is not a dgt checkpoint file" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def _dummy_step(root: str, step: int, world: int = 2, **extra) -> str:
+    """Step folder ``step`` under ``root`` with small files of every rank."""
+    d = checkpoint.step_dir(root, step)
+    os.makedirs(d)
+    for r in range(world):
+        for f in (checkpoint.trainer_file(d, r), checkpoint.sidecar_file(d, r)):
+            checkpoint.save({"format": checkpoint.FORMAT, **extra}, f)
+    return d
+
+
+def test_a_step_missing_a_sidecar_file_is_skipped_and_never_costs_the_last_one(
+        tmp_path, caplog):
+    # outside tester: --resume CKDIR refused ("cannot read .../sidecar-1.pt") when the
+    # newest step lacked a sidecar file, instead of taking the step before
+    root = str(tmp_path)
+    _dummy_step(root, 10, writer="dgt train")
+    d20 = _dummy_step(root, 20, writer="dgt train")
+    os.unlink(checkpoint.sidecar_file(d20, 1))
+    with caplog.at_level("WARNING", logger="dgt.checkpoint"):
+        assert checkpoint.resolve(root, 2).endswith("step-00000010")
+    skips = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skips) == 1 and "sidecar-1.pt: No such file or directory" in skips[0], skips
+    # dgt train's trainer files need their sidecar files even when none is there
+    os.unlink(checkpoint.sidecar_file(d20, 0))
+    assert checkpoint.latest(root, 2).endswith("step-00000010")
+    # a step whose trainer file is a folder (a write that failed) is not complete, and
+    # rank 0's pruning while step 30 is written keeps step 10, the last complete one
+    os.unlink(checkpoint.trainer_file(d20, 1))
+    os.mkdir(checkpoint.trainer_file(d20, 1))
+    assert checkpoint.complete_steps(root, 2) == [(10, checkpoint.step_dir(root, 10))]
+    os.makedirs(checkpoint.step_dir(root, 30))
+    checkpoint.prune(root, 2, writing=30)
+    assert sorted(os.listdir(root)) == ["step-00000010", "step-00000030"]
+
+
+def _warned(p, rep) -> list[str]:
+    """The run's checkpoint warnings: the report's, each also on the console."""
+    got = [w for w in rep["warnings"] if w.startswith("checkpoint ")]
+    for w in got:
+        assert f"warning: {w}" in p.stdout, p.stdout[-3000:]
+    return got
+
+
+@pytest.mark.slow
+def test_a_checkpoint_file_that_cannot_be_written_is_a_warning_and_training_goes_on(
+        tmp_path):
+    """Outside tester: a checkpoint write that failed (ENOSPC on a tmpfs) killed the job
+    ("trainer of rank 0 disconnected"). Here the writes fail another real way, for any
+    user: a folder where the file goes. Step 20's sidecar-1.pt (the sidecar's write) and
+    step 30's trainer-0.pt (the trainer's) are each one warning, the job finishes, and
+    neither step passes for complete."""
+    from conftest import run_train
+    ck = tmp_path / "ck"
+    os.makedirs(ck / "step-00000020" / "sidecar-1.pt")
+    os.makedirs(ck / "step-00000030" / "trainer-0.pt")
+    p, rep = run_train(tmp_path / "run", *SMALL, "--iterations", 30,
+                       "--checkpoint-every", 10, "--checkpoint-dir", ck)
+    assert rep["iterations"] == 30 and rep["replicas_identical"]
+    assert sorted(_warned(p, rep)) == [
+        f"checkpoint {ck}/step-00000020/sidecar-1.pt not written: Is a directory",
+        f"checkpoint {ck}/step-00000030/trainer-0.pt not written: Is a directory"]
+    # step 20 (rank 1 wrote no trainer file) was pruned at 30; 30 lacks trainer-0.pt
+    assert checkpoint.complete_steps(str(ck), 2) == [(10, str(ck / "step-00000010"))]
+    assert sorted(os.listdir(ck / "step-00000030")) == ["sidecar-1.pt", "trainer-0.pt",
+                                                        "trainer-1.pt"]
+    assert checkpoint.resolve(str(ck), 2) == str(ck / "step-00000010")
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (mode 0700) at ``tmp_path/tiny``, unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (the folder-in-the-way variant "
+                    "covers the path for other users)")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=700", "dgt-tiny",
+                        str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_checkpoint_disk_is_a_warning_and_keeps_the_last_complete_step(
+        tmp_path, tiny_tmpfs):
+    """Outside tester: a checkpoint write that filled the disk killed the job (torch's
+    RuntimeError "unexpected pos" wrapping ENOSPC; "rank 0 disconnected"). Step 10 is
+    taken with room to spare; then the disk is filled to half a trainer file free: at
+    steps 20 and 30 each rank's sidecar or trainer file fails, one warning each, the
+    job finishes, and step 10 stays the one --resume takes."""
+    from conftest import run_train
+    ck = tiny_tmpfs / "ck"
+    ck.mkdir(mode=0o700)
+    run_train(tmp_path / "first", *SMALL, "--iterations", 10, "--checkpoint-every", 10,
+              "--checkpoint-dir", ck)
+    assert checkpoint.latest(str(ck), 2) == str(ck / "step-00000010")
+    room = os.path.getsize(ck / "step-00000010" / "trainer-0.pt") // 2
+    st = os.statvfs(tiny_tmpfs)
+    fd = os.open(tiny_tmpfs / "filler", os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize - room)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as e:   # torch's RuntimeError, as the errno it wraps
+        checkpoint.save({"x": torch.zeros(64 * 1024)}, str(ck / "probe.pt"))
+    assert e.value.errno == 28 and e.value.filename == str(ck / "probe.pt")
+    p, rep = run_train(tmp_path / "second", *SMALL, "--iterations", 30, "--resume", ck,
+                       "--checkpoint-every", 10, "--checkpoint-dir", ck)
+    assert rep["iterations"] == 30 and rep["replicas_identical"]
+    failed = []   # (step, rank): its sidecar file, or else its trainer file, failed
+    for w in _warned(p, rep):
+        m = re.fullmatch(rf"checkpoint {ck}/step-000000([23]0)/(sidecar|trainer)-([01])"
+                         rf"\.pt not written: No space left on device", w)
+        assert m, w
+        failed.append((m[1], m[3]))
+    assert sorted(failed) == [("20", "0"), ("20", "1"), ("30", "0"), ("30", "1")], failed
+    assert checkpoint.complete_steps(str(ck), 2) == [(10, str(ck / "step-00000010"))]
+    assert checkpoint.resolve(str(ck), 2) == str(ck / "step-00000010")
+    left = [f for _, _, fs in os.walk(ck) for f in fs if f.endswith(".tmp")]
+    assert not left, left
+
+
+@pytest.mark.slow
+def test_resume_skips_a_newest_step_without_a_sidecar_file_once(tmp_path):
+    """Outside tester: --resume CKDIR stopped (exit 2, "cannot read .../sidecar-1.pt")
+    when the newest step lacked a sidecar file, and the skip warning of a damaged step
+    was printed twice. Now it resumes from the step before, with one warning."""
+    from conftest import run_train
+    ck = tmp_path / "ck"
+    run_train(tmp_path / "first", *SMALL, "--iterations", 20, "--checkpoint-every", 10,
+              "--checkpoint-dir", ck)
+    os.unlink(ck / "step-00000020" / "sidecar-1.pt")
+    p, rep = run_train(tmp_path / "second", *SMALL, "--iterations", 20, "--resume", ck,
+                       check=False)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"resuming from {ck}/step-00000010" in p.stdout, p.stdout
+    skips = [ln for ln in (p.stdout + p.stderr).splitlines()
+             if "skipping a newer step" in ln]
+    assert len(skips) == 1, skips
+    assert f"{ck}/step-00000020/sidecar-1.pt: No such file or directory" in skips[0]
+    assert rep["iterations"] == 20

@@ -117,6 +117,14 @@ BAD = [
      "--master-listen-fd 99 is not open in this process"),
     (["tc", "apply", "/", "--dev", "lo", "--dry-run"], "profile file '/' is a folder"),
     (["train", "--reliable-codec", "fp8"], "argument --reliable-codec: invalid choice"),
+    # outside tester, 2026-12: the clash passed every check, then rank 0's sidecar
+    # failed at bind blaming --base-port alone
+    (["train", "--base-port", "45000", "--metrics-port", "45000"],
+     "--metrics-port 45000 overlaps --base-port 45000: port 45000 would be rank 0's "
+     "metrics endpoint (metrics-port + rank) and rank 0's TCP listener"),
+    (["train", "--base-port", "45000", "--metrics-port", "44998"],   # 4 ranks: 44998..45001
+     "--metrics-port 44998 overlaps --base-port 45000: port 45000 would be rank 2's "
+     "metrics endpoint (metrics-port + rank) and rank 0's TCP listener"),
 ]
 
 
@@ -177,6 +185,31 @@ def test_memory_check_reads_memavailable_and_names_a_job_that_fits(tmp_path):
     check_memory(job, str(info))                                   # no field: no check
 
 
+def test_only_a_metrics_port_that_is_a_tcp_port_of_the_job_is_refused():
+    """Rank r's sidecar listens on TCP base-port + 10 r, its UDP channels on
+    base-port + 10 r + c: an endpoint (TCP) may share a number with a UDP channel. On
+    the testbed each rank binds in its own namespace: only its own ports clash."""
+    from dgt.config import JobConfig, MetricsConfig
+    from dgt.launch import check_ports, testbed_master_port
+    loopback, testbed = JobConfig(base_port=45000), JobConfig(base_port=45000, testbed=True)
+    check_ports(loopback, MetricsConfig(metrics_port=45001))   # UDP channel 1 of rank 0
+    check_ports(loopback, MetricsConfig(metrics_port=0))       # off
+    check_ports(JobConfig(), MetricsConfig(metrics_port=45000))   # the kernel's ports
+    with pytest.raises(ValueError, match="rank 0's metrics endpoint .* rank 1's TCP"):
+        check_ports(loopback, MetricsConfig(metrics_port=45010))
+    check_ports(testbed, MetricsConfig(metrics_port=45010))    # rank 1's port, in 0's netns
+    with pytest.raises(ValueError, match="rank 1's metrics endpoint .* rank 1's TCP"):
+        check_ports(testbed, MetricsConfig(metrics_port=45009))
+    # the advice holds
+    with pytest.raises(ValueError) as e:
+        check_ports(loopback, MetricsConfig(metrics_port=45000))
+    check_ports(loopback, MetricsConfig(metrics_port=int(str(e.value).split()[-1])))
+    # the testbed's rendezvous store steps past rank 0's own ports
+    pid = 29450 - 29400
+    assert testbed_master_port(pid, {0}) == 29450
+    assert testbed_master_port(pid, {29450, 29451, 0}) == 29452
+
+
 def test_the_digits_split_has_the_samples_that_batch_sizes_are_checked_against():
     from dgt.config import DIGITS_TRAIN_SAMPLES
     from dgt.job import load_digits_split
@@ -231,3 +264,17 @@ def test_top_without_a_terminal_checks_its_run_dir_as_once_does():
     assert p.returncode == 2, p.stdout + p.stderr
     assert "/nonexistent-dgt-run does not exist" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "waiting" not in p.stdout
+
+
+def test_a_model_too_large_for_one_worker_asks_for_a_smaller_model(tmp_path):
+    """breaker: --hidden 100000 said 'use --workers 1 or fewer', which does not fit
+    either: when one worker does not fit, the message asks for a smaller model."""
+    from dgt.config import JobConfig
+    from dgt.launch import check_memory
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    with pytest.raises(ValueError) as e:
+        check_memory(JobConfig(workers=4, hidden=100000), str(info))
+    assert str(e.value).startswith("--hidden 100000 needs about "), e.value
+    assert "not even --workers 1 fits; use a smaller --hidden" in str(e.value)
+    assert "or fewer" not in str(e.value)

@@ -3,6 +3,7 @@ jobs on loopback, their sidecars started by the hook state."""
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -27,7 +28,8 @@ def torchrun(tmp_path, name, nproc, *args, env=None, timeout=300, expect_rc=None
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(nproc), EXAMPLE, "--report", str(out / "rep"),
            *map(str, args)]
-    penv = dict(os.environ, DGT_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", **(env or {}))
+    penv = dict(os.environ, DGT_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1")
+    penv.update(env or {})
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=penv,
                        cwd=REPO)
     if expect_rc is not None:
@@ -542,3 +544,29 @@ def test_the_hook_waits_longer_than_the_sidecars_first_push(monkeypatch):
                 ["--peer-timeout-s", "nan"]):
         with pytest.raises(ValueError, match="--peer-timeout-s"):
             DgtState(sidecar_args=bad, connect=False)
+
+
+@pytest.mark.parametrize("case", ["run dir other users can write", "run dir under a file"])
+def test_a_bad_run_dir_is_one_line_per_rank_without_a_traceback(tmp_path, case):
+    # breaker: DGT_RUN_DIR=/tmp gave each rank a traceback ending in dgt.unixsock.NotOurs
+    # (a PermissionError); the example caught only ValueError and PeerFailure. Any
+    # OSError from the environment is the same class: one line each.
+    if case == "run dir other users can write":
+        run_dir = tmp_path / "open"
+        run_dir.mkdir()
+        os.chmod(run_dir, 0o1777)
+        want = f"DGT_RUN_DIR {run_dir} is writable by other users (mode 1777)"
+    else:
+        (tmp_path / "file").write_text("x")
+        run_dir = tmp_path / "file" / "run"
+        want = f"DGT_RUN_DIR {run_dir}: cannot create it (Not a directory)"
+    p, _, _ = torchrun(tmp_path, "bad", 2, "--comm", "dgt", "--dataset", "digits",
+                       "--iterations", 2, "--hidden", 16, env={"DGT_RUN_DIR": str(run_dir)},
+                       expect_rc=1, timeout=180)
+    ours = [ln for ln in p.stderr.splitlines() if re.search(r"ddp_train\.py rank \d: ", ln)]
+    # torchrun stops the other rank when one has failed: it may not get to its line
+    assert ours and all(want in ln and ": error: " in ln for ln in ours), p.stderr[-3000:]
+    assert len({ln.split(":")[0] for ln in ours}) == len(ours)    # one line a rank
+    frames = [ln for ln in p.stderr.splitlines() if ln.lstrip().startswith('File "')
+              and ("ddp_train.py" in ln or f"{os.sep}dgt{os.sep}" in ln)]
+    assert not frames, p.stderr[-3000:]

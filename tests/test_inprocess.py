@@ -2,6 +2,7 @@
 dgt.tools.inprocess): the whole DGT data path, deterministic, with seeded loss and
 shuffled delivery order."""
 import asyncio
+import warnings
 
 import numpy as np
 import torch
@@ -310,3 +311,28 @@ def test_a_coded_reliable_channel_in_tcp_mode_differs_from_plain_tcp():
     assert np.abs(residual).sum() > 0
     err = np.linalg.norm(applied + residual - computed) / np.linalg.norm(computed)
     assert err < 1e-5
+
+
+@pytest.mark.parametrize("pull_codec", ["fp32", "int8"])
+def test_finite_blocks_whose_sum_overflows_put_no_warning_in_the_log(pull_codec):
+    """Finite blocks near float32's limit (a forged datagram, a diverging worker) whose
+    sum overflows: the shard's aggregate is what float32 arithmetic gives (inf past the
+    limit) and numpy warns nothing (breaker: 'RuntimeWarning: overflow encountered in
+    reduce' in the sidecars' logs, from the shard's finite check and --pull-codec's
+    ranking; the job was fine)."""
+    cfg = TransmissionConfig(mode="tcp", block_bytes=64, pace_mbit=0, pull_codec=pull_codec)
+    fab = Fabric(cfg, 5000, 2, pull_codecs=True, wire_pulls=True)
+    assert (fab.shards[0].coder is None) == (pull_codec == "fp32")
+    e = fab.lay.block_elems
+    grads = [np.ones(5000, np.float32) for _ in range(2)]
+    for g in grads:
+        g[:e] = 1e38           # 2e38 an element: finite, the block's sum is not
+        g[e:2 * e] = 3e38      # 6e38: inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        asyncio.run(fab.step(0, grads))
+    assert len({a.tobytes() for a in fab.aggs}) == 1
+    agg = fab.aggs[0]
+    if pull_codec == "fp32":   # the numbers of before: float32's sum, then / 2
+        assert (agg[:e] == np.float32(1e38)).all() and (agg[e:2 * e] == np.inf).all()
+    assert (agg[2 * e:5000] == 1).all()

@@ -386,3 +386,26 @@ def test_a_port_this_user_may_not_bind_is_named_with_what_to_do(flag):
          "need root); pick a --base-port from 1024 up")
     assert want in p.stderr, p.stderr
     assert "not an address of this host" not in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("flag,values", [("--channels", (3, 2)),
+                                         ("--block-bytes", (1408, 1024))])
+def test_sidecars_started_with_different_wire_flags_are_refused_at_rendezvous(
+        tmp_path, flag, values):
+    """Two hand-started sidecars (a torchrun node with its own DGT_* variables) that
+    disagree on a flag shaping the wire: both stop at rendezvous with one line naming
+    the flag, the rank apart and both values (--channels used to end in an IndexError
+    at the first push, --block-bytes in a PULL timeout blaming a live rank)."""
+    port = _free_port()
+    procs = [_sidecar(r, 2, port, tmp_path / f"s{r}.sock", tmp_path, "--peer-timeout-s",
+                      10, flag, v) for r, v in enumerate(values)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        stop_procs(*procs)
+    want = (f"rank 1 has {values[1]}, rank 0 has {flag} {values[0]}; every rank must "
+            f"give the same {flag}")
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 3, (out, err)
+        assert want in err, err
+        assert "Traceback" not in err and "IndexError" not in err, err

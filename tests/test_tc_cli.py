@@ -126,8 +126,9 @@ def _remove_strays(prefix: str, where=None) -> None:
             subprocess.run(["umount", "-l", folder], capture_output=True)
 
 
+# priority takes no --prefix: it builds and removes a testbed of its own
 TB_SUBCOMMANDS = [["up", "--hosts", "2"], ["down"], ["status"], ["exec", "0", "--", "true"],
-                  ["load", "--seconds", "1"], ["priority", "--seconds", "1"]]
+                  ["load", "--seconds", "1"]]
 BAD_PREFIXES = ["fixtest/r",            # a path: pyroute2 made files in the current folder
                 "../fixtest",           # a path out of /run/netns
                 "fixtest.x", "fixtest x", "fixtest\u00e9",  # outside [A-Za-z0-9_-]
@@ -217,3 +218,55 @@ def test_testbed_runtime_errors_name_the_subcommand():
     r = dgt_main("tc", "show", "--dev", "fixtestnodev0")
     assert r.returncode == 2 and r.stderr.startswith("dgt tc show: error: ")
     assert r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["up", "--hosts", "2", "--prefix", "fixtestq", "--loss-dscp", "abc",
+      "--loss-pct", "1"],
+     "argument --loss-dscp: give DSCPs 0..63, comma-separated (e.g. 34,18,10), got 'abc'"),
+    (["up", "--hosts", "2", "--loss-dscp", "34,64"],
+     "argument --loss-dscp: give DSCPs 0..63, comma-separated (e.g. 34,18,10), got "
+     "'34,64'"),
+    (["load", "--pairs", "abc"], "argument --pairs: give src:dst host indexes, "
+                                 "comma-separated (e.g. 0:1,1:0), got 'abc'"),
+    (["load", "--pairs", "0:1,2"], "argument --pairs: give src:dst host indexes, "
+                                   "comma-separated (e.g. 0:1,1:0), got '0:1,2'"),
+    (["priority", "--cases", "EF:x:600"],
+     "argument --cases: bad case 'EF:x:600': use NAME:DSCP:MBIT, e.g. EF:46:600"),
+    (["priority", "--seconds", "nan"], "--seconds must be a finite number > 0, got nan"),
+    (["priority", "--queue-bytes", "10"],
+     "--queue-bytes must be >= 1500 (one packet), got 10"),
+    (["priority", "--rate", "fast"], "--rate: rate 'fast' is not a rate like '1gbit'"),
+], ids=["loss-dscp-word", "loss-dscp-64", "pairs-word", "pairs-half", "priority-cases",
+        "priority-seconds", "priority-queue-bytes", "priority-rate"])
+def test_a_flag_value_that_does_not_parse_is_named(argv, message):
+    """breaker: '--loss-dscp abc' and '--pairs abc' said only "invalid literal for int()
+    with base 10: 'abc'"; priority's values were read after the root check, or never.
+    One line naming the flag and what it takes, exit 2, before anything is built."""
+    r = dgt_main("testbed", *argv)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith(f"dgt testbed {argv[0]}: error: {message}"), r.stderr
+    assert r.stderr.count("\n") == 1 and "invalid literal" not in r.stderr, r.stderr
+    assert _netns_named("fixtestq") == []
+
+
+def test_priority_takes_no_prefix():
+    """breaker: 'dgt testbed priority --prefix X' was taken, left out of its usage, and
+    ignored (it builds dgtpc<pid>). A --prefix naming the user's testbed would have it
+    torn down, so it is refused like any unknown flag."""
+    r = dgt_main("testbed", "priority", "--prefix", "fixtestnone")
+    assert r.returncode == 2
+    assert r.stderr.startswith("dgt testbed priority: error: unrecognized arguments: "
+                               "--prefix fixtestnone"), r.stderr
+    assert "--prefix" not in dgt_main("testbed", "priority", "--help").stdout
+
+
+def test_a_host_in_other_digits_is_not_an_index():
+    """'exec ²' (a digit to str.isdigit, not to int()) is a name that is not one of the
+    testbed's, not "invalid literal for int()"."""
+    from dgt.tc_profiles.names import TestbedError
+    from dgt.tc_profiles.testbed import Testbed
+    tb = Testbed(2, prefix="fixtest")
+    assert tb._ns("1") == "fixtest-h1"
+    with pytest.raises(TestbedError, match="'²' is not a namespace of this testbed"):
+        tb._ns("²")

@@ -66,6 +66,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dgt.config import MAX_PEER_TIMEOUT_S
 from dgt.tools import bench
 from dgt.report import cpu_per_iteration
 from dgt.trace import read_run
@@ -181,7 +182,8 @@ def _transmission_parser() -> argparse.ArgumentParser:
 def parse_systems(text: str) -> tuple[System, ...]:
     """``--systems``: base names, or ``dgt:FLAGS`` / ``tcp:FLAGS`` variants whose flags
     (``dgt train``'s transmission flags; a comma inside a flag's value stays with it)
-    are checked against ``dgt train``'s parser. Raises BenchError."""
+    are checked against ``dgt train``'s parser, and their values by its validation
+    (:func:`check_values`). Raises BenchError."""
     items: list[str] = []
     for part in text.split(","):
         part = part.strip()
@@ -214,10 +216,37 @@ def parse_systems(text: str) -> tuple[System, ...]:
                                  f"{unknown[0]!r} (see 'dgt train --help')")
             if any(f.startswith("--mode") for f in flags):
                 raise BenchError(f"--systems {item!r}: the base name sets --mode")
+            # the loosest peer timeout: check_cells checks each cell's own
+            check_values(item, base, ["--peer-timeout-s", f"{MAX_PEER_TIMEOUT_S:g}",
+                                      *flags])
         out.append(System(base, flags))
     if not out:
         raise BenchError("--systems must name at least one system")
     return tuple(out)
+
+
+def check_values(item: str, base: str, argv: list[str]) -> None:
+    """The transmission flags ``argv`` of system ``item`` as its cell's ``dgt train``
+    (a dgt-ddp cell: its sidecars) takes them, under the base's --mode: parsed and
+    validated by dgt.config.from_args, DGT_* variables included, so that a bad value
+    is refused before anything starts, not when its cell runs. Raises BenchError."""
+    from dgt.config import TransmissionConfig, from_args
+    mode = "dgt" if base == "dgt-ddp" else base
+    try:
+        ns, _ = _transmission_parser().parse_known_args(["--mode", mode, *argv])
+        from_args(TransmissionConfig, ns)
+    except (BenchError, ValueError) as e:
+        raise BenchError(f"--systems {item!r}: {e}") from None
+
+
+def check_cells(cfg: "TtaConfig", cells: list[dict]) -> None:
+    """Every variant cell's transmission flags with the peer timeout and pacing its
+    rate gives it (:func:`check_values`); before any testbed or cell. A ``calibrated``
+    rate not resolved yet (--estimate) is left out. Raises BenchError."""
+    for cell in cells:
+        s = cell["system"]
+        if s.flags and cell["rate"] != "calibrated":
+            check_values(s.name, s.base, _timeout_and_pace(cfg, cell) + list(s.flags))
 
 
 @dataclass
@@ -386,12 +415,8 @@ def cell_argv(cfg: TtaConfig, cell: dict, report: str, run_dir: str,
         common.append("--stop-at-target")
     if rate is not None:
         common += ["--testbed", "--testbed-prefix", cfg.prefix]
-    grad = 4 * w.n_params()
-    xfer = 2 * (cfg.workers - 1) / cfg.workers * grad * 8 / rate_bits_per_s(rate) \
-        if rate else 0.0
-    timeout = ["--peer-timeout-s", f"{max(20.0, round(10 * xfer)):g}"]
-    # pace the UDP channels at the line rate, not above it
-    pace = ["--pace-mbit", f"{rate_bits_per_s(rate) / 1e6:g}"] if rate is not None else []
+    tx = _timeout_and_pace(cfg, cell)
+    timeout, pace = tx[:2], tx[2:]
     if s.base in TRAINED_BY_GLOO_TRAIN:
         hook = ["--ddp-hook", DDP_HOOK[s.base]] if s.base in DDP_HOOK else []
         if s.base == "dgt-ddp":   # the sidecars take what a dgt cell gives dgt train
@@ -400,6 +425,19 @@ def cell_argv(cfg: TtaConfig, cell: dict, report: str, run_dir: str,
         return [sys.executable, "-m", "dgt.tools.gloo_train"] + common + hook
     return [sys.executable, "-m", "dgt.cli", "train", "--mode", s.base] + timeout + \
         common + pace + list(s.flags)
+
+
+def _timeout_and_pace(cfg: TtaConfig, cell: dict) -> list[str]:
+    """A cell's --peer-timeout-s (ten times a ring all-reduce of the gradient at its
+    rate, at least 20 s), then, on a testbed, its --pace-mbit (the line rate)."""
+    w, rate = cell["workload"], cell["rate"]
+    grad = 4 * w.n_params()
+    xfer = 2 * (cfg.workers - 1) / cfg.workers * grad * 8 / rate_bits_per_s(rate) \
+        if rate else 0.0
+    timeout = ["--peer-timeout-s", f"{max(20.0, round(10 * xfer)):g}"]
+    # pace the UDP channels at the line rate, not above it
+    pace = ["--pace-mbit", f"{rate_bits_per_s(rate) / 1e6:g}"] if rate is not None else []
+    return timeout + pace
 
 
 def _command(argv: list[str]) -> str:
@@ -519,8 +557,8 @@ def summarise(cfg: TtaConfig, cell: dict, rep: dict | None, trainers: list[dict]
         compute_ms_median=float(np.median(compute)) * 1e3 if compute else None,
         comm_ms_median=float(np.median(comm)) * 1e3 if comm else None,
         comm_ms_p95=float(np.percentile(comm, 95)) * 1e3 if comm else None,
-        cpu=cpu_budget(cfg.workers, cpu_per_iteration(read_run(run_dir), trainers),
-                       compute, comm),
+        cpu=cpu_budget(cfg.workers, cpu_per_iteration(
+            read_run(run_dir, world=cfg.workers), trainers), compute, comm),
         push_bytes_per_iteration=push, pull_bytes_per_iteration=pull, bytes_source=src,
         wire_tx_bytes_per_iteration=(rep or {}).get("wire_tx_bytes_per_iteration"),
         train_seconds=t0.get("train_seconds"),
@@ -612,6 +650,7 @@ def run_tta(cfg: TtaConfig, command: str, log_fn=print) -> dict:
         calibration = calibrate(cfg, log_fn)
         doc["calibration"] = calibration
     cells = plan(cfg, calibration)
+    check_cells(cfg, cells)
     est = estimate_s(cfg, cells, calibration)
     doc["estimate_s"] = round(est)
     log_fn(f"tta: {len(cells)} cells, {cfg.workers} workers, target "
@@ -991,6 +1030,7 @@ def cmd_tta(a, command: str) -> int:
             bench.check_tools(cfg.scenarios, estimate=True)
         bench.check_out_dir(cfg.out)
         cells = plan(cfg)
+        check_cells(cfg, cells)
         for c in cells:
             print(f"{c['rate'] or 'loopback':>10} {c['scenario']:<8} {c['workload'].name:<16} "
                   f"{c['system'].name:<28} ~{estimate_cell_s(cfg, c):.0f} s at most")

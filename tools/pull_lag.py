@@ -23,19 +23,22 @@ directory without traces.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
 from collections import Counter
 
+from dgt.run_files import job_world, of_job
+
 
 def load(run_dir: str) -> dict[int, dict[int, dict]]:
-    """{iteration: {rank: that rank's iteration record}} from ``trace-*.jsonl``. Raises
-    FileNotFoundError when there is no trace; skips lines that are not an iteration
-    record (not JSON, not an object, or without an int ``t`` and ``rank`` and a
-    ``pull_s`` object)."""
-    paths = sorted(glob.glob(os.path.join(run_dir, "trace-*.jsonl")))
+    """{iteration: {rank: that rank's iteration record}} from ``trace-*.jsonl``, of the
+    ranks of the job in ``run_dir``'s ``pids.json`` when it has one
+    (dgt.run_files.job_world: a previous job's traces of more ranks are not this job's).
+    Raises FileNotFoundError when there is no trace; skips lines that are not an
+    iteration record (not JSON, not an object, or without an int ``t`` and ``rank`` and
+    a ``pull_s`` object)."""
+    paths = of_job(os.path.join(run_dir, "trace-*.jsonl"), job_world(run_dir))
     if not paths:
         raise FileNotFoundError(f"no trace-<rank>.jsonl in {run_dir} (a run dir of dgt "
                                 f"train --run-dir)")

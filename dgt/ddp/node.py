@@ -26,7 +26,7 @@ from datetime import timedelta
 from .. import ipc
 from ..client import Client
 from ..config import default_run_dir
-from ..unixsock import owned_dir, private_dir
+from ..unixsock import NotOurs, owned_dir, private_dir
 from ..errors import PeerFailure
 from ..rendezvous import QUIET_TORCH_ENV
 from . import generation
@@ -169,7 +169,7 @@ class NodeLink:
             run_dir = os.path.join(private_dir(default_run_dir()), f"torchrun-{env.tag}")
         elif env.restart_count:   # a failed generation's sidecars may still be stopping
             run_dir = os.path.join(run_dir, f"restart-{env.restart_count}")
-        owned_dir(run_dir, "DGT_RUN_DIR")   # raises NotOurs: a folder another user can write
+        _own_run_dir(run_dir)
         sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
         for folder in {run_dir, _previous_run_dir(env)} - {None}:
             reap_sidecar(folder, rank, env.run_id)
@@ -245,6 +245,19 @@ class NodeLink:
                 self.proc.wait()
         _remove_shm(self.proc.pid)   # a sidecar killed before its first push
         _unlink_if_stale(self.socket_path)   # one killed by SIGKILL could not unlink it
+
+
+def _own_run_dir(run_dir: str) -> None:
+    """Make ``run_dir`` (DGT_RUN_DIR) if missing and check it is this user's alone.
+    Raises NotOurs (a folder another user can write), or the OSError of mkdir(2) with a
+    message that names DGT_RUN_DIR."""
+    try:
+        owned_dir(run_dir, "DGT_RUN_DIR")
+    except NotOurs:
+        raise
+    except OSError as e:
+        raise type(e)(f"DGT_RUN_DIR {run_dir}: cannot create it ({e.strerror or e}); "
+                      f"give a folder of yours") from None
 
 
 def _remove_shm(pid: int) -> None:

@@ -118,7 +118,8 @@ class DgtState:
         (atomically), between two iterations: after the first iteration, before the
         next backward. :meth:`state_dict` then names ``path`` (absolute), and a state
         loaded from it resumes the sidecar from there. Raises RuntimeError before the
-        first iteration, :class:`dgt.PeerFailure` when the sidecar cannot write it."""
+        first iteration, OSError when the sidecar could not write it (a full disk: it
+        goes on), :class:`dgt.PeerFailure` when the sidecar fails."""
         if self._flat is None:
             raise RuntimeError("save_sidecar() after the first iteration: the sidecar "
                                "has no model laid out before it")

@@ -1,0 +1,113 @@
+"""The files a ``dgt train`` job leaves in its run dir, by name: which are one rank's,
+how many ranks the job that wrote them has, and removing what a previous job left.
+
+A run dir given again (``--run-dir``) to a job with fewer workers kept the old job's
+files of the ranks the new one lacks, and every reader that globbed ``trace-*.jsonl``
+or ``sidecar-*.json`` mixed them in: the report counted the old job's blocks and its
+``param_sha256`` (docs/architecture.md, "What a run leaves in its run dir"). So the
+launcher removes them before it starts (:func:`clear_previous`), and the readers take
+only ranks ``0..world-1`` (:func:`job_world`, :func:`in_job`).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+#: every file of one rank that a job writes in its run dir, ``{}`` for the rank: the
+#: launcher's logs and socket (dgt.launch.Job._spawn, Job._socket_path), the trainer's
+#: result (dgt.job), the sidecar's endpoints (dgt.sidecar), its trace (dgt.trace), its
+#: report, final metrics and conservation sums (dgt.node_report), and the failure
+#: records of both processes (dgt.failure.record_path)
+RANK_FILES = ("sidecar-{}.json", "sidecar-{}.log", "sidecar-{}.sock", "trainer-{}.json",
+              "trainer-{}.log", "trace-{}.jsonl", "endpoints-{}.json", "metrics-{}.prom",
+              "conservation-{}.npz", "failure-sidecar-{}.json", "failure-trainer-{}.json")
+#: the launcher's own files of one job: what it started (the readers' world) and the
+#: failure it stopped the job for (read by a sidecar that gets SIGTERM)
+JOB_FILES = ("pids.json", "failure.json")
+#: where a restart moved a failed attempt's files (dgt.launch.Job.restart_from)
+ATTEMPT = re.compile(r"attempt-[1-9][0-9]*")
+# a rank as dgt writes it: no sign, no leading zero
+_RANKED = [re.compile(re.escape(a) + r"(0|[1-9][0-9]*)" + re.escape(b))
+           for a, b in (t.split("{}") for t in RANK_FILES)]
+
+
+def rank_of(name: str) -> int | None:
+    """The rank of ``name`` when it is one of RANK_FILES (a base name, e.g.
+    ``trace-2.jsonl`` -> 2); None for any other name."""
+    for pattern in _RANKED:
+        m = pattern.fullmatch(name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def job_world(run_dir: str) -> int | None:
+    """The ranks of the job that last started in ``run_dir``: one more than the highest
+    sidecar rank in its ``pids.json`` (dgt.launch.Job.start). None when there is none,
+    or it cannot be read (a sidecar started by hand; a run dir of an older dgt)."""
+    try:
+        with open(os.path.join(run_dir, "pids.json"), "rb") as f:
+            procs = json.loads(f.read())
+        ranks = [p["rank"] for p in procs if p["kind"] == "sidecar"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    ok = ranks and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                       for r in ranks)
+    return max(ranks) + 1 if ok else None
+
+
+def in_job(rank: int, world: int | None) -> bool:
+    """Whether ``rank`` is one of the job's ranks ``0..world-1`` (every rank is when
+    ``world`` is None: not known)."""
+    return world is None or 0 <= rank < world
+
+
+def of_job(pattern: str, world: int | None) -> list[str]:
+    """The paths the glob ``pattern`` (e.g. ``<run-dir>/trace-*.jsonl``) matches, sorted;
+    with ``world``, only per-rank names (RANK_FILES) of ranks 0..world-1."""
+    paths = sorted(glob.glob(pattern))
+    if world is None:
+        return paths
+    return [p for p in paths
+            if (r := rank_of(os.path.basename(p))) is not None and in_job(r, world)]
+
+
+def clear_previous(run_dir: str, keep: tuple[str, ...] = ()) -> int:
+    """Remove what a previous job left in ``run_dir``: its RANK_FILES and JOB_FILES, and
+    the same names in its ``attempt-<i>`` folders, each folder then removed when empty.
+    Nothing else is touched: not ``lock``, a report, a checkpoint (``trainer-<r>.pt``,
+    step folders), a user's file, nor an attempt folder that holds a path of ``keep``
+    (the checkpoint dir, the --resume folder). Call it holding the run dir's lock.
+    Returns the files removed. Raises OSError when one cannot be removed."""
+    removed = _remove_own_files(run_dir)
+    keep = tuple(os.path.abspath(k) for k in keep if k)
+    for name in sorted(os.listdir(run_dir)):
+        folder = os.path.join(run_dir, name)
+        if not ATTEMPT.fullmatch(name) or os.path.islink(folder) or \
+                not os.path.isdir(folder) or \
+                any(_within(k, os.path.abspath(folder)) for k in keep):
+            continue
+        removed += _remove_own_files(folder)
+        if not os.listdir(folder):
+            os.rmdir(folder)
+    return removed
+
+
+def _remove_own_files(folder: str) -> int:
+    """Unlink every RANK_FILES or JOB_FILES name in ``folder`` that is not a folder (a
+    symbolic link goes, never its target). Returns how many."""
+    n = 0
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        ours = rank_of(name) is not None or name in JOB_FILES
+        if ours and (os.path.islink(path) or not os.path.isdir(path)):
+            os.unlink(path)
+            n += 1
+    return n
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it (absolute paths)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)

@@ -1,0 +1,140 @@
+"""'dgt top --once --endpoints' against real local HTTP servers: what is not a dgt
+sidecar's metrics page is named in one line, never a traceback (breaker: a web page
+gave 'ValueError: invalid metric name', forged labels an OverflowError)."""
+import http.server
+import re
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+#: a dgt sidecar's page, the metrics dgt top reads (dgt.metrics.SidecarCollector)
+PAGE = ('dgt_sidecar_info{rank="1",world="2",mode="dgt",job="0123456789ab"} 1.0\n'
+        'dgt_iteration 41.0\n'
+        'dgt_comm_seconds_count 42.0\n'
+        'dgt_comm_seconds_sum 0.42\n'
+        'dgt_reliable_fraction 0.5\n'
+        'dgt_blocks_lost_own_total 7.0\n'
+        'dgt_channel_blocks_sent_total{channel="tcp"} 100.0\n'
+        'dgt_channel_blocks_sent_total{channel="udp1"} 50.0\n')
+ROW = re.compile(r"^\s*(\d+)\s+(-?\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+([0-9.]+)\s+(\d+)", re.M)
+
+
+class _Page(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = self.server.body.encode()
+        self.send_response(self.server.status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def serve():
+    """``serve(body, status=200)`` -> the port of an HTTP server answering every GET
+    with ``body``; ``serve(raw=b'...')``: a TCP server that sends those bytes, no HTTP."""
+    servers = []
+
+    def start(body: str = "", status: int = 200, raw: bytes | None = None) -> int:
+        if raw is not None:
+            lsock = socket.create_server(("127.0.0.1", 0))
+            servers.append(lsock)
+            threading.Thread(target=_banner, args=(lsock, raw), daemon=True).start()
+            return lsock.getsockname()[1]
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Page)
+        srv.body, srv.status = body, status
+        servers.append(srv)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv.server_address[1]
+    yield start
+    for s in servers:
+        if isinstance(s, socket.socket):
+            s.close()
+        else:
+            s.shutdown()
+            s.server_close()
+
+
+def _banner(lsock: socket.socket, raw: bytes) -> None:
+    """Answer each connection with ``raw`` (e.g. an SSH server's banner), then close."""
+    while True:
+        try:
+            conn, _ = lsock.accept()
+        except OSError:
+            return
+        with conn:
+            conn.sendall(raw)
+
+
+def top(*endpoints: int):
+    return subprocess.run([sys.executable, "-m", "dgt.cli", "top", "--once", "--endpoints",
+                           ",".join(f"127.0.0.1:{p}" for p in endpoints)],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("page, status, why", [
+    ("<html><body>Not Found</body></html>", 200,
+     "not Prometheus text: 'invalid metric name:<html>"),
+    ('dgt_sidecar_info{rank="-5",world="99999999"} 1\ndgt_iteration{rank="x"} 1e400\n',
+     200, "dgt_sidecar_info has rank '-5', world '99999999'"),
+    ('dgt_sidecar_info{rank="x",world="2"} 1\n', 200,
+     "dgt_sidecar_info has rank 'x', world '2'"),
+    ('dgt_sidecar_info{rank="2",world="2"} 1\n', 200,
+     "dgt_sidecar_info has rank '2', world '2'"),
+    ('node_load1 0.5\n', 200, "no dgt_sidecar_info metric"),
+    ("gone", 404, "HTTP 404 'Not Found'"),
+], ids=["html", "forged-labels", "rank-not-a-number", "rank-past-world", "other-exporter",
+        "http-404"])
+def test_an_endpoint_that_is_not_a_dgt_sidecar_is_one_line(serve, page, status, why):
+    port = serve(page, status)
+    p = top(port)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert (f"dgt top: error: 127.0.0.1:{port} is not a dgt metrics endpoint ({why}"
+            in p.stderr), p.stderr
+
+
+def test_a_server_that_does_not_speak_http_is_one_line(serve):
+    port = serve(raw=b"SSH-2.0-OpenSSH_9.2\r\n")
+    p = top(port)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stdout + p.stderr
+    assert f"127.0.0.1:{port} is not a dgt metrics endpoint (not an HTTP answer" \
+        in p.stderr, p.stderr
+
+
+def test_the_good_endpoints_are_shown_and_the_bad_ones_named(serve):
+    good, html = serve(PAGE), serve("<html><body>Not Found</body></html>")
+    closed = socket.create_server(("127.0.0.1", 0))   # bound, never listening
+    dead = closed.getsockname()[1]
+    closed.close()
+    p = top(good, html, dead)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [m[:2] for m in ROW.findall(p.stdout)] == [("1", "41")], p.stdout
+    text = " ".join(p.stdout.split())   # the caption wraps
+    assert f"127.0.0.1:{html} is not a dgt metrics endpoint (" in text, p.stdout
+    assert f"127.0.0.1:{dead} does not answer (" in text, p.stdout
+
+
+def test_one_scrape_shows_no_rate_and_no_quit_hint(serve):
+    """--once scrapes once: a rate needs two samples, so it/s, comm ms and the
+    channels' blk/s and loss are '-', not 0.0; and there is no live view to quit."""
+    p = top(serve(PAGE))
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = [ln.split() for ln in p.stdout.splitlines()]
+    at = lines.index(["1", "41", "-", "-", "-", "0.50", "7", "-", "-"])   # tcp, udp1 blk/s
+    assert lines[at + 1] == ["-", "-"], p.stdout                          # and their loss
+    assert "q quits" not in p.stdout, p.stdout
+
+
+def test_values_that_are_not_finite_are_left_out(serve):
+    page = PAGE.replace("dgt_iteration 41.0", "dgt_iteration +Inf").replace(
+        "dgt_blocks_lost_own_total 7.0", "dgt_blocks_lost_own_total NaN") + \
+        'dgt_reliable_fraction{rank="x"} 1e400\n'
+    p = top(serve(page))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert [r[:2] + r[6:] for r in ROW.findall(p.stdout)] == [("1", "-1", "0")], p.stdout

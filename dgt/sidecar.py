@@ -411,6 +411,7 @@ class Sidecar:
         if self.done.is_set():
             return   # we are shutting down
         self._apply(self.control.lost(proto.conn_id, time.monotonic()))
+        self._arm_timer()   # a peer's loss fails the job after its grace (transport.control)
 
     def _arm_timer(self) -> None:
         """Keep one timer armed for the earliest deadline: a connection's HELLO

@@ -44,7 +44,7 @@ BAD = [
     (["train", "--k-min", "0.1"], "--k-min only applies with --adaptive-k"),
     (["train", "--report", "/proc/x.json"], "--report: cannot create a file in /proc"),
     (["train", "--workers", "64", "--batch-size", "8", "--hidden", "20000"],
-     "GiB of memory here"),
+     "GiB of memory"),
     (["bench", "--out", "/proc/nope", "--estimate"], "--out /proc/nope: cannot write"),
     (["bench", "--eval-every", "-1", "--estimate"], "--eval-every >= 0"),
     (["bench", "--target-accuracy", "2", "--estimate"], "--target-accuracy must be in"),
@@ -56,7 +56,7 @@ BAD = [
     (["train", "--peer-timeout-s", "1e10"], "--peer-timeout-s must be in (0, 3600] s"),
     (["train", "--batch-size", "500"], "exceeds the 1437 training samples"),
     (["bench", "--cell-timeout-s", "nan", "--estimate"], "--cell-timeout-s must be >= 0"),
-    (["bench", "--hidden", "1000000000", "--estimate"], "GiB of memory here"),
+    (["bench", "--hidden", "1000000000", "--estimate"], "GiB of memory"),
     # field faults, issue 12
     (["sidecar", "--rank", "1", "--world", "2", "--master-addr", "no-such-host.invalid"],
      "--master-addr no-such-host.invalid does not resolve"),

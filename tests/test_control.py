@@ -3,9 +3,9 @@ eviction, forged HELLO/ERROR/BYE, PULL checks, blame on a lost connection."""
 import numpy as np
 
 from dgt.transport import messages, wire
-from dgt.transport.control import (CloseConnection, ConnectionRefused, ConnState,
-                                   ControlProtocol, PeerFailed, PeerLeft, PullArrived,
-                                   RefuseConnection, ShardFrame)
+from dgt.transport.control import (LOST_GRACE_S, CloseConnection, ConnectionRefused,
+                                   ConnState, ControlProtocol, PeerFailed, PeerLeft,
+                                   PullArrived, RefuseConnection, ShardFrame)
 from dgt.transport.reasons import Reason, Rejected
 from dgt.transport.wire import MsgType
 
@@ -72,8 +72,9 @@ def test_a_forged_hello_does_not_take_a_real_peers_place():
     assert c.incoming() == {1: 1}
     # the superseded / forged candidate dropping blames nobody; the real one would
     assert c.lost(6, 2.0) == []
-    assert c.lost(1, 2.0) == [PeerFailed(1, "lost connection to rank 1 (process died "
-                                            "or network down)")]
+    assert c.lost(1, 2.0) == []
+    assert c.handle_timer(2.0 + LOST_GRACE_S) == [
+        PeerFailed(1, "lost connection to rank 1 (process died or network down)")]
 
 
 def test_candidates_per_rank_are_capped_and_a_peer_s_own_is_kept():
@@ -191,10 +192,36 @@ def test_losing_the_connection_we_dialled_blames_its_rank_unless_finishing():
     c = control()
     c.connected(7, 1, 0.0)
     c.connected(8, 2, 0.0)
-    assert c.lost(7, 1.0) == [PeerFailed(1, "lost connection to rank 1 (process died "
-                                            "or network down)")]
+    assert c.lost(7, 1.0) == []   # its ERROR, on the other socket, may still be coming
+    assert c.next_timer() == 1.0 + LOST_GRACE_S
+    assert c.handle_timer(1.0 + LOST_GRACE_S / 2) == []
+    assert c.handle_timer(1.0 + LOST_GRACE_S) == [
+        PeerFailed(1, "lost connection to rank 1 (process died or network down)")]
+    assert c.next_timer() is None
     c.finishing = True
     assert c.lost(8, 1.0) == [PeerLeft(2, clean=False)]
+
+
+def test_a_lost_connection_waits_for_the_error_that_explains_it():
+    """A failing peer sends ERROR on its connection and closes ours: the two sockets'
+    events come in either order. The ERROR that comes within the grace is the failure
+    (naming the rank it names); the loss alone fails the job only after the grace."""
+    c = control(authenticated=True)
+    c.connected(7, 1, 0.0)
+    hello(c, 3, sender=2)
+    c.receive_frame(3, *frame(MsgType.END, sender=2, payload=wire.pack_end([0])), 0.5)
+    c.confirm(3)
+    assert c.lost(7, 1.0) == []
+    err = wire.decode(messages.error(SESSION, 2, 2, "trainer of rank 2 died", None))
+    ev = c.receive_frame(3, *err, 1.1)
+    assert len(ev) == 1 and isinstance(ev[0], PeerFailed) and ev[0].reported, ev
+    assert ev[0].rank == 2 and "rank 2 reports: trainer of rank 2 died" in ev[0].reason
+    # a peer that said BYE meanwhile is not blamed when the grace ends
+    c2 = control()
+    c2.connected(7, 1, 0.0)
+    assert c2.lost(7, 1.0) == []
+    c2.left.add(1)
+    assert c2.handle_timer(2.0) == []
 
 
 def test_every_rejection_is_a_reason():
@@ -242,8 +269,9 @@ def test_a_rival_candidate_s_traffic_is_never_applied_once_one_is_established():
     assert c.confirm(3) == [] and c.confirm(2) == []
     assert c.incoming() == {1: 1}
     assert c.lost(2, 2.0) == []
-    assert c.lost(1, 2.0) == [PeerFailed(1, "lost connection to rank 1 (process died "
-                                            "or network down)")]
+    assert c.lost(1, 2.0) == []
+    assert c.handle_timer(2.0 + LOST_GRACE_S) == [
+        PeerFailed(1, "lost connection to rank 1 (process died or network down)")]
 
 
 def test_a_refusal_reaches_the_rank_only_on_the_connection_it_dialled():

@@ -56,6 +56,11 @@ MAX_PENDING_HELLO = 128
 MAX_CANDIDATES_PER_RANK = 4
 #: characters of a peer's ERROR text that reach the failure message
 MAX_ERROR_TEXT = 500
+#: a peer's lost connection fails the job this many seconds later, unless an ERROR
+#: says why first: a failing peer sends ERROR on its own connection and closes the
+#: other, and the two sockets' events may come in either order; without the wait a
+#: survivor could blame the peer that relayed a failure instead of the one that failed
+LOST_GRACE_S = 0.25
 
 
 class ConnState(enum.Enum):
@@ -177,6 +182,8 @@ class ControlProtocol:
     shard_ranges: dict = field(default_factory=dict)   # rank -> (first block, n blocks)
     hosts: dict = field(default_factory=dict)   # rank -> its published addresses
     block_elems: int = 0
+    lost_grace_s: float = LOST_GRACE_S
+    losses: dict = field(default_factory=dict)  # rank -> when its lost connection fails us
 
     # -- set-up -----------------------------------------------------------------------
     def set_session(self, session: int, now: float,
@@ -243,7 +250,9 @@ class ControlProtocol:
         return None
 
     def lost(self, conn: int, now: float) -> list:
-        """``conn`` closed (by the peer, by us, or by an error)."""
+        """``conn`` closed (by the peer, by us, or by an error). A peer's: PeerLeft
+        while finishing, else PeerFailed from :meth:`handle_timer` ``lost_grace_s``
+        later (:data:`LOST_GRACE_S`), unless an ERROR of a peer fails the job first."""
         c = self.conns.pop(conn, None)
         if c is None or c.rank is None or c.rank in self.left:
             return []
@@ -252,8 +261,26 @@ class ControlProtocol:
         if self.finishing:   # our work is done; its own launcher reports the death
             self.left.add(c.rank)
             return [PeerLeft(c.rank, clean=False)]
-        return [PeerFailed(c.rank, f"lost connection to rank {c.rank} "
-                                   f"(process died or network down)")]
+        self.losses.setdefault(c.rank, now + self.lost_grace_s)
+        return []
+
+    def _lost_due(self, now: float) -> list:
+        """The lost connections whose grace ended by ``now``: PeerFailed each (PeerLeft
+        for one that said BYE meanwhile or while we finish)."""
+        events: list = []
+        for rank, due in sorted(self.losses.items(), key=lambda x: x[1]):
+            if due > now:
+                continue
+            del self.losses[rank]
+            if rank in self.left:
+                continue
+            if self.finishing:
+                self.left.add(rank)
+                events.append(PeerLeft(rank, clean=False))
+            else:
+                events.append(PeerFailed(rank, f"lost connection to rank {rank} "
+                                               f"(process died or network down)"))
+        return events
 
     def bad_frame(self, conn: int, reason: str) -> list:
         """The deframer refused ``conn``'s stream (``reason``, a WireError's); the
@@ -348,15 +375,19 @@ class ControlProtocol:
 
     # -- time -------------------------------------------------------------------------
     def next_timer(self) -> float | None:
-        """When the oldest pending connection's HELLO time runs out."""
+        """When the oldest pending connection's HELLO time runs out, or a lost
+        connection's grace (:meth:`lost`), whichever is first."""
+        times = list(self.losses.values())
         for c in self.conns.values():
             if c.state is ConnState.PENDING:
-                return c.opened + self.hello_timeout_s
-        return None
+                times.append(c.opened + self.hello_timeout_s)
+                break
+        return min(times) if times else None
 
     def handle_timer(self, now: float) -> list:
         return [self._close(c, Reason.NO_HELLO) for c in list(self.conns.values())
-                if c.state is ConnState.PENDING and now >= c.opened + self.hello_timeout_s]
+                if c.state is ConnState.PENDING and now >= c.opened + self.hello_timeout_s
+                ] + self._lost_due(now)
 
     # -- queries ----------------------------------------------------------------------
     def incoming(self) -> dict[int, int]:

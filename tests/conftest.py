@@ -129,3 +129,27 @@ def as_nobody() -> list[str]:
     if not shutil.which("setpriv"):
         pytest.skip(reason="needs setpriv (Debian package util-linux)")
     return ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``mount(size, name="tiny", mode="")``: a tmpfs of ``size`` (mount's size=, e.g.
+    "8k", "1m") at ``tmp_path/name`` (``mode``: mount's mode=, e.g. "700"), for a disk
+    that fills; unmounted after the test. Skips when not root or mount(8) fails."""
+    if os.geteuid() != 0:
+        pytest.skip(reason="needs root: mounts a small tmpfs (a disk that fills)")
+    mounted = []
+
+    def mount(size: str, name: str = "tiny", mode: str = ""):
+        mnt = tmp_path / name
+        mnt.mkdir()
+        opts = f"size={size}" + (f",mode={mode}" if mode else "")
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "dgt-test", str(mnt)],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            pytest.skip(reason=f"cannot mount a tmpfs here: {p.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

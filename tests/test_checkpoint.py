@@ -340,33 +340,16 @@ def test_a_checkpoint_file_that_cannot_be_written_is_a_warning_and_training_goes
     assert checkpoint.resolve(str(ck), 2) == str(ck / "step-00000010")
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    """A 1 MiB tmpfs (mode 0700) at ``tmp_path/tiny``, unmounted after the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (the folder-in-the-way variant "
-                    "covers the path for other users)")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=700", "dgt-tiny",
-                        str(mnt)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
 @pytest.mark.slow
 def test_a_full_checkpoint_disk_is_a_warning_and_keeps_the_last_complete_step(
-        tmp_path, tiny_tmpfs):
+        tmp_path, small_tmpfs):
     """Outside tester: a checkpoint write that filled the disk killed the job (torch's
     RuntimeError "unexpected pos" wrapping ENOSPC; "rank 0 disconnected"). Step 10 is
     taken with room to spare; then the disk is filled to half a trainer file free: at
     steps 20 and 30 each rank's sidecar or trainer file fails, one warning each, the
     job finishes, and step 10 stays the one --resume takes."""
     from conftest import run_train
+    tiny_tmpfs = small_tmpfs("1m", mode="700")
     ck = tiny_tmpfs / "ck"
     ck.mkdir(mode=0o700)
     run_train(tmp_path / "first", *SMALL, "--iterations", 10, "--checkpoint-every", 10,

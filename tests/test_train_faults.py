@@ -372,65 +372,52 @@ def test_a_launcher_killed_before_it_could_remove_its_spill_folder_is_cleaned_up
         shutil.rmtree(others, ignore_errors=True)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a small tmpfs)")
-def test_a_report_that_cannot_be_written_is_one_line_and_leaves_no_partial_file(tmp_path):
+def test_a_report_that_cannot_be_written_is_one_line_and_leaves_no_partial_file(
+        small_tmpfs):
     """A full disk at the end of a run: one line naming --report and why, exit 1, no
     truncated report, no temporary file, and the run's logs kept and named."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mnt)], check=True)
-    try:
-        with open(mnt / "fill", "wb") as f:   # fill it: the report's write must fail
-            try:
-                f.write(b"x" * 65536)
-            except OSError:
-                pass
-        report = mnt / "r.json"
-        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
-                            "--iterations", "2", "--hidden", "32", "--report", str(report)],
-                           capture_output=True, text=True, timeout=180)
-        out = p.stdout + p.stderr
-        assert p.returncode == 1, out
-        assert f"dgt train: cannot write --report {report}" in out, out
-        assert "Traceback" not in out
-        assert sorted(x.name for x in mnt.iterdir()) == ["fill"]
-        kept = out.split("logs kept in ")[-1].split()[0]
-        assert os.path.isdir(kept)
-        shutil.rmtree(kept, ignore_errors=True)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+    mnt = small_tmpfs("8k")
+    with open(mnt / "fill", "wb") as f:   # fill it: the report's write must fail
+        try:
+            f.write(b"x" * 65536)
+        except OSError:
+            pass
+    report = mnt / "r.json"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                        "--iterations", "2", "--hidden", "32", "--report", str(report)],
+                       capture_output=True, text=True, timeout=180)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    assert f"dgt train: cannot write --report {report}" in out, out
+    assert "Traceback" not in out
+    assert sorted(x.name for x in mnt.iterdir()) == ["fill"]
+    kept = out.split("logs kept in ")[-1].split()[0]
+    assert os.path.isdir(kept)
+    shutil.rmtree(kept, ignore_errors=True)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a small tmpfs)")
-def test_a_run_dir_on_a_full_disk_is_one_line(tmp_path):
+def test_a_run_dir_on_a_full_disk_is_one_line(small_tmpfs):
     """Making the folder needs no data block, so the up-front checks pass; the lock
     file's write then fails. One line naming --run-dir and why, exit 2, nothing runs."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mnt)], check=True)
-    try:
-        with open(mnt / "fill", "wb") as f:
-            try:
-                f.write(b"x" * 65536)
-            except OSError:
-                pass
-        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
-                            "--iterations", "1", "--hidden", "32", "--run-dir",
-                            str(mnt / "run")], capture_output=True, text=True, timeout=120)
-        out = p.stdout + p.stderr
-        assert p.returncode == 2, out
-        assert f"dgt train: --run-dir {mnt / 'run'}: No space left on device" in out, out
-        assert "Traceback" not in out
-        assert not (mnt / "run" / "lock").exists(), "the refused run left its lock file"
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+    mnt = small_tmpfs("8k")
+    with open(mnt / "fill", "wb") as f:
+        try:
+            f.write(b"x" * 65536)
+        except OSError:
+            pass
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                        "--iterations", "1", "--hidden", "32", "--run-dir",
+                        str(mnt / "run")], capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert f"dgt train: --run-dir {mnt / 'run'}: No space left on device" in out, out
+    assert "Traceback" not in out
+    assert not (mnt / "run" / "lock").exists(), "the refused run left its lock file"
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a small tmpfs as the "
-                    "run dir, so that it fills up during training)")
 @pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
-def test_a_run_dir_that_fills_during_training_keeps_the_run_and_its_report(tmp_path,
-                                                                           terminal):
+def test_a_run_dir_that_fills_during_training_keeps_the_run_and_its_report(
+        tmp_path, small_tmpfs, terminal):
     """A 64 KiB run dir fills during training (the traces): the sidecars and trainers
     finish, their end-of-run records reach the launcher through the spill folder
     (dgt.records), the summary is printed and --report (on another disk) written with
@@ -439,36 +426,31 @@ def test_a_run_dir_that_fills_during_training_keeps_the_run_and_its_report(tmp_p
     into the full run dir (trainer-0.log), which must not stop it either."""
     if terminal and shutil.which("script") is None:
         pytest.skip(reason="needs script(1) for a terminal (Debian package bsdutils)")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
-    try:
-        run_dir, report = mnt / "run", tmp_path / "r.json"
-        cmd = [sys.executable, "-m", "dgt.cli", "train", "--workers", "2", "--hidden",
-               "64", "--iterations", "200", "--epochs", "100", "--run-dir", str(run_dir),
-               "--report", str(report)]
-        if terminal:   # script(1) runs it on a pseudo-terminal; -e: its exit status
-            cmd = ["script", "-qec", " ".join(cmd), "/dev/null"]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, COLUMNS="200"))
-        out = (p.stdout + p.stderr).replace("\r", "\n")
-        assert p.returncode == 0, out + logs_of(run_dir)
-        assert "replicas identical" in out, out
-        assert "Traceback" not in out
-        r = json.loads(report.read_text())
-        assert r["iterations"] == 200 and r["replicas_identical"], r
-        assert len(r["sidecars"]) == 2 and len(r["param_sha256"]) == 2, r
-        assert sum(ch["blocks_sent"] for ch in r["channels"].values()) > 0, r
-        for rank in (0, 1):
-            for name in (f"sidecar-{rank}.json", f"trainer-{rank}.json"):
-                line = f"could not write {run_dir / name}: No space left on device"
-                assert any(line in w for w in r["warnings"]), r["warnings"]
-                assert line in out, out
-            trace = f"per-iteration trace {run_dir / f'trace-{rank}.jsonl'} stopped at"
-            assert any(trace in w for w in r["warnings"]), r["warnings"]
-            assert trace in out, out
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+    mnt = small_tmpfs("64k")
+    run_dir, report = mnt / "run", tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "dgt.cli", "train", "--workers", "2", "--hidden",
+           "64", "--iterations", "200", "--epochs", "100", "--run-dir", str(run_dir),
+           "--report", str(report)]
+    if terminal:   # script(1) runs it on a pseudo-terminal; -e: its exit status
+        cmd = ["script", "-qec", " ".join(cmd), "/dev/null"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, COLUMNS="200"))
+    out = (p.stdout + p.stderr).replace("\r", "\n")
+    assert p.returncode == 0, out + logs_of(run_dir)
+    assert "replicas identical" in out, out
+    assert "Traceback" not in out
+    r = json.loads(report.read_text())
+    assert r["iterations"] == 200 and r["replicas_identical"], r
+    assert len(r["sidecars"]) == 2 and len(r["param_sha256"]) == 2, r
+    assert sum(ch["blocks_sent"] for ch in r["channels"].values()) > 0, r
+    for rank in (0, 1):
+        for name in (f"sidecar-{rank}.json", f"trainer-{rank}.json"):
+            line = f"could not write {run_dir / name}: No space left on device"
+            assert any(line in w for w in r["warnings"]), r["warnings"]
+            assert line in out, out
+        trace = f"per-iteration trace {run_dir / f'trace-{rank}.jsonl'} stopped at"
+        assert any(trace in w for w in r["warnings"]), r["warnings"]
+        assert trace in out, out
 
 
 @pytest.mark.parametrize("secret", ["dgt", "3", "auto"])

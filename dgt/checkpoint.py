@@ -21,11 +21,13 @@ its file after its sidecar's, and neither stays when one of them cannot be writt
 the newest ``KEEP`` complete folders. A file that cannot be written (a full disk, EIO,
 a folder in its place) costs that step only: the trainer warns, naming the file, and
 trains on. ``--resume`` takes a step folder, or the checkpoint folder itself: its
-newest complete step whose files all load (every rank's ``trainer-<r>.pt`` and
-``sidecar-<r>.pt``; a step with a damaged or missing file, e.g. truncated by a full
-disk, is skipped with a warning naming the file; when no step loads, ValueError names
-the newest one's damaged file). A step folder given by name is used as it is: a
-damaged file in it is an error naming it.
+newest complete step whose files all load and belong there (every rank's
+``trainer-<r>.pt`` and ``sidecar-<r>.pt``; each records its rank and workers, the
+trainer file its step, the sidecar file its pushes: :func:`misplaced`). A step with a
+damaged or missing file, e.g. truncated by a full disk, or with a file of another step
+or rank, e.g. copied in by hand, is skipped with a warning naming the file; when no
+step loads, ValueError names the newest one's file. A step folder given by name is used
+as it is: such a file in it is an error naming it, before anything starts.
 
 A DDP training script (dgt.ddp, examples/ddp_train.py) keeps the same layout with its
 own ``trainer-<r>.pt``; each trainer file says who wrote it (``writer``), and each tool
@@ -83,18 +85,73 @@ def complete_steps(root: str, world: int) -> list[tuple[int, str]]:
 
 def damaged(folder: str, world: int) -> str | None:
     """Why step ``folder`` cannot be resumed from: the first of its files that
-    :func:`load` refuses (missing included), as its one-line message; None when every
-    file loads (tensors stay on disk: mmap). Each rank's ``trainer-<r>.pt``, then its
+    :func:`load` refuses (missing included), or that :func:`misplaced` finds to be of
+    another step or rank, as its one-line message; None when every file loads and
+    belongs there (tensors stay on disk: mmap; the step and rank are read from the
+    files as loaded, nothing twice). Each rank's ``trainer-<r>.pt``, then its
     ``sidecar-<r>.pt``, which is needed when that trainer file is dgt train's or any
     rank's sidecar file is there (a DDP script without dgt writes none)."""
     sides = any(os.path.exists(sidecar_file(folder, r)) for r in range(world))
+    workers = None   # the step's, as its trainer-0.pt (else sidecar-0.pt) records it
     for r in range(world):
         try:
             state = load(trainer_file(folder, r), mmap=True)
-            if sides or writer_of(state) == "dgt train":
-                load(sidecar_file(folder, r), mmap=True)
+            side = load(sidecar_file(folder, r), mmap=True) \
+                if sides or writer_of(state) == "dgt train" else None
         except ValueError as e:
             return str(e)
+        if r == 0:
+            workers = recorded_world(state, side)
+        why = misplaced(folder, r, workers, state, side)
+        if why is not None:
+            return why
+    return None
+
+
+def recorded_world(trainer: dict, side: dict | None) -> int | None:
+    """The number of workers a step was taken with, as rank 0's files record it
+    (``trainer``: its trainer file, loaded; ``side``: its sidecar file or None); None
+    when neither records it (a DDP script's trainer file without dgt)."""
+    w = trainer.get("world")
+    return w if w is not None or side is None else side.get("world")
+
+
+def misplaced(folder: str, rank: int, workers: int | None, trainer: dict,
+              side: dict | None) -> str | None:
+    """Why ``rank``'s files of step ``folder`` (loaded: ``trainer``, and ``side`` or
+    None) are not that step's files of that rank, as one line naming the file; None when
+    they are. Each file records its rank and number of workers (``rank``, ``world``:
+    ``workers``, the step's, from :func:`recorded_world`); the trainer file its step
+    (``step``: the folder's ``step-<t>``); the sidecar file the pushes it has done
+    (``iterations``: dgt train's trainer file's ``rounds``, a DDP script's
+    ``dgt.iteration``). A field a file does not record is not checked (files of a
+    format without it). A file copied in from another step (or rank) is caught here:
+    resumed, it made the trainers fail at their first push ("step 6 out of order") or
+    blamed a rank whose file was fine."""
+    for path, st in ((trainer_file(folder, rank), trainer),
+                     (sidecar_file(folder, rank), side)):
+        if st is None:
+            continue
+        want = (rank, workers if workers is not None else st.get("world"))
+        got = (st.get("rank", rank), st.get("world", want[1]))
+        if got != want:
+            of = "" if got[1] == want[1] else f" of {got[1]} workers"
+            then = "" if got[1] == want[1] else f" of {want[1]}"
+            return (f"{path} is rank {got[0]}'s file{of}, not rank {rank}'s{then} "
+                    f"(copied from another rank or run?)")
+    m = _STEP.match(os.path.basename(os.path.normpath(folder)))
+    step = trainer.get("step")
+    if m and isinstance(step, int) and step != int(m.group(1)):
+        return (f"{trainer_file(folder, rank)} is of step {step}, not of its folder's "
+                f"step {int(m.group(1))} (copied from another step?)")
+    hook = trainer.get("dgt")   # a DDP script's DgtState.state_dict(), or None
+    pushes = trainer.get("rounds") if writer_of(trainer) == "dgt train" else \
+        hook.get("iteration") if isinstance(hook, dict) else None
+    done = side.get("iterations") if side is not None else None
+    if isinstance(pushes, int) and isinstance(done, int) and done != pushes:
+        unit = "round" if step is not None and pushes != step else "step"   # fedavg
+        return (f"{sidecar_file(folder, rank)} is of {unit} {done}, its trainer-{rank}.pt "
+                f"of {unit} {pushes} (copied from another step?)")
     return None
 
 
@@ -115,10 +172,17 @@ def latest(root: str, world: int, why: list[str] | None = None) -> str | None:
 
 def resolve(path: str, world: int) -> str:
     """``--resume PATH``: a step folder with every rank's files, or a checkpoint folder
-    (its newest complete step). Raises ValueError saying what is missing."""
+    (its newest complete step). Raises ValueError saying what is missing, or what
+    ``path`` is when it is not a folder (a file: give its step folder)."""
     if not os.path.isdir(path):
-        raise ValueError(f"--resume {path}: no such folder; give a checkpoint folder "
-                         f"(--checkpoint-dir) or one of its step-<t> folders")
+        give = "give a checkpoint folder (--checkpoint-dir) or one of its step-<t> folders"
+        if not os.path.exists(path):
+            raise ValueError(f"--resume {path}: no such folder; {give}")
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isfile(path) and _STEP.match(os.path.basename(parent)):
+            give = f"give its step folder, --resume {os.path.dirname(path) or '.'}"
+        what = "a file" if os.path.isfile(path) else "not a folder"
+        raise ValueError(f"--resume {path}: is {what}, not a checkpoint folder; {give}")
     if _STEP.match(os.path.basename(os.path.normpath(path))):
         missing = [r for r in range(world) if not os.path.exists(trainer_file(path, r))
                    or not os.path.exists(sidecar_file(path, r))]
@@ -184,8 +248,10 @@ def check_resume(folder: str, world: int, job, tx) -> None:
     checkpoint files of this rank and ``world``, taken with this run's
     :data:`RUN_FLAGS` (``job``: a JobConfig) and ``--mode``, ``--block-bytes`` and
     ``--error-feedback`` (``tx``: a TransmissionConfig). Raises ValueError naming the
-    flag that differs, or the file that is not such a checkpoint."""
+    flag that differs, or the file that is not such a checkpoint or is of another step
+    or rank than its name says (:func:`misplaced`: the files are loaded here anyway)."""
     mode, block_bytes = tx.mode, tx.block_bytes
+    workers = None   # as rank 0's files record it
 
     def differs(flag: str, then, now) -> ValueError:
         def given(v):   # a switch (True/False) reads as the flag itself, or its --no-
@@ -195,6 +261,14 @@ def check_resume(folder: str, world: int, job, tx) -> None:
                           f"{given(now)}; resume with the same flags")
     for r in range(world):
         side = load(sidecar_file(folder, r), mmap=True)
+        st = load(trainer_file(folder, r), mmap=True, writer="dgt train")
+        if r == 0:
+            workers = recorded_world(st, side)
+        why = misplaced(folder, r, workers, st, side)
+        if why is not None:
+            raise ValueError(f"{why}; resume from another step (--resume "
+                             f"{os.path.dirname(os.path.normpath(folder)) or '.'} takes "
+                             f"the newest whose files agree)")
         if side.get("mode", mode) != mode:
             raise differs("mode", side["mode"], mode)
         if side.get("block_elems", block_bytes // 4) != block_bytes // 4:
@@ -204,7 +278,6 @@ def check_resume(folder: str, world: int, job, tx) -> None:
         kept = res.numel() > 0 if hasattr(res, "numel") else bool(tx.error_feedback)
         if kept != bool(tx.error_feedback):
             raise differs("error-feedback", kept, bool(tx.error_feedback))
-        st = load(trainer_file(folder, r), mmap=True, writer="dgt train")
         if (st.get("rank", r), st.get("world", world)) != (r, world):
             raise ValueError(f"--resume {folder}: trainer-{r}.pt is of rank {st['rank']} "
                              f"of {st['world']}; resume with the same --workers")

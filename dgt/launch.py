@@ -68,6 +68,15 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def say(line: str) -> None:
+    """One line of the launcher's console output (stdout), flushed at once: rank 0's
+    trainer writes its progress lines to the same file, so a line left in this
+    process's buffer (stdout is block-buffered when it is a file or a pipe, unless the
+    user set PYTHONUNBUFFERED; the children are started with it) would come out after
+    theirs."""
+    print(line, flush=True)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -75,7 +84,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Job:
-    def __init__(self, job: JobConfig, tx: TransmissionConfig, log=print, metrics=None,
+    def __init__(self, job: JobConfig, tx: TransmissionConfig, log=say, metrics=None,
                  ckpt: CheckpointConfig | None = None):
         self.job, self.tx, self.log = job, tx, log
         self.ckpt = ckpt or CheckpointConfig()
@@ -537,7 +546,7 @@ def check_checkpoint_dir(path: str) -> None:
         raise ValueError(f"--checkpoint-dir {path}: {e.strerror or e}") from None
 
 
-def run_job(job: JobConfig, tx: TransmissionConfig, log=print, metrics=None,
+def run_job(job: JobConfig, tx: TransmissionConfig, log=say, metrics=None,
             ckpt: CheckpointConfig | None = None) -> tuple[int, dict | None]:
     """Run ``dgt train``. Returns (exit code, report dict or None). ``metrics``: a
     ``dgt.metrics.MetricsConfig`` (the endpoints; None = off). ``ckpt``: checkpoints,

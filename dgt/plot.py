@@ -8,12 +8,16 @@ per-iteration traces ``trace-<rank>.jsonl`` and ``trainer-<rank>.json``) it writ
 - ``comm_time.png``: comm time per iteration (ms; rank 0, or every rank from traces);
 - ``channel_bytes.png``: bytes sent per channel (MB), the job's totals.
 
+Every number it reads must be a finite number within the range of its field (``LIMIT``,
+``_checked``); a report that holds another is refused in one line naming the field.
 matplotlib is imported only when the command runs.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 
@@ -37,6 +41,9 @@ def load(source: str) -> dict:
                 with open(path, "rb") as f:
                     history = json.loads(f.read())["history"]
                 _checked({"history": history, "channels": {}, "comm_ms": {}}, path)
+            except NotAReport as e:
+                history = []
+                notes.append(f"{path}: unreadable ({e.what}), no accuracy curve")
             except (OSError, ValueError, KeyError, TypeError):
                 history = []
                 notes.append(f"{path}: unreadable, no accuracy curve")
@@ -51,7 +58,8 @@ def load(source: str) -> dict:
                     acc[k] = acc.get(k, 0) + v
         return _checked({"history": history, "channels": channels, "notes": notes,
                          "comm_ms": {r: comm_times_ms(lines)
-                                     for r, lines in traces.items()}}, source)
+                                     for r, lines in traces.items()}}, source,
+                        from_traces=True)
     try:
         with open(source) as f:
             r = json.load(f)
@@ -66,15 +74,53 @@ def load(source: str) -> dict:
                      "comm_ms": {0: r.get("comm_ms", [])}}, source)
 
 
+#: the largest count, byte total, iteration, second or millisecond plot() accepts: far
+#: beyond any run (a petabyte; 31 million years), below 2**53 (every whole number up to
+#: it is exact as a float), and an axis matplotlib lays out (a report edited to hold
+#: 10**400, no float, or 1e308 and -1e308, whose span overflows its tick arithmetic,
+#: was a traceback). Nothing plot() reads is negative.
+LIMIT = 1e15
+
+
+class NotAReport(ValueError):
+    """A file plot() cannot draw: ``what`` names the first field that is wrong."""
+
+    def __init__(self, source: str, what: str):
+        super().__init__(f"{source} is not a dgt train report: {what}")
+        self.what = what
+
+
+class DrawError(Exception):
+    """matplotlib failed to draw a figure of data that passed ``_checked``."""
+
+
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
-def _checked(data: dict, source: str) -> dict:
-    """``data`` if every field plot() reads has the type a report gives it; else
-    ValueError naming the first field that does not (a hand-edited or foreign file)."""
+def _shown(v) -> str:
+    """``v`` for an error line: an integer of more than 16 digits is cut short."""
+    s = repr(v)
+    if isinstance(v, int) and len(s) > 16:
+        return f"{s[:10]}… ({len(s.lstrip('-'))} digits)"
+    return s
+
+
+def _checked(data: dict, source: str, from_traces: bool = False) -> dict:
+    """``data`` if every field plot() reads has the type a report gives it and a value
+    in its range (a fraction for test_accuracy, 0 to ``LIMIT`` for the rest); else
+    NotAReport naming the first field that does not (a hand-edited or foreign file).
+    ``from_traces``: channels and comm_ms come from a run dir's traces, not a report."""
     def bad(what: str):
-        return ValueError(f"{source} is not a dgt train report: {what}")
+        return NotAReport(source, what)
+
+    def in_range(v, where: str, hi: float = LIMIT) -> None:
+        try:
+            x = float(v)
+        except OverflowError:   # an int beyond float's range
+            x = math.inf
+        if not 0 <= x <= hi:
+            raise bad(f"{where} = {_shown(v)} is outside 0 to {hi:g}")
     if not isinstance(data["history"], list):
         raise bad("'history' is not a list")
     for i, h in enumerate(data["history"]):
@@ -83,22 +129,47 @@ def _checked(data: dict, source: str) -> dict:
                                                  _number(h["test_accuracy"])):
             raise bad(f"history[{i}] lacks numeric 'seconds', 'iteration' and "
                       f"'test_accuracy'")
+        for k in ("seconds", "iteration"):
+            in_range(h[k], f"history[{i}][{k!r}]")
+        if h.get("test_accuracy") is not None:
+            in_range(h["test_accuracy"], f"history[{i}]['test_accuracy']", 1)
     if not isinstance(data["channels"], dict):
         raise bad("'channels' is not an object")
+    summed = " (summed over the traces)" if from_traces else ""
     for name, ch in data["channels"].items():
         if not isinstance(ch, dict) or not all(_number(ch.get(k)) for k in (
                 "bytes_sent", "bytes_delivered")):
             raise bad(f"channels[{name!r}] lacks numeric 'bytes_sent' and "
                       f"'bytes_delivered'")
+        for k in ("bytes_sent", "bytes_delivered"):
+            in_range(ch[k], f"channels[{name!r}][{k!r}]{summed}")
     for rank, ms in data["comm_ms"].items():
         if not isinstance(ms, list) or not all(_number(v) for v in ms):
             raise bad("'comm_ms' is not a list of numbers")
+        for j, v in enumerate(ms):
+            in_range(v, f"trace-{rank}.jsonl comm_s (ms) of iteration line {j}"
+                     if from_traces else f"comm_ms[{j}]")
     return data
+
+
+@contextlib.contextmanager
+def _drawing(name: str):
+    """Turn matplotlib's failure to draw ``name`` (data it cannot lay out, a label it
+    cannot parse as mathtext) into one DrawError line."""
+    try:
+        yield
+    except (ValueError, ArithmeticError) as e:   # mathtext's errors are ValueErrors
+        said = " ".join(x.strip() for x in str(e).splitlines() if x.strip())
+        said = said if len(said) <= 200 else said[:199] + "…"
+        raise DrawError(f"matplotlib cannot draw {name}: "
+                        f"{said or type(e).__name__}") from None
 
 
 def plot(data: dict, out_dir: str, title: str = "") -> list[str]:
     """Write the PNGs into ``out_dir`` (created when missing, but never its parents: a
-    mistyped path is an error, not a new tree); returns their paths. Raises OSError."""
+    mistyped path is an error, not a new tree); returns their paths. Raises OSError,
+    DrawError (matplotlib could not draw one: neither it nor those after it are
+    written)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -108,45 +179,56 @@ def plot(data: dict, out_dir: str, title: str = "") -> list[str]:
         pass
     paths = []
 
-    def save(fig, name):
-        fig.tight_layout()
-        path = os.path.join(out_dir, name)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+    def figure(name, draw):
+        """One PNG: ``draw(ax)`` fills its axes; matplotlib's failure is a DrawError."""
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        try:
+            with _drawing(name):
+                draw(ax)
+                fig.tight_layout()
+                path = os.path.join(out_dir, name)
+                fig.savefig(path, dpi=100)
+        finally:
+            plt.close(fig)
         paths.append(path)
 
     hist = [h for h in data["history"] if h.get("test_accuracy") is not None]
-    for key, xlabel, name in (("seconds", "wall time (s)", "accuracy_time.png"),
-                              ("iteration", "iteration", "accuracy_iteration.png")):
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([h[key] for h in hist], [h["test_accuracy"] for h in hist], marker="o")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("test accuracy")
-        ax.set_title(f"{title}test accuracy".strip())
+
+    def accuracy(key, xlabel):
+        def draw(ax):
+            ax.plot([h[key] for h in hist], [h["test_accuracy"] for h in hist], marker="o")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("test accuracy")
+            ax.set_title(f"{title}test accuracy".strip())
+            ax.grid(alpha=0.3)
+        return draw
+
+    def comm_time(ax):
+        for rank, ms in sorted(data["comm_ms"].items()):
+            ax.plot(range(len(ms)), ms, label=f"rank {rank}", lw=1)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("comm time (ms)")
+        ax.set_title(f"{title}comm time per iteration".strip())
         ax.grid(alpha=0.3)
-        save(fig, name)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for rank, ms in sorted(data["comm_ms"].items()):
-        ax.plot(range(len(ms)), ms, label=f"rank {rank}", lw=1)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("comm time (ms)")
-    ax.set_title(f"{title}comm time per iteration".strip())
-    ax.grid(alpha=0.3)
-    if len(data["comm_ms"]) > 1:
+        if len(data["comm_ms"]) > 1:
+            ax.legend(fontsize=8)
+
+    def channel_bytes(ax):
+        names = list(data["channels"])
+        sent = [data["channels"][n]["bytes_sent"] / 1e6 for n in names]
+        got = [data["channels"][n]["bytes_delivered"] / 1e6 for n in names]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], sent, width=0.4, label="sent")
+        ax.bar([i + 0.2 for i in x], got, width=0.4, label="delivered")
+        ax.set_xticks(list(x), names)
+        ax.set_ylabel("MB")
+        ax.set_title(f"{title}bytes per channel".strip())
         ax.legend(fontsize=8)
-    save(fig, "comm_time.png")
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = list(data["channels"])
-    sent = [data["channels"][n]["bytes_sent"] / 1e6 for n in names]
-    got = [data["channels"][n]["bytes_delivered"] / 1e6 for n in names]
-    x = range(len(names))
-    ax.bar([i - 0.2 for i in x], sent, width=0.4, label="sent")
-    ax.bar([i + 0.2 for i in x], got, width=0.4, label="delivered")
-    ax.set_xticks(list(x), names)
-    ax.set_ylabel("MB")
-    ax.set_title(f"{title}bytes per channel".strip())
-    ax.legend(fontsize=8)
-    save(fig, "channel_bytes.png")
+
+    figure("accuracy_time.png", accuracy("seconds", "wall time (s)"))
+    figure("accuracy_iteration.png", accuracy("iteration", "iteration"))
+    figure("comm_time.png", comm_time)
+    figure("channel_bytes.png", channel_bytes)
     return paths
 
 
@@ -163,6 +245,8 @@ def main(ns: argparse.Namespace) -> int:
         paths = plot(data, out, ns.title + ": " if ns.title else "")
     except OSError as e:
         ns.parser.error(f"--out {out}: {e.strerror or e}")
+    except DrawError as e:
+        ns.parser.error(f"{ns.source}: {e}")
     for p in paths:
         print(p)
     return 0

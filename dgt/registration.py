@@ -45,7 +45,7 @@ def exchange_endpoints(node: NodeConfig, cfg: TransmissionConfig, me: dict,
     on_store(rdv)
     if node.rank == 0:
         rdv.set("dgt/session/0", str(random.SystemRandom().getrandbits(64)))
-    rdv.set(f"dgt/ep/{node.rank}", json.dumps({**me, "wire": wire_settings(cfg)}))
+    rdv.set(f"dgt/ep/{node.rank}", json.dumps({**me, "wire": wire_settings(cfg, node.world)}))
     session = rdv.wait(["dgt/session/0"], check_session)["dgt/session/0"]
     peers = rdv.gather("dgt/ep", check_endpoint)
     agree_wire(peers)
@@ -53,13 +53,16 @@ def exchange_endpoints(node: NodeConfig, cfg: TransmissionConfig, me: dict,
 
 
 #: the flags every rank must give alike: each one shapes what a peer's bytes mean (the
-#: block layout, which UDP port is which band), so a rank apart cannot be understood
-WIRE_FLAGS = ("block_bytes", "channels")
+#: block layout and its shards, which UDP port is which band), so a rank apart cannot
+#: be understood; a rank started with another --world also waits for ranks that never
+#: come, or leaves one out
+WIRE_FLAGS = ("block_bytes", "channels", "world")
 
 
-def wire_settings(cfg: TransmissionConfig) -> dict[str, int]:
-    """This rank's values of :data:`WIRE_FLAGS`, as published in its endpoint record."""
-    return {name: getattr(cfg, name) for name in WIRE_FLAGS}
+def wire_settings(cfg: TransmissionConfig, world: int) -> dict[str, int]:
+    """This rank's values of :data:`WIRE_FLAGS` (``world``: its --world), as published
+    in its endpoint record."""
+    return {"block_bytes": cfg.block_bytes, "channels": cfg.channels, "world": world}
 
 
 def agree_wire(peers: dict[int, dict]) -> None:
@@ -68,7 +71,10 @@ def agree_wire(peers: dict[int, dict]) -> None:
     flag, the ranks apart and both values: two sidecars started with different
     --block-bytes or --channels (a hand-started node, a torchrun node with its own
     DGT_* variables) would otherwise fail at their first push, with errors that name
-    neither the flag nor the rank."""
+    neither the flag nor the rank; with different --world, the rank that counts more
+    ranks would wait out the rendezvous for one that never comes, blaming it. Only the
+    ranks this rank counts are compared: one that counts more is refused by a peer
+    that counts fewer, whose failure ends its wait."""
     ref = peers[0]["wire"]
     for name in WIRE_FLAGS:
         apart = sorted(r for r, ep in peers.items() if ep["wire"][name] != ref[name])

@@ -271,8 +271,10 @@ def print_summary(r: dict, log=print) -> None:
     if r["rejected"]:
         extra += ", rejected " + ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items()))
     if r.get("udp_kernel_drops"):
-        extra += (f", {r['udp_kernel_drops']} datagrams dropped by the kernel filter (no "
-                  f"peer's channel sent them)")
+        # SK_MEMINFO_DROPS counts both causes, and a GSO/GRO batch dropped whole once
+        extra += (f", at least {r['udp_kernel_drops']} datagrams dropped in the kernel "
+                  f"(the channel filter's refusals or a full receive buffer: "
+                  f"--udp-buffer-bytes)")
     log(extra)
     if r.get("blocks_cut_by_budget"):
         log(f"time budget: {r['blocks_cut_by_budget']} remote blocks not sent (of the "

@@ -2,10 +2,16 @@
 one JSON line per message, ``register`` / ``part`` / ``push`` / ``save`` / ``bye`` in,
 ``registered`` / ``pulled`` / ``saved`` / ``error`` out.
 
-A connection that closes before its first line is a probe (another sidecar checking
-whether this socket is live: dgt.unixsock), not a trainer; a second trainer gets an
-error line and is closed. A trainer that disconnects without ``bye`` fails the job, and
-so does a bug of ours while serving it: the job fails cleanly, it never lingers.
+A connection becomes the trainer with its first line, and only when that line is a
+well-formed ``register`` (:func:`not_a_register`). Any other connection fails nobody: one
+that closes before its first line is a probe (another sidecar checking whether this
+socket is live: dgt.unixsock); ``{"op": "hello"}`` is answered with who this sidecar is;
+anything else (not JSON, not an object, another op, a ``register`` with a missing or bad
+field) and a second trainer get one ``error`` line (``rank`` null) and are closed, so a
+local process that connects before the trainer cannot take its place with garbage. Once
+a trainer has registered it is ours: its own bad line, or a disconnect without ``bye``,
+fails the job, and so does a bug of ours while serving it: the job fails cleanly, it
+never lingers.
 """
 from __future__ import annotations
 
@@ -43,16 +49,31 @@ class TrainerLink:
         if self.writer is not None:
             self.writer.close()
 
-    def _hello(self, line: bytes, writer: asyncio.StreamWriter) -> bool:
-        """A first line ``{"op": "hello"}`` asks who this sidecar is (dgt.ddp checks the
-        job and world size before it attaches): answered, then closed, without taking
-        the trainer's place. False for any other line."""
+    def _refuse(self, line: bytes, writer: asyncio.StreamWriter) -> bool:
+        """Answer and close a connection whose first ``line`` does not make it the
+        trainer; False when it does (a well-formed ``register`` while no trainer is
+        attached). ``{"op": "hello"}`` asks who this sidecar is (dgt.ddp checks the job
+        and world size before it attaches) and gets ``whoami``; any other line gets one
+        ``error`` line saying why. Either way nobody is failed."""
         try:
-            if ipc.decode_msg(line).get("op") != "hello":
-                return False
+            hello = ipc.decode_msg(line).get("op") == "hello"
         except ValueError:
-            return False
-        writer.write(ipc.encode_msg(self.whoami))
+            hello = False
+        if hello:
+            reply = self.whoami
+        elif self.writer is not None:
+            reply = {"op": "error", "rank": None,
+                     "message": "this sidecar already has a trainer"}
+        else:
+            why = not_a_register(line)
+            if not why:
+                return False
+            log.debug("rank %d: a connection that is not a trainer refused: %s",
+                      self.rank, why)
+            reply = {"op": "error", "rank": None,
+                     "message": f"not a trainer: {why}; a trainer's first message is "
+                                f'{{"op": "register", "n_params": N, ...}}'}
+        writer.write(ipc.encode_msg(reply))
         writer.close()
         return True
 
@@ -67,13 +88,10 @@ class TrainerLink:
             writer.write(ipc.encode_msg({"op": "error", "rank": None,
                                          "message": "control line too long"}))
             line = b""
-        if line and self._hello(line, writer):
-            return
-        if not line or self.writer is not None:
-            if line:
-                writer.write(ipc.encode_msg({"op": "error", "rank": None,
-                                             "message": "this sidecar already has a trainer"}))
+        if not line:
             writer.close()
+            return
+        if self._refuse(line, writer):
             return
         self.writer = writer
         clean = False
@@ -113,3 +131,32 @@ class TrainerLink:
         elif not self.done.is_set():
             self.fail(f"trainer of rank {self.rank} disconnected", self.rank,
                       why=FailureReason.OWN_TRAINER)
+
+
+def not_a_register(line: bytes) -> str:
+    """Why the control line ``line`` (bytes, newline included or not) is not a
+    well-formed ``register`` message ("" when it is): one JSON object with op
+    ``register``, ``n_params`` an int in 1..2^31-1 and, where present, ``dtype``
+    ``"float32"`` and ``resume`` / ``param_sha256`` strings (dgt.ipc; dgt.Client sends
+    exactly that). The reason is one line, fit to send back."""
+    try:
+        msg = ipc.decode_msg(line)
+    except ValueError as e:
+        return f"bad control message: {e}"
+    if msg["op"] != "register":
+        return f"the first message must be 'register', not {_short(msg['op'])}"
+    n = msg.get("n_params")
+    if type(n) is not int or not 0 < n < 1 << 31:
+        return f"'register' needs 'n_params', an int in 1..2^31-1, not {_short(n)}"
+    if msg.get("dtype", "float32") != "float32":
+        return f"'register' has 'dtype' {_short(msg['dtype'])}; only 'float32' moves"
+    for key in ("resume", "param_sha256"):
+        if key in msg and not isinstance(msg[key], str):
+            return f"'register' needs {key!r} as a string, not {_short(msg[key])}"
+    return ""
+
+
+def _short(value) -> str:
+    """``repr(value)``, cut to 40 characters (a stranger's value goes into a reply)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -64,16 +64,35 @@ def owned_dir(path: str, flag: str) -> str:
     dgt writes its logs, traces and records there by name; in a folder that another
     user can write, that user could plant a symbolic link under one of those names and
     have this process (root, perhaps) write through it to any file. Returns ``path``.
-    Raises NotOurs (the message names ``flag``, the folder, and what to do), or OSError
-    from mkdir(2)."""
+    Raises NotOurs (the message names ``flag``, the folder, and what to do: see
+    :func:`_remedy`), or OSError from mkdir(2)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
-    what = _not_ours(os.stat(path))
+    st = os.stat(path)
+    what = _not_ours(st)
     if what:
         raise NotOurs(f"{flag} {path} {what}: another user could put links there that "
                       f"this job would write through; give a folder only this user "
-                      f"(uid {os.getuid()}) can write" +
-                      (f" (chmod go-w {path})" if "writable" in what else ""))
+                      f"(uid {os.getuid()}) can write{_remedy(path, st)}")
     return path
+
+
+def _remedy(path: str, st: os.stat_result) -> str:
+    """What to do about the folder ``path`` (status ``st``) that :func:`owned_dir`
+    refused, as " (…)", or "" when nothing better than "give a folder of yours" fits.
+    ``chmod go-w`` only for a folder of this user that is not shared by design: a sticky
+    folder (mode +t, like /tmp) is meant for everyone, even when root owns it and root
+    runs the job, and another user's folder is not ours to chmod. In a sticky folder of
+    root's or ours, a new subfolder is ours alone (only we, or root, may rename or
+    remove it there); in another user's folder it is not (that user may swap it), so no
+    subfolder is suggested there."""
+    if not stat.S_ISDIR(st.st_mode):
+        return ""
+    sticky = st.st_mode & stat.S_ISVTX
+    if st.st_uid == os.getuid() and not sticky:
+        return f" (chmod go-w {path})"
+    if sticky and st.st_uid in (0, os.getuid()) and os.access(path, os.W_OK | os.X_OK):
+        return f" (mkdir -m 700 {os.path.join(path, 'NAME')} and give that)"
+    return ""
 
 
 def _not_ours(st: os.stat_result) -> str:

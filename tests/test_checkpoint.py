@@ -381,22 +381,162 @@ def test_a_full_checkpoint_disk_is_a_warning_and_keeps_the_last_complete_step(
     assert not left, left
 
 
+def _resume_past_a_damaged_step(tmp_path, ck, damage, iterations):
+    """Train 20 iterations with checkpoints every 10 into ``ck``, ``damage()`` its step
+    20, then --resume ``ck`` to ``iterations``: the run must take step 10 and finish.
+    Returns (process, report, the "skipping a newer step" lines)."""
+    from conftest import run_train
+    run_train(tmp_path / "first", *SMALL, "--iterations", 20, "--checkpoint-every", 10,
+              "--checkpoint-dir", ck)
+    damage()
+    p, rep = run_train(tmp_path / "second", *SMALL, "--iterations", iterations,
+                       "--resume", ck, check=False)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"resuming from {ck}/step-00000010" in p.stdout, p.stdout
+    return p, rep, [ln for ln in (p.stdout + p.stderr).splitlines()
+                    if "skipping a newer step" in ln]
+
+
 @pytest.mark.slow
 def test_resume_skips_a_newest_step_without_a_sidecar_file_once(tmp_path):
     """Outside tester: --resume CKDIR stopped (exit 2, "cannot read .../sidecar-1.pt")
     when the newest step lacked a sidecar file, and the skip warning of a damaged step
     was printed twice. Now it resumes from the step before, with one warning."""
-    from conftest import run_train
     ck = tmp_path / "ck"
-    run_train(tmp_path / "first", *SMALL, "--iterations", 20, "--checkpoint-every", 10,
-              "--checkpoint-dir", ck)
-    os.unlink(ck / "step-00000020" / "sidecar-1.pt")
-    p, rep = run_train(tmp_path / "second", *SMALL, "--iterations", 20, "--resume", ck,
-                       check=False)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert f"resuming from {ck}/step-00000010" in p.stdout, p.stdout
-    skips = [ln for ln in (p.stdout + p.stderr).splitlines()
-             if "skipping a newer step" in ln]
+    p, rep, skips = _resume_past_a_damaged_step(
+        tmp_path, ck, lambda: os.unlink(ck / "step-00000020" / "sidecar-1.pt"), 20)
     assert len(skips) == 1, skips
     assert f"{ck}/step-00000020/sidecar-1.pt: No such file or directory" in skips[0]
     assert rep["iterations"] == 20
+
+
+def _recorded_step(root: str, step: int, world: int = 2, rounds: int | None = None) -> str:
+    """Step folder ``step`` under ``root`` whose small files record what dgt train's do:
+    each trainer file its rank, workers, step and rounds (``rounds``: fedavg's, else
+    ``step``), each sidecar file its rank, workers and pushes (the rounds)."""
+    d = checkpoint.step_dir(root, step)
+    os.makedirs(d)
+    rounds = step if rounds is None else rounds
+    for r in range(world):
+        checkpoint.save({"format": checkpoint.FORMAT, "writer": "dgt train", "rank": r,
+                         "world": world, "step": step, "rounds": rounds},
+                        checkpoint.trainer_file(d, r))
+        checkpoint.save({"format": checkpoint.FORMAT, "rank": r, "world": world,
+                         "iterations": rounds}, checkpoint.sidecar_file(d, r))
+    return d
+
+
+@pytest.mark.parametrize("copy, named", [
+    (("step-00000010/trainer-0.pt", "step-00000020/trainer-0.pt"),
+     "step-00000020/trainer-0.pt is of step 10, not of its folder's step 20"),
+    (("step-00000010/sidecar-1.pt", "step-00000020/sidecar-1.pt"),
+     "step-00000020/sidecar-1.pt is of step 10, its trainer-1.pt of step 20"),
+    # a rank's file as another's: the file copied is named, not the rank it starts
+    (("step-00000020/trainer-1.pt", "step-00000020/trainer-0.pt"),
+     "step-00000020/trainer-0.pt is rank 1's file, not rank 0's"),
+    (("step-00000020/sidecar-0.pt", "step-00000020/sidecar-1.pt"),
+     "step-00000020/sidecar-1.pt is rank 0's file, not rank 1's"),
+    (("w3/step-00000020/sidecar-1.pt", "step-00000020/sidecar-1.pt"),
+     "step-00000020/sidecar-1.pt is rank 1's file of 3 workers, not rank 1's of 2"),
+], ids=["trainer-of-another-step", "sidecar-of-another-step", "trainer-of-another-rank",
+        "sidecar-of-another-rank", "sidecar-of-another-world"])
+def test_a_step_with_a_file_of_another_step_or_rank_is_skipped(tmp_path, caplog, copy,
+                                                                named):
+    """Outside tester: step-6's sidecar files replaced by step 4's made --resume CKDIR
+    start every process and end in a traceback ("step 6 out of order"); step 4's
+    trainer-0.pt there blamed rank 1. Each file records its step (or pushes) and rank:
+    a step whose files disagree with its folder is skipped with one warning naming the
+    file, as a damaged one is."""
+    root = str(tmp_path / "ck")
+    _recorded_step(root, 10)
+    _recorded_step(root, 20)
+    _recorded_step(str(tmp_path / "w3"), 20, world=3)
+    src, dst = copy
+    base = str(tmp_path) if src.startswith("w3/") else root
+    import shutil
+    shutil.copyfile(os.path.join(base, src), os.path.join(root, dst))
+    with caplog.at_level("WARNING", logger="dgt.checkpoint"):
+        assert checkpoint.resolve(root, 2) == checkpoint.step_dir(root, 10)
+    skips = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skips) == 1 and f"{root}/{named}" in skips[0], skips
+    assert checkpoint.damaged(checkpoint.step_dir(root, 20), 2).startswith(
+        f"{root}/{named}")
+    assert checkpoint.latest(root, 2) == checkpoint.step_dir(root, 10)
+    # the same file in the only step: no step to resume from, the file named
+    shutil.rmtree(checkpoint.step_dir(root, 10))
+    with pytest.raises(ValueError, match="no step in it can be resumed from") as e:
+        checkpoint.resolve(root, 2)
+    assert f"{root}/{named}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fedavg_files_agree_on_rounds_and_files_without_the_fields_still_load(tmp_path):
+    root = str(tmp_path)
+    d = _recorded_step(root, 6, rounds=3)   # fedavg: a push a round, 2 steps a round
+    assert checkpoint.damaged(d, 2) is None
+    _recorded_step(str(tmp_path / "old"), 4, rounds=2)
+    os.replace(checkpoint.sidecar_file(checkpoint.step_dir(str(tmp_path / "old"), 4), 0),
+               checkpoint.sidecar_file(d, 0))
+    assert checkpoint.damaged(d, 2) == (f"{checkpoint.sidecar_file(d, 0)} is of round 2, "
+                                        f"its trainer-0.pt of round 3 (copied from "
+                                        f"another step?)")
+    # files that record none of it (older formats, other writers) are not refused
+    assert checkpoint.damaged(_dummy_step(root, 8, writer="dgt train"), 2) is None
+
+
+def test_a_file_given_to_resume_is_named_a_file(tmp_path):
+    """Outside tester: --resume FILE said "no such folder" for a file that is there."""
+    d = _recorded_step(str(tmp_path), 10)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError) as e:
+        checkpoint.resolve(str(tmp_path / "notes.txt"), 2)
+    assert str(e.value) == (f"--resume {tmp_path}/notes.txt: is a file, not a checkpoint "
+                            f"folder; give a checkpoint folder (--checkpoint-dir) or one "
+                            f"of its step-<t> folders")
+    with pytest.raises(ValueError) as e:   # a step's file: its folder is what to give
+        checkpoint.resolve(checkpoint.trainer_file(d, 0), 2)
+    assert str(e.value) == (f"--resume {d}/trainer-0.pt: is a file, not a checkpoint "
+                            f"folder; give its step folder, --resume {d}")
+    with pytest.raises(ValueError, match="no such folder"):
+        checkpoint.resolve(str(tmp_path / "nope"), 2)
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                        "--resume", str(tmp_path / "notes.txt")], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "is a file, not a checkpoint folder" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_named_step_folder_with_a_file_of_another_step_is_one_line(tmp_path):
+    """--resume D/step-<t> is used as it is: a file of another step in it is refused
+    before anything starts, in one line naming the file (not a rank that is fine)."""
+    root = tmp_path / "ck"
+    d10, d20 = _recorded_step(str(root), 10), _recorded_step(str(root), 20)
+    os.replace(checkpoint.trainer_file(d10, 0), checkpoint.trainer_file(d20, 0))
+    p = _train("--workers", 2, "--iterations", 30, "--run-dir", tmp_path / "run",
+               "--resume", d20, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"dgt train: error: {d20}/trainer-0.pt is of step 10, not of its folder's step "
+        f"20 (copied from another step?); resume from another step (--resume {root} "
+        f"takes the newest whose files agree) (see 'dgt train --help')"], p.stderr
+    assert not (tmp_path / "run" / "pids.json").exists()   # nothing was started
+
+
+@pytest.mark.slow
+def test_resume_from_a_step_with_files_of_another_step_takes_the_one_before(tmp_path):
+    """Outside tester: step 20's sidecar files replaced by step 10's; --resume CKDIR
+    started eight processes that ended in tracebacks ("step 20 out of order"), the
+    launcher blaming rank 1. Now step 20 is skipped with one warning naming the file,
+    and the job resumes from step 10 and finishes."""
+    import shutil
+    ck = tmp_path / "ck"
+
+    def copy_in():
+        for r in (0, 1):
+            shutil.copyfile(ck / "step-00000010" / f"sidecar-{r}.pt",
+                            ck / "step-00000020" / f"sidecar-{r}.pt")
+    p, rep, skips = _resume_past_a_damaged_step(tmp_path, ck, copy_in, 30)
+    assert skips == [f"--resume {ck}: skipping a newer step: {ck}/step-00000020/"
+                     f"sidecar-0.pt is of step 10, its trainer-0.pt of step 20 (copied "
+                     f"from another step?)"], skips
+    assert "Traceback" not in p.stdout + p.stderr
+    assert rep["iterations"] == 30 and rep["replicas_identical"]

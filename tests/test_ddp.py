@@ -556,16 +556,19 @@ def test_a_bad_run_dir_is_one_line_per_rank_without_a_traceback(tmp_path, case):
         run_dir.mkdir()
         os.chmod(run_dir, 0o1777)
         want = f"DGT_RUN_DIR {run_dir} is writable by other users (mode 1777)"
+        # like /tmp: a subfolder, never 'chmod go-w' (that breaks a shared /tmp)
+        advice = f"(mkdir -m 700 {run_dir}/NAME and give that)"
     else:
         (tmp_path / "file").write_text("x")
         run_dir = tmp_path / "file" / "run"
-        want = f"DGT_RUN_DIR {run_dir}: cannot create it (Not a directory)"
+        want = advice = f"DGT_RUN_DIR {run_dir}: cannot create it (Not a directory)"
     p, _, _ = torchrun(tmp_path, "bad", 2, "--comm", "dgt", "--dataset", "digits",
                        "--iterations", 2, "--hidden", 16, env={"DGT_RUN_DIR": str(run_dir)},
                        expect_rc=1, timeout=180)
     ours = [ln for ln in p.stderr.splitlines() if re.search(r"ddp_train\.py rank \d: ", ln)]
     # torchrun stops the other rank when one has failed: it may not get to its line
     assert ours and all(want in ln and ": error: " in ln for ln in ours), p.stderr[-3000:]
+    assert all(advice in ln and "chmod" not in ln for ln in ours), p.stderr[-3000:]
     assert len({ln.split(":")[0] for ln in ours}) == len(ours)    # one line a rank
     frames = [ln for ln in p.stderr.splitlines() if ln.lstrip().startswith('File "')
               and ("ddp_train.py" in ln or f"{os.sep}dgt{os.sep}" in ln)]

@@ -1,6 +1,8 @@
 """The report's own checks (dgt.report): a channel that delivered more blocks than the
 ranks sent is a warning (breaker round, stop 33: a forged datagram with the session id
 and no --secret was delivered, and only the counters showed it, as 176,226 of 176,225)."""
+import pytest
+
 from dgt.report import strangers_accepted
 
 
@@ -19,3 +21,20 @@ def test_more_delivered_than_sent_is_a_warning_naming_the_channel_and_the_cure()
 
 def test_loss_and_duplicates_alone_are_no_warning():
     assert strangers_accepted({"udp1": _ch(100, 90, 5), "tcp": _ch(7, 7)}) == []
+
+
+@pytest.mark.slow
+def test_kernel_drops_from_a_full_receive_buffer_are_not_blamed_on_strangers(tmp_path):
+    """An outside tester's run: a receive buffer too small for a burst makes the kernel
+    drop real peer datagrams (udp1..udp3 lose blocks), which SK_MEMINFO_DROPS counts
+    with the filter's refusals; the summary said they came from no peer."""
+    from conftest import run_train
+    p, r = run_train(tmp_path, "--workers", 2, "--hidden", 1024, "--iterations", 10,
+                     "--udp-buffer-bytes", 4096)
+    assert r["udp_kernel_drops"] > 0, r
+    assert sum(ch["blocks_lost"] for name, ch in r["channels"].items() if name != "tcp")
+    line = next(ln for ln in p.stdout.splitlines() if "datagrams dropped" in ln)
+    assert (f"at least {r['udp_kernel_drops']} datagrams dropped in the kernel (the "
+            f"channel filter's refusals or a full receive buffer: --udp-buffer-bytes)"
+            in line), line
+    assert "no peer" not in p.stdout, line

@@ -43,21 +43,37 @@ def test_a_run_dir_of_another_user_is_refused_before_anything_is_written(tmp_pat
     os.lchown(link, 65534, 65534)
     line = _one_line(_dgt("train", *JOB, "--run-dir", theirs))
     assert line.startswith(f"dgt train: --run-dir {theirs} is owned by uid 65534"), line
+    # not ours to chmod, and a subfolder there that user could swap: neither is advised
+    assert "chmod" not in line and "mkdir" not in line, line
     assert victim.read_text() == "root's file\n"
     assert os.listdir(theirs) == ["trainer-0.log"]   # no lock, no log, nothing
 
 
+@pytest.mark.parametrize("mode", [0o1777, 0o777])
 @pytest.mark.parametrize("flag", ["--run-dir", "--checkpoint-dir"])
-def test_a_folder_other_users_can_write_is_refused(tmp_path, flag):
+def test_a_folder_other_users_can_write_is_refused(tmp_path, flag, mode):
+    """...with advice that is right for the folder and, followed, gives a folder that is
+    used: ``chmod go-w`` for a folder of ours; for a sticky one like /tmp (shared by
+    design, even when root owns it and runs the job) a subfolder instead. The breaker
+    was told to ``chmod go-w /tmp``, which breaks the system's /tmp."""
+    from dgt.unixsock import owned_dir
     shared = tmp_path / "shared"
     shared.mkdir()
-    shared.chmod(0o1777)   # like /tmp
+    shared.chmod(mode)
     extra = ("--checkpoint-every", 1) if flag == "--checkpoint-dir" else ()
     line = _one_line(_dgt("train", *JOB, flag, shared, *extra))
     assert line.startswith("dgt train: "), line
-    assert f"{flag} {shared} is writable by other users (mode 1777)" in line, line
-    assert f"chmod go-w {shared}" in line, line
+    assert f"{flag} {shared} is writable by other users (mode {mode:o})" in line, line
     assert os.listdir(shared) == []
+    if mode & 0o1000:
+        assert "chmod" not in line, line
+        assert f"(mkdir -m 700 {shared}/NAME and give that)" in line, line
+        os.mkdir(shared / "NAME", 0o700)
+        assert owned_dir(str(shared / "NAME"), flag)   # the advice, followed, is enough
+    else:
+        assert f"(chmod go-w {shared})" in line, line
+        shared.chmod(mode & ~0o022)
+        assert owned_dir(str(shared), flag)
 
 
 def test_a_folder_of_ours_that_only_we_can_write_is_used(tmp_path):

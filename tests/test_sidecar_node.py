@@ -389,13 +389,16 @@ def test_a_port_this_user_may_not_bind_is_named_with_what_to_do(flag):
 
 
 @pytest.mark.parametrize("flag,values", [("--channels", (3, 2)),
-                                         ("--block-bytes", (1408, 1024))])
+                                         ("--block-bytes", (1408, 1024)),
+                                         ("--world", (2, 3)), ("--world", (3, 2))])
 def test_sidecars_started_with_different_wire_flags_are_refused_at_rendezvous(
         tmp_path, flag, values):
     """Two hand-started sidecars (a torchrun node with its own DGT_* variables) that
     disagree on a flag shaping the wire: both stop at rendezvous with one line naming
     the flag, the rank apart and both values (--channels used to end in an IndexError
-    at the first push, --block-bytes in a PULL timeout blaming a live rank)."""
+    at the first push, --block-bytes in a PULL timeout blaming a live rank, --world in
+    a rendezvous timeout blaming a rank that was never started, while the other rank
+    waited on for its trainer)."""
     port = _free_port()
     procs = [_sidecar(r, 2, port, tmp_path / f"s{r}.sock", tmp_path, "--peer-timeout-s",
                       10, flag, v) for r, v in enumerate(values)]

@@ -2,6 +2,7 @@
 exit 2, no traceback; damaged captures are reported, not silently summed."""
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import struct
@@ -131,6 +132,34 @@ def test_summary_bad_session(tmp_path, session):
 
 def _header(linktype=1):
     return struct.pack("<IHHiIII", 0xA1B2C3D4, 2, 4, 0, 0, 65535, linktype)
+
+
+def _random_bytes(n: int) -> bytes:
+    import random
+    data = bytearray(random.Random(5).randbytes(n))
+    data[:4] = b"\x3c\x8a\x1f\x2e"   # a magic that is none of the capture formats
+    return bytes(data)
+
+
+@pytest.mark.parametrize("content,needle", [
+    (_random_bytes(5000), "not a pcap file (magic 3c8a1f2e; a pcap starts with a1b2c3d4"),
+    (b"not a pcap at all, clearly", "not a pcap file (magic 6e6f7420;"),
+    (_header()[:20], "not a pcap file (too short: 20 bytes, a pcap header is 24)"),
+    (b"", "not a pcap file (too short: 0 bytes, a pcap header is 24)"),
+    (gzip.compress(_random_bytes(5000)),
+     "not a pcap file (gzip-compressed, magic 3c8a1f2e;"),
+], ids=["random-5000", "text", "short-header", "empty", "gzip-random"])
+@pytest.mark.parametrize("cmd", [["pcap", "summary"], ["replay", "--to", "127.0.0.1"]])
+def test_a_file_that_is_no_pcap_is_named_for_what_it_is(tmp_path, cmd, content, needle):
+    """The reason is true of the file: 'too short' only when it is shorter than a pcap
+    header, else the magic number it starts with (a 5000-byte random file was called
+    'too short'); for a gzip file, the same of what it holds."""
+    f = tmp_path / "x.pcap"
+    f.write_bytes(content)
+    r = _cli(*cmd, str(f))
+    _one_line_error(r, f"{f}: {needle}")
+    if len(content) >= 24:
+        assert "too short" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("cmd", [["pcap", "summary"], ["replay", "--to", "127.0.0.1"]])

@@ -195,7 +195,10 @@ def test_parse_packet_garbage_never_raises():
 def test_read_pcap_rejects_non_pcap(tmp_path):
     p = tmp_path / "x.pcap"
     p.write_bytes(b"not a pcap at all, clearly")
-    with pytest.raises(dissect.PcapError, match="not a pcap"):
+    with pytest.raises(dissect.PcapError, match=r"not a pcap file \(magic 6e6f7420;"):
+        list(dissect.read_pcap(p))
+    p.write_bytes(b"\xd4\xc3\xb2\xa1" + bytes(10))   # a pcap's magic, a header cut off
+    with pytest.raises(dissect.PcapError, match=r"too short: 14 bytes, a pcap header is"):
         list(dissect.read_pcap(p))
     with pytest.raises(dissect.PcapError, match="cannot open"):
         list(dissect.read_pcap(tmp_path / "missing.pcap"))

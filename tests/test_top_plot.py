@@ -181,6 +181,137 @@ def test_plot_skips_and_counts_the_unreadable_lines_of_a_damaged_trace(damaged_r
     assert len(list((tmp_path / "png").iterdir())) == 4
 
 
+def _plot(source, out, *args):
+    return subprocess.run([sys.executable, "-m", "dgt.cli", "plot", str(source), "--out",
+                           str(out), *args], capture_output=True, text=True, timeout=120)
+
+
+def _one_error_line(p, *says):
+    """``p`` refused in one line, exit 2, no traceback, the line saying each of ``says``."""
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    for x in says:
+        assert x in p.stderr, (x, p.stderr)
+
+
+#: (where in the report, value put there, the field as the error names it, the value as
+#: it shows it): a hand-edited report's numbers that matplotlib cannot lay out (the
+#: outside tester's 10**400 and ±1e308: an OverflowError or ValueError traceback) or
+#: that no run gives (a negative time or count, an accuracy above 1)
+OUT_OF_RANGE = [
+    (("history", 0, "iteration"), 10**400, "history[0]['iteration']",
+     "1000000000… (401 digits)"),
+    (("channels", "tcp", "bytes_sent"), 10**400, "channels['tcp']['bytes_sent']",
+     "1000000000… (401 digits)"),
+    (("history", 0, "seconds"), 1e308, "history[0]['seconds']", "1e+308"),
+    (("history", 0, "seconds"), -0.5, "history[0]['seconds']", "-0.5"),
+    (("history", 0, "iteration"), float("inf"), "history[0]['iteration']", "inf"),
+    (("history", 0, "test_accuracy"), 1.5, "history[0]['test_accuracy']", "1.5"),
+    (("channels", "udp1", "bytes_delivered"), -1, "channels['udp1']['bytes_delivered']",
+     "-1"),
+    (("comm_ms", 3), 1e16, "comm_ms[3]", "1e+16"),
+    (("comm_ms", 0), -10**400, "comm_ms[0]", "-100000000… (401 digits)"),
+]
+
+
+@pytest.mark.parametrize("where,value,field,shown", OUT_OF_RANGE,
+                         ids=[f"{w[-1]}={v!r:.8}" for w, v, _, _ in OUT_OF_RANGE])
+def test_plot_refuses_a_number_out_of_its_field_s_range_in_one_line(clean_run, tmp_path,
+                                                                    where, value, field,
+                                                                    shown):
+    r = json.loads((clean_run.parent / "report.json").read_text())
+    assert r["history"] and r["history"][0]["test_accuracy"] is not None
+    at = r
+    for k in where[:-1]:
+        at = at[k]
+    at[where[-1]] = value
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(r))
+    p = _plot(src, tmp_path / "png")
+    bound = "1" if "test_accuracy" in field else "1e+15"
+    _one_error_line(p, f"{src} is not a dgt train report: {field} = {shown} is outside 0 "
+                       f"to {bound}")
+    assert not (tmp_path / "png").exists()
+
+
+def test_plot_refuses_the_outside_tester_s_seconds_of_plus_and_minus_1e308(clean_run,
+                                                                          tmp_path):
+    r = json.loads((clean_run.parent / "report.json").read_text())
+    r["history"] = [dict(r["history"][0], seconds=s) for s in (1e308, -1e308)]
+    src = tmp_path / "c.json"
+    src.write_text(json.dumps(r))
+    _one_error_line(_plot(src, tmp_path / "png"), str(src), "history[0]['seconds'] = "
+                    "1e+308 is outside 0 to 1e+15")
+
+
+def test_plot_draws_every_field_at_the_ends_of_its_range_and_refuses_just_past(clean_run,
+                                                                               tmp_path):
+    """The bound (dgt.plot.LIMIT) is one matplotlib lays out: a report with each field at
+    0 and at the bound gives the four PNGs; one past it, or the least negative float,
+    is refused."""
+    from dgt.plot import LIMIT
+    r = json.loads((clean_run.parent / "report.json").read_text())
+    h = r["history"][0]
+    r["history"] = [dict(h, seconds=0, iteration=0, test_accuracy=0),
+                    dict(h, seconds=LIMIT, iteration=int(LIMIT), test_accuracy=1)]
+    r["channels"]["tcp"].update(bytes_sent=int(LIMIT), bytes_delivered=0)
+    r["comm_ms"] = [0, LIMIT, 0]
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(r))
+    p = _plot(src, tmp_path / "png")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert len(list((tmp_path / "png").iterdir())) == 4
+    r["history"][1]["iteration"] = int(LIMIT) + 1
+    src.write_text(json.dumps(r))
+    _one_error_line(_plot(src, tmp_path / "png"), "history[1]['iteration'] = "
+                    "1000000000000001 is outside 0 to 1e+15")
+    r["history"][1]["iteration"] = int(LIMIT)
+    r["comm_ms"][2] = -5e-324
+    src.write_text(json.dumps(r))
+    _one_error_line(_plot(src, tmp_path / "png"), "comm_ms[2] = -5e-324 is outside 0 to "
+                    "1e+15")
+
+
+def test_plot_of_a_run_dir_names_an_out_of_range_trace_or_trainer_value(clean_run,
+                                                                        tmp_path):
+    """trainer-0.json with seconds 1e308 costs the accuracy curves, with a note naming
+    the field; a trace line with comm_s 1e400 (JSON reads it as inf) is one error line
+    naming the trace and the field."""
+    run = tmp_path / "run"
+    shutil.copytree(clean_run, run)
+    trainer = json.loads((run / "trainer-0.json").read_text())
+    trainer["history"][0]["seconds"] = 1e308
+    (run / "trainer-0.json").write_text(json.dumps(trainer))
+    p = _plot(run, tmp_path / "png")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert (f"{run / 'trainer-0.json'}: unreadable (history[0]['seconds'] = 1e+308 is "
+            f"outside 0 to 1e+15), no accuracy curve") in p.stderr, p.stderr
+    assert len(list((tmp_path / "png").iterdir())) == 4
+    trace = run / "trace-1.jsonl"
+    lines = trace.read_bytes().split(b"\n")
+    it = [i for i, ln in enumerate(lines) if b'"kind":"iteration"' in ln][2]
+    lines[it], n = re.subn(rb'"comm_s":[0-9.e+-]+', b'"comm_s":1e400', lines[it])
+    assert n == 1
+    trace.write_bytes(b"\n".join(lines))
+    _one_error_line(_plot(run, tmp_path / "png2"), str(run),
+                    "trace-1.jsonl comm_s (ms) of iteration line 2 = inf is outside 0 to "
+                    "1e+15")
+
+
+def test_a_figure_matplotlib_cannot_draw_is_one_line_naming_the_report(clean_run, tmp_path):
+    """Valid but odd: a channel name, or a --title, that matplotlib reads as broken
+    mathtext (a ValueError from deep in its drawing, a traceback before)."""
+    r = json.loads((clean_run.parent / "report.json").read_text())
+    r["channels"]["$\\frac$"] = r["channels"].pop("udp1")
+    src = tmp_path / "m.json"
+    src.write_text(json.dumps(r))
+    _one_error_line(_plot(src, tmp_path / "png"),
+                    f"{src}: matplotlib cannot draw channel_bytes.png: ")
+    _one_error_line(_plot(clean_run.parent / "report.json", tmp_path / "png2", "--title",
+                          "$\\foo$"), "report.json: matplotlib cannot draw accuracy_time.png")
+
+
 def test_top_once_on_a_folder_that_is_not_a_run_dir_says_so(tmp_path):
     (tmp_path / "other.txt").write_text("x")
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "top", str(tmp_path), "--once"],

@@ -200,6 +200,29 @@ def test_a_closed_stdout_does_not_stop_the_job(tmp_path):
     assert rep["replicas_identical"] and rep["iterations"] == 30
 
 
+def test_the_banner_comes_first_in_a_file(tmp_path):
+    """'dgt train > out.txt' without PYTHONUNBUFFERED: the launcher's lines come out in
+    order with rank 0's progress lines, which its trainer writes to the same file (the
+    banner used to sit in the launcher's buffer and come out after them)."""
+    import os
+    out = tmp_path / "out.txt"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open(out, "w") as f:
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                            "--hidden", "32", "--iterations", "3", "--eval-every", "1",
+                            "--run-dir", str(tmp_path / "run")],
+                           stdout=f, stderr=subprocess.PIPE, text=True, env=env,
+                           timeout=240)
+    lines = out.read_text().splitlines()
+    assert p.returncode == 0, p.stderr + "\n".join(lines)
+    assert lines[0].startswith("dgt train: 2 workers, mode "), lines
+    progress = [i for i, ln in enumerate(lines)
+                if ln.lstrip().startswith(("epoch", "iter"))]
+    assert progress, lines   # rank 0 printed into the same file
+    summary = next(i for i, ln in enumerate(lines) if ln.startswith("replicas identical"))
+    assert max(progress) < summary, lines   # the summary after the last progress line
+
+
 def test_coded_bands_send_fewer_bytes_keep_replicas_identical_and_conserve(train):
     """--band-codec over real sockets: each UDP band's datagrams have its coding's size
     (docs/wire.md, "Block codings"), the replicas stay identical, and with loss the

@@ -106,7 +106,7 @@ def test_bad_input_during_training_is_counted_and_dropped(tmp_path, secret):
     for name, ch in r["channels"].items():   # nothing forged applied
         assert ch["blocks_delivered"] <= ch["blocks_sent"], name
     if r["udp_kernel_drops"]:   # the summary says so, not only the report (stop 33)
-        assert f"{r['udp_kernel_drops']} datagrams dropped by the kernel filter" in out, out
+        assert f"{r['udp_kernel_drops']} datagrams dropped in the kernel" in out, out
     if in_job:
         assert sent["udp_in_job"] > 0, sent
         assert r["rejected"].get("bad_mac", 0) + r["rejected"].get("no_mac", 0) > 0, \
@@ -539,3 +539,74 @@ def test_a_run_dir_too_deep_for_a_unix_socket_still_trains_and_leaves_no_socket(
     assert r["replicas_identical"] and r["iterations"] == 3
     left = set(os.listdir(default_run_dir())) - before
     assert not [n for n in left if n.endswith(".sock")], left
+
+
+#: first lines a local process that is not the trainer might send: none is a trainer's
+#: well-formed ``register`` (dgt.ipc), so none may take the trainer's place
+STRANGER_LINES = [
+    b"hello\n",                                        # not JSON
+    bytes(range(11, 256)) + b"\n",                     # random bytes (no newline inside)
+    b"[1, 2]\n",                                       # JSON, not an object
+    b'"register"\n',
+    b'{"op": 7}\n',                                    # an object without a string op
+    b'{"op": "push", "t": 0}\n',                       # a trainer's op, but not first
+    b'{"op": "nope"}\n',                               # an unknown op
+    b'{"op": "register"}\n',                           # register without n_params
+    b'{"op": "register", "n_params": true}\n',
+    b'{"op": "register", "n_params": 0}\n',
+    b'{"op": "register", "n_params": 10, "dtype": "int8"}\n',
+    b'{"op": "register", "n_params": 10, "param_sha256": 5}\n',
+    b"[" * 60000 + b"\n",                              # nested too deeply for json
+]
+
+
+def _connect_unix(path, proc, timeout_s=60) -> socket.socket:
+    """A connection to the Unix socket ``path`` while ``proc`` (the job) runs, retried
+    while the path is not bound or not listening yet."""
+    t_end = time.monotonic() + timeout_s
+    while True:
+        c = socket.socket(socket.AF_UNIX)
+        c.settimeout(timeout_s)
+        try:
+            c.connect(str(path))
+            return c
+        except (FileNotFoundError, ConnectionRefusedError):
+            c.close()
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < t_end, f"{path} never listened"
+            time.sleep(0.005)
+
+
+def test_a_stranger_before_the_trainer_neither_takes_its_place_nor_stops_the_job(tmp_path):
+    """A local process that connects to a sidecar's Unix socket before the trainer and
+    sends a first line that is not a well-formed ``register`` gets one error line and is
+    closed; the trainer still registers and the job ends with exit 0 (it used to take the
+    trainer's place, and its bad line failed the job: 'rank(s) [0] lost their trainer').
+    A silent connection held open all along does not take the place either."""
+    run_dir, report = tmp_path / "run", tmp_path / "r.json"
+    p = start_train(run_dir, "--workers", 2, "--hidden", 64, "--iterations", 5,
+                    "--report", report)
+    silent, replies = [], []
+    for path in [run_dir / f"sidecar-{r}.sock" for r in range(2)]:
+        silent.append(_connect_unix(path, p))   # bound before the trainers start
+        conns = [_connect_unix(path, p) for _ in STRANGER_LINES]
+        for c, line in zip(conns, STRANGER_LINES):   # all sent at once: they race the
+            c.sendall(line)                          # trainer together
+        for c, line in zip(conns, STRANGER_LINES):
+            with c, c.makefile("rb") as f:
+                replies.append((path.name, line[:40], f.readline(), f.read()))
+    try:
+        out, err = p.communicate(timeout=240)
+    finally:
+        for c in silent:
+            c.close()
+    assert p.returncode == 0, out + err
+    for name, line, reply, rest in replies:
+        msg = json.loads(reply)
+        assert msg["op"] == "error" and msg["rank"] is None, (name, line, msg)
+        # it came before the trainer: refused for what it sent, not for a taken place
+        assert "already has a trainer" not in msg["message"], (name, line, msg)
+        assert rest == b"", (name, line, rest)   # one line, then closed
+    r = json.loads(report.read_text())
+    assert r["iterations"] == 5 and r["replicas_identical"]
+    assert "Traceback" not in logs_of(run_dir)

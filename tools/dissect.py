@@ -210,6 +210,38 @@ SUPPORTED_LINKTYPES = {DLT_EN10MB: "EN10MB (Ethernet)", DLT_RAW_ALT: "RAW", DLT_
                        DLT_LINUX_SLL: "LINUX_SLL", DLT_IPV4: "IPV4", DLT_IPV6: "IPV6",
                        DLT_LINUX_SLL2: "LINUX_SLL2"}
 _MAX_RECORD = 1 << 18  # no link layer we read has frames above 256 KiB
+#: the first 4 bytes of a pcap file (µs or ns timestamps, either byte order), of a
+#: pcapng file, and of a gzip file (scapy reads a gzip-compressed capture)
+PCAP_MAGICS = (b"\xa1\xb2\xc3\xd4", b"\xd4\xc3\xb2\xa1", b"\xa1\xb2\x3c\x4d",
+               b"\x4d\x3c\xb2\xa1")
+PCAPNG_MAGIC, GZIP_MAGIC = b"\x0a\x0d\x0d\x0a", b"\x1f\x8b"
+PCAP_HEADER_BYTES = 24   # a pcap file's global header
+
+
+def _not_pcap_why(path, err: Exception) -> str:
+    """Why scapy could not open ``path`` as a capture (``err``: its exception), in a
+    few words that are true of the file: "too short" only when it is shorter than a pcap
+    header (24 bytes), else the magic number it starts with; for a gzip file, the same
+    of what it holds."""
+    import gzip
+    import zlib
+    how = ""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(PCAP_HEADER_BYTES)
+        if head[:2] == GZIP_MAGIC:
+            how = "gzip-compressed, "
+            with gzip.open(path, "rb") as f:
+                head = f.read(PCAP_HEADER_BYTES)
+    except (OSError, EOFError, zlib.error) as e:
+        return f"{how}unreadable: {e}"
+    if len(head) < PCAP_HEADER_BYTES:
+        return (f"{how}too short: {len(head)} bytes, a pcap header is "
+                f"{PCAP_HEADER_BYTES}")
+    if head[:4] not in PCAP_MAGICS + (PCAPNG_MAGIC,):
+        return (f"{how}magic {head[:4].hex()}; a pcap starts with a1b2c3d4 or a1b23c4d, "
+                f"in either byte order, a pcapng with 0a0d0d0a")
+    return f"{how}{err}"
 
 
 def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord]]:
@@ -240,8 +272,7 @@ def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord
     try:
         reader = RawPcapReader(str(path))
     except Scapy_Exception as e:   # bad magic, short global header
-        why = f"magic {magic.hex()}" if "magic" in str(e) else "too short"
-        raise PcapError(f"{path}: not a pcap file ({why})") from None
+        raise PcapError(f"{path}: not a pcap file ({_not_pcap_why(path, e)})") from None
     linktype = reader.linktype & 0x0FFFFFFF
     if linktype not in SUPPORTED_LINKTYPES:
         reader.close()

@@ -51,9 +51,13 @@ def _attacked(tmp_path, name, *extra):
 def test_a_stranger_at_start_up_cannot_stop_a_job_without_a_secret(tmp_path):
     r, sent = _attacked(tmp_path, "plain")
     if sent["session_sniffed"]:
-        # forged HELLOs with the real session coexist with the real ones, and their
-        # ERROR/BYE change nothing
-        assert r["rejected"].get("unverified_control", 0) > 0, (sent, r["rejected"])
+        # forged HELLOs with the real session either coexist with the real ones, their
+        # ERROR/BYE changing nothing (unverified_control), or come after the rank's
+        # connection carried traffic and are refused (rank_taken): which, is a race of
+        # the sniffer against start-up (CI of e5d6d29 saw rank_taken 9 and no
+        # unverified_control), so either counts
+        rej = r["rejected"]
+        assert rej.get("unverified_control", 0) + rej.get("rank_taken", 0) > 0, (sent, rej)
 
 
 def test_with_a_secret_an_attacked_job_ends_with_the_clean_run_s_bits(tmp_path):

@@ -17,7 +17,11 @@ ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+[0-9.]+\s+[0-9.]+", re.M)
 
 
 def tmux(*args) -> str:
-    return subprocess.run(["tmux", *args], capture_output=True, text=True,
+    """tmux with SHELL=/bin/sh: its panes run their command with the user's shell, and
+    a user whose login shell is nologin (nobody, a service account) saw every pane exit
+    at once, so the test failed for that user with an empty pane."""
+    return subprocess.run(["tmux", *args], env=dict(os.environ, SHELL="/bin/sh"),
+                          capture_output=True, text=True,
                           timeout=20).stdout
 
 

@@ -139,10 +139,11 @@ def check_ready(_key: str, text: str) -> str:
 
 
 def check_model_size(n_params, rank: int) -> int:
-    """``n_params`` of a register message, checked: 1..2^31-1 parameters."""
-    if not isinstance(n_params, int) or not 0 < n_params < 1 << 31:
-        raise PeerFailure(f"rank {rank} registered a model of {n_params!r} "
-                          f"parameters; need 1..2^31-1", rank)
+    """``n_params`` of a register message to rank ``rank``'s sidecar, checked: an int
+    (not a bool) of 1..2^31-1 parameters. Raises PeerFailure naming the rank."""
+    if type(n_params) is not int or not 0 < n_params < 1 << 31:
+        raise PeerFailure(f"a register to rank {rank} gives n_params {n_params!r}; "
+                          f"need 1..2^31-1 parameters", rank)
     return n_params
 
 

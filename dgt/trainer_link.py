@@ -22,6 +22,7 @@ from typing import Awaitable, Callable
 from . import ipc
 from .errors import PeerFailure
 from .failure import FailureReason
+from .registration import check_model_size
 
 log = logging.getLogger("dgt.sidecar")
 
@@ -56,16 +57,16 @@ class TrainerLink:
         and world size before it attaches) and gets ``whoami``; any other line gets one
         ``error`` line saying why. Either way nobody is failed."""
         try:
-            hello = ipc.decode_msg(line).get("op") == "hello"
-        except ValueError:
-            hello = False
-        if hello:
+            msg = ipc.decode_msg(line)
+        except ValueError as e:
+            msg, why = None, f"bad control message: {e}"
+        if msg is not None and msg["op"] == "hello":
             reply = self.whoami
         elif self.writer is not None:
             reply = {"op": "error", "rank": None,
                      "message": "this sidecar already has a trainer"}
         else:
-            why = not_a_register(line)
+            why = not_a_register(msg, self.rank) if msg is not None else why
             if not why:
                 return False
             log.debug("rank %d: a connection that is not a trainer refused: %s",
@@ -133,21 +134,18 @@ class TrainerLink:
                       why=FailureReason.OWN_TRAINER)
 
 
-def not_a_register(line: bytes) -> str:
-    """Why the control line ``line`` (bytes, newline included or not) is not a
-    well-formed ``register`` message ("" when it is): one JSON object with op
-    ``register``, ``n_params`` an int in 1..2^31-1 and, where present, ``dtype``
-    ``"float32"`` and ``resume`` / ``param_sha256`` strings (dgt.ipc; dgt.Client sends
-    exactly that). The reason is one line, fit to send back."""
-    try:
-        msg = ipc.decode_msg(line)
-    except ValueError as e:
-        return f"bad control message: {e}"
+def not_a_register(msg: dict, rank: int) -> str:
+    """Why the control message ``msg`` (decoded by dgt.ipc.decode_msg) is not a
+    well-formed ``register`` ("" when it is): op ``register``, ``n_params`` as
+    dgt.registration.check_model_size takes it and, where present, ``dtype``
+    ``"float32"`` and ``resume`` / ``param_sha256`` strings (dgt.Client sends exactly
+    that). The reason is one line, fit to send back."""
     if msg["op"] != "register":
         return f"the first message must be 'register', not {_short(msg['op'])}"
-    n = msg.get("n_params")
-    if type(n) is not int or not 0 < n < 1 << 31:
-        return f"'register' needs 'n_params', an int in 1..2^31-1, not {_short(n)}"
+    try:
+        check_model_size(msg.get("n_params"), rank)
+    except PeerFailure as e:
+        return str(e)
     if msg.get("dtype", "float32") != "float32":
         return f"'register' has 'dtype' {_short(msg['dtype'])}; only 'float32' moves"
     for key in ("resume", "param_sha256"):

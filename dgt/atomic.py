@@ -3,6 +3,10 @@
 A reader never sees a truncated file, and a full disk, a failed write or a process
 killed mid-write leaves the old file (or none) and no temporary file behind (rename(2)
 is atomic within one file system; POSIX).
+
+A path that is a device or a pipe (``/dev/null``, ``/dev/stdout``, a FIFO) is written
+through instead: there is no file to replace, and renaming over it would replace the
+device node itself.
 """
 from __future__ import annotations
 
@@ -21,7 +25,12 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None], fsync: bool = Tru
     ``path``. ``fsync``: flush it to the disk before the rename (checkpoints, reports:
     files that must survive a power cut). Raises OSError (its ``filename`` is ``path``
     when the system call named no file), or what ``write`` raises (the temporary file
-    is removed)."""
+    is removed). A ``path`` that exists and is not a regular file or a folder (a
+    character device such as ``/dev/null`` or ``/dev/full``, a FIFO, ``/dev/stdout``)
+    is written through, not replaced: renaming over it would put a regular file where
+    the device was (as root, ``--report /dev/null`` replaced /dev/null)."""
+    if writes_through(path):
+        return _write_in_place(path, write)
     try:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
                                    prefix=f".{os.path.basename(path)}.", suffix=".tmp")
@@ -46,9 +55,36 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None], fsync: bool = Tru
             os.unlink(tmp)
         except OSError:
             pass
-        if isinstance(e, OSError) and e.errno is not None and e.filename is None:
-            raise OSError(e.errno, e.strerror, path) from None   # e.g. ENOSPC in write()
+        if isinstance(e, OSError):
+            raise _naming(e, path) from None   # e.g. ENOSPC in write()
         raise
+
+
+def writes_through(path: str) -> bool:
+    """Whether :func:`write_atomic` writes ``path`` in place: it exists (links
+    followed) and is neither a regular file nor a folder (a device, a FIFO)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def _write_in_place(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """``write(f)`` on ``path`` opened for writing as it is (no temporary file, no
+    rename, no fsync: a device or a pipe has no disk copy to flush). Raises OSError
+    naming ``path`` (e.g. ENOSPC from /dev/full, EPIPE from a closed pipe)."""
+    try:
+        with open(path, "wb") as f:
+            write(f)
+    except OSError as e:
+        raise _naming(e, path) from None
+
+
+def _naming(e: OSError, path: str) -> OSError:
+    """``e``, or the same error naming ``path`` when the system call named no file."""
+    return OSError(e.errno, e.strerror, path) if e.errno is not None and \
+        e.filename is None else e
 
 
 def _umask() -> int:

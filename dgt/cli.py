@@ -103,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``dgt``: parse ``argv`` and run the subcommand. Ctrl-C (or a signal a command
+    turns into it, dgt.interrupt) at any point, even while the parser is built and the
+    subcommands import numpy and torch, is one line and the shell's status (130)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("dgt: interrupted", file=sys.stderr)
+        from .interrupt import exit_status
+        return exit_status()
+
+
+def _main(argv: list[str] | None) -> int:
     from .hugepages import env_problem
     problem = env_problem()   # before numpy loads (the subcommands import it)
     if problem:
@@ -114,12 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         getattr(ns, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     from .console import survive_closed_stdout
     survive_closed_stdout()   # 'dgt train | head' must not stop the job
-    try:
-        return int(ns.func(ns) or 0)
-    except KeyboardInterrupt:
-        print("dgt: interrupted", file=sys.stderr)
-        from .interrupt import exit_status
-        return exit_status()
+    return int(ns.func(ns) or 0)
 
 
 if __name__ == "__main__":

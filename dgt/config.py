@@ -160,6 +160,11 @@ class TransmissionConfig:
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon}")
         self.band_codings()
+        if self.mode in ("tcp", "topk") and self.band_codec != "auto":
+            # breaker round, stop 40: accepted without a word, and it changed nothing
+            raise ValueError(f"--band-codec codes the blocks of the UDP channels, and "
+                             f"--mode {self.mode} sends none over UDP; drop --band-codec "
+                             f"or use --mode dgt")
         if not 0.0 <= self.pull_coded_fraction <= 1.0:
             raise ValueError(f"--pull-coded-fraction must be in [0, 1], got "
                              f"{self.pull_coded_fraction:g}")

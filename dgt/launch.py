@@ -28,14 +28,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 
 
 from . import checkpoint, failure, outpath, records, run_files, unixsock
 from .transport import udpmac
-from .atomic import write_json
+from .atomic import write_json, writes_through
+from .child_argv import module_argv
 from .interrupt import exit_status, raise_keyboard_interrupt_on
 from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig,
                      JobConfig, TransmissionConfig, default_run_dir, to_argv,
@@ -176,32 +176,33 @@ class Job:
         tx_argv = to_argv(self.tx)   # the secret goes by environment, never by argv
         at = tx_argv.index("--secret")
         del tx_argv[at:at + 2]
-        py = sys.executable
         for r in range(n):
             host, prefix = hosts[r]
             sock = self._socket_path(r)
-            side = prefix + [py, "-m", "dgt.sidecar", "--rank", str(r), "--world", str(n),
-                             "--master-addr", master_addr, "--master-port", str(master_port),
-                             "--host", host, "--base-port", str(j.base_port),
-                             "--socket", sock, "--run-dir", self.run_dir,
-                             "--seed", str(j.seed)] + tx_argv + self._metrics_argv(r)
+            side = prefix + module_argv("dgt.sidecar") + [
+                "--rank", str(r), "--world", str(n),
+                "--master-addr", master_addr, "--master-port", str(master_port),
+                "--host", host, "--base-port", str(j.base_port),
+                "--socket", sock, "--run-dir", self.run_dir,
+                "--seed", str(j.seed)] + tx_argv + self._metrics_argv(r)
             fds = store_fd if r == 0 else []
             if fds:
                 side += ["--master-listen-fd", str(fds[0])]
             self._spawn("sidecar", r, side, env, pass_fds=fds)
             if fds:   # rank 0 has its own copy; ours would keep a dead store's port open
                 self._store_sock.close()
-            trainer = prefix + [py, "-m", "dgt.job", "--rank", str(r), "--world", str(n),
-                                "--socket", sock, "--epochs", str(j.epochs),
-                                "--iterations", str(j.iterations),
-                                "--eval-every", str(j.eval_every),
-                                "--result", os.path.join(self.run_dir, f"trainer-{r}.json"),
-                                "--batch-size", str(j.batch_size), "--lr", str(j.lr),
-                                "--hidden", str(j.hidden), "--seed", str(j.seed),
-                                "--device", j.device,
-                                "--target-accuracy", str(j.target_accuracy),
-                                *workload_argv(j), *self._checkpoint_argv(resume),
-                                "--timeout-s", str(trainer_timeout_s(self.tx.peer_timeout_s))]
+            trainer = prefix + module_argv("dgt.job") + [
+                "--rank", str(r), "--world", str(n),
+                "--socket", sock, "--epochs", str(j.epochs),
+                "--iterations", str(j.iterations),
+                "--eval-every", str(j.eval_every),
+                "--result", os.path.join(self.run_dir, f"trainer-{r}.json"),
+                "--batch-size", str(j.batch_size), "--lr", str(j.lr),
+                "--hidden", str(j.hidden), "--seed", str(j.seed),
+                "--device", j.device,
+                "--target-accuracy", str(j.target_accuracy),
+                *workload_argv(j), *self._checkpoint_argv(resume),
+                "--timeout-s", str(trainer_timeout_s(self.tx.peer_timeout_s))]
             self._spawn("trainer", r, trainer, env,
                         to_terminal=(r == 0 and not self._progress_bar()))
         # atomic: a reader polling for the file never sees it empty
@@ -388,9 +389,29 @@ class Job:
                     except OSError:
                         pass
 
-    def cleanup(self) -> None:
-        if self.own_run_dir:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+    def cleanup(self) -> str:
+        """Remove the run dir when it is ours (a temporary folder), but for the
+        checkpoints written there (``--checkpoint-every`` without ``--checkpoint-dir``):
+        they stay, the rest goes. Returns the checkpoint folder kept, or ""."""
+        if not self.own_run_dir:
+            return ""
+        kept = self.checkpoint_dir
+        if self.ckpt.checkpoint_every and os.path.dirname(kept) == self.run_dir and \
+                checkpoint.latest(kept, self.job.workers):
+            for name in os.listdir(self.run_dir):
+                path = os.path.join(self.run_dir, name)
+                if path == kept:
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+            return kept
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        return ""
 
     def remove_spill(self) -> None:
         if self.spill:
@@ -492,22 +513,7 @@ def check_paths(job: JobConfig) -> None:
     """Fail before training, not after: --report's folder and --run-dir must be usable.
     Raises ValueError with a message that names the flag."""
     if job.report:
-        folder = os.path.dirname(os.path.abspath(job.report))
-        if not os.path.isdir(folder):   # a typo must not leave a tree of new folders
-            raise ValueError(f"--report {job.report}: folder {folder} does not exist; "
-                             f"create it first or give another path")
-        if os.path.isdir(job.report):
-            raise ValueError(f"--report {job.report} is a directory; give a file path")
-        why = outpath.foreign(job.report, "json")
-        if why is not None:
-            raise ValueError(f"--report {job.report}: {why}")
-        try:   # create a file there, as the report will be (os.access says yes to root
-            # on /proc and on a read-only mount's permission bits)
-            with tempfile.TemporaryFile(dir=folder, prefix=".dgt-report-"):
-                pass
-        except OSError as e:
-            raise ValueError(f"--report: cannot create a file in {folder}: "
-                             f"{e.strerror or e}") from None
+        _check_report(job.report)
     if job.run_dir:
         if os.path.exists(job.run_dir) and not os.path.isdir(job.run_dir):
             raise ValueError(f"--run-dir {job.run_dir} is a file; give a folder")
@@ -520,6 +526,32 @@ def check_paths(job: JobConfig) -> None:
         if not torch.cuda.is_available():
             raise ValueError(f"--device {job.device}: no CUDA device here (torch "
                              f"{torch.__version__}); use --device cpu")
+
+
+def _check_report(report: str) -> None:
+    """--report can be written: a new or JSON file in a folder where a file can be
+    made, or a device or FIFO this user may write (/dev/null, /dev/stdout: written
+    through, dgt.atomic). Raises ValueError naming the flag."""
+    folder = os.path.dirname(os.path.abspath(report))
+    if not os.path.isdir(folder):   # a typo must not leave a tree of new folders
+        raise ValueError(f"--report {report}: folder {folder} does not exist; "
+                         f"create it first or give another path")
+    if os.path.isdir(report):
+        raise ValueError(f"--report {report} is a directory; give a file path")
+    why = outpath.foreign(report, "json")
+    if why is not None:
+        raise ValueError(f"--report {report}: {why}")
+    if writes_through(report):   # no new file there: the folder may be /dev
+        if not os.access(report, os.W_OK):
+            raise ValueError(f"--report {report}: permission denied")
+        return
+    try:   # create a file there, as the report will be (os.access says yes to root
+        # on /proc and on a read-only mount's permission bits)
+        with tempfile.TemporaryFile(dir=folder, prefix=".dgt-report-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--report: cannot create a file in {folder}: "
+                         f"{e.strerror or e}") from None
 
 
 def resume_from(ckpt: CheckpointConfig, job: JobConfig, tx: TransmissionConfig) -> str:
@@ -604,7 +636,10 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
     if resume or j.ckpt.checkpoint_every:
         log("dgt train: " + (f"resuming from {resume}; " if resume else "") +
             (f"a checkpoint every {j.ckpt.checkpoint_every} iterations in "
-             f"{j.checkpoint_dir}" if j.ckpt.checkpoint_every else "no checkpoints") +
+             f"{j.checkpoint_dir}" + (" (kept after the run; --checkpoint-dir picks the "
+                                      "folder)" if j.own_run_dir and not
+                                      j.ckpt.checkpoint_dir else "")
+             if j.ckpt.checkpoint_every else "no checkpoints") +
             (f"; up to {j.ckpt.max_restarts} restart(s)" if j.ckpt.max_restarts else ""))
     try:
         j.start(resume)
@@ -618,8 +653,8 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
             code, failure = j.wait()
     except RuntimeError as e:
         j.kill()
-        j.cleanup()
-        log(f"dgt train: {e}")
+        kept = j.cleanup()
+        log(f"dgt train: {e}" + (f"; checkpoints kept in {kept}" if kept else ""))
         return 2, None
     except OSError as e:   # the run dir removed or full while the job ran
         j.kill()
@@ -651,7 +686,10 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
                 f"summary above has its numbers; logs kept in {j.run_dir}")
             return 1, report
         log(f"report: {job.report}")
-    j.cleanup()
+    kept = j.cleanup()
+    if kept:
+        log(f"dgt train: checkpoints kept in {kept} (--resume {kept} goes on from the "
+            f"newest; the rest of the temporary folder is removed)")
     return (1 if diverged(report) else 0), report
 
 

@@ -10,7 +10,8 @@ Ctrl-C). Without a terminal (``--once``) it prints the table once and exits; a r
 needs two scrapes of an endpoint, so there it is ``-``. An endpoint that does not
 answer, or answers with something other than a dgt sidecar's metrics page (a web page,
 forged labels), is named in the table's caption; with ``--once`` and no endpoint left,
-in one error line (exit 2).
+in one error line (exit 2). A scrape has one deadline (``SCRAPE_S``, connect to last
+byte, ``dgt.deadline``): an endpoint that sends a byte now and then times out too.
 """
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ class TraceFollower:
 MAX_WORLD = 1 << 16
 #: the longest metrics page read from an endpoint (a sidecar's is a few KiB)
 MAX_BODY = 4 << 20
+#: the most one scrape of an endpoint takes, from connect to the page's last byte
+SCRAPE_S = 2.0
 
 
 class NotMetrics(ValueError):
@@ -117,21 +120,25 @@ def _quote(text: str, n: int = 60) -> str:
 
 
 def fetch(ep: str) -> str:
-    """The page at ``http://EP/metrics``. Raises OSError when nothing answers there, and
-    NotMetrics when what answers is not HTTP 200 with a UTF-8 page."""
+    """The page at ``http://EP/metrics``, whole within :data:`SCRAPE_S` from connect to
+    its last byte (``dgt.deadline.http_get``: an endpoint that sends a byte now and
+    then is not waited on forever). Raises OSError when nothing answers there or the
+    page is not whole by then (``TimeoutError``, ``timed out: ...``), and NotMetrics
+    when what answers is not HTTP 200 with a UTF-8 page."""
     import http.client
-    import urllib.error
-    import urllib.request
+
+    from .deadline import http_get
     try:
-        with urllib.request.urlopen(f"http://{ep}/metrics", timeout=2) as resp:
-            body = resp.read(MAX_BODY + 1)
-    except urllib.error.HTTPError as e:   # an OSError too: the server did answer
-        raise NotMetrics(f"HTTP {e.code} {_quote(str(e.reason))}") from None
+        status, reason, body = http_get(
+            ep, "/metrics", SCRAPE_S, MAX_BODY + 1,
+            why=f"timed out: no whole page within {SCRAPE_S:g} s")
     except http.client.HTTPException as e:
         raise NotMetrics(f"not an HTTP answer: {_quote(str(e) or type(e).__name__)}") \
             from None
     except UnicodeError:   # idna: a host name no resolver takes ('a..b')
         raise OSError(f"{ep.rsplit(':', 1)[0]} is not a host name") from None
+    if status != 200:
+        raise NotMetrics(f"HTTP {status} {_quote(reason)}")
     if len(body) > MAX_BODY:
         raise NotMetrics(f"a page over {MAX_BODY >> 20} MiB")
     try:

@@ -144,9 +144,14 @@ def udp_offer(dst: str, port: int, dscp: int, mbit: float, seconds: float,
 
 # A UDP sink for the receiving host, run as ``python -c`` inside its netns: binds,
 # prints "ready", counts payload bytes until a line (or EOF) on stdin, prints JSON.
-# UDP_GRO lets one recv take several datagrams where the kernel coalesced them.
+# UDP_GRO lets one recv take several datagrams where the kernel coalesced them. Its
+# first line drops the current folder ('' first on sys.path under -c), so a socket.py
+# or json.py in the folder the check was started in cannot stand in for the library's.
 _SINK = r"""
-import json, select, socket, sys, time
+import sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]
+import json, select, socket, time
 addr, port = sys.argv[1], int(sys.argv[2])
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)

@@ -132,6 +132,39 @@ def as_nobody() -> list[str]:
 
 
 @pytest.fixture
+def shared_tmp():
+    """A new folder in /tmp for a test that another user must reach (``tmp_path`` is
+    0700), removed after the test whether it passes, fails or skips part-way: made in
+    the test body, one left behind by a skip (breaker round, stop 40: a drwxrwxrwt
+    /tmp/dgt-squat-* after every run as a normal user)."""
+    import shutil
+    import tempfile
+    path = tempfile.mkdtemp(prefix="dgt-test-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def dev_full(tmp_path):
+    """A path that behaves as /dev/full (every write fails with ENOSPC). As root, a
+    device node of its own made in ``tmp_path`` (mknod, 1:7): a writer that wrongly
+    renamed over it (as dgt.atomic once did) replaces that copy, never the machine's
+    /dev/full; skips where ``tmp_path`` is mounted nodev. As another user the real
+    /dev/full, which that user cannot replace."""
+    import stat
+    if os.geteuid() != 0:
+        return "/dev/full"
+    path = str(tmp_path / "full")
+    os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 7))
+    try:
+        open(path, "wb").close()
+    except PermissionError:
+        pytest.skip(reason=f"{tmp_path} is mounted nodev: a device node there cannot be "
+                    f"opened")
+    return path
+
+
+@pytest.fixture
 def small_tmpfs(tmp_path):
     """``mount(size, name="tiny", mode="")``: a tmpfs of ``size`` (mount's size=, e.g.
     "8k", "1m") at ``tmp_path/name`` (``mode``: mount's mode=, e.g. "700"), for a disk

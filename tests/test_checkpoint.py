@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -540,3 +541,25 @@ def test_resume_from_a_step_with_files_of_another_step_takes_the_one_before(tmp_
                      f"from another step?)"], skips
     assert "Traceback" not in p.stdout + p.stderr
     assert rep["iterations"] == 30 and rep["replicas_identical"]
+
+
+@pytest.mark.slow
+def test_checkpoints_in_the_temporary_run_dir_outlive_the_run(tmp_path):
+    """Breaker round, stop 40: --checkpoint-every without --run-dir or --checkpoint-dir
+    wrote its checkpoints into the temporary run dir, which a successful run removes:
+    nothing was left to --resume from. They stay now, and the rest goes."""
+    p = _train(*SMALL, "--iterations", 4, "--checkpoint-every", 2)
+    out = p.stdout + p.stderr
+    kept = re.search(r"checkpoints kept in (\S+) \(--resume", out)
+    assert p.returncode == 0 and kept, out
+    kept = kept.group(1)
+    try:
+        assert "(kept after the run; --checkpoint-dir picks the folder)" in out, out
+        assert os.listdir(os.path.dirname(kept)) == ["checkpoints"]
+        assert checkpoint.latest(kept, 2).endswith("step-00000004")
+        again = _train(*SMALL, "--iterations", 6, "--resume", kept,
+                       "--run-dir", tmp_path / "again")
+        assert again.returncode == 0, again.stderr
+        assert "resuming from" in again.stdout + again.stderr
+    finally:
+        shutil.rmtree(os.path.dirname(kept), ignore_errors=True)

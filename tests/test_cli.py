@@ -42,6 +42,11 @@ BAD = [
     (["train", "--seed", "-1"], "--seed must be in 0..4294967295"),
     (["train", "--seed", str(2**32)], "--seed must be in 0..4294967295"),
     (["train", "--k-min", "0.1"], "--k-min only applies with --adaptive-k"),
+    # breaker round, stop 40: a UDP band coding for a mode without UDP channels
+    (["train", "--mode", "tcp", "--band-codec", "int8"],
+     "--mode tcp sends none over UDP; drop --band-codec or use --mode dgt"),
+    (["sidecar", "--rank", "0", "--world", "1", "--mode", "topk", "--band-codec", "fp16"],
+     "--mode topk sends none over UDP; drop --band-codec or use --mode dgt"),
     (["train", "--report", "/proc/x.json"], "--report: cannot create a file in /proc"),
     (["train", "--workers", "64", "--batch-size", "8", "--hidden", "20000"],
      "GiB of memory"),

@@ -1,12 +1,10 @@
 """dgt.Client as a library against a real one-node sidecar: use and misuse."""
 import glob
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -201,9 +199,9 @@ def test_strangers_idle_tcp_connections_are_capped_and_timed_out(sidecar, tmp_pa
     assert rejected.get("no_hello") == MAX_PENDING_HELLO, rejected
 
 
-def test_client_refuses_a_socket_another_user_listens_on(tmp_path):
+def test_client_refuses_a_socket_another_user_listens_on(shared_tmp):
     # breaker round 5: another user binds the path first and poses as the sidecar
-    shared = tempfile.mkdtemp(prefix="dgt-squat-", dir="/tmp")
+    shared = shared_tmp
     os.chmod(shared, 0o1777)   # like /tmp itself
     path = os.path.join(shared, "dgt-3.sock")
     squat = subprocess.Popen(as_nobody() + [
@@ -222,7 +220,6 @@ def test_client_refuses_a_socket_another_user_listens_on(tmp_path):
     finally:
         squat.kill()
         squat.wait()
-        shutil.rmtree(shared)
 
 
 def test_default_socket_and_run_dir_are_a_private_folder_of_this_user(tmp_path, monkeypatch):

@@ -573,3 +573,36 @@ def test_a_bad_run_dir_is_one_line_per_rank_without_a_traceback(tmp_path, case):
     frames = [ln for ln in p.stderr.splitlines() if ln.lstrip().startswith('File "')
               and ("ddp_train.py" in ln or f"{os.sep}dgt{os.sep}" in ln)]
     assert not frames, p.stderr[-3000:]
+
+
+def test_hello_to_a_socket_that_drips_bytes_ends_within_its_timeout(tmp_path):
+    """Breaker round, stop 40 (the kind of dgt top's endless scrape): a process on the
+    sidecar's path that answers a byte now and then restarted hello's per-read timeout
+    every time, so the trainer waited on it for ever."""
+    import threading
+    from dgt.ddp.node import hello
+    from dgt.errors import PeerFailure
+    path = str(tmp_path / "drip.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    stop = threading.Event()
+
+    def drip():
+        conn, _ = srv.accept()
+        with conn:
+            while not stop.wait(0.2):
+                try:
+                    conn.sendall(b" ")   # never a whole line
+                except OSError:
+                    return
+    t = threading.Thread(target=drip, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(PeerFailure) as e:   # before the fix: no return (the
+            hello(path, timeout_s=1.0)          # suite's per-test timeout failed it)
+    finally:
+        stop.set()
+        srv.close()
+        t.join(10)
+    assert "no whole answer within 1 s" in str(e.value), e.value

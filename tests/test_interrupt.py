@@ -64,3 +64,42 @@ def test_sigint_in_a_forked_copy_kills_it_without_unwinding(tmp_path):
     assert p.returncode == 0, p.stderr
     assert f"child {-signal.SIGINT}" in p.stdout.split("\n"), p.stdout
     assert not marker.exists()
+
+
+EARLY = textwrap.dedent("""
+    import os, signal, sys
+    import dgt.cli
+    build = dgt.cli.build_parser
+
+    def interrupted_while_building():   # Ctrl-C while the subcommands import numpy
+        os.kill(os.getpid(), signal.SIGINT)
+        return build()
+    dgt.cli.build_parser = interrupted_while_building
+    sys.exit(dgt.cli.main(["train", "--workers", "2"]))
+""")
+
+
+def test_ctrl_c_while_the_parser_is_built_is_one_line_and_130():
+    """Breaker round, stop 40: Ctrl-C in the first half second of any dgt command (the
+    parser being built, the subcommands importing numpy) printed a 25-line traceback."""
+    p = subprocess.run([sys.executable, "-c", EARLY], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 130, p.stderr
+    assert p.stderr == "dgt: interrupted\n", p.stderr
+
+
+def test_ctrl_c_at_any_moment_of_start_up_never_prints_a_traceback():
+    """The real command, interrupted at several moments of its start-up: a traceback
+    at none of them (a signal before Python's own handler is in place kills it as the
+    default action does, -2, silently)."""
+    for delay in (0.05, 0.15, 0.25, 0.35, 0.5, 0.7, 1.0):
+        p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                              "--epochs", "3"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            p.communicate(timeout=delay)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGINT)   # the terminal's Ctrl-C: the whole group
+        out, err = p.communicate(timeout=120)
+        assert "Traceback" not in err, (delay, err)
+        assert p.returncode in (130, -signal.SIGINT), (delay, p.returncode, err)

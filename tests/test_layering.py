@@ -9,6 +9,9 @@ alone. Beyond our own layers: transport imports no torch, the scheduler no socke
 String imports count as edges: ``__import__("x")``, ``importlib.import_module("x")``,
 and any string literal that is exactly a dotted ``dgt.*`` module name (the way a loop
 over names feeds ``__import__``).
+
+One more rule of the layout: every Python child is started by
+``dgt.child_argv.module_argv``, never by a plain ``[sys.executable, "-m", ...]``.
 """
 from __future__ import annotations
 
@@ -156,6 +159,47 @@ def test_an_upward_import_is_caught(module, source):
 ])
 def test_allowed_imports_pass(module, source):
     assert violations(source, module) == []
+
+
+#: how a Python child used to be started: ``python -m`` puts the current folder first on
+#: the child's sys.path, and a ``dgt/`` folder there shadows the installed dgt
+PLAIN_PYTHON_M = re.compile(r"""sys\.executable\s*,\s*["']-m["']|["']-m["']\s*,\s*["']dgt\.""")
+#: the one module that writes a child's ``-m`` (see its module_argv)
+CHILD_ARGV = "dgt/child_argv.py"
+
+
+def plain_python_m(source: str) -> list[int]:
+    """Lines of ``source`` that start a Python child with a plain ``-m``."""
+    return sorted({source.count("\n", 0, m.start()) + 1
+                   for m in PLAIN_PYTHON_M.finditer(source)})
+
+
+def test_every_python_child_is_started_by_module_argv():
+    """A spawn site that builds ``[sys.executable, "-m", "dgt.…"]`` itself brings back
+    the fault of a ``dgt/`` folder in the current folder (every child failing with
+    ``cannot import name '__version__' from 'dgt'``): dgt.child_argv.module_argv is the
+    only way to start one."""
+    bad, seen = [], 0
+    for folder in package_dirs().values():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            seen += 1
+            if rel != CHILD_ARGV:
+                bad += [f"{rel}:{n}" for n in plain_python_m(path.read_text())]
+    assert seen > 40 and (ROOT / CHILD_ARGV).is_file()
+    assert not bad, ("Python children started with a plain -m (use "
+                     "dgt.child_argv.module_argv):\n" + "\n".join(bad))
+
+
+@pytest.mark.parametrize("source", [
+    'argv = [sys.executable, "-m", "dgt.sidecar", "--rank", "0"]\n',
+    "cmd = [sys.executable,\n       '-m', 'dgt.tools.gloo_train']\n",
+    'py = sys.executable\nargv = prefix + [py, "-m", "dgt.job"]\n',
+    'tool = [sys.executable, "-m", "torch.distributed.run"]\n',
+])
+def test_a_plain_python_m_is_caught(source):
+    """The guard is not vacuous: each of these starts a child with a plain -m."""
+    assert plain_python_m(source), f"{source!r} was not flagged"
 
 
 def test_validating_a_job_config_imports_no_netlink_library():

@@ -80,3 +80,75 @@ def test_a_tool_output_flag_refuses_a_foreign_file(tmp_path):
         assert p.returncode == 2, p.stderr
         assert f"cannot write {txt} ({flag}): it exists and is not a" in p.stderr
     assert txt.read_text() == "keep me\n"
+
+
+def _device(tmp_path, name: str, minor: int) -> str:
+    """A character device node like /dev/null (1, 3) or /dev/full (1, 7) made in
+    ``tmp_path``, so a regression replaces this copy and not the machine's own. Skips
+    when not root or the folder's file system refuses device nodes (nodev)."""
+    if os.geteuid() != 0:
+        pytest.skip(reason="needs root: makes a device node (mknod)")
+    path = str(tmp_path / name)
+    os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
+    try:
+        open(path, "wb").close()
+    except PermissionError:
+        pytest.skip(reason=f"{tmp_path} is mounted nodev: its device nodes cannot be opened")
+    return path
+
+
+def _still_a_device(path: str) -> bool:
+    return stat.S_ISCHR(os.stat(path).st_mode)
+
+
+def test_a_device_is_written_through_never_replaced(tmp_path, dev_full):
+    """Breaker round, stop 40: as root, ``--report /dev/full`` renamed the report over
+    /dev/full (and a JSON output over /dev/null), leaving regular files where the
+    devices were; and the write that should have failed (ENOSPC) was never made."""
+    null, full = _device(tmp_path, "null", 3), dev_full
+    atomic.write_json(null, {"a": 1}, fsync=True)
+    assert _still_a_device(null)
+    with pytest.raises(OSError) as e:
+        atomic.write_json(full, {"a": 1}, fsync=True)
+    assert e.value.errno == 28 and e.value.filename == full, e.value   # ENOSPC
+    assert _still_a_device(full)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_fifo_gets_the_bytes_and_stays_a_fifo(tmp_path):
+    fifo = str(tmp_path / "out.fifo")
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", fifo], stdout=subprocess.PIPE)
+    atomic.write_json(fifo, {"a": 1})
+    assert json.loads(reader.communicate(timeout=30)[0]) == {"a": 1}
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_train_report_to_a_full_device_is_one_line_and_exit_1(dev_full):
+    full = dev_full
+    p = _dgt("train", "--workers", "2", "--iterations", "2", "--report", full)
+    assert p.returncode == 1, p.stderr
+    out = p.stdout + p.stderr
+    assert f"cannot write --report {full}: No space left on device" in out, out
+    assert f"report: {full}" not in out
+    assert _still_a_device(full)
+
+
+def test_a_user_may_send_the_report_to_dev_null(shared_tmp):
+    """/dev/null is written through, so the folder it is in (/dev, not this user's to
+    write) is not asked to hold a new file: as uid 65534 --report /dev/null was refused
+    with 'cannot create a file in /dev'. The paths are checked before --resume, so a
+    --resume that does not exist is the first thing refused once --report passes (the
+    job's children are not started: this interpreter may live where uid 65534 cannot
+    start it again)."""
+    from conftest import as_nobody
+    nobody = as_nobody()
+    os.chown(shared_tmp, 65534, 65534)   # theirs: tmp_path is 0700
+    missing = os.path.join(shared_tmp, "no-such-checkpoint")
+    p = subprocess.run(nobody + [sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                                 "--iterations", "2", "--report", os.devnull,
+                                 "--resume", missing],
+                       capture_output=True, text=True, timeout=300, cwd=shared_tmp)
+    assert p.returncode == 2, p.stderr
+    assert "--report" not in p.stderr and f"--resume {missing}" in p.stderr, p.stderr
+    assert _still_a_device(os.devnull)

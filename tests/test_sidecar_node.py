@@ -1,11 +1,9 @@
 """One node's sidecar as a user runs it: its socket, its files, its flags, its peers."""
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -314,33 +312,30 @@ def test_rank_0_s_rendezvous_store_listens_on_master_addr_only(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["stale-of-another-user", "unwritable-folder"])
-def test_a_socket_path_this_user_cannot_take_is_one_line_naming_it(case):
+def test_a_socket_path_this_user_cannot_take_is_one_line_naming_it(case, shared_tmp):
     # breaker round 5: "in use by another process" for a stale root socket nobody
     # listens on, and a bare "[Errno 13] Permission denied" for --socket /etc/…
-    shared = tempfile.mkdtemp(prefix="dgt-sock-", dir="/tmp")
-    try:
-        os.chmod(shared, 0o1777)   # like /tmp: nobody may remove root's files in it
-        if case == "stale-of-another-user":
-            sock = os.path.join(shared, "dgt-5.sock")
-            stale = socket.socket(socket.AF_UNIX)
-            stale.bind(sock)   # root's, never listening: a dead process's file
-            stale.close()
-            os.chmod(sock, 0o755)
-            want = (f"socket {sock} is owned by uid 0: a stale socket (or another user's "
-                    f"live one) that this user (uid 65534) cannot remove")
-        else:
-            sock = "/etc/dgt-test-brk.sock"
-            want = f"--socket {sock}: permission denied"
-        p = subprocess.run(as_nobody() + [
-            sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0", "--world", "1",
-            "--master-port", str(_free_port()), "--socket", sock, "--run-dir",
-            os.path.join(shared, "run")], capture_output=True, text=True, timeout=120)
-        assert p.returncode == 2, p.stderr
-        assert want in p.stderr, p.stderr
-        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
-        assert not os.path.exists("/etc/dgt-test-brk.sock")
-    finally:
-        shutil.rmtree(shared)
+    shared = shared_tmp
+    os.chmod(shared, 0o1777)   # like /tmp: nobody may remove root's files in it
+    if case == "stale-of-another-user":
+        sock = os.path.join(shared, "dgt-5.sock")
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(sock)   # root's, never listening: a dead process's file
+        stale.close()
+        os.chmod(sock, 0o755)
+        want = (f"socket {sock} is owned by uid 0: a stale socket (or another user's "
+                f"live one) that this user (uid 65534) cannot remove")
+    else:
+        sock = "/etc/dgt-test-brk.sock"
+        want = f"--socket {sock}: permission denied"
+    p = subprocess.run(as_nobody() + [
+        sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0", "--world", "1",
+        "--master-port", str(_free_port()), "--socket", sock, "--run-dir",
+        os.path.join(shared, "run")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert want in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not os.path.exists("/etc/dgt-test-brk.sock")
 
 
 def test_a_socket_path_too_long_to_bind_is_one_line_saying_so(tmp_path):
@@ -360,7 +355,7 @@ def test_a_socket_path_too_long_to_bind_is_one_line_saying_so(tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--master-port", "--base-port"])
-def test_a_port_this_user_may_not_bind_is_named_with_what_to_do(flag):
+def test_a_port_this_user_may_not_bind_is_named_with_what_to_do(flag, shared_tmp):
     # breaker round, stop 33: '[Errno 13] Permission denied' naming no port for
     # --base-port 80, and for --master-port 80 a warning that the address is not this
     # host's, the store then listening on every interface, and torch's EACCES
@@ -368,17 +363,14 @@ def test_a_port_this_user_may_not_bind_is_named_with_what_to_do(flag):
         if int(f.read()) <= 80:
             pytest.skip(reason="this machine lets any user bind port 80")
     nobody = as_nobody()
-    run = tempfile.mkdtemp(prefix="dgt-port-", dir="/tmp")   # theirs: tmp_path is 0700
+    run = shared_tmp   # theirs: tmp_path is 0700
     os.chown(run, 65534, 65534)
     port = ["--master-port", "80"] if flag == "--master-port" else \
         ["--master-port", str(_free_port()), "--base-port", "80"]
-    try:
-        p = subprocess.run(nobody + [
-            sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0", "--world", "1",
-            *port, "--socket", os.path.join(run, "s.sock"), "--run-dir", run],
-            capture_output=True, text=True, timeout=120)
-    finally:
-        shutil.rmtree(run)
+    p = subprocess.run(nobody + [
+        sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0", "--world", "1",
+        *port, "--socket", os.path.join(run, "s.sock"), "--run-dir", run],
+        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0, p.stderr
     want = ("--master-port 80 on 127.0.0.1: Permission denied (ports below 1024 need "
             "root); pick a port from 1024 up") if flag == "--master-port" else \

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -237,6 +239,60 @@ def test_output_missing_folder_is_an_error_not_created(tmp_path):
     assert json.loads(out.read_text())["totals"]["messages"] == 3
 
 
+# ------------------------------------------------- output that cannot be written
+
+@pytest.mark.parametrize("cmd, says", [
+    (["pcap", "summary", "{pcap}", "--json", "{full}"],
+     "cannot write {full} (--json): No space left on device"),
+    (["pcap", "summary", "{pcap}", "--plot", "{full}"],
+     "cannot write {full} (--plot): No space left on device"),
+    (["replay", "{pcap}", "--to", "127.0.0.1", "--dry-run", "--json", "{full}"],
+     "cannot write {full} (--json): No space left on device"),
+    (["replay", "{pcap}", "--to", "127.0.0.1", "--speed", "100", "-q", "--json",
+      "{full}"], "cannot write {full} (--json): No space left on device"),
+    pytest.param(["capture", "--ports", "{port}", "--seconds", "0.5", "-q", "-w", "{ok}",
+                  "--json", "{full}"], "cannot write {full} (--json): No space left on device",
+                 marks=pytest.mark.skipif(os.geteuid() != 0,
+                                          reason="capture needs root (AF_PACKET)")),
+], ids=["summary-json", "summary-plot", "replay-dry-run-json", "replay-json",
+        "capture-json"])
+def test_an_output_that_fails_to_write_is_one_error_line(tmp_path, dev_full, cmd, says):
+    """The outside tester's 'dgt pcap summary --json /dev/full' (rc 0): every output
+    file a command writes that fails to write, flush or close is one error line, exit
+    2. A /dev/full exists and is no regular file: it is written through, never replaced
+    by a rename (as root that would have put a regular file in /dev)."""
+    from dgt.tools import synth
+    pcap = _udp_pcap(tmp_path / "u.pcap")
+    args = [a.format(pcap=pcap, ok=tmp_path / "ok.pcap", port=synth.free_base_port(1),
+                     full=dev_full) for a in cmd]
+    r = _cli(*args)
+    # where libpcap is missing, capture's first line says so (test_tools_capture)
+    r.stderr = "".join(ln for ln in r.stderr.splitlines(True)
+                       if "libpcap is not installed" not in ln)
+    _one_line_error(r, says.format(full=dev_full))
+    assert stat.S_ISCHR(os.stat(dev_full).st_mode)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("flag, earlier", [
+    ("--json", b'{"earlier": true}\n'), ("--plot", b"\x89PNG\r\n\x1a\nearlier")])
+def test_a_full_disk_leaves_the_earlier_summary_output_whole(small_tmpfs, tmp_path, flag,
+                                                             earlier):
+    """A summary output on a disk that fills is one error line, exit 2, and the file
+    an earlier run wrote there is left as it was (the old writer truncated it, then
+    failed: half a file, or none)."""
+    from test_tools_capture import fill_disk
+    pcap = _udp_pcap(tmp_path / "u.pcap")
+    mnt = small_tmpfs("64k")
+    out = mnt / ("s.json" if flag == "--json" else "s.png")
+    out.write_bytes(earlier)
+    fill_disk(mnt)
+    r = _cli("pcap", "summary", str(pcap), flag, str(out))
+    _one_line_error(r, f"cannot write {out} ({flag}): No space left on device")
+    assert out.read_bytes() == earlier
+    assert sorted(p.name for p in mnt.iterdir()) == sorted(["filler", out.name])
+
+
 # ------------------------------------------------------- replay: refused TCP
 
 def test_replay_goes_on_when_one_tcp_destination_refuses(tmp_path):
@@ -276,3 +332,35 @@ def test_replay_goes_on_when_one_tcp_destination_refuses(tmp_path):
     r = _cli("replay", str(_tcp_pcap(tmp_path / "d.pcap", [dead])), "--to", "127.0.0.1",
              "--speed", "100")
     assert r.returncode == 2 and "cannot connect" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_replay_ends_when_a_receiver_sends_a_little_now_and_then(tmp_path):
+    """At the end a replay reads what each receiver still sends until it closes; that
+    read had a timeout per read only, so a receiver that sends a byte every 0.1 s,
+    forever, kept the replay from ever ending. The drain now has one deadline per
+    connection (replay.DRAIN_S)."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    port, stop, got = lst.getsockname()[1], threading.Event(), []
+
+    def serve():
+        c, _ = lst.accept()
+        with c:
+            while sum(map(len, got)) < 3 * (34 + 16):   # the three frames replayed
+                got.append(c.recv(65536))
+            try:
+                while not stop.wait(0.1):
+                    c.sendall(b"x")
+            except OSError:
+                pass
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    js = tmp_path / "r.json"
+    try:
+        # 120 s (_cli): far past the drain's 0.5 s, and it never ended before
+        r = _cli("replay", str(_tcp_pcap(tmp_path / "t.pcap", [port])), "--to",
+                 "127.0.0.1", "--speed", "100", "--json", str(js))
+    finally:
+        stop.set()
+        lst.close()
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert json.loads(js.read_text())["totals"]["messages"] == 3

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -274,24 +275,35 @@ def _first_log_line(stream) -> str:
     return stream.readline() if LIBPCAP_NOTE in line else line
 
 
-def _assert_failed_after_start(r, path, reason):
+WRITTEN = re.compile(r"; (\d+) packets \((\d+) bytes\) were written completely before "
+                     r"that(.*)$")
+
+
+def _assert_failed_after_start(r, path, reason) -> tuple[int, int, str]:
     """Started (logged 'capturing on'), then the writer failed: exit 2, no summary,
-    the last line names the file and why."""
+    the last line names the file and why, then what was written completely before
+    that. Returns (packets, bytes, the rest of the line: what was done to the file)."""
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert r.stdout == "", r.stdout               # never a success summary
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.strip().splitlines() if LIBPCAP_NOTE not in ln]
     assert "capturing on" in lines[0], r.stderr
-    assert lines[-1] == f"dgt capture: error: cannot write {path}: {reason}", r.stderr
+    head = f"dgt capture: error: cannot write {path}: {reason}"
+    assert lines[-1].startswith(head), r.stderr
+    m = WRITTEN.fullmatch(lines[-1][len(head):])
+    assert m, r.stderr
+    return int(m.group(1)), int(m.group(2)), m.group(3)
 
 
 @root
-def test_capture_write_failure_after_start_is_an_error():
+def test_capture_write_failure_after_start_is_an_error(dev_full):
     """/dev/full opens fine and fails every write: the capture must fail, not print a
     summary naming a file that holds nothing."""
-    r = _dgt_capture("--base-port", str(synth.free_base_port(1)), "-w", "/dev/full",
+    r = _dgt_capture("--base-port", str(synth.free_base_port(1)), "-w", dev_full,
                      "--seconds", "1")
-    _assert_failed_after_start(r, "/dev/full", "No space left on device")
+    # nothing reached it, and a device is neither cut back nor removed
+    assert _assert_failed_after_start(r, dev_full, "No space left on device") == \
+        (0, 0, "")
 
 
 @root
@@ -311,7 +323,7 @@ def test_capture_broken_pipe_is_an_error(tmp_path):
         os.close(reader)                  # the reader goes away
     so, se = p.communicate(timeout=60)
     r = subprocess.CompletedProcess(p.args, p.returncode, so, first + se)
-    _assert_failed_after_start(r, fifo, "Broken pipe")
+    assert _assert_failed_after_start(r, fifo, "Broken pipe") == (0, 0, "")
 
 
 @root
@@ -328,4 +340,87 @@ def test_capture_failing_ring_rotation_is_an_error(tmp_path):
     _blast(base + 1, 200)                 # ~60 KB: past the first 20 KB file
     so, se = p.communicate(timeout=60)
     r = subprocess.CompletedProcess(p.args, p.returncode, so, first + se)
-    _assert_failed_after_start(r, tmp_path / "ring.00002.pcap", "Is a directory")
+    n, nbytes, rest = _assert_failed_after_start(r, tmp_path / "ring.00002.pcap",
+                                                 "Is a directory")
+    # what it says was written is what the first file holds
+    assert (n, nbytes, rest) == (*_records(tmp_path / "ring.00001.pcap"), ""), r.stderr
+    assert 0 < n < 200
+
+
+def _records(path) -> tuple[int, int]:
+    """(records, frame bytes) of a pcap file, read by dissect.read_pcap, which must
+    find it whole: no record cut off."""
+    st: dict = {}
+    lens = [len(rec.data) for _, rec in dissect.read_pcap(path, st)]
+    assert "truncated" not in st, st
+    return len(lens), sum(lens)
+
+
+# --------------------------------------------------------- a disk that fills (-w)
+
+def fill_disk(mnt):
+    """Fill the file system at ``mnt`` to its last byte (a file ``filler`` there);
+    returns ``mnt``."""
+    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for chunk in (4096, 1):
+            try:
+                while os.write(fd, b"\0" * chunk):
+                    pass
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return mnt
+
+
+@root
+@pytest.mark.parametrize("ring", [False, True], ids=["one-file", "ring"])
+def test_a_disk_that_fills_ends_the_capture_with_what_was_written(small_tmpfs, ring):
+    """The outside tester's case: a 3 MB tmpfs filled mid-capture. The capture printed
+    'captured 0 packets' and an error, and left 3 MB of 91 records, the last one cut
+    off. Now: one line with the packets and bytes written completely, exit 2, and the
+    file(s) cut back to the last complete record: a pcap every reader takes whole."""
+    mnt = small_tmpfs("1m")
+    out = mnt / "c.pcap"
+    base = synth.free_base_port(1)
+    ring_args = ["--file-mb", "0.4"] if ring else []
+    p = subprocess.Popen([PY, "-m", "dgt.cli", "capture", "--ports", str(base + 1),
+                          "--seconds", "30", "-w", str(out), *ring_args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = _first_log_line(p.stderr)
+    for _ in range(6):              # 6 x 500 datagrams of 1.4 KB: 4 MB for a 1 MB disk
+        if p.poll() is not None:
+            break
+        _blast(base + 1, 500, elems=350)
+    so, se = p.communicate(timeout=60)
+    r = subprocess.CompletedProcess(p.args, p.returncode, so, first + se)
+    files = sorted(mnt.iterdir())
+    failed = files[-1]
+    n, nbytes, rest = _assert_failed_after_start(r, failed, "No space left on device")
+    assert [f.name for f in files] == (["c.00001.pcap", "c.00002.pcap", "c.00003.pcap"]
+                                       if ring else ["c.pcap"]), files
+    counts = [_records(f) for f in files]        # each file whole, its last record too
+    assert (n, nbytes) == tuple(map(sum, zip(*counts))), (counts, r.stderr)
+    # the disk was full: what is there fills it, to within a record and a page
+    assert sum(f.stat().st_size for f in files) > 900_000, files
+    assert rest in ("", f"; {failed} ends with the last of them (a partial record cut "
+                        f"off)"), r.stderr
+    from scapy.utils import RawPcapReader        # and another reader agrees
+    assert sum(sum(1 for _ in RawPcapReader(str(f))) for f in files) == n
+
+
+@root
+def test_a_new_file_whose_header_does_not_fit_is_removed(small_tmpfs):
+    """A file the disk had no room for at all (not even the 24-byte pcap header) is
+    no pcap: it is removed, and the line says so."""
+    mnt = fill_disk(small_tmpfs("64k"))
+    out = mnt / "c.pcap"
+    writer = capture.PcapRing(str(out), 1, None, None)
+    writer.write(1, b"x" * 60, 60)
+    with pytest.raises(capture.CaptureError) as e:
+        writer.close()
+    assert str(e.value) == (f"cannot write {out}: No space left on device; 0 packets "
+                            f"(0 bytes) were written completely before that; {out} is "
+                            f"removed (not even its pcap header fit)")
+    assert not out.exists() and writer.files == []

@@ -138,3 +138,59 @@ def test_values_that_are_not_finite_are_left_out(serve):
     p = top(serve(page))
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
     assert [r[:2] + r[6:] for r in ROW.findall(p.stdout)] == [("1", "-1", "0")], p.stdout
+
+
+def _trickle(lsock: socket.socket, head: bytes, drip: bytes, stop: threading.Event) -> None:
+    """Answer each connection with ``head`` at once, then ``drip`` every 0.2 s until
+    ``stop``: each read gets something well within any per-read timeout, the page never
+    ends."""
+    def one(conn):
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(head)
+                while not stop.wait(0.2):
+                    conn.sendall(drip)
+            except OSError:
+                pass
+    while True:
+        try:
+            conn, _ = lsock.accept()
+        except OSError:
+            return
+        threading.Thread(target=one, args=(conn,), daemon=True).start()
+
+
+@pytest.mark.parametrize("head, drip", [
+    (b"HTTP/1.0 200 OK\r\n\r\n", b"# x\n"),     # the tester's: a slow body
+    (b"HTTP/1.0 200 OK\r\n", b"X-Slow: 1\r\n"),  # headers that never end
+    (b"", b"H"),                                 # a status line, a byte at a time
+], ids=["body", "headers", "status-line"])
+def test_an_endpoint_that_sends_slowly_forever_times_out_in_one_line(head, drip):
+    """The outside tester's endpoint (200 OK, then '# x' now and then, forever) kept
+    'dgt top --once' waiting forever: the timeout was per read. One deadline per scrape
+    (dgt.top.SCRAPE_S, 2 s) now ends it with the same line as a silent endpoint."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    threading.Thread(target=_trickle, args=(lsock, head, drip, stop), daemon=True).start()
+    port = lsock.getsockname()[1]
+    try:
+        p = top(port)   # 60 s: far past the 2 s deadline, and it hung forever before
+    finally:
+        stop.set()
+        lsock.close()
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr
+    assert (f"dgt top: error: no metrics endpoint answered (127.0.0.1:{port}: timed out: "
+            f"no whole page within 2 s)") in p.stderr, p.stderr
+
+
+def test_a_silent_endpoint_gives_the_same_timed_out_line():
+    lsock = socket.create_server(("127.0.0.1", 0))   # accepts (backlog), never answers
+    port = lsock.getsockname()[1]
+    try:
+        p = top(port)
+    finally:
+        lsock.close()
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stdout + p.stderr
+    assert f"(127.0.0.1:{port}: timed out: no whole page within 2 s)" in p.stderr, p.stderr

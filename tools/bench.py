@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dgt.child_argv import module_argv, typed_command
 from dgt.interrupt import exit_status, raise_keyboard_interrupt_on
 from dgt.progress import CellProgress
 from dgt.transport.channels import DEFAULT_UDP_CHANNELS, channel_dscp
@@ -383,9 +384,9 @@ def cell_argv(cfg: BenchConfig, system: str, rate: str | None, report: str,
     if not cfg.loopback:
         common += ["--testbed", "--testbed-prefix", cfg.prefix]
     if system == "gloo":
-        return [sys.executable, "-m", "dgt.tools.gloo_train"] + common
-    argv = [sys.executable, "-m", "dgt.cli", "train", "--mode", system,
-            "--peer-timeout-s", f"{peer_timeout_s(cfg, rate):g}"] + common
+        return module_argv("dgt.tools.gloo_train") + common
+    argv = module_argv("dgt.cli") + ["train", "--mode", system, "--peer-timeout-s",
+                                     f"{peer_timeout_s(cfg, rate):g}"] + common
     if rate is not None:   # pace the UDP channels at the line rate, not above it
         argv += ["--pace-mbit", f"{rate_bits_per_s(rate) / 1e6:g}"]
     return argv
@@ -441,9 +442,8 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
     argv = cell_argv(cfg, system, rate, report_path, run_dir)
     est = estimate_cell_s(cfg, rate)
     timeout_s = cfg.cell_timeout_s or max(120.0, 4 * est)
-    row = dict(cell, label=SYSTEM_LABEL[system], command=shlex.join(
-        ["dgt", "train"] + argv[4:] if system != "gloo" else
-        ["python", "-m", "dgt.tools.gloo_train"] + argv[3:]), error=None)
+    row = dict(cell, label=SYSTEM_LABEL[system], command=shlex.join(typed_command(argv)),
+               error=None)
     tenant = None
     if scenario == "tenant":
         # bounded by the cell's own timeout; stopped as soon as the cell ends
@@ -916,7 +916,7 @@ def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
         res["line_rate_mbit"] = rate_bits_per_s(rate) / 1e6
         # 1. the reliable channel alone
         log_fn(f"goodput: dgt reliable channel, {mb:g} MB h0 -> h1 at {rate}")
-        tool = [sys.executable, "-m", "dgt.tools.goodput"]
+        tool = module_argv("dgt.tools.goodput")
         recv = tb.popen_in(1, tool + ["recv", "--bind", tb.host_addr(1), "--port", "5400",
                                       "--mb", f"{mb:g}"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -943,10 +943,10 @@ def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
         res["ratio"] = res["dgt_mbit"] / res["iperf3_mbit"] if res["iperf3_mbit"] else None
         # 3. context: the same bytes inside BSP training iterations
         report = os.path.join(work, "report.json")
-        argv = [sys.executable, "-m", "dgt.cli", "train", "--testbed", "--testbed-prefix",
-                prefix, "--workers", "2",
-                "--mode", "tcp", "--hidden", str(hidden), "--iterations", str(iterations),
-                "--report", report, "--run-dir", os.path.join(work, "run")]
+        argv = module_argv("dgt.cli") + [
+            "train", "--testbed", "--testbed-prefix", prefix, "--workers", "2",
+            "--mode", "tcp", "--hidden", str(hidden), "--iterations", str(iterations),
+            "--report", report, "--run-dir", os.path.join(work, "run")]
         log_fn(f"goodput: context, dgt train --mode tcp, 2 hosts, {iterations} iterations "
                f"of {4 * n_params(hidden) / 1e6:.1f} MB")
         p = subprocess.run(argv, capture_output=True, text=True, timeout=600)

@@ -42,6 +42,7 @@ import torch
 
 from dgt import codec
 from dgt.atomic import write_json
+from dgt.child_argv import module_argv
 from dgt.transport import wire
 from dgt.transport.wire import Coding
 
@@ -107,7 +108,7 @@ def train(codecs: list[str], flags: list[str]) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="dgt-bench-codec-") as d:
             report = os.path.join(d, "r.json")
             a = time.monotonic()
-            p = subprocess.run([sys.executable, "-m", "dgt.cli", "train",
+            p = subprocess.run([*module_argv("dgt.cli"), "train",
                                 "--pull-codec", "fp32", *flags,
                                 "--band-codec", c, "--report", report],
                                capture_output=True, text=True)

@@ -38,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 
+from dgt.child_argv import module_argv
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "ddp_train.py")
 VARIANTS = {"hook, per-bucket push": ["--comm", "dgt"],
@@ -54,7 +56,7 @@ def run_once(bed, out: str, args: list[str], a) -> dict:
                    OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
         log = open(os.path.join(out, f"torchrun-{h}.log"), "w")
         procs.append(bed.popen_in(h, [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(a.hosts),
+            *module_argv("torch.distributed.run"), "--nnodes", str(a.hosts),
             "--nproc-per-node", str(a.nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", os.path.basename(out),
             "--rdzv-conf", f"is_host={int(h == 0)}", "--local-addr", bed.host_addr(h),

@@ -28,8 +28,13 @@ import tempfile
 
 import numpy as np
 
+from dgt.child_argv import module_argv
+
 SCRAPER = """
-import sys, time, urllib.request
+import sys
+if sys.path and sys.path[0] == "":   # -c puts the current folder first: not ours
+    del sys.path[0]
+import time, urllib.request
 url, n = sys.argv[1], 0
 while True:
     try:
@@ -45,9 +50,10 @@ while True:
 
 def run_once(args, metrics: bool, work: str, tag: str) -> dict:
     report = os.path.join(work, f"{tag}.json")
-    cmd = [sys.executable, "-m", "dgt.cli", "train", "--testbed", "--testbed-prefix",
-           args.prefix, "--workers", str(args.workers), "--hidden", str(args.hidden),
-           "--iterations", str(args.iterations), "--report", report]
+    cmd = module_argv("dgt.cli") + [
+        "train", "--testbed", "--testbed-prefix", args.prefix, "--workers",
+        str(args.workers), "--hidden", str(args.hidden), "--iterations",
+        str(args.iterations), "--report", report]
     if metrics:
         cmd += ["--metrics-port", str(args.port)]
     job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

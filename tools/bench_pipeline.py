@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 
+from dgt.child_argv import module_argv
 from dgt.config import OneLineParser
 
 WAYS = {"pipelined": [], "whole": ["--no-pipeline-pulls"]}
@@ -40,7 +41,7 @@ def run_once(flags: list[str], way: str, out: str) -> dict:
     os.makedirs(out, exist_ok=True)
     report, run_dir = os.path.join(out, "report.json"), os.path.join(out, "run")
     load = os.getloadavg()[0]
-    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", *flags, *WAYS[way],
+    p = subprocess.run([*module_argv("dgt.cli"), "train", *flags, *WAYS[way],
                         "--report", report, "--run-dir", run_dir],
                        capture_output=True, text=True)
     if p.returncode:

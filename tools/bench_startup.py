@@ -25,11 +25,13 @@ import subprocess
 import sys
 import tempfile
 
+from dgt.child_argv import module_argv, typed_command
+
 SYSTEMS = {
-    "dgt": ([sys.executable, "-m", "dgt.cli", "train", "--mode", "dgt"], {}),
-    "dgt, numpy huge-page advice": ([sys.executable, "-m", "dgt.cli", "train", "--mode",
-                                     "dgt"], {"NUMPY_MADVISE_HUGEPAGE": "1"}),
-    "gloo all_reduce": ([sys.executable, "-m", "dgt.tools.gloo_train"], {}),
+    "dgt": (module_argv("dgt.cli") + ["train", "--mode", "dgt"], {}),
+    "dgt, numpy huge-page advice": (module_argv("dgt.cli") + ["train", "--mode", "dgt"],
+                                    {"NUMPY_MADVISE_HUGEPAGE": "1"}),
+    "gloo all_reduce": (module_argv("dgt.tools.gloo_train"), {}),
 }
 FIELDS = ("register_s", "first_push_pull_ms", "to_iteration_2_s", "to_iteration_4_s")
 
@@ -42,7 +44,8 @@ def one(argv: list[str], env: dict, common: list[str], timeout_s: float) -> dict
                            text=True, env=dict(os.environ, **env), timeout=timeout_s)
         if p.returncode or not os.path.exists(report):
             tail = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or ["no output"]
-            raise RuntimeError(f"{' '.join(argv[2:])} exited {p.returncode}: {tail[0]}")
+            raise RuntimeError(f"{' '.join(typed_command(argv))} exited {p.returncode}: "
+                               f"{tail[0]}")
         with open(report) as f:
             r = json.load(f)
     at = {h["iteration"]: h["seconds"] for h in r["history"]}

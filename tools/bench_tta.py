@@ -59,13 +59,13 @@ import os
 import platform
 import shlex
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from dgt.child_argv import module_argv, typed_command
 from dgt.config import MAX_PEER_TIMEOUT_S
 from dgt.tools import bench
 from dgt.report import cpu_per_iteration
@@ -422,8 +422,8 @@ def cell_argv(cfg: TtaConfig, cell: dict, report: str, run_dir: str,
         if s.base == "dgt-ddp":   # the sidecars take what a dgt cell gives dgt train
             hook += ["--bucket-cap-mb", f"{cfg.ddp_bucket_cap_mb:g}", "--sidecar-args",
                      shlex.join(["--mode", "dgt"] + timeout + pace + list(s.flags))]
-        return [sys.executable, "-m", "dgt.tools.gloo_train"] + common + hook
-    return [sys.executable, "-m", "dgt.cli", "train", "--mode", s.base] + timeout + \
+        return module_argv("dgt.tools.gloo_train") + common + hook
+    return module_argv("dgt.cli") + ["train", "--mode", s.base] + timeout + \
         common + pace + list(s.flags)
 
 
@@ -441,9 +441,7 @@ def _timeout_and_pace(cfg: TtaConfig, cell: dict) -> list[str]:
 
 
 def _command(argv: list[str]) -> str:
-    if argv[2] == "dgt.cli":
-        return shlex.join(["dgt"] + argv[3:])
-    return shlex.join(["python"] + argv[1:])
+    return shlex.join(typed_command(argv))
 
 
 def _trainers(run_dir: str, workers: int) -> list[dict]:

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 
+from dgt.child_argv import module_argv
 from dgt.config import OneLineParser
 
 SIGNALS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP}
@@ -44,7 +45,7 @@ def run_cell(workers: int, kind: str, rank: int, how: str, peer_timeout_s: float
     """One job, one signal: (passed, the headline or why it failed)."""
     with tempfile.TemporaryDirectory(prefix="dgt-blame-") as tmp:
         run = os.path.join(tmp, "run")
-        p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "train", "--workers",
+        p = subprocess.Popen([*module_argv("dgt.cli"), "train", "--workers",
                               str(workers), "--epochs", "200", "--hidden", "64",
                               "--peer-timeout-s", str(peer_timeout_s), "--run-dir", run],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

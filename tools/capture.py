@@ -25,6 +25,7 @@ import math
 import os
 import select
 import socket
+import stat
 import struct
 import threading
 import time
@@ -166,9 +167,17 @@ def ring_file(out: str | Path, index: int) -> Path:
 class PcapRing:
     """Streamed nanosecond-pcap writer with size-based rotation and a file ring.
 
-    Any failure to create, write, flush or close a file raises :class:`CaptureError`
-    ``cannot write PATH: why``: a capture whose file is incomplete never looks
-    successful."""
+    Any failure to create, write, flush or close a file raises :class:`CaptureError`,
+    one line: ``cannot write PATH: why; N packets (B bytes) were written completely
+    before that``, and what became of the file. A capture whose file is incomplete
+    never looks successful, and what it did write stays readable: a record cut off by
+    a full disk is cut back out of the file (ftruncate to the last complete record),
+    and a new file that did not get even its pcap header is removed. ``packets`` and
+    ``bytes`` (the frames' bytes) count the records written completely, in every
+    file."""
+
+    #: bytes gathered before one write(2): records reach the file in whole batches
+    BUFFER = 1 << 20
 
     def __init__(self, out: str, dlt: int, file_mb: float | None, ring: int | None):
         self.out = Path(out)
@@ -178,8 +187,13 @@ class PcapRing:
         self.files: list[str] = []
         self.deleted = 0
         self.index = 0
-        self.f = None
-        self.size = 0
+        self.packets = 0
+        self.bytes = 0
+        self.fd: int | None = None
+        self.size = 0          # the current file's bytes, those still buffered too
+        self._buf = bytearray()
+        self._records: list[int] = []   # per buffered record: its frame's bytes (-1:
+        self._on_disk = 0               # the file header); the file's bytes written
         self._open()
 
     def _name(self) -> Path:
@@ -187,19 +201,22 @@ class PcapRing:
             return self.out
         return ring_file(self.out, self.index)
 
-    def _failed(self, path, e: OSError) -> CaptureError:
-        return CaptureError(f"cannot write {path}: {e.strerror or e}")
+    def _failed(self, path, e: OSError, note: str = "") -> CaptureError:
+        return CaptureError(f"cannot write {path}: {e.strerror or e}; {self.packets} "
+                            f"packets ({self.bytes} bytes) were written completely before "
+                            f"that{note}")
 
     def _open(self) -> None:
         self.index += 1
         path = self._name()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(path, "wb", buffering=1 << 20)
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         except OSError as e:
             raise self._failed(path, e) from None
-        self.f.write(struct.pack("<IHHiIII", 0xA1B23C4D, 2, 4, 0, 0, SNAPLEN, self.dlt))
-        self.size = 24
+        self._buf += struct.pack("<IHHiIII", 0xA1B23C4D, 2, 4, 0, 0, SNAPLEN, self.dlt)
+        self._records.append(-1)
+        self._on_disk, self.size = 0, 24
         self.files.append(str(path))
         if self.ring and len(self.files) > self.ring:
             old = self.files.pop(0)
@@ -216,28 +233,86 @@ class PcapRing:
             self.close()
             self._open()
         sec, ns = divmod(ts_ns, 1_000_000_000)
-        try:
-            self.f.write(struct.pack("<IIII", sec, ns, len(data), wirelen))
-            self.f.write(data)
-        except OSError as e:
-            raise self._failed(self.files[-1], e) from None
+        self._buf += struct.pack("<IIII", sec, ns, len(data), wirelen)
+        self._buf += data
+        self._records.append(len(data))
         self.size += 16 + len(data)
+        if len(self._buf) >= self.BUFFER:
+            self.flush()
 
     def flush(self) -> None:
+        """Write what is buffered to the current file; counts what is complete there."""
+        done = 0
         try:
-            self.f.flush()
+            with memoryview(self._buf) as view:
+                while done < len(view):
+                    done += os.write(self.fd, view[done:])
         except OSError as e:
-            raise self._failed(self.files[-1], e) from None
+            path = self.files[-1]
+            note = self._cut_back(done)   # counts the records that did land
+            raise self._failed(path, e, note) from None
+        self._count(done)
+
+    def _count(self, done: int) -> int:
+        """Account for the first ``done`` buffered bytes having reached the file: the
+        records among them are complete. Returns the file's bytes up to the last of
+        them (the header counts as one), and drops what was counted from the buffer."""
+        end = upto = 0
+        for i, n in enumerate(self._records):
+            size = 24 if n < 0 else 16 + n
+            if end + size > done:
+                break
+            end += size
+            upto = i + 1
+            if n >= 0:
+                self.packets += 1
+                self.bytes += n
+        del self._records[:upto]
+        del self._buf[:done]
+        self._on_disk += done
+        return self._on_disk - (done - end)
+
+    def _cut_back(self, done: int) -> str:
+        """After a failed write of which ``done`` bytes landed: leave the file ending
+        with its last complete record, the partial one cut off (a file without a whole
+        header is removed). Returns what was done, for the error line."""
+        whole = self._count(done)
+        self._buf.clear()
+        self._records.clear()
+        path = self.files[-1]
+        try:
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+                return ""   # a pipe or a device: nothing to cut or remove
+            if whole < 24:
+                os.unlink(path)
+                self.files.pop()
+                return f"; {path} is removed (not even its pcap header fit)"
+            if whole < self._on_disk:
+                os.ftruncate(self.fd, whole)
+                self._on_disk = whole
+                return f"; {path} ends with the last of them (a partial record cut off)"
+        except OSError as e:
+            return (f"; {path} could not be cut back to its last whole record "
+                    f"({e.strerror or e})")
+        return ""
 
     def close(self) -> None:
         """Flush and close the current file (closed even when the flush fails).
         Raises CaptureError when what was written did not reach the file."""
-        f, self.f = self.f, None
-        if f:
-            try:
-                f.close()
-            except OSError as e:
-                raise self._failed(self.files[-1], e) from None
+        fd = self.fd
+        if fd is None:
+            return
+        try:
+            self.flush()
+        except BaseException:
+            self.fd = None
+            os.close(fd)
+            raise
+        self.fd = None
+        try:
+            os.close(fd)
+        except OSError as e:   # e.g. NFS: a write error is reported at close
+            raise self._failed(self.files[-1], e) from None
 
 
 class Capture:
@@ -378,10 +453,14 @@ class Capture:
                 r, _, _ = select.select([sock], [], [], wait)
                 if not r:
                     continue
-                # drain everything queued without going back to select
+                # drain what is queued without going back to select, until the next
+                # progress line or the end (traffic that never pauses must not hold
+                # the loop past --seconds)
+                until = next_progress if deadline is None else min(next_progress, deadline)
                 sock.setblocking(False)
                 try:
-                    while cfg.count is None or st.packets < cfg.count:
+                    while (cfg.count is None or st.packets < cfg.count) and \
+                            time.monotonic() < until:
                         try:
                             data, cmsgs, _flags, addr = sock.recvmsg(SNAPLEN, anc)
                         except BlockingIOError:

@@ -220,9 +220,8 @@ def cmd_capture(args) -> int:
     st = capture.run_capture(cfg)
     print(capture.format_stats(st))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(st.as_dict(), f, indent=2)
-            f.write("\n")
+        from dgt.tools import output
+        output.write_json(args.json, "--json", st.as_dict())
     return 0
 
 
@@ -298,10 +297,10 @@ def cmd_replay(args) -> int:
             print(f"{offs.next(it):10.6f}  {it.proto}  {it.dst}:{it.dport}  {h.type!s:>2} "
                   f"ch={h.channel} it={h.iteration} {len(it.data)} B")
         if args.json:   # what would be sent: the scan's counts, nothing sent
-            with open(args.json, "w") as f:
-                json.dump({"dry_run": True, "messages": sc.messages, **info}, f, indent=2,
-                          default=str)
-                f.write("\n")
+            from dgt.tools import output
+            output.write_json(args.json, "--json",
+                              {"dry_run": True, "messages": sc.messages, **info},
+                              default=str)
         return 0
     log.info("replaying %d messages from %s", sc.messages, ", ".join(args.files))
     rep = replay.replay(cfg, progress=lambda i, n: log.info("sent %d / %d", i, n),
@@ -309,9 +308,8 @@ def cmd_replay(args) -> int:
     rep.update(info)
     print(replay.format_report(rep))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rep, f, indent=2)
-            f.write("\n")
+        from dgt.tools import output
+        output.write_json(args.json, "--json", rep)
     # A receiver that closes a stray session's connection (EPIPE/ECONNRESET), or a job
     # that ended mid-replay, is counted under send errors and the replay goes on; only
     # a replay that delivered nothing is a failure. Datagrams are never confirmed, so

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 
+from ..child_argv import module_argv
 from ..config import OneLineParser
 
 RUNS = (("plain-no", False, None), ("plain-yes", False, "plain"),
@@ -44,9 +45,9 @@ def job_command(dgt: str, base: int, secret: bool, report: str,
 
 
 def flood_command(base: int, keyed: bool, rate: float, in_range: bool) -> list[str]:
-    return [sys.executable, "-m", "dgt.tools.flood", "--base-port", str(base),
-            "--world", "3", "--rate", f"{rate:g}", "--duration-s", "900", "--sniff",
-            "--spoof"] + (["--in-range"] if in_range else []) + \
+    return module_argv("dgt.tools.flood") + [
+        "--base-port", str(base), "--world", "3", "--rate", f"{rate:g}", "--duration-s",
+        "900", "--sniff", "--spoof"] + (["--in-range"] if in_range else []) + \
         (["--keyed"] if keyed else [])
 
 

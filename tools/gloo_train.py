@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from dgt.atomic import write_json
+from dgt.child_argv import module_argv
 from dgt.config import JobConfig
 from dgt.launch import _die_with_parent
 from dgt.report import summary_comm, summary_head, summary_row
@@ -376,7 +377,7 @@ def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
     procs = []
     for r in range(n):
         argv = hosts[r][1] + [
-            sys.executable, "-m", "dgt.tools.gloo_train", "--rank", str(r), "--world", str(n),
+            *module_argv("dgt.tools.gloo_train"), "--rank", str(r), "--world", str(n),
             "--result", os.path.join(run_dir, f"trainer-{r}.json"),
             "--epochs", str(job.epochs), "--iterations", str(job.iterations),
             "--eval-every", str(job.eval_every),

@@ -31,6 +31,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+from dgt.deadline import recv_by
 from dgt.transport import wire
 from dgt.transport.channels import channel_name
 from dgt.transport.sockopts import set_dscp
@@ -38,6 +39,8 @@ from dgt.tools.dissect import Dissector, parse_packet, read_pcap
 from dgt.tools.ports import PortSpec, PortSpecError
 
 _CONTROL = {wire.MsgType.HELLO, wire.MsgType.BYE}
+#: at the end, the most time given to each TCP connection's receiver to close it
+DRAIN_S = 0.5
 
 
 class ReplayError(RuntimeError):
@@ -497,13 +500,16 @@ def replay(cfg: ReplayConfig, items: Iterable[Item] | None = None, progress=None
         end = time.monotonic()
     finally:
         for s in tcp_socks.values():
+            # what the receiver still sends is read until it closes, so that closing
+            # does not reset the connection under data it has yet to read; for at most
+            # DRAIN_S in all (a receiver sending a little now and then is not waited on)
+            end_by = time.monotonic() + DRAIN_S
             try:
                 s.setblocking(True)
                 s.shutdown(socket.SHUT_WR)
-                s.settimeout(0.5)
-                while s.recv(1 << 20):
+                while recv_by(s, end_by, 1 << 20, "drained long enough"):
                     pass
-            except OSError:
+            except OSError:   # TimeoutError too
                 pass
             s.close()
         for ent in udp_socks.values():

@@ -22,7 +22,6 @@ Example::
 """
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 
 from dgt.transport import wire
@@ -283,9 +282,11 @@ def format_table(s: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(s: dict, out_png: str) -> None:
+def plot(s: dict, out_png: str, flag: str = "--plot") -> None:
     """Timeline (blocks per channel over time, PULL marks), blocks per iteration and
-    per-channel shares, as one PNG (matplotlib, Agg backend)."""
+    per-channel shares, as one PNG (matplotlib, Agg backend) in ``out_png``
+    (``dgt.tools.output``). Raises ValueError ``cannot write PATH (FLAG): why``."""
+    from dgt.tools.output import write_file
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -328,11 +329,14 @@ def plot(s: dict, out_png: str) -> None:
     ax3.set_title("per-channel share")
     ax3.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    try:
+        write_file(out_png, flag, lambda f: fig.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(fig)
 
 
-def write_json(s: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(s, f, indent=2, sort_keys=False)
-        f.write("\n")
+def write_json(s: dict, path: str, flag: str = "--json") -> None:
+    """The summary as JSON in ``path`` (``dgt.tools.output``: whole or not at all).
+    Raises ValueError ``cannot write PATH (FLAG): why``."""
+    from dgt.tools.output import write_json as write
+    write(path, flag, s)

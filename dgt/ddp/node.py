@@ -18,14 +18,15 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 from .. import ipc
+from ..child_argv import module_argv
 from ..client import Client
 from ..config import default_run_dir
+from ..deadline import bounded
 from ..unixsock import NotOurs, owned_dir, private_dir
 from ..errors import PeerFailure
 from ..rendezvous import QUIET_TORCH_ENV
@@ -97,6 +98,10 @@ def hello(path: str, timeout_s: float = 5.0) -> dict:
     s.settimeout(timeout_s)
     try:
         s.connect(path)
+        # the whole answer within timeout_s, not each read (dgt.deadline): a process
+        # there that sends a byte now and then is not waited on for ever
+        s = bounded(s, time.monotonic() + timeout_s, f"no whole answer within "
+                    f"{timeout_s:g} s")
         s.sendall(ipc.encode_msg({"op": "hello"}))
         line = s.makefile("rb").readline(ipc.MAX_LINE)
         msg = ipc.decode_msg(line) if line else {}
@@ -193,9 +198,10 @@ class NodeLink:
                               f"{timeout_s:.0f} s ({str(e).splitlines()[0]}); construct "
                               f"DgtState() on every rank", 0) from None
         store_host, store_port = _sidecar_store(store.get(key), key)
-        argv = [sys.executable, "-m", "dgt.sidecar", "--rank", str(rank), "--world",
-                str(world), "--master-addr", store_host, "--master-port", str(store_port),
-                "--host", host, "--socket", sock, "--run-dir", run_dir]
+        argv = module_argv("dgt.sidecar") + [
+            "--rank", str(rank), "--world", str(world), "--master-addr", store_host,
+            "--master-port", str(store_port), "--host", host, "--socket", sock,
+            "--run-dir", run_dir]
         if env.run_id != "none":
             argv += ["--job", env.run_id]
         fds = ()

@@ -47,14 +47,15 @@ def _udp_pcap(path, n=3, dport=47001):
     return path
 
 
-def _tcp_pcap(path, server_ports, n=3):
-    """One captured TCP connection per server port, n BLOCKS frames each."""
+def _tcp_pcap(path, server_ports, n=3, size=16):
+    """One captured TCP connection per server port, n BLOCKS frames each, of ``size``
+    payload bytes."""
     pkts = []
     for k, port in enumerate(server_ports):
         seq = 1000
         for i in range(n):
             msg = bytes(DGT(type=2, channel=0, session=0x1234, iteration=i, block=i,
-                            count=1, data=b"y" * 16))
+                            count=1, data=b"y" * size))
             p = (Ether() / IP(src="127.0.0.1", dst="127.0.0.1")
                  / TCP(sport=65000 + k, dport=port, flags="PA", seq=seq) / msg)
             p.time = 1000 + i * 0.001 + k * 0.0001
@@ -364,3 +365,24 @@ def test_replay_ends_when_a_receiver_sends_a_little_now_and_then(tmp_path):
         lst.close()
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert json.loads(js.read_text())["totals"]["messages"] == 3
+
+
+def test_replay_drops_a_connection_whose_receiver_stopped_reading(tmp_path):
+    """Breaker round, stop 40: a TCP receiver that accepts and never reads (a frozen
+    job) kept replay's send waiting for ever once the socket buffers were full. A send
+    that makes no progress for stall_s drops that connection, its messages counted
+    under ETIMEDOUT, and the replay ends."""
+    from dgt.tools import replay
+    lst = socket.create_server(("127.0.0.1", 0))   # accepts (the kernel), never reads
+    port = lst.getsockname()[1]
+    # 400 frames of 60 kB: far more than loopback's send and receive buffers hold
+    pcap = _tcp_pcap(tmp_path / "big.pcap", [port], n=400, size=60000)
+    try:
+        rep = replay.replay(replay.ReplayConfig(files=[str(pcap)], to_host="127.0.0.1",
+                                                speed=1000.0, stall_s=1.0))
+    finally:
+        lst.close()
+    errors = rep["send_errors_by_destination"][f"tcp:127.0.0.1:{port}"]
+    assert set(errors) == {"ETIMEDOUT"}, errors
+    assert 0 < rep["totals"]["messages"] < 400 and \
+        rep["totals"]["messages"] + errors["ETIMEDOUT"] == 400, rep["totals"]

@@ -41,6 +41,9 @@ from dgt.tools.ports import PortSpec, PortSpecError
 _CONTROL = {wire.MsgType.HELLO, wire.MsgType.BYE}
 #: at the end, the most time given to each TCP connection's receiver to close it
 DRAIN_S = 0.5
+#: the longest a TCP send may make no progress (the receiver stopped reading) before
+#: that connection is dropped and its messages counted under ETIMEDOUT
+STALL_S = 10.0
 
 
 class ReplayError(RuntimeError):
@@ -71,6 +74,7 @@ class ReplayConfig:
     rate_mbit: float | None = None
     keep_dscp: bool = True
     connect_timeout_s: float = 5.0
+    stall_s: float = STALL_S   # see _send_tcp
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,15 +371,22 @@ def _drain(sock: socket.socket) -> int:
         n += len(d)
 
 
-def _send_tcp(sock: socket.socket, data: bytes) -> int:
-    """Send all of ``data`` on a non-blocking socket, draining replies meanwhile."""
+def _send_tcp(sock: socket.socket, data: bytes, stall_s: float = STALL_S) -> int:
+    """Send all of ``data`` on a non-blocking socket, draining replies meanwhile.
+    Raises TimeoutError (ETIMEDOUT) when no byte goes out for ``stall_s``: a receiver
+    that stopped reading (a frozen job) is not waited on for ever."""
     view = memoryview(data)
     got = 0
+    stalled_since = time.monotonic()
     while view:
         try:
             n = sock.send(view)
             view = view[n:]
+            stalled_since = time.monotonic()
         except BlockingIOError:
+            if time.monotonic() - stalled_since > stall_s:
+                raise TimeoutError(errno.ETIMEDOUT, f"the receiver read nothing for "
+                                   f"{stall_s:g} s") from None
             r, _, _ = select.select([sock], [sock], [], 1.0)
             if r:
                 got += _drain(sock)
@@ -473,7 +484,7 @@ def replay(cfg: ReplayConfig, items: Iterable[Item] | None = None, progress=None
                         s.setblocking(False)
                         tcp_socks[it.conn] = s
                         opened += 1
-                    reply_bytes += _send_tcp(s, it.data)
+                    reply_bytes += _send_tcp(s, it.data, cfg.stall_s)
             except OSError as e:
                 code = errno.errorcode.get(e.errno, str(e.errno))
                 send_errors[code] += 1

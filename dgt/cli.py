@@ -5,12 +5,14 @@ import argparse
 import sys
 
 from . import __version__
-from .config import (CheckpointConfig, JobConfig, MetricsConfig, NodeConfig,
-                     OneLineParser, TransmissionConfig, add_arguments,
-                     add_sidecar_arguments, from_args)
+
+# every other import is made inside main()'s handling of Ctrl-C (see main): an import
+# here runs before it, where a Ctrl-C is a traceback
 
 
 def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .config import CheckpointConfig, JobConfig, MetricsConfig, TransmissionConfig, \
+        from_args
     from .metrics import check_metrics_ports
     try:
         job = from_args(JobConfig, ns)
@@ -48,6 +50,7 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _sidecar(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import os
 
+    from .config import NodeConfig, from_args
     from .rendezvous import QUIET_TORCH_ENV, check_resolves
     for k, v in QUIET_TORCH_ENV.items():   # before torch is imported
         os.environ.setdefault(k, v)
@@ -72,6 +75,8 @@ def _command_plugins():
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import (CheckpointConfig, JobConfig, MetricsConfig, OneLineParser,
+                         TransmissionConfig, add_arguments, add_sidecar_arguments)
     p = OneLineParser(prog="dgt", description="Contribution-aware differential "
                                 "gradient transmission for data-parallel training.")
     p.add_argument("--version", action="version", version=f"dgt {__version__}")

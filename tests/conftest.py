@@ -1,12 +1,43 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import pytest
 
 from dgt.tc_profiles import system
+
+
+def pytest_configure(config):
+    """Every process the tests start makes its temporary folders (``dgt train``'s run
+    dir without --run-dir, kept with its logs when a job fails on purpose, ``dgt
+    bench``'s cells) in one folder of this session, removed when the session ends:
+    they are the tests' to clean up, not /tmp's to collect (breaker round, stop 40:
+    a dozen /tmp/dgt-run-* left by one afternoon's tests). The folder is 1777, as /tmp
+    is, for the processes run as uid 65534. This process keeps /tmp (pytest's own
+    tmp_path folders are kept there for a look after a failure)."""
+    tempfile.gettempdir()   # cached now: this process (and pytest) keeps /tmp
+    folder = tempfile.mkdtemp(prefix="dgt-tests-", dir="/tmp")
+    os.chmod(folder, 0o1777)
+    os.environ["TMPDIR"] = folder
+    config.stash[_CHILDREN_TMPDIR] = folder
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(_CHILDREN_TMPDIR, None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_CHILDREN_TMPDIR = pytest.StashKey[str]()
+
+
+def children_tmpdir() -> str:
+    """The folder where the tests' child processes make their temporary folders."""
+    return os.environ["TMPDIR"]
 
 
 def requires_tool(tool: str, why: str = ""):
@@ -137,8 +168,6 @@ def shared_tmp():
     0700), removed after the test whether it passes, fails or skips part-way: made in
     the test body, one left behind by a skip (breaker round, stop 40: a drwxrwxrwt
     /tmp/dgt-squat-* after every run as a normal user)."""
-    import shutil
-    import tempfile
     path = tempfile.mkdtemp(prefix="dgt-test-", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)

@@ -6,7 +6,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -215,14 +214,15 @@ def test_too_slow_pacing_is_refused_with_the_flag_named(train):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the testbed check)")
 def test_missing_testbed_is_reported_first_with_the_prefix_and_leaves_nothing(tmp_path):
-    before = set(os.listdir(tempfile.gettempdir()))
+    from conftest import children_tmpdir
+    before = set(os.listdir(children_tmpdir()))   # where the job's would be made
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--testbed",
                         "--testbed-prefix", "nosuchtb", "--workers", "2", "--epochs", "1"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert "dgt testbed up --hosts 2 --prefix nosuchtb" in p.stdout + p.stderr
     assert "logs in" not in p.stdout + p.stderr
-    new = set(os.listdir(tempfile.gettempdir())) - before
+    new = set(os.listdir(children_tmpdir())) - before
     assert not [d for d in new if d.startswith("dgt-run-")]
 
 

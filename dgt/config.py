@@ -159,12 +159,13 @@ class TransmissionConfig:
             raise ValueError(f"--alpha must be in [0, 1), got {self.alpha}")
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"--epsilon must be in [0, 1], got {self.epsilon}")
-        self.band_codings()
-        if self.mode in ("tcp", "topk") and self.band_codec != "auto":
-            # breaker round, stop 40: accepted without a word, and it changed nothing
-            raise ValueError(f"--band-codec codes the blocks of the UDP channels, and "
-                             f"--mode {self.mode} sends none over UDP; drop --band-codec "
-                             f"or use --mode dgt")
+        bands = self.band_codings()
+        if self.mode in ("tcp", "topk") and any(bands[1:]):
+            # breaker round, stop 40: a reduced coding was accepted and changed nothing
+            # (fp32, what these modes send, stays allowed: an A/B gives both the same)
+            raise ValueError(f"--band-codec {self.band_codec} codes the blocks of the UDP "
+                             f"channels, and --mode {self.mode} sends none over UDP; drop "
+                             f"--band-codec or use --mode dgt")
         if not 0.0 <= self.pull_coded_fraction <= 1.0:
             raise ValueError(f"--pull-coded-fraction must be in [0, 1], got "
                              f"{self.pull_coded_fraction:g}")

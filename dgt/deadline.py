@@ -27,16 +27,6 @@ def arm(sock: socket.socket, deadline: float, why: str) -> None:
     sock.settimeout(left)
 
 
-def recv_by(sock: socket.socket, deadline: float, n: int, why: str) -> bytes:
-    """``sock.recv(n)``, waiting at most until ``deadline``. Raises
-    ``TimeoutError(why)`` when it passes (before or during the wait)."""
-    arm(sock, deadline, why)
-    try:
-        return sock.recv(n)
-    except TimeoutError:
-        raise TimeoutError(why) from None
-
-
 class DeadlineSocket(socket.socket):
     """A socket whose reads and writes all end by one deadline (:func:`bounded`), also
     those of a file from ``makefile()`` or of ``http.client`` on top of it."""

@@ -173,24 +173,30 @@ def shared_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def dev_full(tmp_path):
-    """A path that behaves as /dev/full (every write fails with ENOSPC). As root, a
-    device node of its own made in ``tmp_path`` (mknod, 1:7): a writer that wrongly
-    renamed over it (as dgt.atomic once did) replaces that copy, never the machine's
-    /dev/full; skips where ``tmp_path`` is mounted nodev. As another user the real
-    /dev/full, which that user cannot replace."""
+def device_node(tmp_path, name: str, minor: int) -> str:
+    """A character device node of the mem driver (major 1: /dev/null is minor 3,
+    /dev/full 7) made in ``tmp_path``, so a writer that wrongly renamed over it (as
+    dgt.atomic once did) replaces that copy, never the machine's own. Skips when not
+    root or where ``tmp_path`` is mounted nodev."""
     import stat
     if os.geteuid() != 0:
-        return "/dev/full"
-    path = str(tmp_path / "full")
-    os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 7))
+        pytest.skip(reason="needs root: makes a device node (mknod)")
+    path = str(tmp_path / name)
+    os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
     try:
         open(path, "wb").close()
     except PermissionError:
         pytest.skip(reason=f"{tmp_path} is mounted nodev: a device node there cannot be "
                     f"opened")
     return path
+
+
+@pytest.fixture
+def dev_full(tmp_path):
+    """A path that behaves as /dev/full (every write fails with ENOSPC): as root a node
+    of the test's own (:func:`device_node`), as another user the real /dev/full, which
+    that user cannot replace."""
+    return device_node(tmp_path, "full", 7) if os.geteuid() == 0 else "/dev/full"
 
 
 @pytest.fixture

@@ -43,8 +43,8 @@ def shadowed(tmp_path):
 def test_plain_python_m_imports_the_current_folder(tmp_path, kind):
     """The condition exists: ``[python, "-m", "dgt.cli"]`` from such a folder fails."""
     if kind == "empty" and not EMPTY_SHADOWS:
-        pytest.skip("dgt is installed as a regular package on sys.path: an empty dgt/ "
-                    "folder does not shadow it")
+        pytest.skip(reason="dgt is installed as a regular package on sys.path: an "
+                    "empty dgt/ folder does not shadow it")
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "--version"],
                        cwd=_shadow(tmp_path, kind), capture_output=True, text=True,
                        timeout=60)

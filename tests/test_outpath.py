@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from conftest import device_node
+
 from dgt import atomic, outpath
 
 
@@ -82,21 +84,6 @@ def test_a_tool_output_flag_refuses_a_foreign_file(tmp_path):
     assert txt.read_text() == "keep me\n"
 
 
-def _device(tmp_path, name: str, minor: int) -> str:
-    """A character device node like /dev/null (1, 3) or /dev/full (1, 7) made in
-    ``tmp_path``, so a regression replaces this copy and not the machine's own. Skips
-    when not root or the folder's file system refuses device nodes (nodev)."""
-    if os.geteuid() != 0:
-        pytest.skip(reason="needs root: makes a device node (mknod)")
-    path = str(tmp_path / name)
-    os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
-    try:
-        open(path, "wb").close()
-    except PermissionError:
-        pytest.skip(reason=f"{tmp_path} is mounted nodev: its device nodes cannot be opened")
-    return path
-
-
 def _still_a_device(path: str) -> bool:
     return stat.S_ISCHR(os.stat(path).st_mode)
 
@@ -105,7 +92,7 @@ def test_a_device_is_written_through_never_replaced(tmp_path, dev_full):
     """Breaker round, stop 40: as root, ``--report /dev/full`` renamed the report over
     /dev/full (and a JSON output over /dev/null), leaving regular files where the
     devices were; and the write that should have failed (ENOSPC) was never made."""
-    null, full = _device(tmp_path, "null", 3), dev_full
+    null, full = device_node(tmp_path, "null", 3), dev_full
     atomic.write_json(null, {"a": 1}, fsync=True)
     assert _still_a_device(null)
     with pytest.raises(OSError) as e:

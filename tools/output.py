@@ -1,10 +1,7 @@
 """Writing a file the user named (``--json``, ``--plot``): all of it, or one error.
 
-A regular file (or a new one) is written atomically (``dgt.atomic.write_atomic``: a
-temporary file, then rename), so a full disk leaves the earlier file as it was and no
-half file. A path that exists and is not a regular file (``/dev/stdout``, a FIFO, a
-device such as ``/dev/full``) is written through as it is: renaming over it would put a
-regular file where the device node was (as root). Any failure to write, flush or close
+The file is written by ``dgt.atomic.write_atomic``: a regular (or new) file whole or
+not at all, a device, FIFO or ``/dev/stdout`` in place. Any failure to write, flush or close
 raises ``ValueError`` with one line, ``cannot write PATH (FLAG): why``: the commands
 print it and exit 2 (``dgt.tools.cli``), never a summary of work that was not saved.
 

@@ -31,7 +31,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from dgt.deadline import recv_by
+from dgt.deadline import bounded
 from dgt.transport import wire
 from dgt.transport.channels import channel_name
 from dgt.transport.sockopts import set_dscp
@@ -514,11 +514,11 @@ def replay(cfg: ReplayConfig, items: Iterable[Item] | None = None, progress=None
             # what the receiver still sends is read until it closes, so that closing
             # does not reset the connection under data it has yet to read; for at most
             # DRAIN_S in all (a receiver sending a little now and then is not waited on)
-            end_by = time.monotonic() + DRAIN_S
             try:
                 s.setblocking(True)
                 s.shutdown(socket.SHUT_WR)
-                while recv_by(s, end_by, 1 << 20, "drained long enough"):
+                s = bounded(s, time.monotonic() + DRAIN_S, "drained long enough")
+                while s.recv(1 << 20):
                     pass
             except OSError:   # TimeoutError too
                 pass

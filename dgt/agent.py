@@ -25,6 +25,7 @@ from .layout import BlockLayout
 from .parts import PartPush
 from .planner import PushPlanner
 from .push_meter import PushMeter
+from .rank_list import rank_list
 from .scheduler.pacing import PortPacing
 from .transport.counters import Counters
 from .transport.sender import PushSender
@@ -118,9 +119,10 @@ class WorkerAgent:
             except asyncio.TimeoutError:
                 missing = sorted(set(range(lay.n_shards)) - set(self.pulls))
                 stalled = [w for w in links.waiting_for(t) if w != me]
-                why = (f"; shard {me} never got END({t}) from rank(s) {stalled} "
+                why = (f"; shard {me} never got END({t}) from rank(s) {rank_list(stalled)} "
                        f"(dead or frozen)" if stalled else "")
-                raise PeerFailure(f"no PULL for iteration {t} from shard(s) {missing} "
+                raise PeerFailure(f"no PULL for iteration {t} from shard(s) "
+                                  f"{rank_list(missing, 'shards')} "
                                   f"within {timeout_s:.0f} s{why}",
                                   stalled[0] if stalled else missing[0],
                                   FailureReason.PEER_SILENT, stalled or missing) from None

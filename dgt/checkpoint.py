@@ -5,8 +5,8 @@ holds two files per rank, both written with ``torch.save`` (a temporary file, th
 rename(2), so a file that exists is complete):
 
 - ``trainer-<r>.pt`` (:func:`dgt.job.train`): the model's and the optimiser's
-  ``state_dict()``, the loop's position (epoch, step, round), torch's RNG and the
-  augmentation generator, and the history so far;
+  ``state_dict()``, the loop's position (epoch, batches of it done and its iterations,
+  step, round), torch's RNG and the augmentation generator, and the history so far;
 - ``sidecar-<r>.pt`` (:func:`sidecar_state_dict`): the worker agent's error-feedback
   residual, contribution scores (EMA), adaptive-k state, exploration/ranking generator
   and iteration counter, the shard's adaptive-deadline state and its residual
@@ -24,10 +24,14 @@ trains on. ``--resume`` takes a step folder, or the checkpoint folder itself: it
 newest complete step whose files all load and belong there (every rank's
 ``trainer-<r>.pt`` and ``sidecar-<r>.pt``; each records its rank and workers, the
 trainer file its step, the sidecar file its pushes: :func:`misplaced`). A step with a
-damaged or missing file, e.g. truncated by a full disk, or with a file of another step
-or rank, e.g. copied in by hand, is skipped with a warning naming the file; when no
-step loads, ValueError names the newest one's file. A step folder given by name is used
-as it is: such a file in it is an error naming it, before anything starts.
+damaged or missing file, e.g. truncated by a full disk, with a file of another step
+or rank, e.g. copied in by hand, or without a rank's files (:func:`cut_short`: a
+process killed while it was written) is skipped with a warning naming the file; when no
+step loads, ValueError names the newest one's file. A folder, step or file that cannot
+be read (EACCES: another user's) is an error saying so, never "no checkpoint"
+(:func:`resolve`). A step folder given by name is used as it is: such a file in it is an
+error naming it, before anything starts. So is a step, found or given, that leaves
+nothing to train under ``--iterations`` or ``--epochs`` (:func:`check_left`).
 
 A DDP training script (dgt.ddp, examples/ddp_train.py) keeps the same layout with its
 own ``trainer-<r>.pt``; each trainer file says who wrote it (``writer``), and each tool
@@ -42,9 +46,11 @@ import logging
 import os
 import re
 import shutil
+import stat
 
 from .errors import PeerFailure
 from .failure import FailureReason
+from .rank_list import rank_list
 
 #: complete step folders kept by rank 0 (the newest; an older one is a fallback while
 #: the newest is being written)
@@ -81,6 +87,45 @@ def complete_steps(root: str, world: int) -> list[tuple[int, str]]:
         if m and all(os.path.isfile(trainer_file(folder, r)) for r in range(world)):
             found.append((int(m.group(1)), folder))
     return sorted(found)
+
+
+def _exists(path: str) -> bool:
+    """Whether anything is at ``path``: False for ENOENT and ENOTDIR; any other OSError
+    (EACCES: another user's folder, EIO, ELOOP) is raised, not taken for absence."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
+def missing(folder: str, world: int) -> list[str]:
+    """The names of step ``folder``'s files that are not there: each rank's
+    ``trainer-<r>.pt``, and its ``sidecar-<r>.pt`` when any rank's sidecar file is there
+    (a DDP script without dgt writes none), in rank order. Raises OSError when a file
+    cannot be looked at for another reason than its absence (EACCES, EIO)."""
+    sides = any(_exists(sidecar_file(folder, r)) for r in range(world))
+    return [os.path.basename(path) for r in range(world)
+            for path in (trainer_file(folder, r), sidecar_file(folder, r))
+            if (sides or path.endswith(f"trainer-{r}.pt")) and not _exists(path)]
+
+
+def cut_short(folder: str, world: int) -> str | None:
+    """Why step ``folder`` is not complete, as one line naming the file: a rank's
+    ``trainer-<r>.pt`` is not there (e.g. a process killed while the step was written;
+    every file :func:`missing` names, the first four, then how many more) or is not a
+    regular file (a write that failed); None when it is complete. Raises OSError as
+    :func:`missing` does."""
+    names = missing(folder, world)
+    if any(n.startswith("trainer-") for n in names):
+        more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+        return (f"{folder} has no {', '.join(names[:4])}{more} (cut short: a rank's "
+                f"files were never written)")
+    for r in range(world):
+        if not stat.S_ISREG(os.stat(trainer_file(folder, r)).st_mode):
+            return (f"{trainer_file(folder, r)} is not a regular file (a write that "
+                    f"failed?)")
+    return None
 
 
 def damaged(folder: str, world: int) -> str | None:
@@ -171,12 +216,34 @@ def latest(root: str, world: int, why: list[str] | None = None) -> str | None:
 
 
 def resolve(path: str, world: int) -> str:
-    """``--resume PATH``: a step folder with every rank's files, or a checkpoint folder
-    (its newest complete step). Raises ValueError saying what is missing, or what
-    ``path`` is when it is not a folder (a file: give its step folder)."""
-    if not os.path.isdir(path):
+    """``--resume PATH``: a step folder with every rank's files, or a checkpoint folder:
+    its newest step that is complete and whose files all load and belong there
+    (:func:`damaged`); each newer step skipped, for such a file or for files never
+    written (:func:`cut_short`), is logged as a warning naming the file. Raises
+    ValueError saying what is missing (naming the newest step's file when there is
+    one); what ``path`` is when it is not a folder (a file: give its step folder); or,
+    for an OSError looking at ``path`` or its steps (EACCES: another user's folder,
+    EIO), what could not be read and why."""
+    try:
+        return _resolve(path, world)
+    except OSError as e:
+        what = "it" if e.filename is None or os.path.normpath(e.filename) == \
+            os.path.normpath(path) else e.filename
+        give = "a checkpoint folder this user can read" if \
+            isinstance(e, PermissionError) else "another checkpoint folder"
+        raise ValueError(f"--resume {path}: cannot read {what}: {e.strerror or e}; give "
+                         f"{give}") from None
+
+
+def _resolve(path: str, world: int) -> str:
+    """:func:`resolve`, its OSErrors raised as they are."""
+    try:
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        is_dir = None   # nothing there
+    if not is_dir:
         give = "give a checkpoint folder (--checkpoint-dir) or one of its step-<t> folders"
-        if not os.path.exists(path):
+        if is_dir is None:
             raise ValueError(f"--resume {path}: no such folder; {give}")
         parent = os.path.dirname(os.path.abspath(path))
         if os.path.isfile(path) and _STEP.match(os.path.basename(parent)):
@@ -184,24 +251,52 @@ def resolve(path: str, world: int) -> str:
         what = "a file" if os.path.isfile(path) else "not a folder"
         raise ValueError(f"--resume {path}: is {what}, not a checkpoint folder; {give}")
     if _STEP.match(os.path.basename(os.path.normpath(path))):
-        missing = [r for r in range(world) if not os.path.exists(trainer_file(path, r))
-                   or not os.path.exists(sidecar_file(path, r))]
-        if missing:
-            raise ValueError(f"--resume {path}: no checkpoint of rank(s) {missing} there "
+        ranks = [r for r in range(world) if not _exists(trainer_file(path, r))
+                 or not _exists(sidecar_file(path, r))]
+        if ranks:
+            raise ValueError(f"--resume {path}: no checkpoint of rank(s) {rank_list(ranks)} there "
                              f"(taken with fewer --workers, or cut short); give the "
                              f"checkpoint folder to use its newest complete step")
         return path
-    why: list[str] = []
-    folder = latest(path, world, why)
-    if folder is None and why:
-        raise ValueError(f"--resume {path}: no step in it can be resumed from: {why[0]}; "
+    steps = []   # (step, folder) of every step folder
+    for name in os.listdir(path):
+        m = _STEP.match(name)
+        if m and stat.S_ISDIR(os.stat(os.path.join(path, name)).st_mode):
+            steps.append((int(m.group(1)), os.path.join(path, name)))
+    skipped, bad = [], []   # newer steps' one-line reasons: all, and the damaged ones
+    for _, folder in sorted(steps, reverse=True):
+        why = cut_short(folder, world)
+        if why is None:
+            _readable(folder, world)   # not damage: this user's access
+            why = damaged(folder, world)
+            if why is None:
+                for w in skipped:
+                    log.warning("--resume %s: skipping a newer step: %s", path, w)
+                return folder
+            bad.append(why)
+        skipped.append(why)
+    if bad:
+        raise ValueError(f"--resume {path}: no step in it can be resumed from: {bad[0]}; "
                          f"remove the damaged step folder or give another checkpoint")
-    if folder is None:
-        raise ValueError(f"--resume {path}: no complete checkpoint of {world} workers in "
-                         f"it; take one with --checkpoint-every N --checkpoint-dir {path}")
-    for bad in why:
-        log.warning("--resume %s: skipping a newer step: %s", path, bad)
-    return folder
+    seen = f" ({skipped[0]})" if skipped else ""   # the newest step, cut short
+    raise ValueError(f"--resume {path}: no complete checkpoint of {world} workers in "
+                     f"it{seen}; take one with --checkpoint-every N --checkpoint-dir "
+                     f"{path}")
+
+
+def _readable(folder: str, world: int) -> None:
+    """Raises PermissionError (EACCES, EPERM) for a regular file of step ``folder`` that
+    this user may not open: another user's checkpoint, to be said as it is, not skipped
+    for a damaged step. Anything else (a file not there, not a regular file) is left to
+    :func:`damaged`."""
+    for r in range(world):
+        for path in (trainer_file(folder, r), sidecar_file(folder, r)):
+            try:
+                regular = stat.S_ISREG(os.stat(path).st_mode)
+            except FileNotFoundError:
+                continue
+            if regular:
+                os.close(os.open(path, os.O_RDONLY))
 
 
 #: the trainer's flags that a resumed run must share with the checkpoint: they decide
@@ -247,11 +342,13 @@ def check_resume(folder: str, world: int, job, tx) -> None:
     """Before anything starts: every rank's files in step ``folder`` are dgt train's
     checkpoint files of this rank and ``world``, taken with this run's
     :data:`RUN_FLAGS` (``job``: a JobConfig) and ``--mode``, ``--block-bytes`` and
-    ``--error-feedback`` (``tx``: a TransmissionConfig). Raises ValueError naming the
-    flag that differs, or the file that is not such a checkpoint or is of another step
-    or rank than its name says (:func:`misplaced`: the files are loaded here anyway)."""
+    ``--error-feedback`` (``tx``: a TransmissionConfig), and the step leaves something
+    to train (:func:`check_left`). Raises ValueError naming the flag that differs, or
+    the file that is not such a checkpoint or is of another step or rank than its name
+    says (:func:`misplaced`: the files are loaded here anyway)."""
     mode, block_bytes = tx.mode, tx.block_bytes
     workers = None   # as rank 0's files record it
+    first = None     # rank 0's trainer file, loaded
 
     def differs(flag: str, then, now) -> ValueError:
         def given(v):   # a switch (True/False) reads as the flag itself, or its --no-
@@ -263,7 +360,7 @@ def check_resume(folder: str, world: int, job, tx) -> None:
         side = load(sidecar_file(folder, r), mmap=True)
         st = load(trainer_file(folder, r), mmap=True, writer="dgt train")
         if r == 0:
-            workers = recorded_world(st, side)
+            workers, first = recorded_world(st, side), st
         why = misplaced(folder, r, workers, st, side)
         if why is not None:
             raise ValueError(f"{why}; resume from another step (--resume "
@@ -285,6 +382,33 @@ def check_resume(folder: str, world: int, job, tx) -> None:
             now = getattr(job, k, then)
             if then != now:
                 raise differs(k.replace("_", "-"), then, now)
+    if first is not None:
+        check_left(folder, first, job)
+
+
+def check_left(folder: str, state: dict, job) -> None:
+    """Step ``folder`` (rank 0's trainer file, loaded: ``state``) leaves iterations to
+    train under ``job``'s ``--iterations`` (0: no limit) and ``--epochs``; resumed from
+    a step at or past either, the trainers ran none and the job ended as if it had
+    trained. The epoch is done when the file's ``index`` (batches of its ``epoch``
+    done) reaches its ``epoch_iterations`` (files without it: only an epoch past
+    ``--epochs`` is caught). Raises ValueError naming the flag and the step's
+    iteration."""
+    step, epoch, index = state.get("step"), state.get("epoch"), state.get("index")
+    iterations, epochs = getattr(job, "iterations", 0), getattr(job, "epochs", None)
+    if isinstance(step, int) and iterations and step >= iterations:
+        raise ValueError(f"--resume {folder}: the checkpoint is at iteration {step}, at "
+                         f"or past --iterations {iterations}: nothing is left to train; "
+                         f"give a larger --iterations")
+    if not (isinstance(epoch, int) and isinstance(index, int) and epochs):
+        return
+    per = state.get("epoch_iterations")
+    ended = isinstance(per, int) and index >= per   # the checkpoint's epoch is done
+    if epoch + ended >= epochs:
+        where = f"the end of epoch {epoch + 1}" if ended else f"epoch {epoch + 1}"
+        raise ValueError(f"--resume {folder}: the checkpoint is at {where} (iteration "
+                         f"{step}), at or past --epochs {epochs}: nothing is left to "
+                         f"train; give a larger --epochs")
 
 
 def save(obj, path: str) -> None:
@@ -342,8 +466,6 @@ def load(path: str, mmap: bool = False, writer: str | None = None) -> dict:
     ``weights_only``; ``mmap``: tensors stay on disk until read, for a cheap check).
     ``writer``: a trainer file, which must be that tool's (:func:`check_writer`).
     Raises ValueError for a file that is missing or not ours."""
-    import stat
-
     import torch
     try:   # a FIFO or a device would block or stream forever in torch.load
         if not stat.S_ISREG(os.stat(path).st_mode):

@@ -27,6 +27,8 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if ns.local_steps is not None and job.algo != "fedavg":
         parser.error("--local-steps only applies with --algo fedavg; add --algo fedavg or "
                      "drop --local-steps")
+    for line in job.warnings():
+        print(f"{parser.prog}: warning: {line}", file=sys.stderr, flush=True)
     from .job import check_workload
     from .launch import (check_checkpoint_dir, check_memory, check_paths, check_ports,
                          resume_from, run_job)
@@ -34,7 +36,7 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_ports(job, metrics)   # the endpoints against the job's own ports
         if metrics.metrics_port and not job.testbed:   # on loopback: rank r, port + r
             check_metrics_ports(metrics, job.workers)
-        check_paths(job)
+        check_paths(job, ckpt)
         check_workload(job)
         check_memory(job)
         # the step folder itself: run_job checks it again, without a second warning
@@ -50,12 +52,17 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _sidecar(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import os
 
-    from .config import NodeConfig, from_args
+    from .config import NodeConfig, default_run_dir, from_args
     from .rendezvous import QUIET_TORCH_ENV, check_resolves
+    from .run_files import check_run_dir
     for k, v in QUIET_TORCH_ENV.items():   # before torch is imported
         os.environ.setdefault(k, v)
     try:   # a name that does not resolve fails now, before the slow imports
-        check_resolves(from_args(NodeConfig, ns).master_addr)
+        node = from_args(NodeConfig, ns)
+        check_resolves(node.master_addr)
+        # a --run-dir given (not dgt's own default folder): new, empty or dgt's alone
+        if os.path.abspath(node.run_dir) != os.path.abspath(default_run_dir()):
+            check_run_dir(node.run_dir, keep=(node.socket,))
     except ValueError as e:
         parser.error(str(e))
     from .sidecar import run_from_args

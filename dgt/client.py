@@ -32,6 +32,27 @@ from .config import LAUNCHED_ENV, default_socket, peer_timeout_of, trainer_timeo
 from .errors import PeerFailure
 
 
+#: s: how long a trainer whose sidecar closed the connection waits for that process to
+#: end, to tell the user it exited (its socket closes a moment before its exit is done)
+GONE_WAIT_S = 1.0
+
+
+def ended(pid: int, wait_s: float) -> bool:
+    """Whether process ``pid`` has ended, waiting up to ``wait_s`` seconds for it
+    (proc(5); a zombie, dead but not yet reaped, has ended)."""
+    t_end = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
+                    return True
+        except (OSError, IndexError):
+            return True
+        if time.monotonic() >= t_end:
+            return False
+        time.sleep(0.02)
+
+
 def no_sidecar(path: str, waited_s: float, why: str) -> str:
     """The message for a sidecar socket ``path`` still missing after ``waited_s``."""
     if os.environ.get(LAUNCHED_ENV):
@@ -53,6 +74,12 @@ class Client:
     raised rather than hanging. Default (None): ``dgt.config.trainer_timeout_s`` of
     ``DGT_PEER_TIMEOUT_S`` (else the sidecar's default, 20 s), 100 s, longer than the
     sidecar's wait on its first push, so that a peer that never comes is named.
+
+    A sidecar that closes the connection without saying why (killed, crashed) is named
+    by its socket and pid (SO_PEERCRED) in the :class:`PeerFailure`; whoever started it
+    may set ``sidecar_log`` (its log file) and ``sidecar_exit`` (``wait_s`` -> how it
+    ended, e.g. ``was killed by SIGKILL``, or None while it runs) for the message to say
+    more (dgt.ddp does).
     """
 
     def __init__(self, path: str | None = None, timeout_s: float | None = None,
@@ -79,6 +106,11 @@ class Client:
                 time.sleep(0.05)
         self.sock.settimeout(timeout_s)
         self.timeout_s = timeout_s
+        self.path = path
+        #: the sidecar's pid (SO_PEERCRED), its log file and how it ended (see above)
+        self.sidecar_pid: int | None = unixsock.peer_creds(self.sock)[0] or None
+        self.sidecar_log: str | None = None
+        self.sidecar_exit: Callable[[float], str | None] | None = None
         self.file = self.sock.makefile("rb")
         self.params: list[torch.Tensor] = []
         self.grad: np.ndarray | None = None
@@ -99,7 +131,23 @@ class Client:
             reason = self._pending_error()
             if reason is not None:
                 raise reason from None
-            raise PeerFailure(f"sidecar connection failed: {e}") from None
+            raise self._sidecar_gone(str(e)) from None
+
+    def _sidecar_gone(self, detail: str) -> PeerFailure:
+        """The PeerFailure for our sidecar's connection closed or broken without an
+        ``error`` line (``detail``: what the socket said). It names the sidecar (socket,
+        pid), says it exited or was killed once its process has ended (within
+        GONE_WAIT_S s; how, where ``sidecar_exit`` knows) and where its log is."""
+        pid = self.sidecar_pid
+        who = f"this rank's sidecar ({f'pid {pid}, ' if pid else ''}socket {self.path})"
+        how = self.sidecar_exit(GONE_WAIT_S) if self.sidecar_exit is not None else None
+        if how is None and pid and ended(pid, GONE_WAIT_S):
+            how = "exited or was killed"
+        text = f"{who} closed the connection " + (
+            f"without a word: it {how}" if how else f"({detail}); it still runs")
+        log = self.sidecar_log or ("sidecar-<rank>.log in the run dir"
+                                   if os.environ.get(LAUNCHED_ENV) else None)
+        return PeerFailure(text + (f"; see its log {log}" if log else ""))
 
     def _pending_error(self) -> PeerFailure | None:
         """An ``error`` line the sidecar sent before closing, if one is buffered."""
@@ -124,9 +172,9 @@ class Client:
         except socket.timeout:
             raise PeerFailure(f"sidecar did not answer within {self.timeout_s:.0f} s") from None
         except OSError as e:
-            raise PeerFailure(f"sidecar connection failed: {e}") from None
+            raise self._sidecar_gone(str(e)) from None
         if not line:
-            raise PeerFailure("sidecar closed the connection")
+            raise self._sidecar_gone("end of stream")
         msg = ipc.decode_msg(line)
         if msg["op"] == "error":
             raise PeerFailure(msg.get("message", "unknown error"), msg.get("rank"))

@@ -48,6 +48,31 @@ def parse_pace(text: str) -> float:
     return v
 
 
+#: most nodes of one job: ``dgt train --workers``, ``dgt sidecar --world`` (and its env
+#: DGT_WORLD, torchrun's WORLD_SIZE). Per-rank state, ports (--base-port + 10 per rank)
+#: and every message that names ranks are sized for this many
+MAX_WORLD = 64
+
+
+def fit_advice(n: int, workers: int, batch_size: int) -> str:
+    """What to change when ``workers`` x ``batch_size`` exceeds the ``n`` training
+    samples: advice that works when followed (``use --batch-size <= 3 or --workers <=
+    1``; ``use --workers <= 2 with --batch-size 1`` when even batch 1 is too many for
+    the workers). "" when they fit."""
+    if workers * batch_size <= n:
+        return ""
+    if n < 1:
+        return "give a dataset whose training split has samples"
+    opts = []
+    if n // workers >= 1:   # keep the workers
+        opts.append(f"--batch-size <= {n // workers}")
+    if n // batch_size >= 1:   # keep the batch size
+        opts.append(f"--workers <= {n // batch_size}")
+    if not opts:   # n < workers and n < batch_size: both must give
+        opts.append(f"--workers <= {n} with --batch-size 1")
+    return "use " + " or ".join(opts)
+
+
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -342,7 +367,7 @@ class NodeConfig:
 
     rank: int = _f(-1, "this node's rank, 0..world-1", torchrun="RANK",
                    shown="required")
-    world: int = _f(0, "number of nodes", torchrun="WORLD_SIZE", shown="required")
+    world: int = _f(0, "number of nodes (1..64)", torchrun="WORLD_SIZE", shown="required")
     master_addr: str = _f("127.0.0.1", "rendezvous (TCPStore) host; rank 0 hosts it",
                           torchrun="MASTER_ADDR")
     master_port: int = _f(29500, "rendezvous (TCPStore) port", torchrun="MASTER_PORT")
@@ -374,6 +399,9 @@ class NodeConfig:
         if self.world < 1:
             raise ValueError(f"--world must be >= 1, got {self.world} (the flag, env "
                              f"DGT_WORLD or torchrun's WORLD_SIZE is required)")
+        if self.world > MAX_WORLD:
+            raise ValueError(f"--world must be 1..{MAX_WORLD} (the flag, env DGT_WORLD or "
+                             f"torchrun's WORLD_SIZE), got {self.world}")
         if not 0 <= self.rank < self.world:   # -1: not given (the default)
             got = "" if self.rank == -1 else f", got {self.rank}"
             raise ValueError(f"--rank must be in 0..{self.world - 1} (the flag, env "
@@ -408,7 +436,7 @@ class NodeConfig:
 class JobConfig:
     """The training job (``dgt train``)."""
 
-    workers: int = _f(4, "training processes, one sidecar each")
+    workers: int = _f(4, "training processes, one sidecar each (1..64)")
     epochs: int = _f(10, "passes over the training set")
     iterations: int = _f(0, "stop after this many iterations (0 = run every epoch)")
     eval_every: int = _f(0, "also measure test accuracy every this many iterations "
@@ -466,8 +494,8 @@ class JobConfig:
         return count_params(self.model, shape, CLASSES, self.width, self.hidden)
 
     def validate(self) -> None:
-        if not 1 <= self.workers <= 64:
-            raise ValueError(f"--workers must be 1..64, got {self.workers}")
+        if not 1 <= self.workers <= MAX_WORLD:
+            raise ValueError(f"--workers must be 1..{MAX_WORLD}, got {self.workers}")
         for flag, value, low in (("--iterations", self.iterations, 0),
                                  ("--eval-every", self.eval_every, 0),
                                  ("--eval-samples", self.eval_samples, 0),
@@ -493,6 +521,16 @@ class JobConfig:
         check_prefix(self.testbed_prefix, "--testbed-prefix")
 
 
+    def warnings(self) -> list[str]:
+        """What is accepted but has no effect, one line each, for the start of the run
+        (not errors: the env var of a flag, e.g. DGT_DATA_DIR, may be set for every
+        job)."""
+        out = []
+        if self.dataset == "digits" and self.data_dir:
+            out.append(f"--data-dir {self.data_dir} (or DGT_DATA_DIR) is ignored: "
+                       f"--dataset digits ships with scikit-learn")
+        return out
+
     def validate_workload(self) -> None:
         """Model, dataset, partition, algorithm (what needs no data files; the rest is
         ``dgt.job.check_workload``). Raises ValueError naming the flag."""
@@ -514,8 +552,8 @@ class JobConfig:
         if n is not None and self.workers * self.batch_size > n:
             raise ValueError(f"--workers {self.workers} x --batch-size {self.batch_size} "
                              f"exceeds the {n} training samples of {self.dataset} (some "
-                             f"ranks would get empty batches); use --batch-size <= "
-                             f"{n // self.workers}")
+                             f"ranks would get empty batches); "
+                             f"{fit_advice(n, self.workers, self.batch_size)}")
 
 
 class OneLineParser(argparse.ArgumentParser):

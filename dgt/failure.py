@@ -23,6 +23,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from .atomic import write_json
+from .rank_list import rank_list
 
 
 class FailureReason(str, enum.Enum):
@@ -78,7 +79,7 @@ class FailureRecord:
         others = [r for r in self.blamed if r != exited_rank]
         if not others or self.reason in RELAYED:
             return ""
-        return f"rank(s) {others} {BLAME_TEXT.get(self.reason, 'failed')}"
+        return f"rank(s) {rank_list(others)} {BLAME_TEXT.get(self.reason, 'failed')}"
 
 
 def record_path(run_dir: str, kind: str, rank: int) -> str:

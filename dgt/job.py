@@ -85,6 +85,7 @@ def _ns(ns, name):
 def check_workload(job: JobConfig) -> None:
     """Before any process starts: the dataset's files load, and the partition can give
     every worker data. Raises ValueError (a ``DatasetError`` too) with one line."""
+    from .config import fit_advice
     from .workloads import datasets, partition
     if job.dataset == "digits":
         if job.partition != "iid":
@@ -95,8 +96,8 @@ def check_workload(job: JobConfig) -> None:
     n = len(data.y_train)
     if job.workers * job.batch_size > n:
         raise ValueError(f"--workers {job.workers} x --batch-size {job.batch_size} "
-                         f"exceeds the {n} training samples in {data.source}; use "
-                         f"--batch-size <= {max(1, n // job.workers)}")
+                         f"exceeds the {n} training samples in {data.source}; "
+                         f"{fit_advice(n, job.workers, job.batch_size)}")
     partition.check(job.partition, data.y_train.numpy(), job.workers)
 
 
@@ -220,7 +221,8 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
             checkpoint.save({"format": checkpoint.FORMAT, "writer": "dgt train",
                              "rank": ns.rank, "world": ns.world,
                              "step": step, "rounds": rounds, "epoch": epoch,
-                             "index": index, "evaluated_at": evaluated_at,
+                             "index": index, "epoch_iterations": iters_per_epoch,
+                             "evaluated_at": evaluated_at,
                              "losses": list(losses),
                              "model": model.state_dict(), "optimizer": opt.state_dict(),
                              "rng": torch.get_rng_state(),

@@ -509,14 +509,17 @@ def testbed_master_port(pid: int, taken: set[int]) -> int:
     return port
 
 
-def check_paths(job: JobConfig) -> None:
-    """Fail before training, not after: --report's folder and --run-dir must be usable.
-    Raises ValueError with a message that names the flag."""
+def check_paths(job: JobConfig, ckpt: CheckpointConfig | None = None) -> None:
+    """Fail before training, not after: --report's folder and --run-dir must be usable,
+    and --run-dir new, empty or a dgt run dir (dgt.run_files.check_run_dir: the job's
+    own --report and checkpoints of ``ckpt`` may be in it). Raises ValueError with a
+    message that names the flag."""
     if job.report:
         _check_report(job.report)
     if job.run_dir:
         if os.path.exists(job.run_dir) and not os.path.isdir(job.run_dir):
             raise ValueError(f"--run-dir {job.run_dir} is a file; give a folder")
+        run_files.check_run_dir(job.run_dir, keep=_own_paths(job, ckpt))
         try:
             os.makedirs(job.run_dir, exist_ok=True)
         except OSError as e:
@@ -526,6 +529,13 @@ def check_paths(job: JobConfig) -> None:
         if not torch.cuda.is_available():
             raise ValueError(f"--device {job.device}: no CUDA device here (torch "
                              f"{torch.__version__}); use --device cpu")
+
+
+def _own_paths(job: JobConfig, ckpt: CheckpointConfig | None) -> tuple[str, ...]:
+    """The paths this job names that may lie in its run dir: --report, and with
+    ``ckpt`` --checkpoint-dir and --resume."""
+    ckpt = ckpt or CheckpointConfig()
+    return (job.report, ckpt.checkpoint_dir, ckpt.resume)
 
 
 def _check_report(report: str) -> None:
@@ -599,6 +609,9 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
     job, tx, log = j.job, j.tx, j.log
     try:   # a busy run dir, a missing testbed or root: say so before anything starts
         unixsock.owned_dir(j.run_dir, "--run-dir")
+        # before the lock file: a folder of someone else's files gets none of ours
+        run_files.check_run_dir(j.run_dir, keep=_own_paths(job, j.ckpt) +
+                                (j.checkpoint_dir,))
         j.lock()
         j._hosts()
         resume = resume_from(j.ckpt, job, tx)

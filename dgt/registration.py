@@ -20,6 +20,7 @@ from .config import PACE_AUTO, NodeConfig, TransmissionConfig
 from .errors import PeerFailure
 from .failure import FailureReason
 from .layout import BlockLayout
+from .rank_list import rank_list
 from .link_rate import auto_pace_mbit, peers_on_loopback
 from .rendezvous import Rendezvous
 from .scheduler.pacing import flow_share
@@ -167,7 +168,7 @@ def agree_model(rdv: Rendezvous, rank: int, n_params: int, sha: str,
     shas = {r: v[1] for r, v in agreed.items()}
     apart = [r for r, h in sorted(shas.items()) if h and shas[0] and h != shas[0]]
     if apart:
-        raise PeerFailure(f"rank(s) {apart} start from different parameters than rank "
+        raise PeerFailure(f"rank(s) {rank_list(apart)} start from different parameters than rank "
                           f"0 (SHA-256 {shas[apart[0]][:12]}… vs {shas[0][:12]}…); the "
                           f"replicas would never agree: seed the model alike on every "
                           f"rank (torch.manual_seed) or load the same checkpoint before "

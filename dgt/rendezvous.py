@@ -27,6 +27,7 @@ from typing import Callable
 
 from .errors import PeerFailure
 from .failure import FailureReason
+from .rank_list import rank_list
 from .transport.reasons import Reason
 from .transport.wire import mac_tag
 
@@ -37,6 +38,12 @@ STORE_REJECTED = Reason.STORE_REJECTED.value
 MESSAGE_CHARS = 500
 log = logging.getLogger("dgt.rendezvous")
 POLL_S = 0.05
+#: s: how often a sidecar waiting for its own trainer (no store wait of its own under
+#: way) polls the store for the job's failure (Rendezvous.job_failure)
+WATCH_S = 4 * POLL_S
+#: s: how long rank 0 keeps the store up after publishing its own failure: a few polls
+#: of every wait (POLL_S), two of a waiting sidecar's watch (WATCH_S)
+LINGER_S = 2 * WATCH_S + POLL_S
 #: s: a rank's first connection to the store, which tells a service that is not one
 #: (Rendezvous._probe_store)
 PROBE_S = 3.0
@@ -131,16 +138,21 @@ def unseal(key: bytes | None, name: str, raw: bytes) -> str:
     return value
 
 
-def failure_record(world: int) -> Callable[[str, str], tuple[str, int | None]]:
+def failure_record(world: int
+                   ) -> Callable[[str, str], tuple[str, int | None, int | None]]:
     """The check of ``dgt/failed``: ``{"message": str, "rank": int in [0, world) or
-    null}`` -> (the message's first line, at most MESSAGE_CHARS, the rank)."""
-    def check(_key: str, text: str) -> tuple[str, int | None]:
+    null, "by": the same, optional}`` -> (the message's first line, at most
+    MESSAGE_CHARS, the rank it blames, the rank that published it or None)."""
+    def is_rank(r) -> bool:
+        return r is None or type(r) is int and 0 <= r < world
+
+    def check(_key: str, text: str) -> tuple[str, int | None, int | None]:
         info = json.loads(text)
-        message, rank = info["message"], info.get("rank")
+        message, rank, by = info["message"], info.get("rank"), info.get("by")
         if not isinstance(message, str) or not message.strip() or not (
-                rank is None or type(rank) is int and 0 <= rank < world):
+                is_rank(rank) and is_rank(by)):
             raise ValueError("not a failure record")
-        return message.strip().splitlines()[0][:MESSAGE_CHARS], rank
+        return message.strip().splitlines()[0][:MESSAGE_CHARS], rank, by
     return check
 
 
@@ -274,7 +286,8 @@ class Rendezvous:
                                   None) from None
             logging.getLogger("dgt.rendezvous").warning(
                 "--master-addr %s is not an address of this host (%s); the rendezvous "
-                "store listens on every interface", self.host, e.strerror)
+                "store listens on every interface (it has no login: give the job a "
+                "--secret where the network is not yours)", self.host, e.strerror)
             return None
 
     def name(self, logical: str) -> str:
@@ -351,18 +364,18 @@ class Rendezvous:
                     raise PeerFailure(
                         f"rendezvous step '{step}' did not complete within "
                         f"{self.timeout_s:.0f} s: the store held rejected values for "
-                        f"rank(s) {bad} ({STORE_REJECTED}), written by another process; "
+                        f"rank(s) {rank_list(bad)} ({STORE_REJECTED}), written by another process; "
                         f"run with --secret, or keep other users off --master-port "
                         f"{self.port}", None, FailureReason.OTHER, [])
                 plain = [r for r, k in zip(ranks, [k for k in keys if k not in got])
                          if self.key is not None and self._plain_set(k)]
                 if plain:   # they published under plain names: they have no --secret
                     raise PeerFailure(
-                        f"rank(s) {plain} reached rendezvous step '{step}' without "
+                        f"rank(s) {rank_list(plain)} reached rendezvous step '{step}' without "
                         f"--secret (their values are under plain names, which a rank with "
                         f"a secret never reads): every rank needs the same --secret",
                         None, FailureReason.OTHER, [])
-                raise PeerFailure(f"rank(s) {ranks} did not reach rendezvous step "
+                raise PeerFailure(f"rank(s) {rank_list(ranks)} did not reach rendezvous step "
                                   f"'{step}' within {self.timeout_s:.0f} s (dead, frozen, "
                                   f"or started with another --secret or none: every "
                                   f"rank needs the same one)",
@@ -378,8 +391,33 @@ class Rendezvous:
             return False
 
     def publish_failure(self, message: str, rank: int | None) -> None:
-        """Best effort: tell ranks still in a rendezvous wait that the job failed."""
+        """Best effort: tell ranks still in a rendezvous wait, or waiting for their
+        trainer (:meth:`job_failure`), that the job failed (``rank``: the rank blamed;
+        the record also names this rank as its publisher). The first failure published
+        stays: a rank that only relays it does not overwrite who saw it first."""
         try:
-            self.set(FAILED, json.dumps({"message": message, "rank": rank}))
+            if not self._read(FAILED, self._check_failed)[0]:
+                self.set(FAILED, json.dumps({"message": message, "rank": rank,
+                                             "by": self.rank}))
         except Exception:
             pass
+
+    def job_failure(self) -> PeerFailure | None:
+        """One look at the store, for a rank with no wait of its own under way (its
+        sidecar waits for its trainer): the failure another rank published
+        (PEER_REPORTED, ``rank N failed: <its message>``, blaming the rank it names), or
+        None while the job is healthy. Raises PeerFailure (STORE_LOST, blaming rank 0)
+        when the store does not answer: rank 0, its host, is gone (a store that is
+        frozen fails so after the store's timeout, timeout_s)."""
+        try:
+            ok, info = self._read(FAILED, self._check_failed)
+        except Exception as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise PeerFailure(f"the rendezvous store at {self.host}:{self.port} (rank 0) "
+                              f"is gone ({why})", 0, FailureReason.STORE_LOST, [0]) \
+                from None
+        if not ok:
+            return None
+        message, rank, by = info
+        who = f"rank {by} failed" if by is not None else "the job failed"
+        return PeerFailure(f"{who}: {message}", rank, FailureReason.PEER_REPORTED)

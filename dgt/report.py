@@ -8,6 +8,7 @@ from dataclasses import asdict
 import numpy as np
 
 from . import records
+from .rank_list import rank_list
 from .run_files import of_job
 from .trace import comm_times_ms, cpu_ms, read_run
 from .transport.counters import merge
@@ -193,7 +194,7 @@ def _warnings(sidecars: list[dict]) -> list[str]:
     for s in sidecars:
         for w in s.get("warnings", []):
             ranks.setdefault(w, []).append(s["rank"])
-    return [f"rank(s) {rs}: {w}" for w, rs in ranks.items()]
+    return [f"rank(s) {rank_list(rs)}: {w}" for w, rs in ranks.items()]
 
 
 def summary_head(r: dict, log=print) -> None:

@@ -26,8 +26,23 @@ RANK_FILES = ("sidecar-{}.json", "sidecar-{}.log", "sidecar-{}.sock", "trainer-{
 #: the launcher's own files of one job: what it started (the readers' world) and the
 #: failure it stopped the job for (read by a sidecar that gets SIGTERM)
 JOB_FILES = ("pids.json", "failure.json")
+#: what else dgt leaves in a run dir, which clear_previous keeps: the launcher's lock
+#: (dgt.launch.Job.lock), a report where dgt's benches write it (``--report
+#: <run-dir>/report.json``), their capture of the job's output (``stdout.log``,
+#: dgt.tools.bench.run_job), and the figures of ``dgt plot RUN_DIR`` (dgt.plot.plot)
+KEPT_FILES = ("lock", "report.json", "stdout.log", "accuracy_time.png",
+              "accuracy_iteration.png", "comm_time.png", "channel_bytes.png")
+#: the checkpoint folder of a job that checkpoints without --checkpoint-dir
+#: (dgt.launch.Job.checkpoint_dir)
+CHECKPOINTS = "checkpoints"
 #: where a restart moved a failed attempt's files (dgt.launch.Job.restart_from)
 ATTEMPT = re.compile(r"attempt-[1-9][0-9]*")
+#: dgt.atomic.write_json's temporary file of NAME (``.NAME.<random>.tmp``), left when a
+#: process died mid-write
+_ATOMIC_TMP = re.compile(r"\.(.+)\.[a-z0-9_]+\.tmp")
+#: a checkpoint's step folder (dgt.checkpoint.step_dir), when --checkpoint-dir is the
+#: run dir itself
+_STEP = re.compile(r"step-[0-9]+")
 # a rank as dgt writes it: no sign, no leading zero
 _RANKED = [re.compile(re.escape(a) + r"(0|[1-9][0-9]*)" + re.escape(b))
            for a, b in (t.split("{}") for t in RANK_FILES)]
@@ -111,3 +126,61 @@ def _remove_own_files(folder: str) -> int:
 def _within(path: str, folder: str) -> bool:
     """Whether ``path`` is ``folder`` or lies inside it (absolute paths)."""
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def is_own(name: str, folder: str) -> bool:
+    """Whether the entry ``name`` of the run dir ``folder`` is one dgt puts in a run dir:
+    a file of RANK_FILES, JOB_FILES or KEPT_FILES (or its leftover temporary file), a
+    Unix socket (a sidecar's --socket), the ``checkpoints`` folder or an
+    ``attempt-<i>`` folder."""
+    import stat
+    path = os.path.join(folder, name)
+    try:
+        st = os.lstat(path)
+    except OSError:   # gone meanwhile
+        return True
+    if stat.S_ISSOCK(st.st_mode):
+        return True
+    if stat.S_ISDIR(st.st_mode):
+        return name == CHECKPOINTS or ATTEMPT.fullmatch(name) is not None
+    m = _ATOMIC_TMP.fullmatch(name)
+    base = m.group(1) if m else name
+    return rank_of(base) is not None or base in JOB_FILES or base in KEPT_FILES
+
+
+def foreign(run_dir: str, keep: tuple[str, ...] = ()) -> list[str]:
+    """The names in ``run_dir`` that are not dgt's (:func:`is_own`), sorted (hidden
+    ones last); [] for a
+    folder that is new, empty, or holds a previous dgt job's files alone. ``keep``:
+    paths this job itself names there (its --report, --checkpoint-dir, --resume,
+    --socket): the run dir's entry that holds one is the job's. The rule a run dir must
+    pass before a job writes there (:func:`check_run_dir`), with the same lists that
+    :func:`clear_previous` removes from."""
+    try:
+        names = sorted(os.listdir(run_dir), key=lambda n: (n.startswith("."), n))
+    except OSError:   # not there yet (or not a folder, not ours: other checks say so)
+        return []
+    top = os.path.abspath(run_dir)
+    mine, steps = set(), False
+    for k in keep:
+        k = os.path.abspath(k) if k else ""
+        if k == top:
+            steps = True   # --checkpoint-dir is the run dir: its step-<t> folders
+        elif k and _within(k, top):
+            mine.add(os.path.relpath(k, top).split(os.sep)[0])
+    return [n for n in names if n not in mine and not is_own(n, run_dir) and
+            not (steps and _STEP.fullmatch(n))]
+
+
+def check_run_dir(run_dir: str, flag: str = "--run-dir",
+                  keep: tuple[str, ...] = ()) -> None:
+    """Refuse a run dir that holds files that are not dgt's (:func:`foreign`): a job
+    would litter it with its logs and records, and truncate files of those names
+    (``--run-dir /etc``, ``--run-dir ~``). Raises ValueError, one line naming ``flag``."""
+    names = foreign(run_dir, keep)
+    if not names:
+        return
+    shown = ", ".join(n if n.isprintable() else ascii(n) for n in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    raise ValueError(f"{flag} {run_dir} holds files that are not dgt's ({shown}{more}); "
+                     f"give a new or empty folder, or the run dir of an earlier dgt job")

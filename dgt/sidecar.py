@@ -8,11 +8,15 @@ Failure handling: a peer whose connection drops without BYE, a trainer that disc
 or a PULL that does not come within ``peer_timeout_s`` (``+ START_SKEW_S`` for the first
 push) fails the job: the sidecar sends
 ERROR (naming the rank) to every peer and to its trainer, then exits with status 3.
+While it waits for its trainer's register (no peer connection yet), it watches the
+rendezvous store instead: a failure another rank published there, or the store gone,
+stops it the same way (``Sidecar._watch_job``).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import faulthandler
 import logging
@@ -38,7 +42,7 @@ from .peer_links import PeerLinks, drain
 from .pull_codec import decode_pull
 from .pull_sender import PullSender
 from .registration import agree, barrier, check_model_size, exchange_endpoints, route_facts
-from .rendezvous import POLL_S, Rendezvous, check_resolves
+from .rendezvous import LINGER_S, WATCH_S, Rendezvous, check_resolves
 from .scheduler.deadline import AdaptiveDeadline
 from .shard import ServerShard
 from .trainer_link import TrainerLink
@@ -138,6 +142,9 @@ class Sidecar:
         self.pushes = 0
         self.pace_source = "--pace-mbit"
         self._published: asyncio.Future | None = None   # failure written to the store
+        # the store watch while we wait for our trainer's register (_watch_job)
+        self._watch: asyncio.Task | None = None
+        self._unwatch = asyncio.Event()
         self.adaptive: AdaptiveDeadline | None = None   # the shard's wait after END
         self.deadline_floor_s = self.cfg.deadline_ms / 1000.0
 
@@ -159,7 +166,7 @@ class Sidecar:
             # it, so it stays up for a few of their polls (they would only see it vanish)
             await asyncio.wait([self._published], timeout=2.0)
             if self.rank == 0:
-                await asyncio.sleep(5 * POLL_S)
+                await asyncio.sleep(LINGER_S)
         # let PULL/BYE/ERROR frames reach the kernel
         await drain(list(self.links.out_conns.values()) + list(self.in_conns.values()), 5.0)
         write_node_results(self)
@@ -207,9 +214,41 @@ class Sidecar:
         self.route = asyncio.get_running_loop().run_in_executor(
             None, route_facts, self.cfg, self.links.peers, self.rank)
         self.rendezvoused.set()
+        if self.world > 1:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_job())
         print(f"dgt sidecar: rank {self.rank}/{self.world} ready: tcp {me['tcp_port']}, "
               f"udp {me['udp_ports']}, socket {self.node.socket}, run dir "
               f"{self.node.run_dir}", flush=True)
+
+    async def _watch_job(self) -> None:
+        """From the rendezvous until our trainer registers, look at the store every
+        WATCH_S s (a blocking call, in a thread): a failure another rank published
+        there, or the store gone (rank 0, its host, dead), fails this rank too, in one
+        line naming it. No peer connection exists yet to say so (they are made at
+        register), so without this a sidecar whose trainer never came stayed up for
+        ever after the job failed elsewhere. Waiting for the trainer has no bound of
+        its own while the job is healthy (trainers may start long after their
+        sidecars). Ends when :meth:`_stop_watch` asks (the registration's own store
+        waits take over) or the sidecar stops."""
+        loop = asyncio.get_running_loop()
+        while not (self._unwatch.is_set() or self.done.is_set()):
+            try:
+                failed = await loop.run_in_executor(None, self.rdv.job_failure)
+            except PeerFailure as e:
+                failed = e
+            if failed is not None:
+                self.fail(f"{failed}; stopping", failed.rank, propagate=False,
+                          why=failed.reason, blamed=failed.ranks)
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._unwatch.wait(), WATCH_S)
+
+    async def _stop_watch(self) -> None:
+        """End :meth:`_watch_job` and wait for its store call under way (at most one
+        store round trip), so that one thread at a time uses the store."""
+        self._unwatch.set()
+        if self._watch is not None:
+            await asyncio.wait([self._watch])
 
     # -- trainer ----------------------------------------------------------------------
     async def _register(self, msg: dict) -> None:
@@ -219,6 +258,9 @@ class Sidecar:
         n_params = check_model_size(msg.get("n_params"), self.rank)
         state = await checkpoint.resume_state(msg.get("resume"), self.rank)
         await self.rendezvoused.wait()
+        await self._stop_watch()   # agree's store waits watch for failures from here on
+        if self.done.is_set():
+            return   # the watch failed the job meanwhile
         rank = self.rank
         self.cfg, lay, source = await agree(self.rdv, self.cfg, self.links.peers, rank,
                                             self.world, n_params, msg.get("param_sha256"),

@@ -199,6 +199,15 @@ def tb_exec(args) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         return _fail(args, "give a command: dgt testbed exec HOST -- CMD ...")
+    if not _index(args.host):   # a namespace's name says its testbed
+        named = names.prefix_of(args.host)
+        if named is None:
+            return _fail(args, f"'{args.host}' is neither a host index nor a testbed "
+                               f"namespace (<prefix>-h<i>, <prefix>-sw)")
+        if args.prefix not in (names.DEFAULT_PREFIX, named):
+            return _fail(args, f"'{args.host}' is a namespace of testbed '{named}', not "
+                               f"of --prefix {args.prefix}")
+        args.prefix = named
     tb = testbed.current(args.prefix)
     if tb is None:
         return _fail(args, f"no testbed with prefix '{args.prefix}' is up; run "
@@ -284,7 +293,8 @@ def register(subparsers) -> None:
     p = sub("status", "per-port class counters", tb_status)
     p.add_argument("--json", action="store_true")
     p = sub("exec", "run a command in a host: exec HOST -- CMD ...", tb_exec)
-    p.add_argument("host", help="host index or netns name")
+    p.add_argument("host", help="host index, or a namespace's name (<prefix>-h<i>, "
+                                "<prefix>-sw), which names its testbed: no --prefix needed")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     p = sub("load", "bulk best-effort TCP between hosts", tb_load)
     p.add_argument("--seconds", type=float, default=10.0)

@@ -28,6 +28,16 @@ def host_netns(i: int, prefix: str = DEFAULT_PREFIX) -> str:
     return f"{prefix}-h{int(i)}"
 
 
+_NETNS_RE = re.compile(r"(?P<prefix>[A-Za-z0-9][A-Za-z0-9_-]*)-(?:h\d+|sw)")
+
+
+def prefix_of(netns: str) -> str | None:
+    """The testbed prefix a namespace name carries (``brk-h0``, ``brk-sw`` -> ``brk``),
+    or None for a name no testbed makes."""
+    m = _NETNS_RE.fullmatch(netns)
+    return m.group("prefix") if m else None
+
+
 def host_addr(i: int) -> str:
     """IPv4 address of host ``i`` (``10.77.<i>.2``); the same in every testbed."""
     return f"{SUBNET}.{int(i)}.2"

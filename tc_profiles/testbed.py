@@ -259,7 +259,7 @@ def missing_tools(loss: bool) -> list[str]:
     (dgt.tc_profiles.system: each names its package): ``ip`` (commands in its hosts),
     and with ``loss`` ``nft`` (the drop rule). Also what ``dgt bench`` checks first."""
     need = [("ip", "the testbed (ip netns exec)")] + (
-        [("nft", "--loss (an nftables drop rule)")] if loss else [])
+        [("nft", "--loss-pct (an nftables drop rule)")] if loss else [])
     return [system.missing_message(t, what) for t, what in need if not system.have(t)]
 
 

@@ -36,6 +36,31 @@ def sidecar(tmp_path):
         os.unlink(f)
 
 
+@pytest.mark.timeout(120)
+def test_a_sidecar_killed_during_a_push_is_named_by_pid_and_socket(sidecar):
+    # an outside tester: the trainer said only "sidecar closed the connection". The
+    # sidecar is frozen, so the push is taken and the trainer waits for its answer,
+    # then killed (should the kill come before the push, the push meets a broken pipe:
+    # the same message)
+    import threading
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=60)
+    m = nn.Linear(4, 2)
+    c.register(m)
+    m(torch.ones(1, 4)).sum().backward()
+    os.kill(proc.pid, signal.SIGSTOP)
+    killer = threading.Timer(1.0, os.kill, (proc.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        with pytest.raises(dgt.PeerFailure) as e:
+            c.push_pull(0)
+    finally:
+        killer.join()
+    assert str(e.value) == (f"this rank's sidecar (pid {proc.pid}, socket {path}) closed "
+                            f"the connection without a word: it exited or was killed"), \
+        str(e.value)
+
+
 def _conv_model():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))

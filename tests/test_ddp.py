@@ -354,6 +354,28 @@ def test_a_sidecar_killed_by_sigkill_leaves_no_socket(group):
     assert torch.isfinite(next(model.parameters())).all()
 
 
+def test_a_rank_whose_own_sidecar_was_killed_says_so(group):
+    # an outside tester: the rank said only "sidecar closed the connection" (or a
+    # broken pipe), though its peer named "lost connection to rank 1"; it now names its
+    # own sidecar, how it ended and where its log is
+    from dgt import PeerFailure
+    from dgt.ddp import DgtState, dgt_hook
+    model = _ddp()
+    state = DgtState()
+    model.register_comm_hook(state, dgt_hook)
+    _step(model)
+    pid = state.node.proc.pid
+    os.kill(pid, signal.SIGKILL)
+    state.node.proc.wait(10)
+    with pytest.raises(PeerFailure) as e:
+        _step(model)
+    run = group / "run"
+    assert str(e.value) == (f"this rank's sidecar (pid {pid}, socket {run}/sidecar-0.sock) "
+                            f"closed the connection without a word: it was killed by "
+                            f"SIGKILL; see its log {run}/sidecar-0.log"), str(e.value)
+    state.close()
+
+
 @pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf"), "soon"])
 def test_a_bad_hook_timeout_is_refused_at_construction(timeout_s):
     from dgt.ddp import DgtState

@@ -349,3 +349,24 @@ def test_longest_allowed_prefix_builds_and_goes():
     assert sorted(removed) == sorted([f"{prefix}-h0", f"{prefix}-sw"])
     assert not testbed._state_file(prefix).exists()
     assert testbed.current(prefix) is None
+
+
+@root_only
+def test_exec_by_namespace_name_finds_its_testbed(bed):
+    """breaker round, stop 41: 'dgt testbed exec brk-h0 -- CMD' with testbed brk up said
+    "no testbed with prefix 'dgt' is up": the name was looked up in --prefix's default
+    testbed. A namespace's name carries its testbed's prefix."""
+    import sys
+    run = lambda *a: subprocess.run([sys.executable, "-m", "dgt.cli", "testbed", "exec", *a],
+                                    capture_output=True, text=True, timeout=120)
+    for host in (bed.host_netns(1), bed.router):
+        r = run(host, "--", "ip", "-o", "-4", "addr")
+        assert r.returncode == 0, r.stderr
+        assert ("10.77.1.2/24" in r.stdout) == (host != bed.router), r.stdout
+    r = run("--prefix", bed.prefix, bed.host_netns(0), "--", "true")   # the same testbed
+    assert r.returncode == 0, r.stderr
+    r = run("--prefix", "dgtother", bed.host_netns(0), "--", "true")
+    assert r.returncode == 2 and r.stderr.strip().endswith(
+        f"is a namespace of testbed '{bed.prefix}', not of --prefix dgtother"), r.stderr
+    r = run("not-a-host", "--", "true")
+    assert r.returncode == 2 and "neither a host index nor a testbed namespace" in r.stderr

@@ -1092,22 +1092,26 @@ def check_goodput_args(a, iterations: int) -> None:
     check_prefix(a.prefix)
 
 
-def missing_tools(scenarios) -> list[str]:
+def missing_tools(scenarios, goodput: bool = False) -> list[str]:
     """One line per system tool that the testbed cells of ``scenarios`` run and this
     machine lacks (dgt.tc_profiles.system: each names its package): the testbed's own
     (dgt.tc_profiles.testbed.missing_tools: ``ip``, and ``nft`` for the loss rule of
-    ``lossy`` and ``lossy-link``), and ``iperf3`` for a tenant (``tenant``, ``share``)."""
+    ``lossy`` and ``lossy-link``), and ``iperf3`` for a tenant (``tenant``, ``share``)
+    or for ``goodput`` (``dgt bench goodput``, whose reference is iperf3's figure)."""
     from dgt.tc_profiles import system, testbed
     missing = testbed.missing_tools(loss=any(sc.startswith("lossy") for sc in scenarios))
-    if {"tenant", "share"} & set(scenarios) and not system.have("iperf3"):
-        missing.append(system.missing_message("iperf3", "the tenant scenario"))
+    if not system.have("iperf3"):
+        if goodput:
+            missing.append(system.missing_message("iperf3", "dgt bench goodput"))
+        elif {"tenant", "share"} & set(scenarios):
+            missing.append(system.missing_message("iperf3", "the tenant scenario"))
     return missing
 
 
-def check_tools(scenarios, estimate: bool) -> None:
+def check_tools(scenarios, estimate: bool, goodput: bool = False) -> None:
     """Before any cell runs: raise BenchError naming every missing tool (see
     :func:`missing_tools`); with ``estimate``, print them as warnings instead."""
-    missing = missing_tools(scenarios)
+    missing = missing_tools(scenarios, goodput)
     if missing and not estimate:
         raise BenchError("; ".join(missing))
     for line in missing:
@@ -1133,6 +1137,7 @@ def cmd_bench(a) -> int:
             rate_bits_per_s(rate)
             iterations = 4 if a.iterations is None else a.iterations
             check_goodput_args(a, iterations)
+            check_tools((), estimate=a.estimate, goodput=True)
             if a.estimate:
                 print(f"goodput: 2 testbed hosts at {rate}; {a.mb:g} MB over dgt's "
                       f"reliable channel, iperf3 for {a.seconds:g} s, then dgt train "

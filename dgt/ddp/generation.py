@@ -24,6 +24,8 @@ import time
 import uuid
 from datetime import timedelta
 
+from ..rank_list import rank_list
+
 #: keys of the agreement, in torchrun's store
 PREFIX = "dgt/generation"
 #: how often rank 0 looks for the other ranks' questions, in seconds
@@ -51,7 +53,7 @@ def agree(store, rank: int, world: int, timeout_s: float) -> int:
                     nonce = store.get(f"{PREFIX}/ask/{r}").decode(errors="replace")
                     store.set(f"{PREFIX}/tell/{r}/{nonce}", str(gen))
             if pending and time.monotonic() > t_end:
-                raise TimeoutError(f"ranks {sorted(pending)} did not join generation {gen} "
+                raise TimeoutError(f"ranks {rank_list(sorted(pending))} did not join generation {gen} "
                                    f"within {timeout_s:.0f} s")
             if pending:
                 time.sleep(POLL_S)

@@ -229,6 +229,9 @@ class NodeLink:
                                   f"{proc.returncode}): {_last_line(log_path)}", rank)
             time.sleep(0.02)
         client = Client(sock, timeout_s, connect_timeout_s=max(1.0, t_end - time.monotonic()))
+        # if it goes without a word (SIGKILL, a crash), the trainer's error says so
+        client.sidecar_log = log_path
+        client.sidecar_exit = functools.partial(exit_text, proc)
         return cls(client, proc, sock, run_dir, rank, world)
 
     def close(self) -> None:
@@ -350,6 +353,21 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def exit_text(proc: subprocess.Popen, wait_s: float) -> str | None:
+    """How the sidecar ``proc`` ended (``was killed by SIGKILL``, ``exited with status
+    3``), waiting up to ``wait_s`` seconds for it; None while it runs."""
+    try:
+        rc = proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        return None
+    if rc >= 0:
+        return f"exited with status {rc}"
+    try:
+        return f"was killed by {signal.Signals(-rc).name}"
+    except ValueError:
+        return f"was killed by signal {-rc}"
 
 
 def _last_line(path: str) -> str:

@@ -57,12 +57,17 @@ def check(text: str, labels: np.ndarray, world: int) -> None:
     """Refuse a partition that cannot give every worker data: ``shards:K`` with more
     shards (N·K) than samples. Raises ValueError (one line)."""
     name, arg = parse(text)
-    if name == "shards" and world * int(arg) > len(labels):
-        per_class = len(labels) // max(1, len(np.unique(labels)))
+    n, k = len(labels), int(arg)
+    if name == "shards" and world * k > n:
+        per_class = n // max(1, len(np.unique(labels)))
+        # advice that fits when followed: N·K <= n either way
+        opts = ([f"--workers <= {n // k}"] if n // k >= 1 else []) + \
+            ([f"--partition shards:{n // world}"] if n // world >= 1 else [])
         raise ValueError(f"--partition {text} with --workers {world} needs "
-                         f"{world * int(arg)} shards but the training set has only "
-                         f"{len(labels)} samples ({per_class} per class); use fewer "
-                         f"--workers or a smaller K")
+                         f"{world * k} shards but the training set has only "
+                         f"{n} samples ({per_class} per class); use "
+                         + (" or ".join(opts) if opts else f"--workers <= {n} with "
+                            f"--partition shards:1"))
 
 
 def split(text: str, labels: np.ndarray, world: int, seed: int) -> list[np.ndarray] | None:

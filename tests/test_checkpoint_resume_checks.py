@@ -1,0 +1,181 @@
+"""What ``dgt train --resume`` says before anything starts (dgt.checkpoint.resolve,
+check_resume), on a checkpoint folder made once by a real short run: a folder this user
+cannot read is said as it is (not "no complete checkpoint"), a checkpoint at or past
+--iterations or --epochs is refused (the job ran no iteration and exited 0), and a newer
+step that a rank never finished writing is skipped with a warning naming its files."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dgt import checkpoint
+from dgt.config import JobConfig, TransmissionConfig
+
+#: the fixture's run: 2 workers, a small MLP, one epoch, a checkpoint after every
+#: iteration (rank 0 keeps the newest two: the epoch's last iteration and the one before)
+RUN = ("--workers", 2, "--hidden", 32, "--seed", 3, "--deadline-ms", 3000)
+
+
+def _train(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dgt.cli", "train", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory):
+    """(checkpoint folder, N): one epoch of N iterations, steps N-1 and N kept. Tests
+    copy it before changing it."""
+    tmp = tmp_path_factory.mktemp("ck-run")
+    ck = tmp / "ck"
+    p = _train(*RUN, "--epochs", 1, "--checkpoint-every", 1, "--checkpoint-dir", ck,
+               "--run-dir", tmp / "run", "--report", os.devnull)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    steps = [s for s, _ in checkpoint.complete_steps(str(ck), 2)]
+    assert len(steps) == 2 and steps[0] == steps[1] - 1, steps
+    return ck, steps[1]
+
+
+def _job(**kw) -> JobConfig:
+    return JobConfig(workers=2, hidden=32, seed=3, **kw)
+
+
+def _check(folder, **kw) -> None:
+    """The checks --resume makes before anything starts, for step ``folder``."""
+    checkpoint.check_resume(str(folder), 2, _job(**kw), TransmissionConfig())
+
+
+# -- F5: a checkpoint that leaves nothing to train ---------------------------------------
+def test_a_checkpoint_at_or_past_iterations_is_refused_before_anything_starts(ck, tmp_path):
+    """Outside tester: --iterations 30 --resume ck, ck's newest step 60, exited 0 having
+    run no iteration (the summary said "iterations 60"). Now one line, exit 2."""
+    root, n = ck
+    last, before = checkpoint.step_dir(str(root), n), checkpoint.step_dir(str(root), n - 1)
+    for iterations in (n, n - 1, 1):
+        with pytest.raises(ValueError) as e:
+            _check(last, iterations=iterations, epochs=5)
+        assert str(e.value) == (
+            f"--resume {last}: the checkpoint is at iteration {n}, at or past "
+            f"--iterations {iterations}: nothing is left to train; give a larger "
+            f"--iterations")
+    _check(last, iterations=n + 1, epochs=5)   # one iteration left: fine
+    _check(before, iterations=n, epochs=5)
+    p = _train(*RUN, "--iterations", n - 1, "--epochs", 5, "--resume", root,
+               "--run-dir", tmp_path / "run", timeout=120)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [
+        f"dgt train: error: --resume {last}: the checkpoint is at iteration {n}, at or "
+        f"past --iterations {n - 1}: nothing is left to train; give a larger --iterations "
+        f"(see 'dgt train --help')"], p.stderr
+    assert not (tmp_path / "run" / "pids.json").exists()   # nothing was started
+
+
+def test_a_checkpoint_at_the_end_of_the_last_epoch_is_refused(ck):
+    """The same with --epochs: step N ends epoch 1 (each trainer file records the
+    epoch's iterations), so --epochs 1 leaves nothing; step N-1 leaves one."""
+    root, n = ck
+    last, before = checkpoint.step_dir(str(root), n), checkpoint.step_dir(str(root), n - 1)
+    with pytest.raises(ValueError) as e:
+        _check(last, epochs=1)
+    assert str(e.value) == (
+        f"--resume {last}: the checkpoint is at the end of epoch 1 (iteration {n}), at "
+        f"or past --epochs 1: nothing is left to train; give a larger --epochs")
+    _check(last, epochs=2)
+    _check(before, epochs=1)
+
+
+# -- F6: a newer step that a rank never finished writing ---------------------------------
+def test_a_newer_step_without_a_ranks_files_is_skipped_with_a_warning_naming_them(
+        ck, tmp_path, caplog):
+    """Outside tester: a sidecar SIGKILLed during --checkpoint-every 1 left the newest
+    step without rank 2's files; --resume said only "resuming from" the step before.
+    docs/ddp.md: such a step "is skipped with a warning naming the file"."""
+    src, n = ck
+    root = tmp_path / "ck"
+    shutil.copytree(src, root)
+    newest = checkpoint.step_dir(str(root), n)
+    os.unlink(checkpoint.trainer_file(newest, 1))
+    os.unlink(checkpoint.sidecar_file(newest, 1))
+    with caplog.at_level("WARNING", logger="dgt.checkpoint"):
+        assert checkpoint.resolve(str(root), 2) == checkpoint.step_dir(str(root), n - 1)
+    skips = [r.getMessage() for r in caplog.records]
+    assert skips == [f"--resume {root}: skipping a newer step: {newest} has no "
+                     f"trainer-1.pt, sidecar-1.pt (cut short: a rank's files were never "
+                     f"written)"], skips
+    # the only step cut short: the refusal names what it lacks
+    shutil.rmtree(checkpoint.step_dir(str(root), n - 1))
+    with pytest.raises(ValueError) as e:
+        checkpoint.resolve(str(root), 2)
+    assert str(e.value) == (
+        f"--resume {root}: no complete checkpoint of 2 workers in it ({newest} has no "
+        f"trainer-1.pt, sidecar-1.pt (cut short: a rank's files were never written)); "
+        f"take one with --checkpoint-every N --checkpoint-dir {root}")
+
+
+# -- F4: a folder this user cannot read ----------------------------------------------
+def _resolve_as_nobody(path: str) -> str:
+    """checkpoint.resolve(path, 2) in a child process running as uid/gid 65534 (forked:
+    this interpreter may live where that user cannot start it again, e.g. under /root):
+    "ok <folder>" or "error <message>". Skips when not root."""
+    if os.geteuid() != 0:
+        pytest.skip(reason="needs root: the test runs a process as another user (uid 65534)")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: never back into pytest
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                out = "ok " + checkpoint.resolve(path, 2)
+            except ValueError as e:
+                out = f"error {e}"
+            except BaseException as e:   # noqa: BLE001 - said to the parent
+                out = f"raised {type(e).__name__}: {e}"
+            os.write(w, out.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 65536):
+        chunks.append(chunk)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return b"".join(chunks).decode()
+
+
+def test_a_resume_folder_this_user_cannot_read_is_said_as_it_is(ck, shared_tmp):
+    """Outside tester (a normal user): --resume DIR, another user's 0700 folder, said
+    "no complete checkpoint of 4 workers in it; take one with --checkpoint-every N". Any
+    OSError looking at the folder, its steps or their files is now said as itself."""
+    src, n = ck
+    os.chmod(shared_tmp, 0o755)
+    theirs = os.path.join(shared_tmp, "theirs")
+    shutil.copytree(src, theirs)
+    for folder, _, files in os.walk(theirs):   # readable by all, then taken away below
+        os.chmod(folder, 0o755)
+        for f in files:
+            os.chmod(os.path.join(folder, f), 0o644)
+    newest = checkpoint.step_dir(theirs, n)
+    assert _resolve_as_nobody(theirs) == f"ok {newest}"
+    os.chmod(theirs, 0o700)   # root's, 0700: uid 65534 cannot list it
+    assert _resolve_as_nobody(theirs) == (
+        f"error --resume {theirs}: cannot read it: Permission denied; give a checkpoint "
+        f"folder this user can read")
+    # a step inside it: not "no such folder"
+    assert _resolve_as_nobody(newest) == (
+        f"error --resume {newest}: cannot read it: Permission denied; give a checkpoint "
+        f"folder this user can read")
+    os.chmod(theirs, 0o755)   # listed, but its newest step's folder is 0700
+    os.chmod(newest, 0o700)
+    got = _resolve_as_nobody(theirs)
+    assert got.startswith(f"error --resume {theirs}: cannot read {newest}/") and \
+        got.endswith(": Permission denied; give a checkpoint folder this user can read"), got
+    os.chmod(newest, 0o755)   # a file of the newest step is 0600: said, not skipped
+    os.chmod(checkpoint.trainer_file(newest, 1), 0o600)
+    assert _resolve_as_nobody(theirs) == (
+        f"error --resume {theirs}: cannot read {checkpoint.trainer_file(newest, 1)}: "
+        f"Permission denied; give a checkpoint folder this user can read")

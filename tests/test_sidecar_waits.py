@@ -1,0 +1,128 @@
+"""A sidecar waiting for its own trainer still watches the job: two hand-started sidecars
+on loopback, one trainer (or none), and the job failing elsewhere (an outside tester's
+fault F1: the sidecar whose trainer never came stayed up until killed)."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from torch import nn
+
+import dgt
+from dgt.errors import PeerFailure
+
+#: s: every wait here is bounded by the sidecars' own timeouts (peer timeout 2 s, the
+#: rendezvous 12 s); this only guards against a hang
+HANG_GUARD_S = 90
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(tmp_path, rank: int, port: int) -> tuple[subprocess.Popen, str]:
+    """Sidecar ``rank`` of 2 (--peer-timeout-s 2) in a run dir of its own; (process, its
+    run dir). Its output goes to ``<run dir>.out`` (a run dir holds dgt's files only)."""
+    run_dir = tmp_path / f"r{rank}"
+    run_dir.mkdir(mode=0o700)
+    with open(f"{run_dir}.out", "wb") as out:
+        p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", str(rank),
+                              "--world", "2", "--master-port", str(port), "--run-dir",
+                              str(run_dir), "--socket", str(run_dir / "s.sock"),
+                              "--peer-timeout-s", "2"], stdout=out, stderr=subprocess.STDOUT)
+    return p, str(run_dir)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """Both sidecars, past their rendezvous (each wrote its endpoints), no trainer yet."""
+    port = _free_port()
+    procs = [_start(tmp_path, r, port) for r in range(2)]
+    t_end = time.monotonic() + HANG_GUARD_S
+    for rank, (p, run_dir) in enumerate(procs):
+        while not os.path.exists(os.path.join(run_dir, f"endpoints-{rank}.json")):
+            assert p.poll() is None, _out(run_dir)
+            assert time.monotonic() < t_end, _out(run_dir)
+            time.sleep(0.05)
+    yield port, procs
+    for p, _ in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+def _out(run_dir: str) -> str:
+    with open(f"{run_dir}.out", errors="replace") as f:
+        return f.read()
+
+
+def _stopped(p: subprocess.Popen, run_dir: str) -> str:
+    """Wait (bounded by the hang guard) for ``p`` to end; its output. It must end with
+    status 3 (a peer's failure)."""
+    try:
+        p.wait(timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the sidecar waiting for its trainer is still up after the job "
+                    f"failed:\n{_out(run_dir)}")
+    out = _out(run_dir)
+    assert p.returncode == 3, out
+    return out
+
+
+def _record(run_dir: str, rank: int) -> dict:
+    with open(os.path.join(run_dir, f"failure-sidecar-{rank}.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.timeout(240)
+def test_the_rank_whose_trainer_never_came_stops_when_the_rendezvous_fails(pair):
+    # the tester's case: rank 0's trainer registers, rank 1's never comes; rank 0 names
+    # rank 1 and fails, and rank 1 (waiting for its trainer) must stop too, naming it
+    port, [(p0, dir0), (p1, dir1)] = pair
+    c = dgt.Client(path=os.path.join(dir0, "s.sock"), rank=0, timeout_s=HANG_GUARD_S)
+    with pytest.raises(PeerFailure, match=r"rank\(s\) \[1\] did not reach rendezvous step "
+                                          r"'dgt/n_params'"):
+        c.register(nn.Linear(100, 10))
+    _stopped(p0, dir0)
+    out = _stopped(p1, dir1)
+    # rank 0 keeps its store up for a few of rank 1's polls after publishing, so rank 1
+    # reads the failure; on a host too loaded to poll in time, it sees the store gone
+    line = re.search(r"rank 1: (rank 0 failed: rank\(s\) \[1\] did not reach rendezvous "
+                     r"step 'dgt/n_params'.*; stopping|the rendezvous store at "
+                     rf"127\.0\.0\.1:{port} \(rank 0\) is gone.*)", out)
+    assert line, out
+    assert _record(dir1, 1)["reason"] in ("peer_reported", "store_lost")
+
+
+@pytest.mark.timeout(240)
+def test_rank_0_waiting_for_its_trainer_stops_when_rank_1_fails(pair):
+    # rank 0 hosts the store, so it reads rank 1's published failure, never a lost store
+    _, [(p0, dir0), (p1, dir1)] = pair
+    c = dgt.Client(path=os.path.join(dir1, "s.sock"), rank=1, timeout_s=HANG_GUARD_S)
+    with pytest.raises(PeerFailure, match=r"rank\(s\) \[0\] did not reach"):
+        c.register(nn.Linear(100, 10))
+    _stopped(p1, dir1)
+    out = _stopped(p0, dir0)
+    assert re.search(r"rank 0: rank 1 failed: rank\(s\) \[0\] did not reach rendezvous "
+                     r"step 'dgt/n_params'.*; stopping", out), out
+    rec = _record(dir0, 0)
+    assert (rec["reason"], rec["blamed"]) == ("peer_reported", [0]), rec
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_waiting_for_its_trainer_stops_when_the_store_goes_away(pair):
+    port, [(p0, dir0), (p1, dir1)] = pair
+    os.kill(p0.pid, signal.SIGKILL)   # rank 0 and the store it hosts: gone, no word
+    p0.wait(timeout=30)
+    out = _stopped(p1, dir1)
+    assert re.search(rf"rank 1: the rendezvous store at 127\.0\.0\.1:{port} \(rank 0\) is "
+                     rf"gone", out), out
+    rec = _record(dir1, 1)
+    assert (rec["reason"], rec["blamed"]) == ("store_lost", [0]), rec

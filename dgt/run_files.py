@@ -37,6 +37,8 @@ KEPT_FILES = ("lock", "report.json", "stdout.log", "accuracy_time.png",
 CHECKPOINTS = "checkpoints"
 #: where a restart moved a failed attempt's files (dgt.launch.Job.restart_from)
 ATTEMPT = re.compile(r"attempt-[1-9][0-9]*")
+#: a torchrun restart's own run dir under DGT_RUN_DIR (dgt.ddp.node.NodeLink.spawn)
+RESTART = re.compile(r"restart-[1-9][0-9]*")
 #: dgt.atomic.write_json's temporary file of NAME (``.NAME.<random>.tmp``), left when a
 #: process died mid-write
 _ATOMIC_TMP = re.compile(r"\.(.+)\.[a-z0-9_]+\.tmp")
@@ -131,8 +133,8 @@ def _within(path: str, folder: str) -> bool:
 def is_own(name: str, folder: str) -> bool:
     """Whether the entry ``name`` of the run dir ``folder`` is one dgt puts in a run dir:
     a file of RANK_FILES, JOB_FILES or KEPT_FILES (or its leftover temporary file), a
-    Unix socket (a sidecar's --socket), the ``checkpoints`` folder or an
-    ``attempt-<i>`` folder."""
+    Unix socket (a sidecar's --socket), the ``checkpoints`` folder, an ``attempt-<i>``
+    folder or a ``restart-<i>`` folder."""
     import stat
     path = os.path.join(folder, name)
     try:
@@ -142,7 +144,7 @@ def is_own(name: str, folder: str) -> bool:
     if stat.S_ISSOCK(st.st_mode):
         return True
     if stat.S_ISDIR(st.st_mode):
-        return name == CHECKPOINTS or ATTEMPT.fullmatch(name) is not None
+        return name == CHECKPOINTS or any(r.fullmatch(name) for r in (ATTEMPT, RESTART))
     m = _ATOMIC_TMP.fullmatch(name)
     base = m.group(1) if m else name
     return rank_of(base) is not None or base in JOB_FILES or base in KEPT_FILES

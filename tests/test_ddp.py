@@ -568,7 +568,8 @@ def test_the_hook_waits_longer_than_the_sidecars_first_push(monkeypatch):
             DgtState(sidecar_args=bad, connect=False)
 
 
-@pytest.mark.parametrize("case", ["run dir other users can write", "run dir under a file"])
+@pytest.mark.parametrize("case", ["run dir other users can write", "run dir under a file",
+                                  "run dir holding other files"])
 def test_a_bad_run_dir_is_one_line_per_rank_without_a_traceback(tmp_path, case):
     # breaker: DGT_RUN_DIR=/tmp gave each rank a traceback ending in dgt.unixsock.NotOurs
     # (a PermissionError); the example caught only ValueError and PeerFailure. Any
@@ -580,10 +581,16 @@ def test_a_bad_run_dir_is_one_line_per_rank_without_a_traceback(tmp_path, case):
         want = f"DGT_RUN_DIR {run_dir} is writable by other users (mode 1777)"
         # like /tmp: a subfolder, never 'chmod go-w' (that breaks a shared /tmp)
         advice = f"(mkdir -m 700 {run_dir}/NAME and give that)"
-    else:
+    elif case == "run dir under a file":
         (tmp_path / "file").write_text("x")
         run_dir = tmp_path / "file" / "run"
         want = advice = f"DGT_RUN_DIR {run_dir}: cannot create it (Not a directory)"
+    else:   # breaker round, stop 41: --run-dir /etc was littered; DGT_RUN_DIR the same
+        run_dir = tmp_path / "mine"
+        run_dir.mkdir(mode=0o700)
+        (run_dir / "notes.txt").write_text("the user's\n")
+        want = f"DGT_RUN_DIR {run_dir} holds files that are not dgt's (notes.txt)"
+        advice = "give a new or empty folder, or the run dir of an earlier dgt job"
     p, _, _ = torchrun(tmp_path, "bad", 2, "--comm", "dgt", "--dataset", "digits",
                        "--iterations", 2, "--hidden", 16, env={"DGT_RUN_DIR": str(run_dir)},
                        expect_rc=1, timeout=180)
@@ -592,6 +599,8 @@ def test_a_bad_run_dir_is_one_line_per_rank_without_a_traceback(tmp_path, case):
     assert ours and all(want in ln and ": error: " in ln for ln in ours), p.stderr[-3000:]
     assert all(advice in ln and "chmod" not in ln for ln in ours), p.stderr[-3000:]
     assert len({ln.split(":")[0] for ln in ours}) == len(ours)    # one line a rank
+    if case == "run dir holding other files":   # nothing written there
+        assert os.listdir(run_dir) == ["notes.txt"], os.listdir(run_dir)
     frames = [ln for ln in p.stderr.splitlines() if ln.lstrip().startswith('File "')
               and ("ddp_train.py" in ln or f"{os.sep}dgt{os.sep}" in ln)]
     assert not frames, p.stderr[-3000:]

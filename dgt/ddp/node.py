@@ -30,6 +30,7 @@ from ..deadline import bounded
 from ..unixsock import NotOurs, owned_dir, private_dir
 from ..errors import PeerFailure
 from ..rendezvous import QUIET_TORCH_ENV
+from ..run_files import check_run_dir
 from . import generation
 
 #: how long close() waits for the sidecar to end on its own before SIGTERM
@@ -175,6 +176,8 @@ class NodeLink:
         elif env.restart_count:   # a failed generation's sidecars may still be stopping
             run_dir = os.path.join(run_dir, f"restart-{env.restart_count}")
         _own_run_dir(run_dir)
+        if os.environ.get("DGT_RUN_DIR"):   # the user's folder: dgt's files alone
+            check_run_dir(run_dir, "DGT_RUN_DIR")
         sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
         for folder in {run_dir, _previous_run_dir(env)} - {None}:
             reap_sidecar(folder, rank, env.run_id)

@@ -251,12 +251,9 @@ def _resolve(path: str, world: int) -> str:
         what = "a file" if os.path.isfile(path) else "not a folder"
         raise ValueError(f"--resume {path}: is {what}, not a checkpoint folder; {give}")
     if _STEP.match(os.path.basename(os.path.normpath(path))):
-        ranks = [r for r in range(world) if not _exists(trainer_file(path, r))
-                 or not _exists(sidecar_file(path, r))]
-        if ranks:
-            raise ValueError(f"--resume {path}: no checkpoint of rank(s) {rank_list(ranks)} there "
-                             f"(taken with fewer --workers, or cut short); give the "
-                             f"checkpoint folder to use its newest complete step")
+        names = missing(path, world)
+        if names:
+            raise ValueError(f"--resume {path}: {_cut_or_fewer(path, world, names)}")
         return path
     steps = []   # (step, folder) of every step folder
     for name in os.listdir(path):
@@ -278,10 +275,39 @@ def _resolve(path: str, world: int) -> str:
     if bad:
         raise ValueError(f"--resume {path}: no step in it can be resumed from: {bad[0]}; "
                          f"remove the damaged step folder or give another checkpoint")
+    newest = max(steps)[1] if steps else None
+    workers = taken_with(newest) if newest else None
+    if workers is not None and workers != world:
+        raise ValueError(f"--resume {path}: {_cut_or_fewer(newest, world, [])}")
     seen = f" ({skipped[0]})" if skipped else ""   # the newest step, cut short
     raise ValueError(f"--resume {path}: no complete checkpoint of {world} workers in "
                      f"it{seen}; take one with --checkpoint-every N --checkpoint-dir "
                      f"{path}")
+
+
+def taken_with(folder: str) -> int | None:
+    """How many workers step ``folder`` was taken with, as rank 0's files record it
+    (:func:`recorded_world`); None when they do not say (not there, damaged, or a DDP
+    script's without dgt)."""
+    try:
+        side = load(sidecar_file(folder, 0), mmap=True) \
+            if _exists(sidecar_file(folder, 0)) else None
+        return recorded_world(load(trainer_file(folder, 0), mmap=True), side)
+    except (ValueError, OSError):
+        return None
+
+
+def _cut_or_fewer(folder: str, world: int, names: list[str]) -> str:
+    """Why step ``folder`` has no checkpoint of ``world`` workers, with what to do: it
+    is one of another number of workers (:func:`taken_with`), or it lacks ``names``
+    (:func:`missing`: cut short)."""
+    n = taken_with(folder)
+    if n is not None and n != world:
+        return (f"step {os.path.basename(os.path.normpath(folder))} is a checkpoint of {n} "
+                f"workers, not {world}; resume with --workers {n}")
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return (f"{folder} has no {', '.join(names[:4])}{more} (cut short); give the "
+            f"checkpoint folder to use its newest complete step")
 
 
 def _readable(folder: str, world: int) -> None:

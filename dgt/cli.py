@@ -60,7 +60,7 @@ def _sidecar(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:   # a name that does not resolve fails now, before the slow imports
         node = from_args(NodeConfig, ns)
         check_resolves(node.master_addr)
-        # a --run-dir given (not dgt's own default folder): new, empty or dgt's alone
+        # a --run-dir given (not dgt's own default folder): new, empty or an earlier job's
         if os.path.abspath(node.run_dir) != os.path.abspath(default_run_dir()):
             check_run_dir(node.run_dir, keep=(node.socket,))
     except ValueError as e:

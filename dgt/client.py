@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+import re
 import socket
 import time
 from typing import Callable
@@ -60,6 +61,19 @@ def no_sidecar(path: str, waited_s: float, why: str) -> str:
                 f"it is not ready (still waiting at the rendezvous, frozen or dead); see "
                 f"its log sidecar-<rank>.log in the run dir")
     return f"no sidecar at {path} after {waited_s:.0f} s ({why}); start 'dgt sidecar' first"
+
+
+def sidecar_log_of(path: str) -> str | None:
+    """The log of the sidecar on socket ``path`` where dgt's launchers put it: beside a
+    socket named ``sidecar-<rank>.sock``, ``sidecar-<rank>.log`` when it exists (else,
+    started by a launcher, that name in the run dir; else None)."""
+    m = re.fullmatch(r"sidecar-(0|[1-9][0-9]*)\.sock", os.path.basename(path))
+    if m:
+        log = os.path.join(os.path.dirname(os.path.abspath(path)),
+                           f"sidecar-{m.group(1)}.log")
+        if os.path.isfile(log):
+            return log
+    return "sidecar-<rank>.log in the run dir" if os.environ.get(LAUNCHED_ENV) else None
 
 
 class Client:
@@ -145,8 +159,7 @@ class Client:
             how = "exited or was killed"
         text = f"{who} closed the connection " + (
             f"without a word: it {how}" if how else f"({detail}); it still runs")
-        log = self.sidecar_log or ("sidecar-<rank>.log in the run dir"
-                                   if os.environ.get(LAUNCHED_ENV) else None)
+        log = self.sidecar_log or sidecar_log_of(self.path)
         return PeerFailure(text + (f"; see its log {log}" if log else ""))
 
     def _pending_error(self) -> PeerFailure | None:

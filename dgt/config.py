@@ -396,12 +396,9 @@ class NodeConfig:
 
     def validate(self) -> None:
         """Raise ValueError with a message that says what to do."""
-        if self.world < 1:
-            raise ValueError(f"--world must be >= 1, got {self.world} (the flag, env "
-                             f"DGT_WORLD or torchrun's WORLD_SIZE is required)")
-        if self.world > MAX_WORLD:
+        if not 1 <= self.world <= MAX_WORLD:   # 0: not given (the default)
             raise ValueError(f"--world must be 1..{MAX_WORLD} (the flag, env DGT_WORLD or "
-                             f"torchrun's WORLD_SIZE), got {self.world}")
+                             f"torchrun's WORLD_SIZE), got {self.world}; it is required")
         if not 0 <= self.rank < self.world:   # -1: not given (the default)
             got = "" if self.rank == -1 else f", got {self.rank}"
             raise ValueError(f"--rank must be in 0..{self.world - 1} (the flag, env "
@@ -632,6 +629,8 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
                      if f.metadata.get("parse") else
                      {"int": int, "float": finite(float)}.get(f.type, str)(raw))
             except (ValueError, argparse.ArgumentTypeError) as e:
+                if f.type in ("int", int):   # not int()'s "invalid literal for int() ..."
+                    e = "expected a whole number"
                 raise ValueError(f"{name}={raw!r}: {e}") from None
             choices = f.metadata.get("choices")
             if choices and v not in choices:   # argparse checks the flag's; this the env's

@@ -400,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(ns)
     except PeerFailure as e:
-        who = f"rank {e.rank}" if e.rank is not None else "a peer"
-        print(f"dgt trainer {ns.rank}: job failed ({who}): {e}", file=sys.stderr, flush=True)
+        # no rank: our own sidecar (gone, silent), which the message names itself
+        who = f" (rank {e.rank})" if e.rank is not None else ""
+        print(f"dgt trainer {ns.rank}: job failed{who}: {e}", file=sys.stderr, flush=True)
         # a rank named: the sidecar's failure relayed; none: our own sidecar is at fault
         failure.write(os.path.dirname(os.path.abspath(ns.result)), failure.FailureRecord(
             "trainer", ns.rank,

@@ -21,12 +21,14 @@ API's ``Popen`` takes neither ``pass_fds`` nor ``preexec_fn`` (torch 2.13).
 """
 from __future__ import annotations
 
+import errno
 import functools
 import glob
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -104,10 +106,34 @@ class Job:
         """Take the run dir for this job (an exclusive flock on ``<run-dir>/lock``, held
         until we exit): a second job with the same --run-dir would share its socket
         paths and logs and connect its trainers to our sidecars. Raises RuntimeError
-        naming the other job's pid."""
+        naming the other job's pid, or ValueError when ``lock`` is a symbolic link or
+        not a regular file (a link would have us write our pid through it, truncating
+        its target: any file, as root; a FIFO would block): nothing is touched then."""
         import fcntl
         path = os.path.join(self.run_dir, "lock")
-        f = open(path, "a+")
+        fd = None
+        try:
+            if not os.path.islink(path) and os.path.lexists(path) and \
+                    not stat.S_ISREG(os.lstat(path).st_mode):
+                raise ValueError(f"--run-dir {self.run_dir}: its lock ({path}) is not a "
+                                 f"regular file; remove it")
+            # O_NOFOLLOW: never through a link; O_NONBLOCK: a FIFO put there meanwhile
+            # does not block the open
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK |
+                         os.O_CLOEXEC, 0o666)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"--run-dir {self.run_dir}: its lock ({path}) is not a "
+                                 f"regular file; remove it")
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ValueError(f"--run-dir {self.run_dir}: its lock ({path}) is a "
+                                 f"symbolic link; remove it") from None
+            raise OSError(e.errno, e.strerror, path) from None
+        except ValueError:
+            if fd is not None:
+                os.close(fd)
+            raise
+        f = os.fdopen(fd, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -221,6 +247,8 @@ class Job:
         self.restarts += 1
         self.remove_spill()   # the failed attempt's records
         folder = os.path.join(self.run_dir, f"attempt-{self.restarts}")
+        if os.path.islink(folder):   # the files go in the run dir, never through a link
+            os.unlink(folder)
         os.makedirs(folder, exist_ok=True)   # a previous job's, with a file not ours
         for name in os.listdir(self.run_dir):
             path = os.path.join(self.run_dir, name)
@@ -255,7 +283,11 @@ class Job:
 
     def _spawn(self, kind: str, rank: int, argv: list[str], env: dict,
                to_terminal: bool = False, pass_fds=()) -> None:
-        logf = open(os.path.join(self.run_dir, f"{kind}-{rank}.log"), "wb")
+        # O_NOFOLLOW: clear_previous removed a link of this name; one put there since
+        # is refused (ELOOP), never written through
+        path = os.path.join(self.run_dir, f"{kind}-{rank}.log")
+        logf = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC |
+                                 os.O_NOFOLLOW | os.O_CLOEXEC, 0o666), "wb")
         out = None if to_terminal else logf
         p = subprocess.Popen(argv, stdout=out, stderr=logf, env=env, start_new_session=True,
                              pass_fds=tuple(pass_fds),
@@ -511,8 +543,9 @@ def testbed_master_port(pid: int, taken: set[int]) -> int:
 
 def check_paths(job: JobConfig, ckpt: CheckpointConfig | None = None) -> None:
     """Fail before training, not after: --report's folder and --run-dir must be usable,
-    and --run-dir new, empty or a dgt run dir (dgt.run_files.check_run_dir: the job's
-    own --report and checkpoints of ``ckpt`` may be in it). Raises ValueError with a
+    and --run-dir new, empty or the run dir of an earlier dgt job, not a dangling link
+    (dgt.run_files.check_run_dir: the job's own --report and checkpoints of ``ckpt``
+    may be in a new one). Raises ValueError with a
     message that names the flag."""
     if job.report:
         _check_report(job.report)

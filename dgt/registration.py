@@ -42,7 +42,8 @@ def exchange_endpoints(node: NodeConfig, cfg: TransmissionConfig, me: dict,
     counted in ``rejected`` (``store_rejected``) and ignored. Raises PeerFailure."""
     rdv = Rendezvous(node.master_addr, node.master_port, node.world, node.rank,
                      cfg.peer_timeout_s + STARTUP_GRACE_S, listen_fd=node.master_listen_fd,
-                     secret=cfg.secret, job=node.job, rejected=rejected)
+                     secret=cfg.secret, job=node.job, rejected=rejected,
+                     answer_s=cfg.peer_timeout_s)
     on_store(rdv)
     if node.rank == 0:
         rdv.set("dgt/session/0", str(random.SystemRandom().getrandbits(64)))

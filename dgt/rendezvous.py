@@ -163,14 +163,17 @@ def _rank_of(key: str) -> int:
 class Rendezvous:
     def __init__(self, host: str, port: int, world: int, rank: int, timeout_s: float,
                  listen_fd: int = -1, secret: str = "", job: str = "",
-                 rejected: Counter | None = None):
+                 rejected: Counter | None = None, answer_s: float | None = None):
         """``listen_fd`` (rank 0): a listening socket to host the store on, passed down
         by the launcher, which bound it, so no other process can take the port between
         its choice and the bind (TCPStore's ``master_listen_fd``); -1: bind ``port``.
         ``secret`` (``--secret``; "": none) names and tags every key (:func:`key_name`,
         :func:`seal`) within ``job``; ``rejected``: where a value that fails its check is
-        counted (``store_rejected``)."""
+        counted (``store_rejected``). ``answer_s`` (default ``timeout_s``): how long one
+        look at the store (:meth:`_call`) may take before rank 0 counts as frozen."""
         self.host, self.port, self.world, self.rank = host, port, world, rank
+        self.answer_s = timeout_s if answer_s is None else answer_s
+        self._stuck: PeerFailure | None = None   # a look that never came back
         self.timeout_s = timeout_s
         self.listen_fd = listen_fd
         self.key = secret.encode() if secret else None
@@ -290,6 +293,39 @@ class Rendezvous:
                 "--secret where the network is not yours)", self.host, e.strerror)
             return None
 
+    def _call(self, op: Callable[[], object]):
+        """``op()``, one look at the store, bounded by ``answer_s``. A rank 0 that is
+        frozen (SIGSTOP, a hung host) keeps its connections open and never answers, and
+        TCPStore's client then waits for ever whatever its timeout; so on ranks other
+        than 0 the look runs in a daemon thread of its own (a stuck one holds up no
+        executor's shutdown nor the interpreter's exit), and past ``answer_s`` this
+        raises PeerFailure (STORE_LOST) naming rank 0, as does every later look."""
+        if self.rank == 0:   # the store is ours, in this process: it cannot be frozen
+            return op()
+        if self._stuck is not None:
+            raise self._stuck
+        import threading
+        out: dict = {}
+        done = threading.Event()
+
+        def run():
+            try:
+                out["value"] = op()
+            except BaseException as e:   # handed to the caller's thread
+                out["error"] = e
+            finally:
+                done.set()
+        threading.Thread(target=run, name="dgt-store-look", daemon=True).start()
+        if not done.wait(self.answer_s):
+            self._stuck = PeerFailure(
+                f"the rendezvous store at {self.host}:{self.port} (rank 0) did not answer "
+                f"within {self.answer_s:.0f} s (rank 0 frozen or its host unreachable)",
+                0, FailureReason.STORE_LOST, [0])
+            raise self._stuck
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
     def name(self, logical: str) -> str:
         """The store key of ``logical`` (:func:`key_name`)."""
         return key_name(self.key, self.scope, logical)
@@ -298,7 +334,9 @@ class Rendezvous:
         """Store ``value`` under the logical ``key`` (named and sealed with the secret)."""
         name = self.name(key)
         try:
-            self.store.set(name, seal(self.key, name, value))
+            self._call(lambda: self.store.set(name, seal(self.key, name, value)))
+        except PeerFailure:
+            raise
         except Exception as e:
             raise PeerFailure(f"rendezvous store lost (rank 0 died?): {e}".splitlines()[0],
                               0, FailureReason.STORE_LOST) from None
@@ -316,9 +354,9 @@ class Rendezvous:
         """(True, parsed value) when ``logical`` is set and passes ``check``, (False,
         None) when absent or rejected (counted once per distinct bad value)."""
         name = self.name(logical)
-        if not self.store.check([name]):
+        raw = self._call(lambda: self.store.get(name) if self.store.check([name]) else None)
+        if raw is None:
             return False, None
-        raw = self.store.get(name)
         try:
             return True, check(logical, unseal(self.key, name, raw))
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
@@ -386,7 +424,7 @@ class Rendezvous:
     def _plain_set(self, logical: str) -> bool:
         """Whether ``logical`` is set under its plain name (a rank without --secret)."""
         try:
-            return bool(self.store.check([logical]))
+            return bool(self._call(lambda: self.store.check([logical])))
         except Exception:
             return False
 
@@ -407,10 +445,12 @@ class Rendezvous:
         sidecar waits for its trainer): the failure another rank published
         (PEER_REPORTED, ``rank N failed: <its message>``, blaming the rank it names), or
         None while the job is healthy. Raises PeerFailure (STORE_LOST, blaming rank 0)
-        when the store does not answer: rank 0, its host, is gone (a store that is
-        frozen fails so after the store's timeout, timeout_s)."""
+        when the store does not answer: rank 0, its host, is gone, or (within
+        ``answer_s``, :meth:`_call`) frozen."""
         try:
             ok, info = self._read(FAILED, self._check_failed)
+        except PeerFailure:
+            raise
         except Exception as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise PeerFailure(f"the rendezvous store at {self.host}:{self.port} (rank 0) "

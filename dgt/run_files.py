@@ -150,17 +150,43 @@ def is_own(name: str, folder: str) -> bool:
     return rank_of(base) is not None or base in JOB_FILES or base in KEPT_FILES
 
 
+def has_own_files(run_dir: str) -> bool:
+    """Whether ``run_dir`` is the run dir of an earlier dgt job: it holds at least one
+    of dgt's own run files (a name of RANK_FILES or JOB_FILES, e.g. ``sidecar-0.log``,
+    ``endpoints-0.json``, ``pids.json``) as a regular file (not a symbolic link, not a
+    folder). False for a folder that cannot be read."""
+    import stat
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return False
+    for name in names:
+        if rank_of(name) is None and name not in JOB_FILES:
+            continue
+        try:
+            if stat.S_ISREG(os.lstat(os.path.join(run_dir, name)).st_mode):
+                return True
+        except OSError:   # gone meanwhile
+            continue
+    return False
+
+
 def foreign(run_dir: str, keep: tuple[str, ...] = ()) -> list[str]:
     """The names in ``run_dir`` that are not dgt's (:func:`is_own`), sorted (hidden
-    ones last); [] for a
-    folder that is new, empty, or holds a previous dgt job's files alone. ``keep``:
-    paths this job itself names there (its --report, --checkpoint-dir, --resume,
-    --socket): the run dir's entry that holds one is the job's. The rule a run dir must
-    pass before a job writes there (:func:`check_run_dir`), with the same lists that
+    ones last); [] for a folder that is new, empty, holds dgt's files alone, or is the
+    run dir of an earlier dgt job (:func:`has_own_files`: one of its RANK_FILES or
+    JOB_FILES as a regular file), whose other files are the user's (the report, the
+    checkpoints, a DDP script's outputs that an earlier job wrote there) and are left
+    alone. ``keep``: paths this job itself names there (its --report,
+    --checkpoint-dir, --resume, --socket): the run dir's entry that holds one is the
+    job's, so a new folder may hold them. The rule a run dir must pass before a job
+    writes there (:func:`check_run_dir`), with the same lists that
     :func:`clear_previous` removes from."""
     try:
         names = sorted(os.listdir(run_dir), key=lambda n: (n.startswith("."), n))
     except OSError:   # not there yet (or not a folder, not ours: other checks say so)
+        return []
+    if has_own_files(run_dir):
         return []
     top = os.path.abspath(run_dir)
     mine, steps = set(), False
@@ -176,13 +202,26 @@ def foreign(run_dir: str, keep: tuple[str, ...] = ()) -> list[str]:
 
 def check_run_dir(run_dir: str, flag: str = "--run-dir",
                   keep: tuple[str, ...] = ()) -> None:
-    """Refuse a run dir that holds files that are not dgt's (:func:`foreign`): a job
-    would litter it with its logs and records, and truncate files of those names
-    (``--run-dir /etc``, ``--run-dir ~``). Raises ValueError, one line naming ``flag``."""
+    """Refuse a run dir that a job must not write in: a dangling symbolic link (there
+    is no folder to make), or a folder that holds files that are not dgt's
+    (:func:`foreign`) and none of dgt's own run files, as /etc, a home folder or a
+    project folder do: a job would litter it with its logs and records, and truncate
+    files of those names (``--run-dir /etc``, ``--run-dir ~``). A new or empty folder,
+    or the run dir of an earlier dgt job (one of its RANK_FILES or JOB_FILES, e.g.
+    ``pids.json``, there as a regular file), passes. Raises ValueError, one line naming
+    ``flag``."""
+    if os.path.islink(run_dir) and not os.path.exists(run_dir):
+        try:
+            target = os.readlink(run_dir)
+        except OSError:
+            target = "?"
+        raise ValueError(f"{flag} {run_dir} is a dangling symbolic link to {target}; "
+                         f"remove it, or create the folder it names")
     names = foreign(run_dir, keep)
     if not names:
         return
     shown = ", ".join(n if n.isprintable() else ascii(n) for n in names[:3])
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
     raise ValueError(f"{flag} {run_dir} holds files that are not dgt's ({shown}{more}); "
-                     f"give a new or empty folder, or the run dir of an earlier dgt job")
+                     f"give a new or empty folder, or the run dir of an earlier dgt job "
+                     f"(one that holds a file it wrote, e.g. pids.json or sidecar-0.log)")

@@ -179,3 +179,26 @@ def test_a_resume_folder_this_user_cannot_read_is_said_as_it_is(ck, shared_tmp):
     assert _resolve_as_nobody(theirs) == (
         f"error --resume {theirs}: cannot read {checkpoint.trainer_file(newest, 1)}: "
         f"Permission denied; give a checkpoint folder this user can read")
+
+
+def test_a_checkpoint_of_another_number_of_workers_names_the_workers_to_give(ck, tmp_path):
+    """Breaker round 2, stop 41: --workers 3 on a checkpoint of 2 said "cut short: a
+    rank's files were never written" (the folder) or "taken with fewer --workers, or cut
+    short; give the checkpoint folder" (a step), whose advice led back to the first.
+    Both now say how many workers the checkpoint is of; a step that is really cut short
+    names the files it lacks."""
+    root, n = ck
+    last = checkpoint.step_dir(str(root), n)
+    for path, shown in ((root, last), (last, last)):
+        with pytest.raises(ValueError) as e:
+            checkpoint.resolve(str(path), 3)
+        assert str(e.value) == (f"--resume {path}: step {os.path.basename(shown)} is a "
+                                f"checkpoint of 2 workers, not 3; resume with --workers 2")
+    cut = tmp_path / "ck"
+    shutil.copytree(root, cut)
+    step = checkpoint.step_dir(str(cut), n)
+    os.remove(checkpoint.sidecar_file(step, 1))
+    with pytest.raises(ValueError) as e:
+        checkpoint.resolve(step, 2)
+    assert str(e.value) == (f"--resume {step}: {step} has no sidecar-1.pt (cut short); "
+                            f"give the checkpoint folder to use its newest complete step")

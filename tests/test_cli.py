@@ -21,7 +21,7 @@ BAD = [
                            "'dgt bench --help')"),
     (["train", "--run-dir", "/proc/self/status"], "--run-dir"),
     (["train", "--report", "/proc/nonexistent/r.json"], "--report"),
-    (["sidecar", "--rank", "0", "--world", "0"], "--world must be >= 1"),
+    (["sidecar", "--rank", "0", "--world", "0"], "--world must be 1..64"),
     (["sidecar", "--rank", "0", "--world", "1", "--base-port", "65535"], "--base-port"),
     (["sidecar", "--rank", "0", "--world", "2", "--master-port", "99999"], "--master-port"),
     (["sidecar", "--rank", "0", "--world", "1", "--log-level", "LOUD"], "--log-level"),
@@ -246,6 +246,18 @@ def test_node_flags_read_dgt_then_torchrun_variables():
     assert (node.rank, node.world, node.master_port, node.seed) == (2, 4, 3000, 7)
     node = from_args(NodeConfig, p.parse_args(["--rank", "0", "--world", "1"]), environ={})
     assert (node.master_addr, node.master_port) == ("127.0.0.1", 29500)
+
+
+@pytest.mark.parametrize("raw", ["", "four", "2.5"])
+def test_a_torchrun_variable_that_is_no_whole_number_says_so(raw):
+    # breaker round, stop 41: WORLD_SIZE= gave Python's "invalid literal for int() with
+    # base 10: ''"
+    from dgt.config import NodeConfig, add_sidecar_arguments, from_args
+    p = OneLineParser(prog="t")
+    add_sidecar_arguments(p)
+    with pytest.raises(ValueError) as e:
+        from_args(NodeConfig, p.parse_args([]), environ={"RANK": "0", "WORLD_SIZE": raw})
+    assert str(e.value) == f"WORLD_SIZE={raw!r}: expected a whole number"
 
 
 def test_a_parser_error_quoting_multiline_text_is_one_line(capsys):

@@ -325,3 +325,38 @@ def test_a_ready_callback_that_raises_leaves_the_client_in_step(sidecar):
         assert torch.equal(p.grad, w)
     c.close()
     assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_whose_sidecar_was_killed_names_its_log_and_no_peer(tmp_path):
+    # an outside tester's fault F7: 'dgt train''s trainer said "job failed (a peer): ...
+    # see its log sidecar-<rank>.log in the run dir": its own sidecar, no peer, and the
+    # log's real path is known (beside the socket, with its rank)
+    sock, log = tmp_path / "sidecar-0.sock", tmp_path / "sidecar-0.log"
+    with open(log, "wb") as out:
+        side = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                                 "--world", "1", "--master-port", str(_free_port()),
+                                 "--socket", str(sock), "--run-dir", str(tmp_path)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    trainer = subprocess.Popen([sys.executable, "-m", "dgt.job", "--rank", "0", "--world",
+                                "1", "--socket", str(sock), "--result",
+                                str(tmp_path / "trainer-0.json"), "--hidden", "8",
+                                "--iterations", "100000", "--eval-every", "1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline(), trainer.communicate(timeout=60)  # it trains
+        side.kill()
+        side.wait(timeout=30)
+        _, err = trainer.communicate(timeout=60)
+    finally:
+        for p in (trainer, side):
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+        for f in glob.glob(os.path.join("/dev/shm", f"dgt-{side.pid}-*")):
+            os.unlink(f)
+    assert trainer.returncode == 3, err
+    assert (f"dgt trainer 0: job failed: this rank's sidecar (pid {side.pid}, socket "
+            f"{sock}) closed the connection without a word: it exited or was killed; "
+            f"see its log {log}") in err, err
+    assert "a peer" not in err, err

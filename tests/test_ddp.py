@@ -637,3 +637,49 @@ def test_hello_to_a_socket_that_drips_bytes_ends_within_its_timeout(tmp_path):
         srv.close()
         t.join(10)
     assert "no whole answer within 1 s" in str(e.value), e.value
+
+
+@pytest.mark.timeout(300)
+def test_a_second_job_on_a_run_dir_in_use_is_refused_and_leaves_the_first_alone(tmp_path):
+    """An outside tester's fault F3: two torchrun jobs with one DGT_RUN_DIR; the second
+    truncated the running job's sidecar logs and failed with "this sidecar already has a
+    trainer". It must be refused at once, one line per rank naming the job in the way,
+    and touch none of its files."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", EXAMPLE, "--comm", "dgt", "--dataset", "digits",
+           "--hidden", "16"]
+    env = dict(os.environ, DGT_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1")
+    a = subprocess.Popen(cmd + ["--iterations", "1000000"], cwd=REPO, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        t_end = time.monotonic() + 120
+        while not all((run_dir / f"endpoints-{r}.json").exists() for r in range(2)):
+            assert a.poll() is None and time.monotonic() < t_end, _logs(run_dir)
+            time.sleep(0.1)
+        pids = [json.loads((run_dir / f"endpoints-{r}.json").read_text())["pid"]
+                for r in range(2)]
+        before = [(run_dir / f"sidecar-{r}.log").read_bytes() for r in range(2)]
+        b = subprocess.run(cmd + ["--iterations", "2"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert b.returncode == 1, b.stderr[-3000:]
+        for r in range(2):
+            ours = [ln for ln in b.stderr.splitlines()
+                    if f"ddp_train.py rank {r}: error: " in ln]
+            assert len(ours) == 1, b.stderr[-3000:]
+            assert (f"DGT_RUN_DIR {run_dir} is in use by another job (its sidecar-{r}, "
+                    f"pid {pids[r]}, is alive); give another DGT_RUN_DIR") in ours[0], \
+                ours[0]
+            # job A's log: not truncated (it may only have grown), its sidecar still up
+            assert (run_dir / f"sidecar-{r}.log").read_bytes().startswith(before[r])
+            assert open(f"/proc/{pids[r]}/stat").read().split(")")[1].split()[0] != "Z"
+        assert a.poll() is None, _logs(run_dir)
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGTERM)
+        try:
+            a.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait(timeout=30)

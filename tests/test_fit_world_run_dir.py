@@ -156,11 +156,12 @@ def test_messages_that_list_ranks_abbreviate_long_lists():
 
 @pytest.fixture
 def foreign_dir(tmp_path):
-    """A folder as /etc or a home folder is: files that are not dgt's."""
+    """A folder as /etc or a home folder is: files that are not dgt's, and none of dgt's
+    run files as a regular file (a link of such a name does not make it a run dir)."""
     d = tmp_path / "etc"
     d.mkdir()
     (d / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
-    (d / "trainer-0.log").write_text("a file of that name, not dgt's to keep\n")
+    (d / "trainer-0.log").symlink_to(d / "passwd")
     return d
 
 
@@ -213,7 +214,8 @@ def test_an_earlier_jobs_run_dir_with_its_checkpoints_is_accepted(tmp_path):
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(run / "x.sock"))
     assert foreign(str(run), keep=(str(run / "ck"), str(run / "my-report.json"))) == []
-    assert foreign(str(run)) == ["ck", "my-report.json"]
+    # an earlier job's run dir (its run files there): the rest is the user's
+    assert foreign(str(run)) == []
     (run / "x.sock").unlink()
     p = _dgt("train", "--run-dir", run, "--workers", 2, "--iterations", 1, "--hidden", 16,
              "--checkpoint-every", 1, "--checkpoint-dir", run / "ck",
@@ -238,3 +240,129 @@ def test_digits_with_a_data_dir_warns_in_one_line(tmp_path):
     assert lines[0] == (f"dgt train: warning: --data-dir {tmp_path} (or DGT_DATA_DIR) is "
                         f"ignored: --dataset digits ships with scikit-learn"), p.stderr
     assert len(lines) == 2 and "--report" in lines[1]
+
+
+# ------------------------------------------- outside tester: reusing an earlier job's run dir
+
+
+def test_a_new_folder_holds_only_dgts_names_and_the_jobs_own_paths(tmp_path):
+    """A folder with none of dgt's run files passes with dgt's other names and the paths
+    the job itself names there (``keep``), and no others."""
+    from dgt.run_files import check_run_dir, foreign
+    run = tmp_path / "run"
+    (run / "ck").mkdir(parents=True)
+    (run / "sidecar-0.log").symlink_to(run / "lock")   # a link: not a run file of a job
+    for name in ("lock", "report.json", "my-report.json"):
+        (run / name).write_text("x")
+    assert foreign(str(run), keep=(str(run / "ck"), str(run / "my-report.json"))) == []
+    assert foreign(str(run)) == ["ck", "my-report.json"]
+    with pytest.raises(ValueError) as e:
+        check_run_dir(str(run))
+    assert str(e.value) == (
+        f"--run-dir {run} holds files that are not dgt's (ck, my-report.json); give a new "
+        f"or empty folder, or the run dir of an earlier dgt job (one that holds a file it "
+        f"wrote, e.g. pids.json or sidecar-0.log)")
+
+
+@pytest.mark.parametrize("own", ["sidecar-0.log", "endpoints-0.json", "pids.json",
+                                 "failure.json", "trace-3.jsonl"])
+def test_an_earlier_jobs_run_dir_keeps_the_users_files(tmp_path, own):
+    """One of dgt's run files as a regular file makes a folder an earlier job's run dir:
+    its other files (a report, checkpoints, a DDP script's outputs) are the user's, and
+    the folder passes as it is (DGT_RUN_DIR of dgt.ddp.node reads the same rule)."""
+    from dgt.run_files import check_run_dir, foreign
+    run = tmp_path / "d2"
+    (run / "ck" / "step-1").mkdir(parents=True)
+    (run / "rep").write_text("{}")
+    (run / "myreport.json").write_text("{}")
+    (run / own).write_text("old")
+    assert foreign(str(run)) == []
+    check_run_dir(str(run), flag="DGT_RUN_DIR")
+
+
+def test_the_same_train_command_runs_again_in_its_run_dir(tmp_path):
+    """The tester's g4/g2: a job gave its --report and --checkpoint-dir inside its run
+    dir; the next job in that run dir (without them) was refused, 'not dgt's
+    (ck, myreport.json)'. Now it runs, and leaves the user's files alone."""
+    run = tmp_path / "g4"
+    run.mkdir()
+    common = ("train", "--workers", 2, "--iterations", 2, "--hidden", 16, "--run-dir", run)
+    p = _dgt(*common, "--report", run / "myreport.json", "--checkpoint-every", 1,
+             "--checkpoint-dir", run / "ck", timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    report = (run / "myreport.json").read_bytes()
+    steps = sorted(os.listdir(run / "ck"))
+    p = _dgt(*common, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert (run / "myreport.json").read_bytes() == report
+    assert sorted(os.listdir(run / "ck")) == steps
+
+
+# ----------------------------------------- outside tester: the run dir's lock, a dangling link
+
+
+def _launcher_line(p) -> str:
+    """The one line the launcher says (it logs on stdout) when it refuses to start."""
+    assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert len(lines) == 1, p.stdout + p.stderr
+    return lines[0]
+
+
+def test_a_lock_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+    victim = tmp_path / "victim" / "v.txt"
+    victim.parent.mkdir()
+    victim.write_text("important\n")
+    run = tmp_path / "f6"
+    run.mkdir()
+    (run / "lock").symlink_to(victim)
+    line = _launcher_line(_dgt("train", "--workers", 2, "--iterations", 2, "--hidden",
+                               16, "--run-dir", run, timeout=240))
+    assert line == f"dgt train: --run-dir {run}: its lock ({run / 'lock'}) is a symbolic " \
+                   f"link; remove it", line
+    assert victim.read_text() == "important\n"
+    assert sorted(os.listdir(run)) == ["lock"] and (run / "lock").is_symlink()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_lock_that_is_not_a_regular_file_is_refused_naming_it(tmp_path, kind):
+    run = tmp_path / "f7"
+    run.mkdir()
+    if kind == "fifo":
+        os.mkfifo(run / "lock")
+    else:
+        (run / "lock").mkdir()
+    (run / "sidecar-0.log").write_text("old")   # an earlier job's run dir: rule passes
+    line = _launcher_line(_dgt("train", "--workers", 2, "--iterations", 2, "--hidden",
+                               16, "--run-dir", run, timeout=240))
+    assert line == f"dgt train: --run-dir {run}: its lock ({run / 'lock'}) is not a " \
+                   f"regular file; remove it", line
+    assert sorted(os.listdir(run)) == ["lock", "sidecar-0.log"]
+
+
+def test_a_dangling_run_dir_link_is_named_as_one(tmp_path):
+    link = tmp_path / "dlink"
+    link.symlink_to(tmp_path / "nowhere")
+    p = _dgt("train", "--workers", 2, "--iterations", 2, "--hidden", 16, "--run-dir", link)
+    line = _one_line(p)
+    assert f"--run-dir {link} is a dangling symbolic link to {tmp_path / 'nowhere'}; " \
+           f"remove it, or create the folder it names" in line, line
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_restart_moves_files_into_the_run_dir_never_through_a_link(tmp_path):
+    """restart_from moves the failed attempt's files to attempt-<i>/: an attempt-1 that
+    is a link to another folder had them moved (over same-named files) there."""
+    from dgt.config import JobConfig, TransmissionConfig
+    from dgt.launch import Job
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "trainer-0.log").write_text("not the job's\n")
+    (run / "attempt-1").symlink_to(elsewhere)
+    (run / "trainer-0.log").write_text("attempt 1\n")
+    j = Job(JobConfig(run_dir=str(run), workers=2), TransmissionConfig(), log=lambda *a: None)
+    j.restart_from("")
+    assert (elsewhere / "trainer-0.log").read_text() == "not the job's\n"
+    assert not (run / "attempt-1").is_symlink()
+    assert (run / "attempt-1" / "trainer-0.log").read_text() == "attempt 1\n"

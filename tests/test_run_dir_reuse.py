@@ -58,13 +58,8 @@ def test_every_file_a_job_leaves_is_a_known_per_rank_or_job_file(three_rank_run)
 def test_a_run_dir_reused_with_fewer_workers_reports_this_job_alone(three_rank_run,
                                                                      tmp_path):
     run = _copy(three_rank_run, tmp_path)
-    # a file that is not dgt's: the run dir is refused, nothing removed or written
-    before = sorted(os.listdir(run))
-    p, _ = run_train(tmp_path, "--workers", 2, *SMALL, check=False)
-    assert p.returncode == 2 and "holds files that are not dgt's (notes.txt)" in p.stderr
-    assert sorted(os.listdir(run)) == before
-    (run / "notes.txt").unlink()
-    stale = len(os.listdir(run)) - 1   # all but lock
+    # an earlier job's run dir (its files there): the user's file in it is kept as it is
+    stale = len(os.listdir(run)) - 2   # all but lock and notes.txt
     # the second job checkpoints where it does by default, inside the run dir
     p, r = run_train(tmp_path, "--workers", 2, *SMALL, "--checkpoint-every", 10)
     assert r["workers"] == 2
@@ -76,6 +71,7 @@ def test_a_run_dir_reused_with_fewer_workers_reports_this_job_alone(three_rank_r
     assert r["conservation_rel_error"] is None   # the old job's sums are gone too
     assert not [n for n in os.listdir(run) if RANK_2.fullmatch(n)], os.listdir(run)
     assert f"removed {stale} file(s) of a previous job from {run}" in p.stdout, p.stdout
+    assert (run / "notes.txt").read_text() == "the user's\n"
     # a third job resumes from the checkpoint in the run dir: it is not removed
     p, r = run_train(tmp_path, "--workers", 2, "--hidden", 64, "--iterations", 20,
                      "--resume", run / "checkpoints")

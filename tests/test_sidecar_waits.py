@@ -126,3 +126,50 @@ def test_a_rank_waiting_for_its_trainer_stops_when_the_store_goes_away(pair):
                      rf"gone", out), out
     rec = _record(dir1, 1)
     assert (rec["reason"], rec["blamed"]) == ("store_lost", [0]), rec
+
+
+#: s: a frozen rank 0 must be named within the peer timeout (2 s) plus a poll or two;
+#: the code before the fix waited for ever (a store look that never came back)
+FROZEN_GUARD_S = 60
+
+
+def _frozen_line(port: int) -> str:
+    return (rf"the rendezvous store at 127\.0\.0\.1:{port} \(rank 0\) did not answer "
+            rf"within 2 s \(rank 0 frozen or its host unreachable\)")
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_waiting_for_its_trainer_stops_when_rank_0_is_frozen(pair):
+    # an outside tester's fault F2: rank 0 (and the store it hosts) SIGSTOPped; rank 1's
+    # look at the store never came back, and it stayed up, silent, for ever
+    port, [(p0, dir0), (p1, dir1)] = pair
+    os.kill(p0.pid, signal.SIGSTOP)
+    try:
+        p1.wait(timeout=FROZEN_GUARD_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rank 1 still up {FROZEN_GUARD_S} s after rank 0 froze:\n"
+                    f"{_out(dir1)}")
+    out = _out(dir1)
+    assert p1.returncode == 3, out
+    assert re.search(rf"rank 1: {_frozen_line(port)}; stopping", out), out
+    rec = _record(dir1, 1)
+    assert (rec["reason"], rec["blamed"]) == ("store_lost", [0]), rec
+    # a trainer that comes afterwards finds no sidecar, and is told so (not a timeout
+    # blaming a sidecar that answers)
+    with pytest.raises(PeerFailure, match=r"no sidecar at .*s\.sock after 1 s"):
+        dgt.Client(path=os.path.join(dir1, "s.sock"), rank=1, connect_timeout_s=1.0)
+
+
+@pytest.mark.timeout(240)
+def test_a_trainer_registering_while_rank_0_is_frozen_gets_its_sidecars_error(pair):
+    # the tester's trainer on rank 1 waited 100 s and then blamed its own, healthy,
+    # sidecar ("sidecar did not answer"): it must get the sidecar's error naming rank 0
+    port, [(p0, dir0), (p1, dir1)] = pair
+    c = dgt.Client(path=os.path.join(dir1, "s.sock"), rank=1, timeout_s=FROZEN_GUARD_S)
+    os.kill(p0.pid, signal.SIGSTOP)
+    with pytest.raises(PeerFailure) as e:
+        c.register(nn.Linear(100, 10))
+    assert re.search(_frozen_line(port), str(e.value)), str(e.value)
+    assert e.value.rank == 0, e.value
+    out = _stopped(p1, dir1)
+    assert re.search(rf"rank 1: {_frozen_line(port)}", out), out

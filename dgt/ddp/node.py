@@ -142,6 +142,7 @@ class NodeLink:
         self.client, self.proc, self.socket_path = client, proc, socket_path
         self.run_dir, self.rank, self.world = run_dir, rank, world
         self.closed = False
+        self.lock_fd: int | None = None   # this rank of the run dir (take_rank)
 
     @classmethod
     def start(cls, socket_path: str | None, sidecar_args: list[str], timeout_s: float,
@@ -178,6 +179,10 @@ class NodeLink:
         _own_run_dir(run_dir)
         if os.environ.get("DGT_RUN_DIR"):   # the user's folder: dgt's files alone
             check_run_dir(run_dir, "DGT_RUN_DIR")
+        # before anything of the run dir is touched: another job's sidecar-<rank>
+        # (its log, its socket) must be left alone
+        lock_fd = take_rank(run_dir, rank, "DGT_RUN_DIR" if os.environ.get("DGT_RUN_DIR")
+                            else "the run dir")
         sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
         for folder in {run_dir, _previous_run_dir(env)} - {None}:
             reap_sidecar(folder, rank, env.run_id)
@@ -235,7 +240,9 @@ class NodeLink:
         # if it goes without a word (SIGKILL, a crash), the trainer's error says so
         client.sidecar_log = log_path
         client.sidecar_exit = functools.partial(exit_text, proc)
-        return cls(client, proc, sock, run_dir, rank, world)
+        link = cls(client, proc, sock, run_dir, rank, world)
+        link.lock_fd = lock_fd   # held for the trainer's life (closed with the process)
+        return link
 
     def close(self) -> None:
         """BYE to the sidecar, then wait for it to end (it waits for every peer's BYE,
@@ -257,6 +264,47 @@ class NodeLink:
                 self.proc.wait()
         _remove_shm(self.proc.pid)   # a sidecar killed before its first push
         _unlink_if_stale(self.socket_path)   # one killed by SIGKILL could not unlink it
+
+
+def _lock_holder(fd: int, rank: int) -> int | None:
+    """The pid holding the lock on byte ``rank`` of ``fd`` (fcntl(2) F_GETLK), or None."""
+    import fcntl
+    import struct
+    fmt = "hhqqi4x"   # struct flock on Linux's 64-bit ABIs
+    got = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(fmt, fcntl.F_WRLCK, os.SEEK_SET, rank,
+                                                     1, 0))
+    kind, _, _, _, pid = struct.unpack(fmt, got)
+    return pid if kind != fcntl.F_UNLCK and pid > 0 else None
+
+
+def take_rank(run_dir: str, rank: int, what: str) -> int:
+    """Take ``rank`` of ``run_dir`` for this trainer: a write lock (fcntl(2), not
+    inherited by the sidecar, released when this process ends) on byte ``rank`` of the
+    run dir's ``lock``. Returns its descriptor. Raises PeerFailure, naming the other
+    job's sidecar (or trainer) and its pid, when another job's trainer of that rank holds
+    it: two jobs on one run dir would truncate each other's logs and take each other's
+    sockets. A dead generation's trainer holds nothing (its sidecar: reap_sidecar)."""
+    import fcntl
+    path = os.path.join(run_dir, "lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK |
+                 os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank, os.SEEK_SET)
+        return fd
+    except OSError:
+        holder = _lock_holder(fd, rank)
+        os.close(fd)
+    who = f"its trainer of rank {rank}, pid {holder}, is alive" if holder else \
+        f"its trainer of rank {rank} holds {path}"
+    try:   # its sidecar, once past its rendezvous (no probe of its socket: a stranger)
+        with open(os.path.join(run_dir, f"endpoints-{rank}.json")) as f:
+            pid = int(json.load(f)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pid = None
+    if pid and _running(pid):
+        who = f"its sidecar-{rank}, pid {pid}, is alive"
+    raise PeerFailure(f"{what} {run_dir} is in use by another job ({who}); give another "
+                      f"DGT_RUN_DIR", rank)
 
 
 def _own_run_dir(run_dir: str) -> None:

@@ -155,7 +155,8 @@ def agree_model(rdv: Rendezvous, rank: int, n_params: int, sha: str,
     iteration ``start`` (dgt.checkpoint; 0: a new run) and, where they sent one, the
     same SHA-256 of the initial parameters ("" : none sent)."""
     rdv.set(f"dgt/n_params/{rank}", f"{n_params} {sha} {start}")
-    agreed = rdv.gather("dgt/n_params", check_model_entry)
+    agreed = rdv.gather("dgt/n_params", check_model_entry,
+                        first_cause="its trainer has not registered (dgt.Client.register)")
     sizes = {r: v[0] for r, v in agreed.items()}
     if len(set(sizes.values())) != 1:
         raise PeerFailure(f"trainers registered different model sizes: {sizes}; every "

@@ -341,13 +341,16 @@ class Rendezvous:
             raise PeerFailure(f"rendezvous store lost (rank 0 died?): {e}".splitlines()[0],
                               0, FailureReason.STORE_LOST) from None
 
-    def gather(self, prefix: str, check: Callable[[str, str], object]) -> dict[int, object]:
+    def gather(self, prefix: str, check: Callable[[str, str], object],
+               first_cause: str = "") -> dict[int, object]:
         """Wait until every rank has set ``prefix/<rank>`` to a value that passes
         ``check`` (``check(key, text)`` returns the parsed value, raises ValueError,
         TypeError or KeyError); return rank -> parsed value. Raises PeerFailure naming a
-        failed rank, or the ranks missing at the timeout."""
+        failed rank, or the ranks missing at the timeout (``first_cause``: the usual
+        reason a rank has not reached this step, said first, e.g. "its trainer has not
+        registered")."""
         keys = [f"{prefix}/{r}" for r in range(self.world)]
-        got = self.wait(keys, check)
+        got = self.wait(keys, check, first_cause)
         return {_rank_of(k): got[k] for k in keys}
 
     def _read(self, logical: str, check: Callable[[str, str], object]):
@@ -368,7 +371,8 @@ class Rendezvous:
                             str(e).splitlines()[0][:80] if str(e) else type(e).__name__)
             return False, None
 
-    def wait(self, keys: list[str], check: Callable[[str, str], object]) -> dict[str, object]:
+    def wait(self, keys: list[str], check: Callable[[str, str], object],
+             first_cause: str = "") -> dict[str, object]:
         """Wait until every logical key of ``keys`` holds a value that passes ``check``;
         return key -> parsed value. A valid failure record (``dgt/failed``) ends the
         wait with PeerFailure naming its rank; at ``timeout_s``, PeerFailure naming the
@@ -413,10 +417,11 @@ class Rendezvous:
                         f"--secret (their values are under plain names, which a rank with "
                         f"a secret never reads): every rank needs the same --secret",
                         None, FailureReason.OTHER, [])
+                first = f"{first_cause}; or the rank is " if first_cause else ""
                 raise PeerFailure(f"rank(s) {rank_list(ranks)} did not reach rendezvous step "
-                                  f"'{step}' within {self.timeout_s:.0f} s (dead, frozen, "
-                                  f"or started with another --secret or none: every "
-                                  f"rank needs the same one)",
+                                  f"'{step}' within {self.timeout_s:.0f} s ({first}dead, "
+                                  f"frozen, or started with another --secret or none: "
+                                  f"every rank needs the same one)",
                                   ranks[0] if ranks else None, FailureReason.PEER_SILENT,
                                   ranks)
             time.sleep(POLL_S)

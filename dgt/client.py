@@ -38,20 +38,25 @@ from .errors import PeerFailure
 GONE_WAIT_S = 1.0
 
 
+def running(pid: int) -> bool:
+    """True while process ``pid`` runs (proc(5); a zombie, dead but not yet reaped,
+    counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def ended(pid: int, wait_s: float) -> bool:
-    """Whether process ``pid`` has ended, waiting up to ``wait_s`` seconds for it
-    (proc(5); a zombie, dead but not yet reaped, has ended)."""
+    """Whether process ``pid`` has ended (:func:`running`), waiting up to ``wait_s``
+    seconds for it."""
     t_end = time.monotonic() + wait_s
-    while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
-                    return True
-        except (OSError, IndexError):
-            return True
+    while running(pid):
         if time.monotonic() >= t_end:
             return False
         time.sleep(0.02)
+    return True
 
 
 def no_sidecar(path: str, waited_s: float, why: str) -> str:
@@ -91,9 +96,9 @@ class Client:
 
     A sidecar that closes the connection without saying why (killed, crashed) is named
     by its socket and pid (SO_PEERCRED) in the :class:`PeerFailure`; whoever started it
-    may set ``sidecar_log`` (its log file) and ``sidecar_exit`` (``wait_s`` -> how it
-    ended, e.g. ``was killed by SIGKILL``, or None while it runs) for the message to say
-    more (dgt.ddp does).
+    may set ``sidecar_exit`` (``wait_s`` -> how it ended, e.g. ``was killed by
+    SIGKILL``, or None while it runs) for the message to say more (dgt.ddp does); its
+    log is named where dgt's launchers put it (:func:`sidecar_log_of`).
     """
 
     def __init__(self, path: str | None = None, timeout_s: float | None = None,
@@ -121,9 +126,8 @@ class Client:
         self.sock.settimeout(timeout_s)
         self.timeout_s = timeout_s
         self.path = path
-        #: the sidecar's pid (SO_PEERCRED), its log file and how it ended (see above)
+        #: the sidecar's pid (SO_PEERCRED) and how it ended (see above)
         self.sidecar_pid: int | None = unixsock.peer_creds(self.sock)[0] or None
-        self.sidecar_log: str | None = None
         self.sidecar_exit: Callable[[float], str | None] | None = None
         self.file = self.sock.makefile("rb")
         self.params: list[torch.Tensor] = []
@@ -159,7 +163,7 @@ class Client:
             how = "exited or was killed"
         text = f"{who} closed the connection " + (
             f"without a word: it {how}" if how else f"({detail}); it still runs")
-        log = self.sidecar_log or sidecar_log_of(self.path)
+        log = sidecar_log_of(self.path)
         return PeerFailure(text + (f"; see its log {log}" if log else ""))
 
     def _pending_error(self) -> PeerFailure | None:

@@ -21,14 +21,12 @@ API's ``Popen`` takes neither ``pass_fds`` nor ``preexec_fn`` (torch 2.13).
 """
 from __future__ import annotations
 
-import errno
 import functools
 import glob
 import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import tempfile
 import time
@@ -111,29 +109,7 @@ class Job:
         its target: any file, as root; a FIFO would block): nothing is touched then."""
         import fcntl
         path = os.path.join(self.run_dir, "lock")
-        fd = None
-        try:
-            if not os.path.islink(path) and os.path.lexists(path) and \
-                    not stat.S_ISREG(os.lstat(path).st_mode):
-                raise ValueError(f"--run-dir {self.run_dir}: its lock ({path}) is not a "
-                                 f"regular file; remove it")
-            # O_NOFOLLOW: never through a link; O_NONBLOCK: a FIFO put there meanwhile
-            # does not block the open
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK |
-                         os.O_CLOEXEC, 0o666)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ValueError(f"--run-dir {self.run_dir}: its lock ({path}) is not a "
-                                 f"regular file; remove it")
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise ValueError(f"--run-dir {self.run_dir}: its lock ({path}) is a "
-                                 f"symbolic link; remove it") from None
-            raise OSError(e.errno, e.strerror, path) from None
-        except ValueError:
-            if fd is not None:
-                os.close(fd)
-            raise
-        f = os.fdopen(fd, "a+")
+        f = os.fdopen(run_files.open_lock(self.run_dir), "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -225,3 +225,30 @@ def check_run_dir(run_dir: str, flag: str = "--run-dir",
     raise ValueError(f"{flag} {run_dir} holds files that are not dgt's ({shown}{more}); "
                      f"give a new or empty folder, or the run dir of an earlier dgt job "
                      f"(one that holds a file it wrote, e.g. pids.json or sidecar-0.log)")
+
+
+def open_lock(run_dir: str, flag: str = "--run-dir") -> int:
+    """Open (or create, mode 0666 less the umask) ``<run_dir>/lock`` for a lock of the
+    run dir: dgt train's whole-file flock (dgt.launch.Job.lock), a DDP trainer's byte
+    of its rank (dgt.ddp.node.take_rank). Never through a symbolic link (O_NOFOLLOW: a
+    link would have us write through it, truncating its target) and never blocking on a
+    FIFO (O_NONBLOCK). Returns the descriptor (O_CLOEXEC). Raises ValueError naming
+    ``flag`` when ``lock`` is a symbolic link or not a regular file (nothing touched),
+    OSError naming the path for any other failure."""
+    import errno
+    import stat
+    path = os.path.join(run_dir, "lock")
+    bad = f"{flag} {run_dir}: its lock ({path}) is "
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK |
+                     os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(bad + "a symbolic link; remove it") from None
+        if e.errno == errno.EISDIR:
+            raise ValueError(bad + "not a regular file; remove it") from None
+        raise OSError(e.errno, e.strerror, path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):   # a FIFO, a device
+        os.close(fd)
+        raise ValueError(bad + "not a regular file; remove it")
+    return fd

@@ -24,13 +24,13 @@ from datetime import timedelta
 
 from .. import ipc
 from ..child_argv import module_argv
-from ..client import Client
+from ..client import Client, running
 from ..config import default_run_dir
 from ..deadline import bounded
 from ..unixsock import NotOurs, owned_dir, private_dir
 from ..errors import PeerFailure
 from ..rendezvous import QUIET_TORCH_ENV
-from ..run_files import check_run_dir
+from ..run_files import check_run_dir, open_lock
 from . import generation
 
 #: how long close() waits for the sidecar to end on its own before SIGTERM
@@ -238,7 +238,6 @@ class NodeLink:
             time.sleep(0.02)
         client = Client(sock, timeout_s, connect_timeout_s=max(1.0, t_end - time.monotonic()))
         # if it goes without a word (SIGKILL, a crash), the trainer's error says so
-        client.sidecar_log = log_path
         client.sidecar_exit = functools.partial(exit_text, proc)
         link = cls(client, proc, sock, run_dir, rank, world)
         link.lock_fd = lock_fd   # held for the trainer's life (closed with the process)
@@ -286,8 +285,7 @@ def take_rank(run_dir: str, rank: int, what: str) -> int:
     sockets. A dead generation's trainer holds nothing (its sidecar: reap_sidecar)."""
     import fcntl
     path = os.path.join(run_dir, "lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK |
-                 os.O_CLOEXEC, 0o600)
+    fd = open_lock(run_dir, what)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank, os.SEEK_SET)
         return fd
@@ -301,7 +299,7 @@ def take_rank(run_dir: str, rank: int, what: str) -> int:
             pid = int(json.load(f)["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         pid = None
-    if pid and _running(pid):
+    if pid and running(pid):
         who = f"its sidecar-{rank}, pid {pid}, is alive"
     raise PeerFailure(f"{what} {run_dir} is in use by another job ({who}); give another "
                       f"DGT_RUN_DIR", rank)
@@ -363,14 +361,14 @@ def reap_sidecar(run_dir: str, rank: int, run_id: str,
     if "dgt.sidecar" not in argv or sock not in argv or job != run_id:
         return None
     t_end = time.monotonic() + timeout_s
-    while _running(pid) and time.monotonic() < t_end:
+    while running(pid) and time.monotonic() < t_end:
         time.sleep(0.02)
-    if _running(pid):
+    if running(pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-        while _running(pid) and time.monotonic() < t_end + 5.0:
+        while running(pid) and time.monotonic() < t_end + 5.0:
             time.sleep(0.02)
     try:
         os.unlink(sock)
@@ -395,15 +393,6 @@ def _unlink_if_stale(sock: str) -> None:
         pass
     finally:
         s.close()
-
-
-def _running(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, waiting for its parent, counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def exit_text(proc: subprocess.Popen, wait_s: float) -> str | None:

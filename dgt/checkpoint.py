@@ -50,7 +50,6 @@ import stat
 
 from .errors import PeerFailure
 from .failure import FailureReason
-from .rank_list import rank_list
 
 #: complete step folders kept by rank 0 (the newest; an older one is a fallback while
 #: the newest is being written)
@@ -229,6 +228,11 @@ def resolve(path: str, world: int) -> str:
     except OSError as e:
         what = "it" if e.filename is None or os.path.normpath(e.filename) == \
             os.path.normpath(path) else e.filename
+        if isinstance(e, PermissionError) and what != "it":   # a folder we cannot enter
+            folder = os.path.dirname(e.filename)                # says itself, not a file
+            if not os.access(folder, os.X_OK):
+                what = "it" if os.path.normpath(folder) == os.path.normpath(path) \
+                    else folder
         give = "a checkpoint folder this user can read" if \
             isinstance(e, PermissionError) else "another checkpoint folder"
         raise ValueError(f"--resume {path}: cannot read {what}: {e.strerror or e}; give "
@@ -254,6 +258,7 @@ def _resolve(path: str, world: int) -> str:
         names = missing(path, world)
         if names:
             raise ValueError(f"--resume {path}: {_cut_or_fewer(path, world, names)}")
+        _readable(path, world)   # another user's files: said here, with --resume
         return path
     steps = []   # (step, folder) of every step folder
     for name in os.listdir(path):
@@ -544,7 +549,7 @@ def sidecar_state_dict(sidecar) -> dict:
     deadline's window, the time budget's measured rates (None when off), and the
     shard's residual (dgt.pull_codec; None without --pull-codec). Tensors are copies on
     CPU."""
-    agent, plan, lay = sidecar.agent, sidecar.agent.planner, sidecar.layout
+    plan, lay = sidecar.agent.planner, sidecar.layout
     return {"format": FORMAT, "rank": sidecar.rank, "world": sidecar.world,
             "n_blocks": lay.n_blocks, "block_elems": lay.block_elems,
             "mode": sidecar.cfg.mode, "iterations": sidecar.pushes,

@@ -31,32 +31,12 @@ import torch
 from . import ipc, unixsock
 from .config import LAUNCHED_ENV, default_socket, peer_timeout_of, trainer_timeout_s
 from .errors import PeerFailure
+from .process import ended
 
 
 #: s: how long a trainer whose sidecar closed the connection waits for that process to
 #: end, to tell the user it exited (its socket closes a moment before its exit is done)
 GONE_WAIT_S = 1.0
-
-
-def running(pid: int) -> bool:
-    """True while process ``pid`` runs (proc(5); a zombie, dead but not yet reaped,
-    counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def ended(pid: int, wait_s: float) -> bool:
-    """Whether process ``pid`` has ended (:func:`running`), waiting up to ``wait_s``
-    seconds for it."""
-    t_end = time.monotonic() + wait_s
-    while running(pid):
-        if time.monotonic() >= t_end:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def no_sidecar(path: str, waited_s: float, why: str) -> str:

@@ -37,6 +37,7 @@ from .transport import udpmac
 from .atomic import write_json, writes_through
 from .child_argv import module_argv
 from .interrupt import exit_status, raise_keyboard_interrupt_on
+from .process import running
 from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig,
                      JobConfig, TransmissionConfig, default_run_dir, to_argv,
                      trainer_timeout_s)
@@ -115,9 +116,14 @@ class Job:
         except OSError:
             f.seek(0)
             other = f.read().strip() or "?"
+            trainer = run_files.lock_holder(f.fileno())   # a torchrun job's rank
             f.close()
-            raise RuntimeError(f"--run-dir {self.run_dir} is in use by another dgt train "
-                               f"(pid {other}); give each job its own --run-dir") from None
+            what = f"a torchrun job (its trainer pid {trainer})" if trainer else \
+                f"another dgt train (pid {other})"
+            if not trainer and not (other.isdigit() and running(int(other))):
+                what = "a torchrun job (DGT_RUN_DIR)"   # a restart's trainers hold it
+            raise RuntimeError(f"--run-dir {self.run_dir} is in use by {what}; give each "
+                               f"job its own --run-dir") from None
         try:
             f.seek(0)
             f.truncate()

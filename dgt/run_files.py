@@ -252,3 +252,30 @@ def open_lock(run_dir: str, flag: str = "--run-dir") -> int:
         os.close(fd)
         raise ValueError(bad + "not a regular file; remove it")
     return fd
+
+
+def lock_holder(fd: int, start: int = 0, length: int = 0) -> int | None:
+    """The pid of a process holding a fcntl(2) lock on bytes ``start`` .. ``start +
+    length`` of ``fd`` (``length`` 0: to the end), as F_GETLK reports it, or None."""
+    import fcntl
+    import struct
+    fmt = "hhqqi4x"   # struct flock on Linux's 64-bit ABIs
+    got = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(fmt, fcntl.F_WRLCK, os.SEEK_SET, start,
+                                                     length, 0))
+    kind, _, _, _, pid = struct.unpack(fmt, got)
+    return pid if kind != fcntl.F_UNLCK and pid > 0 else None
+
+
+def share_lock(fd: int, run_dir: str, flag: str) -> None:
+    """Take a shared flock(2) on the run dir's lock ``fd`` (:func:`open_lock`) for a
+    torchrun job's trainer: many trainers share it, and it keeps ``dgt train``, which
+    takes it exclusively (dgt.launch.Job.lock), off a run dir a torchrun job is using.
+    Raises RuntimeError naming that ``dgt train`` (the pid it wrote into the lock) when
+    it holds the run dir."""
+    import fcntl
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        raise RuntimeError(f"{flag} {run_dir} is in use by a dgt train job (pid {pid}); "
+                           f"give another {flag}") from None

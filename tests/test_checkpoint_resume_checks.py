@@ -120,6 +120,7 @@ def _resolve_as_nobody(path: str) -> str:
     "ok <folder>" or "error <message>". Skips when not root."""
     if os.geteuid() != 0:
         pytest.skip(reason="needs root: the test runs a process as another user (uid 65534)")
+    import torch  # noqa: F401 - imported here: the child could not read its library
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:   # the child: never back into pytest
@@ -171,13 +172,21 @@ def test_a_resume_folder_this_user_cannot_read_is_said_as_it_is(ck, shared_tmp):
         f"folder this user can read")
     os.chmod(theirs, 0o755)   # listed, but its newest step's folder is 0700
     os.chmod(newest, 0o700)
-    got = _resolve_as_nobody(theirs)
-    assert got.startswith(f"error --resume {theirs}: cannot read {newest}/") and \
-        got.endswith(": Permission denied; give a checkpoint folder this user can read"), got
+    assert _resolve_as_nobody(theirs) == (   # the folder, not its first file (stop 42)
+        f"error --resume {theirs}: cannot read {newest}: Permission denied; give a "
+        f"checkpoint folder this user can read")
+    assert _resolve_as_nobody(newest) == (
+        f"error --resume {newest}: cannot read it: Permission denied; give a checkpoint "
+        f"folder this user can read")
     os.chmod(newest, 0o755)   # a file of the newest step is 0600: said, not skipped
     os.chmod(checkpoint.trainer_file(newest, 1), 0o600)
     assert _resolve_as_nobody(theirs) == (
         f"error --resume {theirs}: cannot read {checkpoint.trainer_file(newest, 1)}: "
+        f"Permission denied; give a checkpoint folder this user can read")
+    # the step given by name: said at --resume too (it was said later, by the load,
+    # without the flag; second breaker round of stop 41)
+    assert _resolve_as_nobody(newest) == (
+        f"error --resume {newest}: cannot read {checkpoint.trainer_file(newest, 1)}: "
         f"Permission denied; give a checkpoint folder this user can read")
 
 

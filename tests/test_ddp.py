@@ -639,6 +639,51 @@ def test_hello_to_a_socket_that_drips_bytes_ends_within_its_timeout(tmp_path):
     assert "no whole answer within 1 s" in str(e.value), e.value
 
 
+def _error_per_rank(p: subprocess.CompletedProcess, world: int) -> list[str]:
+    """The one error line of each rank of a torchrun job ``p`` that failed (exit 1)."""
+    assert p.returncode == 1, p.stderr[-3000:]
+    lines = []
+    for r in range(world):
+        ours = [ln for ln in p.stderr.splitlines() if f"ddp_train.py rank {r}: error: " in ln]
+        assert len(ours) == 1, p.stderr[-3000:]
+        lines.append(ours[0])
+    return lines
+
+
+@pytest.mark.timeout(300)
+def test_a_torchrun_job_on_the_run_dir_of_a_running_dgt_train_is_refused(tmp_path):
+    """Left by stop 41: a torchrun job whose DGT_RUN_DIR is a running dgt train's run dir
+    was not caught (dgt train holds a flock, a DDP trainer takes a byte lock: the two do
+    not meet); it would take the job's sockets and logs. Each rank now says which job
+    holds it, and the dgt train job goes on."""
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "dgt.cli", "train", "--run-dir",
+                              str(run_dir), "--workers", "2", "--epochs", "100000",
+                              "--iterations", "1000000", "--eval-every", "0"], cwd=REPO,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        t_end = time.monotonic() + 120
+        while not (run_dir / "pids.json").exists():
+            assert first.poll() is None and time.monotonic() < t_end, first.communicate()
+            time.sleep(0.1)
+        b = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2", EXAMPLE, "--comm", "dgt", "--dataset",
+                            "digits", "--hidden", "16", "--iterations", "2"], cwd=REPO,
+                           env=dict(os.environ, DGT_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1"),
+                           capture_output=True, text=True, timeout=120)
+        for line in _error_per_rank(b, 2):
+            assert (f"DGT_RUN_DIR {run_dir} is in use by a dgt train job (pid {first.pid}); "
+                    f"give another DGT_RUN_DIR") in line, line
+        assert first.poll() is None, first.communicate()
+        assert not list(run_dir.glob("torchrun*")) and \
+            sorted(p.name for p in run_dir.glob("sidecar-*.sock")) == \
+            ["sidecar-0.sock", "sidecar-1.sock"]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+
+
 @pytest.mark.timeout(300)
 def test_a_second_job_on_a_run_dir_in_use_is_refused_and_leaves_the_first_alone(tmp_path):
     """An outside tester's fault F3: two torchrun jobs with one DGT_RUN_DIR; the second
@@ -663,17 +708,29 @@ def test_a_second_job_on_a_run_dir_in_use_is_refused_and_leaves_the_first_alone(
         before = [(run_dir / f"sidecar-{r}.log").read_bytes() for r in range(2)]
         b = subprocess.run(cmd + ["--iterations", "2"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
-        assert b.returncode == 1, b.stderr[-3000:]
-        for r in range(2):
-            ours = [ln for ln in b.stderr.splitlines()
-                    if f"ddp_train.py rank {r}: error: " in ln]
-            assert len(ours) == 1, b.stderr[-3000:]
+        for r, line in enumerate(_error_per_rank(b, 2)):
             assert (f"DGT_RUN_DIR {run_dir} is in use by another job (its sidecar-{r}, "
-                    f"pid {pids[r]}, is alive); give another DGT_RUN_DIR") in ours[0], \
-                ours[0]
+                    f"pid {pids[r]}, is alive); give another DGT_RUN_DIR") in line, line
             # job A's log: not truncated (it may only have grown), its sidecar still up
             assert (run_dir / f"sidecar-{r}.log").read_bytes().startswith(before[r])
             assert open(f"/proc/{pids[r]}/stat").read().split(")")[1].split()[0] != "Z"
+        assert a.poll() is None, _logs(run_dir)
+        # a dgt train job on it: refused too (stop 41 left the two kinds blind to each
+        # other: dgt train's flock and a trainer's byte lock do not meet)
+        c = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--run-dir",
+                            str(run_dir), "--workers", "2", "--iterations", "2"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert c.returncode == 2, c.stdout[-2000:] + c.stderr[-2000:]
+        m = re.search(rf"--run-dir {re.escape(str(run_dir))} is in use by a torchrun job "
+                      r"\(its trainer pid (\d+)\); give each job its own --run-dir",
+                      c.stdout + c.stderr)
+        assert m and "Traceback" not in c.stdout + c.stderr, c.stdout + c.stderr
+        trainers = {int(p) for p in os.listdir("/proc") if p.isdigit() and
+                    os.path.exists(f"/proc/{p}/cmdline") and
+                    EXAMPLE.encode() in open(f"/proc/{p}/cmdline", "rb").read()}
+        assert int(m.group(1)) in trainers, (m.group(1), trainers)
+        for r in range(2):
+            assert (run_dir / f"sidecar-{r}.log").read_bytes().startswith(before[r])
         assert a.poll() is None, _logs(run_dir)
     finally:
         if a.poll() is None:

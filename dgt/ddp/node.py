@@ -24,13 +24,14 @@ from datetime import timedelta
 
 from .. import ipc
 from ..child_argv import module_argv
-from ..client import Client, running
+from ..client import Client
+from ..process import running
 from ..config import default_run_dir
 from ..deadline import bounded
 from ..unixsock import NotOurs, owned_dir, private_dir
 from ..errors import PeerFailure
 from ..rendezvous import QUIET_TORCH_ENV
-from ..run_files import check_run_dir, open_lock
+from ..run_files import check_run_dir, lock_holder, open_lock, share_lock
 from . import generation
 
 #: how long close() waits for the sidecar to end on its own before SIGTERM
@@ -143,6 +144,7 @@ class NodeLink:
         self.run_dir, self.rank, self.world = run_dir, rank, world
         self.closed = False
         self.lock_fd: int | None = None   # this rank of the run dir (take_rank)
+        self.job_lock_fd: int | None = None   # a restart's: DGT_RUN_DIR's, shared
 
     @classmethod
     def start(cls, socket_path: str | None, sidecar_args: list[str], timeout_s: float,
@@ -183,6 +185,13 @@ class NodeLink:
         # (its log, its socket) must be left alone
         lock_fd = take_rank(run_dir, rank, "DGT_RUN_DIR" if os.environ.get("DGT_RUN_DIR")
                             else "the run dir")
+        job_fd = None   # a restart's folder is inside the job's: keep dgt train off both
+        if os.environ.get("DGT_RUN_DIR") and env.restart_count:
+            job_fd = open_lock(os.environ["DGT_RUN_DIR"], "DGT_RUN_DIR")
+            try:
+                share_lock(job_fd, os.environ["DGT_RUN_DIR"], "DGT_RUN_DIR")
+            except RuntimeError as e:
+                raise PeerFailure(str(e), rank) from None
         sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
         for folder in {run_dir, _previous_run_dir(env)} - {None}:
             reap_sidecar(folder, rank, env.run_id)
@@ -240,7 +249,8 @@ class NodeLink:
         # if it goes without a word (SIGKILL, a crash), the trainer's error says so
         client.sidecar_exit = functools.partial(exit_text, proc)
         link = cls(client, proc, sock, run_dir, rank, world)
-        link.lock_fd = lock_fd   # held for the trainer's life (closed with the process)
+        # held for the trainer's life (closed with the process)
+        link.lock_fd, link.job_lock_fd = lock_fd, job_fd
         return link
 
     def close(self) -> None:
@@ -265,33 +275,30 @@ class NodeLink:
         _unlink_if_stale(self.socket_path)   # one killed by SIGKILL could not unlink it
 
 
-def _lock_holder(fd: int, rank: int) -> int | None:
-    """The pid holding the lock on byte ``rank`` of ``fd`` (fcntl(2) F_GETLK), or None."""
-    import fcntl
-    import struct
-    fmt = "hhqqi4x"   # struct flock on Linux's 64-bit ABIs
-    got = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(fmt, fcntl.F_WRLCK, os.SEEK_SET, rank,
-                                                     1, 0))
-    kind, _, _, _, pid = struct.unpack(fmt, got)
-    return pid if kind != fcntl.F_UNLCK and pid > 0 else None
-
-
 def take_rank(run_dir: str, rank: int, what: str) -> int:
     """Take ``rank`` of ``run_dir`` for this trainer: a write lock (fcntl(2), not
     inherited by the sidecar, released when this process ends) on byte ``rank`` of the
     run dir's ``lock``. Returns its descriptor. Raises PeerFailure, naming the other
     job's sidecar (or trainer) and its pid, when another job's trainer of that rank holds
     it: two jobs on one run dir would truncate each other's logs and take each other's
-    sockets. A dead generation's trainer holds nothing (its sidecar: reap_sidecar)."""
+    sockets; or naming the ``dgt train`` job that holds the run dir (the shared flock of
+    :func:`dgt.run_files.share_lock`). A dead generation's trainer holds nothing (its
+    sidecar: reap_sidecar)."""
     import fcntl
     path = os.path.join(run_dir, "lock")
     fd = open_lock(run_dir, what)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank, os.SEEK_SET)
-        return fd
     except OSError:
-        holder = _lock_holder(fd, rank)
+        holder = lock_holder(fd, rank, 1)
         os.close(fd)
+    else:
+        try:
+            share_lock(fd, run_dir, what)
+        except RuntimeError as e:
+            os.close(fd)
+            raise PeerFailure(str(e), rank) from None
+        return fd
     who = f"its trainer of rank {rank}, pid {holder}, is alive" if holder else \
         f"its trainer of rank {rank} holds {path}"
     try:   # its sidecar, once past its rendezvous (no probe of its socket: a stranger)

@@ -128,3 +128,39 @@ def test_block_codings_table_is_the_code(spec):
             {int(c): wire.coded_payload_bytes(c, e) for c in wire.Coding}
     assert wire.CODING_MASK == 0x1C and "`wire.CODING_MASK` = `0x1C`" in SPEC.read_text()
     assert wire.coded_payload_bytes(max(wire.Coding) + 1, 352) is None
+
+
+def _store_keys_of_the_code() -> tuple[set[str], set[str]]:
+    """(keys, prefixes): every ``"dgt/..."`` string the rendezvous code writes, as the
+    spec spells it (an f-string's fields as ``<rank>``, ``dgt/ep/{node.rank}`` ->
+    ``dgt/ep/<rank>``), and the bare prefixes it gathers (``"dgt/n_params"``). Read from
+    the source (AST), so a key added there and not to the spec fails the test below."""
+    import ast
+    keys, prefixes = set(), set()
+    root = SPEC.parents[1] / "dgt"
+    for name in ("registration.py", "rendezvous.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, ast.JoinedStr):
+                text = "".join(v.value if isinstance(v, ast.Constant) else "<rank>"
+                               for v in node.values)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+            else:
+                continue
+            if re.fullmatch(r"dgt/[a-z_]+(/(<rank>|0))?", text):
+                (keys if text.count("/") == 2 or text == "dgt/failed"
+                 else prefixes).add(text)
+    return keys, prefixes
+
+
+def test_every_rendezvous_store_key_is_in_the_spec(spec):
+    """An outside tester wrote a rank from docs/wire.md alone and its rank 0 waited for
+    ``dgt/n_params/<rank>`` and ``dgt/ready/<rank>``, which the spec did not name (stop
+    42): the store's key table is the code's keys, both ways."""
+    rows = spec["step|key|who sets it|value"]
+    table = {code(r["key"]) for r in rows}
+    keys, prefixes = _store_keys_of_the_code()
+    assert {"dgt/session/0", "dgt/ep/<rank>", "dgt/failed"} <= keys, keys   # the scan works
+    assert keys == table, (keys ^ table)
+    for p in prefixes:   # a gathered prefix is a per-rank key of the table
+        assert f"{p}/<rank>" in table, p

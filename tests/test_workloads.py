@@ -269,6 +269,32 @@ def test_idx_garbage_of_every_kind_is_one_line(tmp_path):
             assert "reinstall the file" in str(e) and "\n" not in str(e), n
 
 
+def test_cifar10_batch_resaved_with_protocol_2_loads_and_float_labels_are_refused(tmp_path):
+    """Outside tester (stop 42): a valid batch re-saved by Python 3 with pickle protocol
+    2 (bytes as ``_codecs.encode(str, "latin1")``) was refused as "not a CIFAR-10 batch";
+    labels 3.5 were taken as 3 without a word."""
+    d = write_cifar(tmp_path)
+    p = d / "data_batch_2"
+    data, labels = datasets.read_cifar_batch(str(p))
+    with open(p, "rb") as f:
+        batch = pickle.load(f, encoding="bytes")
+    with open(p, "wb") as f:
+        pickle.dump(batch, f, protocol=2)
+    assert b"_codecs" in p.read_bytes()   # the form that was refused
+    again, labels2 = datasets.read_cifar_batch(str(p))
+    assert np.array_equal(again, data) and np.array_equal(labels2, labels)
+    # _codecs.encode for anything but latin1 bytes stays refused
+    p.write_bytes(b"\x80\x02c_codecs\nencode\nq\x00X\x01\x00\x00\x00aX\x05\x00\x00"
+                  b"\x00rot13\x86q\x01Rq\x02.")
+    with pytest.raises(DatasetError, match="is not a CIFAR-10 batch"):
+        datasets.read_cifar_batch(str(p))
+    batch[b"labels"] = [3.5] + list(batch[b"labels"][1:])
+    with open(p, "wb") as f:
+        pickle.dump(batch, f)
+    with pytest.raises(DatasetError, match="labels of dtype float64, not whole numbers"):
+        datasets.read_cifar_batch(str(p))
+
+
 def test_cifar10_garbage_of_every_kind_is_one_line(tmp_path):
     """Two hundred files of seeded random bytes, each a different path through the
     unpickler's errors: every message is one line."""

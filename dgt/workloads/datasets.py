@@ -198,7 +198,17 @@ class _CifarUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
+        if (module, name) == ("_codecs", "encode"):   # protocol 2's bytes, from Python 3
+            return _latin1_bytes
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR-10 batch")
+
+
+def _latin1_bytes(text, encoding="latin1"):
+    """What a protocol-2 pickle written by Python 3 calls to make a bytes object
+    (``_codecs.encode(str, "latin1")``), and nothing else. Raises UnpicklingError."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError("_codecs.encode is allowed only for latin1 bytes")
+    return text.encode("latin1")
 
 
 def _cifar_dir(folder: str) -> str:
@@ -227,7 +237,10 @@ def read_cifar_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
         with open(path, "rb") as f:
             d = _CifarUnpickler(io.BytesIO(f.read()), encoding="bytes").load()
         data = np.asarray(d[b"data"])
-        labels = np.asarray(d[b"labels"], dtype=np.int64)
+        labels = np.asarray(d[b"labels"])
+        if len(labels) and not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"labels of dtype {labels.dtype}, not whole numbers")
+        labels = labels.astype(np.int64)
     except Exception as e:   # noqa: BLE001 -- untrusted bytes: any failure of the
         # restricted unpickler (Overflow-, Recursion-, Unpickling-, KeyError, ...) or of
         # the fields' conversion means the same thing to the user

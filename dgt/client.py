@@ -391,13 +391,16 @@ class Client:
         if self.closed:
             raise RuntimeError("this Client is closed")
 
-    def close(self) -> None:
-        """Say goodbye (the sidecar then ends cleanly) and unmap the buffers. Idempotent."""
+    def close(self, failed: str | None = None) -> None:
+        """Say goodbye (the sidecar then ends cleanly) and unmap the buffers. Idempotent.
+        ``failed``: this trainer is ending on an error (e.g. ``"RuntimeError: boom"``):
+        the sidecar then fails the job naming it and this rank's step, rather than
+        ending cleanly (which the others would take for fewer steps)."""
         if self.closed:
             return
         self.closed = True
         try:
-            self._send({"op": "bye"})
+            self._send({"op": "failed", "error": failed} if failed else {"op": "bye"})
         except PeerFailure:
             pass
         self.grad = self.aggregate = None

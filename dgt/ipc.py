@@ -11,6 +11,9 @@ way). The socket carries one JSON object per line:
                         {"op": "push", "t": int, "loss": float}
                         {"op": "save", "path": str} (between iterations: checkpoint)
                         {"op": "bye"}
+                        {"op": "failed", "error": str} (instead of bye: the trainer
+                         ends on an error, e.g. an uncaught exception under dgt.ddp;
+                         the sidecar fails the job naming it)
     sidecar -> trainer: {"op": "registered", "grad": path, "aggregate": path (the same),
                          "padded": int, "block_elems": int, "iterations": int}
                         {"op": "saved", "path": str, "iterations": int,

@@ -128,7 +128,8 @@ class Sidecar:
         self.done = asyncio.Event()
         self.trainer = TrainerLink(self.rank, {"register": self._register, "push": self._push,
                                     "part": lambda m: parts.part_op(self, m),
-                                    "save": lambda m: checkpoint.save_op(self, m)},
+                                    "save": lambda m: checkpoint.save_op(self, m),
+                                    "failed": self._trainer_failed},
                                    self.fail, self.finish, self.done,
                                    {"world": self.world, "job": self.node.job})
         self.finishing = False
@@ -322,6 +323,15 @@ class Sidecar:
         k = await self.agent.push(t, float(loss) if loss is not None else None,
                                   wait_s, pulled, on_range)
         self.trace.end(self.agent, k)
+
+    async def _trainer_failed(self, msg: dict) -> None:
+        """``{"op": "failed", "error": str}`` instead of ``bye``: the trainer is ending
+        on an error (dgt.ddp says so at interpreter exit after an uncaught exception).
+        Fails the job naming it and the step, so the others do not take it for an
+        orderly close with fewer steps (dgt.failure.closed_early)."""
+        what = " ".join(str(msg.get("error") or "an error").split())[:300]
+        raise PeerFailure(f"rank {self.rank}'s trainer failed ({what}) at step "
+                          f"{self.pushes}", self.rank, FailureReason.OWN_TRAINER)
 
     def _check_closed(self, t: int) -> None:
         """Fail at once when a peer's trainer closed before iteration ``t``

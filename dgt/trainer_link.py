@@ -1,5 +1,6 @@
 """The sidecar's side of the trainer's Unix socket (dgt.ipc): one trainer per sidecar,
-one JSON line per message, ``register`` / ``part`` / ``push`` / ``save`` / ``bye`` in,
+one JSON line per message, ``register`` / ``part`` / ``push`` / ``save`` / ``bye`` /
+``failed`` in,
 ``registered`` / ``pulled`` / ``saved`` / ``error`` out.
 
 A connection becomes the trainer with its first line, and only when that line is a

@@ -77,8 +77,10 @@ def dgt_hook(state: DgtState, bucket) -> torch.futures.Future[torch.Tensor]:
 
     Returns a ``torch.futures.Future`` whose value is ``bucket.buffer()`` (the bucket's
     tensor, float32, 1-D) overwritten with the mean. Raises TypeError for a bucket that
-    is not float32, ValueError when ``state`` serves another model, and
-    :class:`dgt.PeerFailure` (through backward) when the job fails.
+    is sparse (``nn.Embedding(sparse=True)``) or not float32 (float16, bfloat16,
+    float64, complex, …), ValueError when ``state`` serves another model, RuntimeError
+    after ``state.close()``, and :class:`dgt.PeerFailure` (through backward) when the
+    job fails.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -89,11 +91,18 @@ def dgt_hook(state: DgtState, bucket) -> torch.futures.Future[torch.Tensor]:
         raise TypeError(f"dgt_hook's state must be a dgt.ddp.DgtState, got "
                         f"{type(state).__name__}: model.register_comm_hook(DgtState(), "
                         f"dgt_hook)")
+    state._check_open()
     handed = state.now()
     buf = bucket.buffer()
+    if buf.layout != torch.strided:   # DDP hands a sparse gradient over as it is
+        raise TypeError(f"dgt's hook does not take sparse gradients; this bucket is "
+                        f"{buf.layout} (nn.Embedding/EmbeddingBag(sparse=True)): make "
+                        f"them dense (sparse=False), or use DDP's own all-reduce")
     if buf.dtype != torch.float32:
-        raise TypeError(f"dgt_hook averages float32 gradients; this bucket is {buf.dtype} "
-                        f"(train in float32, or cast before DDP)")
+        raise TypeError(f"dgt_hook averages float32 gradients only; this bucket is "
+                        f"{buf.dtype}: keep the parameters float32 (model.float() before "
+                        f"DDP; torch.autocast computes in float16/bfloat16 with float32 "
+                        f"parameters)")
     params, grads = bucket.parameters(), bucket.gradients()
     fut: torch.futures.Future = torch.futures.Future()
     state._record("bucket", [bucket.index(), handed, int(buf.numel())])

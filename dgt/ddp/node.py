@@ -18,6 +18,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -165,7 +166,7 @@ class NodeLink:
                        socket_path, "", rank, world)
         else:
             link = cls._spawn(env, rank, world, sidecar_args, timeout_s)
-        atexit.register(link.close)
+        atexit.register(link.close_at_exit)
         return link
 
     @classmethod
@@ -253,13 +254,21 @@ class NodeLink:
         link.lock_fd, link.job_lock_fd = lock_fd, job_fd
         return link
 
-    def close(self) -> None:
+    def close_at_exit(self) -> None:
+        """:meth:`close` at interpreter exit (atexit): when an uncaught exception ends
+        the interpreter, the sidecar is told so and fails the job naming it, rather
+        than ending as after an orderly last step."""
+        self.close(failed=uncaught_exception())
+
+    def close(self, failed: str | None = None) -> None:
         """BYE to the sidecar, then wait for it to end (it waits for every peer's BYE,
-        bounded by its --peer-timeout-s); SIGTERM, then SIGKILL, past CLOSE_GRACE_S."""
+        bounded by its --peer-timeout-s); SIGTERM, then SIGKILL, past CLOSE_GRACE_S.
+        ``failed``: the trainer's error (one line) instead of BYE
+        (:meth:`dgt.Client.close`): the sidecar fails the job naming it."""
         if self.closed:
             return
         self.closed = True
-        self.client.close()
+        self.client.close(failed)
         if self.proc is None:
             return
         try:
@@ -273,6 +282,18 @@ class NodeLink:
                 self.proc.wait()
         _remove_shm(self.proc.pid)   # a sidecar killed before its first push
         _unlink_if_stale(self.socket_path)   # one killed by SIGKILL could not unlink it
+
+
+def uncaught_exception() -> str | None:
+    """``"RuntimeError: boom"`` (one line, at most 300 characters) for the uncaught
+    exception that is ending the interpreter, else None. Python's default handling of
+    the main thread's uncaught exception sets ``sys.last_value`` before the atexit
+    functions run (an interactive session sets it for each error it printed too)."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None:
+        return None
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return " ".join(text.split())[:300]
 
 
 def take_rank(run_dir: str, rank: int, what: str) -> int:

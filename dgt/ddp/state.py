@@ -41,6 +41,17 @@ class DgtState:
     goes on (wait-free backpropagation; the default). False: push the whole vector
     after the last bucket, ranked all together, as ``dgt.Client.push_pull`` does.
 
+    The arguments are checked here, in one line naming the argument: TypeError for
+    ``sidecar_args`` that is not a list or tuple of str (a str such as ``"--mode tcp"``
+    included), ``socket_path`` that is not None, a str or an os.PathLike,
+    ``overlap`` or ``connect`` that is not a bool, ``process_group`` that is not None or
+    a ``torch.distributed.ProcessGroup``; ValueError for a ``timeout_s`` that is not a
+    finite number > 0, a bad ``--peer-timeout-s`` in ``sidecar_args``, or a flag there
+    that DgtState sets itself (``--rank``, ``--world``, ``--host``: ``DGT_HOST``,
+    ``--run-dir``: ``DGT_RUN_DIR``, ``--socket``, ``--job``, ``--master-*``). With
+    ``connect``: what :meth:`connect` raises. After :meth:`close`, a backward through
+    the hook and :meth:`save_sidecar` raise RuntimeError.
+
     Example::
         >>> # xdoctest: +SKIP
         >>> import torch.distributed as dist
@@ -64,19 +75,20 @@ class DgtState:
     def __init__(self, process_group=None, socket_path: str | None = None,
                  sidecar_args: list[str] | tuple[str, ...] = (), timeout_s: float | None = None,
                  connect: bool = True, overlap: bool = True):
-        self.process_group = process_group
-        self.socket_path = socket_path
-        self.sidecar_args = list(sidecar_args)
+        self.process_group = _process_group(process_group)
+        self.socket_path = _socket_path(socket_path)
+        self.sidecar_args = _sidecar_args(sidecar_args)
         if timeout_s is None:
             timeout_s = trainer_timeout_s(peer_timeout_of(self.sidecar_args))
         try:
             self.timeout_s = float(timeout_s)
         except (TypeError, ValueError):
             self.timeout_s = math.nan
-        if not 0.0 < self.timeout_s < math.inf:   # NaN fails too
+        if isinstance(timeout_s, bool) or not 0.0 < self.timeout_s < math.inf:   # NaN too
             raise ValueError(f"DgtState(timeout_s={timeout_s!r}): give the seconds every "
                              f"wait for the sidecar may take, a finite number > 0")
-        self.overlap = bool(overlap)
+        self.overlap = _flag("overlap", overlap)
+        connect = _flag("connect", connect)
         #: DDP iterations whose buckets were all averaged (the next push's iteration)
         self.iteration = 0
         #: parameter sizes in the flat vector's order (fixed at the first iteration)
@@ -95,6 +107,7 @@ class DgtState:
             self.connect()
 
     def _reset_live(self) -> None:
+        self._closed = False    # close() was called: no more buckets
         self._node = None       # dgt.ddp.node.NodeLink: Client + our sidecar process
         self._flat = None       # dgt.ddp.hook.FlatLayout, built at the first iteration
         self._pending: list = []   # this iteration's buckets waiting for the push
@@ -171,8 +184,10 @@ class DgtState:
     # -- the sidecar -----------------------------------------------------------------
     def connect(self) -> None:
         """Start (or attach to) this rank's sidecar, if not done yet. Needs
-        ``torch.distributed`` initialised. Raises RuntimeError (not initialised) and
-        :class:`dgt.PeerFailure` (the sidecar did not come up, or is another job's)."""
+        ``torch.distributed`` initialised. Raises RuntimeError (not initialised, or
+        after :meth:`close`) and :class:`dgt.PeerFailure` (the sidecar did not come up,
+        or is another job's)."""
+        self._check_open()
         if self._node is None:
             from .node import NodeLink
             self._node = NodeLink.start(self.socket_path, self.sidecar_args,
@@ -180,15 +195,26 @@ class DgtState:
 
     @property
     def node(self):
-        """The live :class:`dgt.ddp.node.NodeLink`; connects when detached."""
+        """The live :class:`dgt.ddp.node.NodeLink`; connects when detached. Raises
+        RuntimeError after :meth:`close`."""
         self.connect()
         return self._node
 
     def close(self) -> None:
         """Say goodbye to the sidecar and wait (bounded) until it has stopped; it
-        leaves no process, socket or shared memory behind. Idempotent."""
+        leaves no process, socket or shared memory behind. Idempotent. The state takes
+        no more buckets after it (:func:`dgt.ddp.dgt_hook` and :meth:`save_sidecar`
+        raise RuntimeError)."""
+        self._closed = True
         if self._node is not None:
             self._node.close()
+
+    def _check_open(self) -> None:
+        """Raise RuntimeError when :meth:`close` was called."""
+        if self._closed:
+            raise RuntimeError("the DgtState was closed (DgtState.close()); it takes no "
+                               "more buckets: close it after the last backward, or train "
+                               "on with a new DDP model and a new DgtState")
 
     def _record(self, key: str, value, first: bool = False) -> None:
         """Note ``value`` under ``key`` in this iteration's timings (``first``: only
@@ -207,3 +233,68 @@ class DgtState:
     @staticmethod
     def now() -> float:
         return time.monotonic()
+
+
+#: ``dgt sidecar`` flags that DgtState sets itself, and where to set what they set
+_SET_BY_STATE = {"--rank": " (torch.distributed's rank)",
+                 "--world": " (torch.distributed's world size)",
+                 "--master-addr": " (its sidecars' store)",
+                 "--master-port": " (its sidecars' store)",
+                 "--master-listen-fd": " (its sidecars' store)",
+                 "--host": " (set DGT_HOST instead)", "--socket": " (in the run dir)",
+                 "--run-dir": " (set DGT_RUN_DIR instead)",
+                 "--job": " (torchrun's run id, --rdzv-id)"}
+
+
+def _sidecar_args(args) -> list[str]:
+    """``DgtState(sidecar_args=…)`` as a list of str. Raises TypeError for anything but
+    a list or tuple of str (or os.PathLike) items, ValueError for a flag that DgtState
+    sets itself (``_SET_BY_STATE``)."""
+    if not isinstance(args, (list, tuple)):
+        raise TypeError(f"DgtState(sidecar_args={args!r}): give a list of 'dgt sidecar' "
+                        f"flags, one string each, e.g. [\"--mode\", \"tcp\"]")
+    out = []
+    for i, a in enumerate(args):
+        a = os.fspath(a) if isinstance(a, os.PathLike) else a
+        if not isinstance(a, str):
+            raise TypeError(f"DgtState(sidecar_args={args!r}): item {i} is "
+                            f"{type(a).__name__}; give each flag and each value as a "
+                            f"string, e.g. [\"--k\", \"0.1\"]")
+        out.append(a)
+    for a in out:
+        flag = a.split("=", 1)[0]
+        if flag in _SET_BY_STATE:
+            raise ValueError(f"DgtState(sidecar_args={args!r}): DgtState sets {flag} "
+                             f"itself{_SET_BY_STATE[flag]}; leave it out")
+    return out
+
+
+def _socket_path(path) -> str | None:
+    """``DgtState(socket_path=…)`` as a str or None. Raises TypeError for anything but
+    None, a str or an os.PathLike of a str."""
+    got = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if got is not None and not isinstance(got, str):
+        raise TypeError(f"DgtState(socket_path={path!r}): give the path of a 'dgt "
+                        f"sidecar' socket (a str or os.PathLike), or None to start this "
+                        f"rank's own sidecar")
+    return got
+
+
+def _process_group(group):
+    """``DgtState(process_group=…)``: None or a torch.distributed.ProcessGroup, else
+    TypeError."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+    if not isinstance(group, getattr(dist, "ProcessGroup", ())):
+        raise TypeError(f"DgtState(process_group={group!r}): give a "
+                        f"torch.distributed.ProcessGroup (dist.new_group()), or None for "
+                        f"the default group")
+    return group
+
+
+def _flag(name: str, value) -> bool:
+    """``DgtState(<name>=value)``: a bool, else TypeError (``"no"`` is not False)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"DgtState({name}={value!r}): give True or False")
+    return value

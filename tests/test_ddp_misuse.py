@@ -1,0 +1,143 @@
+"""dgt.ddp misused (an outside tester's torchrun runs): gradients the hook does not take,
+DgtState arguments of the wrong kind, a closed state trained on, and a rank whose
+trainer crashes. Each misuse is one line naming it, not an internal error, and a crash
+is not blamed on the others as fewer steps."""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import test_ddp
+import torch
+from test_ddp import REPO, _ddp, _logs, _step
+
+group = test_ddp.group   # the fixture: a one-rank gloo group, as torchrun sets it up
+DOCS = pathlib.Path(REPO) / "docs" / "ddp.md"
+JOB = os.path.join(REPO, "tests", "ddp_misuse_job.py")
+
+
+def _errors_section() -> str:
+    text = DOCS.read_text()
+    return text.split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+
+
+# ------------------------------------------------------------------ gradients
+
+
+def test_a_sparse_gradient_is_one_line(group):
+    # before: NotImplementedError "Cannot access storage of SparseTensorImpl" from
+    # dgt/ddp/hook.py _views_of, after the whole push
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dgt.ddp import DgtState, dgt_hook
+    model = DDP(torch.nn.Sequential(torch.nn.Embedding(50, 20, sparse=True),
+                                    torch.nn.Linear(20, 2)))
+    model.register_comm_hook(DgtState(connect=False), dgt_hook)
+    with pytest.raises(TypeError) as e:
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+    text = str(e.value)
+    assert "\n" not in text.strip(), text
+    assert "does not take sparse gradients" in text and "torch.sparse_coo" in text, text
+    assert "sparse=False" in text, text   # what to do
+    assert "sparse" in _errors_section()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_every_refused_dtype_is_one_line_and_documented(group, dtype):
+    # before: float64 was refused but docs/ddp.md's Errors named float16/bfloat16 only
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dgt.ddp import DgtState, dgt_hook
+    model = DDP(torch.nn.Linear(8, 2).to(dtype))
+    model.register_comm_hook(DgtState(connect=False), dgt_hook)
+    with pytest.raises(TypeError) as e:
+        model(torch.ones(4, 8, dtype=dtype)).sum().backward()
+    assert f"this bucket is {dtype}" in str(e.value) and ".float()" in str(e.value)
+    assert str(dtype).removeprefix("torch.") in _errors_section(), dtype
+
+
+# ------------------------------------------------------------------ DgtState's arguments
+
+
+@pytest.mark.parametrize("kwargs, exc, says", [
+    # before: "sidecar did not start ... unrecognized arguments: - - m o d e t c p"
+    ({"sidecar_args": "--mode tcp"}, TypeError,
+     "DgtState(sidecar_args='--mode tcp'): give a list of 'dgt sidecar' flags"),
+    ({"sidecar_args": ["--k", 0.1]}, TypeError,
+     "DgtState(sidecar_args=['--k', 0.1]): item 1 is float"),
+    ({"sidecar_args": None}, TypeError, "DgtState(sidecar_args=None): give a list"),
+    ({"sidecar_args": ["--mode", "tcp", "--rank", "3"]}, ValueError,
+     "sets --rank itself"),
+    ({"sidecar_args": ["--run-dir=/tmp/x"]}, ValueError, "DGT_RUN_DIR"),
+    # before: TypeError "a bytes-like object is required, not 'int'" from node.py
+    ({"socket_path": 123}, TypeError,
+     "DgtState(socket_path=123): give the path of a 'dgt sidecar' socket"),
+    ({"socket_path": b"/run/s.sock"}, TypeError, "DgtState(socket_path=b'/run/s.sock')"),
+    # before: silently True
+    ({"overlap": "no"}, TypeError, "DgtState(overlap='no'): give True or False"),
+    ({"overlap": None}, TypeError, "DgtState(overlap=None)"),
+    ({"connect": "yes"}, TypeError, "DgtState(connect='yes'): give True or False"),
+    ({"process_group": "gloo"}, TypeError,
+     "DgtState(process_group='gloo'): give a torch.distributed.ProcessGroup"),
+    ({"timeout_s": True}, ValueError, "a finite number > 0"),
+])
+def test_a_constructor_argument_of_the_wrong_kind_is_one_line(kwargs, exc, says):
+    from dgt.ddp import DgtState
+    kwargs.setdefault("connect", False)
+    with pytest.raises(exc) as e:
+        DgtState(**kwargs)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_good_constructor_arguments_are_taken():
+    from dgt.ddp import DgtState
+    s = DgtState(socket_path=pathlib.Path("/run/s.sock"), sidecar_args=("--mode", "tcp"),
+                 overlap=False, connect=False, timeout_s=5)
+    assert (s.socket_path, s.sidecar_args, s.overlap, s.timeout_s) == \
+        ("/run/s.sock", ["--mode", "tcp"], False, 5.0)
+
+
+def test_training_on_after_close_is_one_line(group):
+    # before: TypeError "expected np.ndarray (got NoneType)" at dgt/ddp/hook.py
+    from dgt.ddp import DgtState, dgt_hook
+    model = _ddp()
+    state = DgtState()
+    model.register_comm_hook(state, dgt_hook)
+    _step(model)
+    state.close()
+    for call in (lambda: _step(model), lambda: state.save_sidecar(str(group / "s.pt"))):
+        with pytest.raises(RuntimeError) as e:
+            call()
+        assert str(e.value).startswith("the DgtState was closed"), str(e.value)
+        assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ a rank that crashes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["raise", "return"])
+def test_a_crashed_rank_is_named_with_its_error_and_a_short_one_as_fewer_steps(tmp_path,
+                                                                              how):
+    """Rank 1 of 2 stops before step 5 of 8: ``raise`` (an uncaught RuntimeError; before
+    the fix rank 0 said "rank 1 closed after step 4 ... every rank must run the same
+    number of steps", as the orderly close at interpreter exit told it) or ``return``
+    (an orderly end with fewer steps: that message stays)."""
+    run_dir = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", JOB, "--how", how],
+                       capture_output=True, text=True, timeout=240, cwd=REPO,
+                       env=dict(os.environ, DGT_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1"))
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:] + _logs(run_dir)
+    ours = [ln for ln in p.stderr.splitlines()
+            if re.search(r"ddp_misuse_job\.py rank 0: error: ", ln)]
+    assert len(ours) == 1, p.stderr[-3000:] + _logs(run_dir)
+    if how == "raise":
+        assert "rank 1's trainer failed (RuntimeError: injected at step 5) at step 5" \
+            in ours[0], ours[0]
+        assert "same number of steps" not in ours[0], ours[0]
+    else:
+        assert "rank 1 closed after step 4; rank 0 is at step 5: every rank must run " \
+            "the same number of steps" in ours[0], ours[0]

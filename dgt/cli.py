@@ -121,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        print("dgt: interrupted", file=sys.stderr)
-        from .interrupt import exit_status
-        return exit_status()
+        from .interrupt import interrupted
+        return interrupted("dgt")
 
 
 def _main(argv: list[str] | None) -> int:
@@ -138,7 +137,14 @@ def _main(argv: list[str] | None) -> int:
         getattr(ns, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     from .console import survive_closed_stdout
     survive_closed_stdout()   # 'dgt train | head' must not stop the job
-    return int(ns.func(ns) or 0)
+    from .interrupt import interrupted, stop_on_signals
+    if getattr(ns, "owns_cleanup", False):   # a plugin's command that builds state:
+        stop_on_signals()                    # SIGTERM and SIGHUP stop it as Ctrl-C does
+    try:
+        return int(ns.func(ns) or 0)
+    except KeyboardInterrupt as e:   # a command that left it to us: one line, 128 + sig
+        undone = e.args[0] if e.args and isinstance(e.args[0], str) else ""
+        return interrupted(getattr(ns, "parser", parser).prog, undone)
 
 
 if __name__ == "__main__":

@@ -15,16 +15,28 @@ default action. Forked children also get the default actions back at once
 (``os.register_at_fork``), SIGINT included (Python's own SIGINT handler raises
 KeyboardInterrupt too, so a Ctrl-C to the process group would unwind the copy as well),
 so a later signal does not reach Python code there at all.
+
+A command that builds state (``dgt testbed up``, ``dgt bench``, ``dgt tc apply``, ...)
+calls :func:`stop_on_signals` and, when stopped, :func:`interrupted`: one line on stderr
+saying what it undid, and 128 + the signal as its exit status, as a shell gives it.
+The ``dgt.tc_profiles`` commands may not import this module (the layer rule): they set
+``owns_cleanup`` on their parser, and ``dgt.cli`` does both for them.
 """
 from __future__ import annotations
 
 import os
 import signal
+import sys
 
 _owner_pid: int | None = None
 _installed: set[int] = set()
 _fork_hook_registered = False
 _received: int | None = None   # the signal that raised, for exit_status()
+
+#: what stops a command that owns cleanup as Ctrl-C does: SIGTERM (kill, a CI runner,
+#: systemd), SIGINT (Ctrl-C; also for a job started in the background, whose SIGINT the
+#: shell ignores) and SIGHUP (its terminal went away)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def exit_status() -> int:
@@ -63,6 +75,20 @@ def raise_keyboard_interrupt_on(*signums: int, ignore_repeats: bool = False) -> 
     if not _fork_hook_registered:
         os.register_at_fork(after_in_child=_defaults_in_child)
         _fork_hook_registered = True
+
+
+def stop_on_signals() -> None:
+    """Each of :data:`STOP_SIGNALS` raises KeyboardInterrupt in this process; the first
+    one sets the others to SIG_IGN, so no repeat cuts short the cleanup it started."""
+    raise_keyboard_interrupt_on(*STOP_SIGNALS, ignore_repeats=True)
+
+
+def interrupted(prog: str, undone: str = "") -> int:
+    """Print the one line of a command stopped by Ctrl-C or a stop signal,
+    ``<prog>: interrupted[; <undone>]`` (``undone``: what its cleanup removed, e.g. "the
+    half-built testbed 'brk' was removed"), on stderr; return :func:`exit_status`."""
+    print(f"{prog}: interrupted" + (f"; {undone}" if undone else ""), file=sys.stderr)
+    return exit_status()
 
 
 def _defaults_in_child() -> None:

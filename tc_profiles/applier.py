@@ -178,6 +178,8 @@ def apply(profile: Profile | str, dev: str, netns: str | None = None,
                               f"{fmt_handle(ops[min(done, len(ops) - 1)].handle)}: "
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                               f"; root qdisc of {dev} reset") from None
+            if changed and isinstance(e, KeyboardInterrupt):   # for the one line
+                raise KeyboardInterrupt(f"root qdisc of {dev} reset") from None
             raise
     log.info("applied tc profile %s on %s%s", p.name, dev, f" (netns {netns})" if netns else "")
     return p

@@ -3,10 +3,21 @@
 ``register(subparsers)`` adds both; each leaf parser sets ``func=handler(args) -> int``
 and ``parser`` (itself). Errors print one line to stderr, ``<prog>: error: <message>``
 (e.g. ``dgt testbed up: error: --hosts must be >= 1, got 0``), and return 2; never a
-traceback. Every ``dgt testbed`` subcommand that takes ``--prefix`` checks it before
-anything else (``priority`` builds a testbed of its own, named by its pid, and takes
-none). A flag value that does not parse (``--loss-dscp abc``) is argparse's error,
-naming the flag and what it takes.
+traceback. Not root is one line from :mod:`.needs_root`, which says only what that
+subcommand offers instead.
+
+Ctrl-C is not caught here: the ``KeyboardInterrupt`` reaches ``dgt.cli``, which prints
+``<prog>: interrupted[; what was undone]`` (the exception's argument, given where the
+cleanup ran, e.g. testbed.up) and exits 128 + the signal. The subcommands that build
+state (``tc apply``, ``testbed up``, ``load``, ``priority``) set ``owns_cleanup``:
+``dgt.cli`` then turns SIGTERM and SIGHUP into Ctrl-C for them too (dgt.interrupt, which
+this layer may not import), so a killed ``testbed up`` removes its half-built testbed.
+``testbed exec`` becomes its command (``ip netns exec``): a signal is the command's.
+
+Every ``dgt testbed`` subcommand that takes ``--prefix`` checks it before anything else
+(``priority`` builds a testbed of its own, named by its pid, and takes none). A flag
+value that does not parse (``--loss-dscp abc``) is argparse's error, naming the flag
+and what it takes.
 
 Example::
 
@@ -22,26 +33,27 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 
 from . import names
 from .lazy import OnFirstUse
+from .needs_root import not_root
 from .schema import ProfileError, list_profiles, load_profile
 
 applier = OnFirstUse(".applier")   # pyroute2: loaded by the commands that use it
 testbed = OnFirstUse(".testbed")
 
-NOT_ROOT_TC = "dgt tc needs root (CAP_NET_ADMIN); run as root, or use --dry-run"
+
+def _command(args) -> str:
+    """The subcommand as ``dgt`` words (``dgt testbed up``), whatever the parser's prog."""
+    words = [getattr(args, k, None) for k in ("command", "tc_command", "testbed_command")]
+    return " ".join(["dgt"] + [w for w in words if w])
 
 
 def _prog(args) -> str:
     """The subcommand's name as its parser shows it (``dgt testbed up``)."""
     parser = getattr(args, "parser", None)
-    if parser is not None:
-        return parser.prog
-    words = [getattr(args, k, None) for k in ("command", "tc_command", "testbed_command")]
-    return " ".join(["dgt"] + [w for w in words if w])
+    return parser.prog if parser is not None else _command(args)
 
 
 def _fail(args, msg: str) -> int:
@@ -56,11 +68,11 @@ def _guard(fn):
             if getattr(args, "testbed_command", None) and hasattr(args, "prefix"):
                 testbed.check_prefix(args.prefix, "--prefix")  # before anything is made
             return fn(args)
+        except KeyboardInterrupt:   # first: the lazy names below would import pyroute2,
+            raise                   # whose import it may have cut short (dgt.cli says it)
         except (ProfileError, applier.TcError, testbed.TestbedError, ValueError,
                 IndexError, OSError) as e:
             return _fail(args, str(e).splitlines()[0] if str(e) else type(e).__name__)
-        except KeyboardInterrupt:
-            return _fail(args, "interrupted")
     handler.__name__ = fn.__name__
     return handler
 
@@ -73,8 +85,8 @@ def tc_apply(args) -> int:
     if args.dry_run:
         print("\n".join(applier.dry_run(args.profile, args.dev, args.netns, args.rate)))
         return 0
-    if os.geteuid() != 0:
-        return _fail(args, NOT_ROOT_TC)
+    if (rc := _root(args)) is not None:
+        return rc
     p = applier.apply(args.profile, args.dev, args.netns, args.rate)
     print(f"applied profile '{p.name}' on {args.dev}"
           + (f" (netns {args.netns})" if args.netns else ""))
@@ -85,6 +97,8 @@ def tc_apply(args) -> int:
 
 @_guard
 def tc_show(args) -> int:
+    if args.netns and (rc := _root(args)) is not None:
+        return rc
     state = applier.show(args.dev, args.netns)
     print(json.dumps(state, indent=2) if args.json else applier.render_table(state))
     return 0
@@ -92,8 +106,8 @@ def tc_show(args) -> int:
 
 @_guard
 def tc_clear(args) -> int:
-    if os.geteuid() != 0:
-        return _fail(args, NOT_ROOT_TC)
+    if (rc := _root(args)) is not None:
+        return rc
     done = applier.clear(args.dev, args.netns, force=args.force)
     print(f"cleared {args.dev}" if done else f"nothing of ours on {args.dev}")
     return 0
@@ -113,7 +127,8 @@ def tc_list(args) -> int:
 
 
 def _root(args) -> int | None:
-    return None if os.geteuid() == 0 else _fail(args, testbed.NOT_ROOT)
+    """None as root; else the subcommand's own not-root line (needs_root) and 2."""
+    return None if os.geteuid() == 0 else _fail(args, not_root(_command(args)))
 
 
 def _index(text: str) -> bool:
@@ -214,7 +229,12 @@ def tb_exec(args) -> int:
                            f"`dgt testbed up`")
     host = int(args.host) if _index(args.host) else args.host
     tb._need_ip()
-    return subprocess.run(["ip", "netns", "exec", tb._ns(host), *cmd]).returncode
+    # become the command (as 'ip netns exec' itself does): a signal reaches it, not a
+    # parent whose death would leave it running in the host, and its exit status, a
+    # signal's included (143 for SIGTERM), is this command's
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp("ip", ["ip", "netns", "exec", tb._ns(host), *cmd])
 
 
 @_guard
@@ -227,7 +247,11 @@ def tb_load(args) -> int:
     if tb is None:
         return _fail(args, f"no testbed with prefix '{args.prefix}' is up; run "
                            f"`dgt testbed up`")
-    for r in tb.load(args.seconds, args.pairs):
+    try:
+        loads = tb.load(args.seconds, args.pairs)
+    except KeyboardInterrupt:   # bulk_tcp stopped its senders and receivers
+        raise KeyboardInterrupt("the bulk TCP was stopped") from None
+    for r in loads:
         print(f"h{r['src']} -> h{r['dst']}: {r['mbit_s']:.1f} Mbit/s")
     return 0
 
@@ -248,7 +272,7 @@ def register(subparsers) -> None:
     p.add_argument("--netns", default=None)
     p.add_argument("--rate", default=None, help="link rate override, e.g. 950mbit")
     p.add_argument("--dry-run", action="store_true", help="print the tc commands only")
-    p.set_defaults(func=tc_apply, parser=p)
+    p.set_defaults(func=tc_apply, parser=p, owns_cleanup=True)
     p = tcs.add_parser("show", help="qdiscs, classes, filters and counters of a device")
     p.add_argument("--dev", required=True)
     p.add_argument("--netns", default=None)
@@ -265,16 +289,18 @@ def register(subparsers) -> None:
     tb = subparsers.add_parser("testbed", help="netns star testbed with shaped ports")
     tbs = tb.add_subparsers(dest="testbed_command", required=True)
 
-    def sub(name, help_, func, prefix=True):
+    def sub(name, help_, func, prefix=True, owns_cleanup=False):
         sp = tbs.add_parser(name, help=help_)
         if prefix:
             sp.add_argument("--prefix", default=names.DEFAULT_PREFIX,
                             help=f"the testbed's name prefix: namespaces <prefix>-sw, "
                                  f"<prefix>-h<i> (default {names.DEFAULT_PREFIX}; 1.."
                                  f"{names.MAX_PREFIX_LEN} letters, digits, '-', '_')")
-        sp.set_defaults(func=func, parser=sp)
+        sp.set_defaults(func=func, parser=sp, owns_cleanup=owns_cleanup)
         return sp
-    p = sub("up", "build N hosts around a router; every port shaped", tb_up)
+    # owns_cleanup: SIGTERM and SIGHUP stop these as Ctrl-C does (see the module doc)
+    p = sub("up", "build N hosts around a router; every port shaped", tb_up,
+            owns_cleanup=True)
     p.add_argument("--hosts", type=int, required=True)
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--profile", default="htb-prio")
@@ -296,14 +322,14 @@ def register(subparsers) -> None:
     p.add_argument("host", help="host index, or a namespace's name (<prefix>-h<i>, "
                                 "<prefix>-sw), which names its testbed: no --prefix needed")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
-    p = sub("load", "bulk best-effort TCP between hosts", tb_load)
+    p = sub("load", "bulk best-effort TCP between hosts", tb_load, owns_cleanup=True)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--pairs", type=host_pairs, default=None, metavar="SRC:DST,...",
                    help="host index pairs (default i -> i+1)")
     # its own testbed, named dgtpc<pid>, built and removed: a --prefix could name the
     # user's testbed, which 'up' would tear down first
     p = sub("priority", "measure EF/CS1 delivery under bulk load (own 3-host testbed)",
-            tb_priority, prefix=False)
+            tb_priority, prefix=False, owns_cleanup=True)
     from .priority_check import add_arguments
     add_arguments(p)
 

@@ -17,7 +17,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import RTM_DELQDISC, RTM_NEWQDISC, TC_H_ROOT
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
-from ._nl import open_ipr, request
+from ._nl import create_netns, open_ipr, request
 
 _cache: dict[str, bool] = {}
 
@@ -32,7 +32,7 @@ def _probe(kinds: list[str]) -> dict[str, bool]:
     name = f"dgt-probe-{os.getpid()}"
     found: dict[str, bool] = {}
     try:
-        netns.create(name)
+        create_netns(name)
     except OSError as e:
         raise KernelProbeError(f"cannot create a scratch netns for the qdisc probe: {e}") \
             from None

@@ -35,6 +35,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .lazy import OnFirstUse
+from .needs_root import not_root
 from .schema import load_profile, parse_rate
 
 if TYPE_CHECKING:
@@ -351,6 +352,8 @@ def priority_check(rate: str = "1gbit", seconds: float = 3, profile: str = "htb-
         for r in res:
             r["note"] = why or r["note"]
         return res
+    except KeyboardInterrupt:   # what is undone (the finally), for the one line
+        raise KeyboardInterrupt(f"its testbed '{prefix}' was removed") from None
     finally:
         testbed.down(prefix)
 
@@ -457,8 +460,7 @@ def run(args) -> int:
     if why:
         return _fail(args, why)
     if os.geteuid() != 0:
-        return _fail(args, "dgt testbed needs root (CAP_NET_ADMIN); run as root or use "
-                           "loopback mode")
+        return _fail(args, not_root("dgt testbed priority"))
     from shutil import which
     if not args.no_bulk and which("iperf3") is None:
         return _fail(args, "the priority check needs iperf3 for the bulk TCP; install it "

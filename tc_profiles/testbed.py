@@ -42,7 +42,8 @@ from pathlib import Path
 from pyroute2 import netns as _netns
 
 from . import applier, system
-from ._nl import is_root, open_ipr
+from ._nl import create_netns, is_root, open_ipr
+from .needs_root import not_root
 from .plan import compile_profile
 from .names import (DEFAULT_PREFIX, MAX_HOSTS, MAX_PREFIX_LEN, NAME_MAX, SUBNET,  # noqa: F401
                     PrefixError, TestbedError, check_prefix, host_addr, host_netns,
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 STATE_DIR = Path("/run/dgt")
 HOST_DEV = "eth0"
 NFT_TABLE = "dgt_testbed"
-NOT_ROOT = "dgt testbed needs root (CAP_NET_ADMIN); run as root or use loopback mode"
+NOT_ROOT = f"the testbed {not_root('dgt testbed up')}"
 
 
 
@@ -278,7 +279,8 @@ def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
     cubic; docs/tc_profiles.md, "Congestion control").
     Raises TestbedError (not root, bad arguments, kernel lacks a qdisc the
     profile needs: nothing is created then); on a failure half-way, everything built
-    is removed before the error is raised.
+    is removed before the error is raised. Interrupted half-way (Ctrl-C, or a signal
+    dgt.interrupt turns into it), the same, then KeyboardInterrupt saying so.
     """
     check_prefix(prefix)
     if not is_root():
@@ -308,11 +310,14 @@ def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
             raise TestbedError(f"loss_dscp values must be 0..63, got {loss_dscp}")
     tb = Testbed(int(hosts), str(rate), prof.name, prefix, queue_bytes, float(loss_pct),
                  loss_dscp, tcp_congestion or "")
-    down(prefix)
     try:
+        down(prefix)   # an old one of this name; inside: interrupted, it goes all the same
         _build(tb, prof)
-    except BaseException:
+    except BaseException as e:
         down(prefix)
+        if isinstance(e, KeyboardInterrupt):   # what was undone, for the one line
+            raise KeyboardInterrupt(f"the half-built testbed '{prefix}' was removed") \
+                from None
         raise
     return tb
 
@@ -321,7 +326,7 @@ def _build(tb: Testbed, prof: Profile) -> None:
     t0 = time.monotonic()
     names = [tb.router] + [tb.host_netns(i) for i in range(tb.hosts)]
     for n in names:
-        _netns.create(n)
+        create_netns(n)
     with open_ipr(tb.router) as sw:
         sw.link("set", index=sw.link_lookup(ifname="lo")[0], state="up")
         for i in range(tb.hosts):

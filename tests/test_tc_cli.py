@@ -63,8 +63,8 @@ def test_bad_profile_is_one_line_exit_2():
 def test_not_root_message():
     r = dgt("testbed", "up", "--hosts", "2", user=65534)
     assert r.returncode == 2
-    assert r.stderr.strip() == ("dgt testbed up: error: dgt testbed needs root "
-                                "(CAP_NET_ADMIN); run as root or use loopback mode")
+    assert r.stderr.strip() == ("dgt testbed up: error: needs root (CAP_NET_ADMIN: "
+                                "network namespaces, veth, tc); run as root")
     r = dgt("tc", "apply", "htb-prio", "--dev", "lo", user=65534)
     assert r.returncode == 2 and "needs root" in r.stderr and "Traceback" not in r.stderr
 

@@ -54,8 +54,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dgt.child_argv import module_argv, typed_command
-from dgt.interrupt import exit_status, raise_keyboard_interrupt_on
+from dgt.interrupt import interrupted, stop_on_signals
 from dgt.progress import CellProgress
+from dgt.tc_profiles.needs_root import not_root
 from dgt.transport.channels import DEFAULT_UDP_CHANNELS, channel_dscp
 
 log = logging.getLogger("dgt.tools.bench")
@@ -69,8 +70,6 @@ SYSTEM_LABEL = {"gloo": "gloo all_reduce", "tcp": "dgt --mode tcp",
 SYSTEM_COLOR = {"gloo": "tab:blue", "tcp": "tab:orange", "topk": "tab:green",
                 "dgt": "tab:red"}
 UNRELIABLE_DSCP = LOSS_DSCP["lossy"]
-NOT_ROOT = ("needs root (network namespaces, tc, nftables); run as root, or use "
-            "'dgt bench --loopback'")
 #: Seconds a cell spends outside its iterations (process start, imports, rendezvous,
 #: registration, evaluation), measured on the 2-core development VM.
 STARTUP_S = 18.0
@@ -575,7 +574,7 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
     """Run every cell; write results. Raises BenchError (not root, bad config)."""
     cfg.validate()
     if not cfg.loopback and os.geteuid() != 0:
-        raise BenchError(NOT_ROOT)
+        raise BenchError(not_root("dgt bench"))
     check_out_dir(cfg.out)
     cells = plan(cfg)
     est = estimate_s(cfg)
@@ -902,7 +901,7 @@ def run_goodput(rate: str = "1gbit", hidden: int = 2500, iterations: int = 4,
     Returns the numbers and the ratios to iperf3.
     """
     if os.geteuid() != 0:
-        raise BenchError(NOT_ROOT)
+        raise BenchError(not_root("dgt bench goodput"))
     from dgt.tc_profiles import testbed
     work = tempfile.mkdtemp(prefix="dgt-bench-goodput-")
     res: dict = dict(rate=rate, hidden=hidden, iterations=iterations, mb=mb,
@@ -1125,7 +1124,7 @@ def cmd_bench(a) -> int:
         os.path.basename(sys.argv[0]) == "dgt" else shlex.join(["dgt", "bench"] + sys.argv[2:])
     # SIGTERM and SIGHUP stop the bench as Ctrl-C does: every cell's job is stopped and
     # the testbed removed on the way out (the default action would leave them running)
-    raise_keyboard_interrupt_on(signal.SIGTERM, signal.SIGHUP, ignore_repeats=True)
+    stop_on_signals()
     try:
         if a.what == "tta":
             from dgt.tools.bench_tta import cmd_tta
@@ -1163,7 +1162,7 @@ def cmd_bench(a) -> int:
                   f"{peer_timeout_s(cfg, cfg.rates[-1] if cfg.rates else None):.0f} s)")
             return 0
         if not cfg.loopback and os.geteuid() != 0:
-            raise BenchError(NOT_ROOT)
+            raise BenchError(not_root("dgt bench"))
         if not cfg.loopback:
             check_tools(cfg.scenarios, estimate=False)
         doc = run_matrix(cfg, command)
@@ -1175,5 +1174,5 @@ def cmd_bench(a) -> int:
         print(f"dgt bench: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("dgt bench: interrupted (jobs stopped, testbed removed)", file=sys.stderr)
-        return exit_status()
+        return interrupted("dgt bench", "its jobs were stopped" + (
+            "" if a.loopback else ", its testbed removed"))

@@ -71,6 +71,7 @@ from dgt.tools import bench
 from dgt.report import cpu_per_iteration
 from dgt.trace import read_run
 from dgt.tools.bench import BenchError, _csv, _fmt, _load_avg, rate_bits_per_s
+from dgt.tc_profiles.needs_root import not_root
 
 BASES = ("gloo", "gloo-fp16", "gloo-powersgd", "tcp", "dgt", "dgt-ddp")
 DDP_HOOK = {"gloo-fp16": "fp16", "gloo-powersgd": "powersgd", "dgt-ddp": "dgt"}
@@ -629,7 +630,7 @@ def run_tta(cfg: TtaConfig, command: str, log_fn=print) -> dict:
     """Calibrate where a rate is ``calibrated``, run every cell, write the outputs."""
     cfg.validate()
     if not cfg.loopback and os.geteuid() != 0:
-        raise BenchError(bench.NOT_ROOT)
+        raise BenchError(not_root("dgt bench tta"))
     bench.check_out_dir(cfg.out)
     from dgt.tc_profiles import testbed
     if not cfg.loopback and testbed.current(cfg.prefix) is not None:
@@ -1038,7 +1039,7 @@ def cmd_tta(a, command: str) -> int:
                  if "calibrated" in cfg.rates and not cfg.loopback else ""))
         return 0
     if not cfg.loopback and os.geteuid() != 0:
-        raise BenchError(bench.NOT_ROOT)
+        raise BenchError(not_root("dgt bench tta"))
     if not cfg.loopback:
         bench.check_tools(cfg.scenarios, estimate=False)
     doc = run_tta(cfg, command)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dgt.tc_profiles import system
+from dgt.tc_profiles.needs_root import not_root
 from dgt.tools.ports import PortSpec, bpf_filter
 
 log = logging.getLogger("dgt.capture")
@@ -366,13 +367,13 @@ class Capture:
     def _open_socket(self) -> tuple[socket.socket, int, bool]:
         cfg = self.cfg
         if os.geteuid() != 0:
-            raise CaptureError("capture needs root (CAP_NET_RAW): run with sudo")
+            raise CaptureError(not_root("dgt capture"))
         if cfg.netns:
             _setns(cfg.netns)  # this thread only: sockets opened below live in the netns
         try:
             sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
         except PermissionError:
-            raise CaptureError("capture needs root (CAP_NET_RAW): run with sudo") from None
+            raise CaptureError(not_root("dgt capture")) from None
         try:
             socket.if_nametoindex(cfg.interface)
         except OSError:
@@ -423,15 +424,15 @@ class Capture:
         except BaseException:
             sock.close()
             raise
-        chans = set(cfg.channels) if cfg.channels is not None else None
         t0 = time.monotonic()
-        deadline = t0 + cfg.seconds if cfg.seconds else None
-        next_progress = t0 + cfg.progress_s
-        anc = socket.CMSG_SPACE(16)
-        log.info("capturing on %s%s, filter: %s", cfg.interface,
-                 f" (netns {cfg.netns})" if cfg.netns else "", st.filter)
-        self.ready.set()
-        try:
+        try:   # from here on the file is closed whole, also when stopped at once
+            chans = set(cfg.channels) if cfg.channels is not None else None
+            deadline = t0 + cfg.seconds if cfg.seconds else None
+            next_progress = t0 + cfg.progress_s
+            anc = socket.CMSG_SPACE(16)
+            log.info("capturing on %s%s, filter: %s", cfg.interface,
+                     f" (netns {cfg.netns})" if cfg.netns else "", st.filter)
+            self.ready.set()
             while True:
                 now = time.monotonic()
                 if self._stop.is_set():

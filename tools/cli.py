@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from dgt import outpath
-from dgt.interrupt import exit_status
+from dgt.interrupt import interrupted, stop_on_signals
 
 log = logging.getLogger("dgt.tools")
 
@@ -186,8 +186,7 @@ def _guard(fn):
             print(f"dgt {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
-            print(f"dgt {args.command}: interrupted", file=sys.stderr)
-            return exit_status()
+            return interrupted(f"dgt {args.command}")
     run.__name__ = fn.__name__
     return run
 
@@ -212,11 +211,9 @@ def cmd_capture(args) -> int:
         out=args.write, ports=spec, interface=args.interface, netns=args.netns,
         seconds=args.seconds, count=args.count, ring=args.ring, file_mb=args.file_mb,
         channels=ports.parse_channels(args.channel) if args.channel else None)
-    import signal
-
-    from dgt.interrupt import raise_keyboard_interrupt_on
-    # SIGTERM stops like Ctrl-C: close the file, print stats
-    raise_keyboard_interrupt_on(signal.SIGTERM)
+    # SIGTERM and SIGHUP stop it as Ctrl-C does, its documented end: the file is
+    # completed and the stats printed (exit 0: what was recorded is the result)
+    stop_on_signals()
     st = capture.run_capture(cfg)
     print(capture.format_stats(st))
     if args.json:
@@ -292,7 +289,7 @@ def cmd_replay(args) -> int:
     replay.check_schedule([sc.last_offset(cfg.speed, rate_pps, rate_mbit)])
     if args.dry_run:
         offs = replay.Offsets(speed=cfg.speed, rate_pps=rate_pps, rate_mbit=rate_mbit)
-        for it in replay.iter_items(cfg, sc.from_base_port):
+        for it in replay.iter_items(cfg, sc.from_base_port, dirs=sc.directions):
             h = it.header
             print(f"{offs.next(it):10.6f}  {it.proto}  {it.dst}:{it.dport}  {h.type!s:>2} "
                   f"ch={h.channel} it={h.iteration} {len(it.data)} B")

@@ -2,10 +2,14 @@
 
 UDP datagrams are re-sent as datagrams (a GSO super-packet seen on the tap becomes its
 segments); TCP frames of each captured connection are re-sent, in order, over one fresh
-TCP connection per captured connection. Only the client-to-server direction of a TCP
-connection is replayed (worker -> shard: HELLO, BLOCKS, END); the captured answers
-(PULL) are counted as ``skipped_reverse``, and the receiver's live answers are read and
-discarded. Destinations are rewritten with ``to_host`` and a port map.
+TCP connection per captured connection. Only the worker -> shard direction of a TCP
+connection is replayed (HELLO, BLOCKS, END, and the ERROR/BYE that go that way); the
+captured answers (PULL) are counted as ``skipped["reverse"]``, and the receiver's live
+answers are read and discarded. Which end of a connection is the shard is decided from
+the message types it carries (:func:`directions`, a first pass over the TCP packets),
+not from its ports or its first packet: a capture started mid-job has no SYN, and a
+shard's port may be above or below its workers' ephemeral ones. Destinations are
+rewritten with ``to_host`` and a port map.
 
 Timing: every message gets an absolute send time on the monotonic clock, computed up
 front from the capture (original timing, optionally ``speed`` x faster) or from a fixed
@@ -35,10 +39,18 @@ from dgt.deadline import bounded
 from dgt.transport import wire
 from dgt.transport.channels import channel_name
 from dgt.transport.sockopts import set_dscp
-from dgt.tools.dissect import Dissector, parse_packet, read_pcap
+from dgt.tools.dissect import L4, Dissector, Message, parse_packet, read_pcap
 from dgt.tools.ports import PortSpec, PortSpecError
 
 _CONTROL = {wire.MsgType.HELLO, wire.MsgType.BYE}
+#: what each end of a dgt TCP connection sends (docs/wire.md, "Message types" and
+#: "Connections"): the worker, which dialled it, HELLO, BLOCKS and END; the shard, which
+#: accepted it, PULL. ERROR and BYE name no direction: dgt's sidecar sends them on the
+#: connections it accepted, tools/synth.py's workers send BYE on the ones they dialled,
+#: tools/attack.py sends forged ones as a client.
+_FROM_WORKER = frozenset({wire.MsgType.HELLO, wire.MsgType.BLOCKS, wire.MsgType.END})
+_FROM_SHARD = frozenset({wire.MsgType.PULL})
+_SYN, _ACK = 0x02, 0x10   # TCP flags
 #: at the end, the most time given to each TCP connection's receiver to close it
 DRAIN_S = 0.5
 #: the longest a TCP send may make no progress (the receiver stopped reading) before
@@ -79,8 +91,10 @@ class ReplayConfig:
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One message to send. ``conn``: the captured TCP connection (client, server)
-    endpoints, or None for UDP. ``dst``/``dport``: rewritten destination."""
+    """One message to send. ``conn``: the captured TCP connection, (client endpoint,
+    server endpoint, connection number of :class:`_Conns`: a 4-tuple used again after a
+    new SYN is another connection), or None for UDP. ``dst``/``dport``: rewritten
+    destination."""
 
     ts_ns: int
     proto: str
@@ -172,11 +186,13 @@ def parse_iterations(text: str) -> tuple[int, int]:
 
 @dataclass
 class Scan:
-    """What a first streaming pass over the capture(s) found, without keeping any
-    message: how many messages will be sent, the timing facts the schedule needs, the
-    port base, and the counters for the report."""
+    """What the first streaming passes over the capture(s) found, without keeping any
+    message: which end of each TCP connection is the shard (``directions``), how many
+    messages will be sent, the timing facts the schedule needs, the port base, and the
+    counters for the report."""
 
     messages: int = 0
+    directions: "Directions | None" = None
     first_ts_ns: int | None = None
     last_ts_ns: int | None = None
     bits_before_last: int = 0
@@ -195,37 +211,142 @@ class Scan:
         return (self.last_ts_ns - self.first_ts_ns) / 1e9 / speed
 
 
+class _Conns:
+    """The captured TCP connections, in capture order, and the evidence of which end of
+    each is the server (the shard, which accepted it). A connection is a 4-tuple from
+    its first message or SYN on; a SYN after messages (or naming the other end as the
+    server) starts another connection on the same 4-tuple, so each gets a number, the
+    same in every pass over the same packets."""
+
+    def __init__(self):
+        self.current: dict[tuple, int] = {}   # 4-tuple (sorted ends) -> its number now
+        self.syn: dict[int, tuple] = {}       # number -> server end its SYN/SYN-ACK names
+        self.typed: dict[int, tuple] = {}     # number -> server end its messages name
+        self.busy: set[int] = set()           # numbers that carried a message
+        self.count = 0
+
+    def _new(self, key: tuple) -> int:
+        n = self.current[key] = self.count
+        self.count += 1
+        return n
+
+    def packet(self, pkt: L4 | None) -> None:
+        """Note ``pkt``'s SYN (the client's: the server is its destination) or SYN-ACK
+        (the server's: its source). Call before the dissector sees ``pkt``."""
+        if pkt is None or pkt.proto != "tcp" or not pkt.tcp_flags & _SYN:
+            return
+        key = tuple(sorted([(pkt.src, pkt.sport), (pkt.dst, pkt.dport)]))
+        server = (pkt.src, pkt.sport) if pkt.tcp_flags & _ACK else (pkt.dst, pkt.dport)
+        n = self.current.get(key)
+        if n is None or n in self.busy or self.syn.get(n, server) != server:
+            n = self._new(key)
+        self.syn.setdefault(n, server)
+
+    def message(self, m: Message) -> int:
+        """Note TCP message ``m``; returns its connection's number. Its type names the
+        server end when it is one a worker sends (the destination) or a shard sends (the
+        source); the first such message of a connection is its evidence."""
+        key = tuple(sorted([(m.src, m.sport), (m.dst, m.dport)]))
+        n = self.current.get(key)
+        if n is None:
+            n = self._new(key)
+        self.busy.add(n)
+        if n not in self.typed:
+            if m.header.type in _FROM_WORKER:
+                self.typed[n] = (m.dst, m.dport)
+            elif m.header.type in _FROM_SHARD:
+                self.typed[n] = (m.src, m.sport)
+        return n
+
+
+@dataclass
+class Directions:
+    """Which end of each captured TCP connection is the server (the shard): ``server``
+    maps a connection number (:class:`_Conns`) to that (host, port). ``counts``: how
+    many connections were decided by their message types (``types``), by their SYN
+    alone (``syn``: no message a worker or a shard alone sends), or are left to the
+    ports (``ports``: neither; :meth:`Dissector.server_endpoint`, the end on a dgt TCP
+    port, else the lower port); ``syn_disagreed``: decided by types against their SYN."""
+
+    server: dict[int, tuple[str, int]]
+    counts: dict[str, int]
+
+
+def _messages(files: list[str], d: Dissector, conns: _Conns, tcp_only: bool = False,
+              status: list | None = None) -> Iterator[tuple[Message, int | None]]:
+    """(message, its TCP connection's number or None for UDP) of the capture(s), in
+    capture order, streamed. ``status`` receives each file's :func:`read_pcap` status.
+    Raises PcapError for a bad file."""
+    for f in files:
+        st: dict = {}
+        for linktype, rec in read_pcap(f, st):
+            pkt = parse_packet(linktype, rec)
+            if tcp_only and (pkt is None or pkt.proto != "tcp"):
+                continue
+            conns.packet(pkt)
+            for m in d.feed(pkt):
+                yield m, (conns.message(m) if m.proto == "tcp" else None)
+        if status is not None:
+            status.append(st)
+
+
+def directions(cfg: ReplayConfig) -> Directions:
+    """A first pass over the capture(s)' TCP packets, streamed: which end of each TCP
+    connection is the shard. The message types decide (docs/wire.md: a worker sends
+    HELLO, BLOCKS and END, a shard PULL; ERROR and BYE go either way), whatever the
+    ports and whichever packet came first; the SYN (or SYN-ACK) decides a connection
+    whose types do not, and one that has neither is left to the ports, as
+    :meth:`Dissector.server_endpoint` guesses. Memory grows with the connections, not
+    the messages. Raises PcapError for a bad file."""
+    conns = _Conns()
+    for _ in _messages(cfg.files, Dissector(cfg.ports), conns, tcp_only=True):
+        pass
+    server: dict[int, tuple[str, int]] = {}
+    counts = Counter(types=0, syn=0, ports=0, syn_disagreed=0)
+    for n in sorted(conns.busy):
+        if n in conns.typed:
+            server[n] = conns.typed[n]
+            counts["types"] += 1
+            counts["syn_disagreed"] += conns.syn.get(n, server[n]) != server[n]
+        elif n in conns.syn:
+            server[n] = conns.syn[n]
+            counts["syn"] += 1
+        else:
+            counts["ports"] += 1
+    return Directions(server, dict(counts))
+
+
 def iter_items(cfg: ReplayConfig, old_base: int | None = None,
-               info: dict | None = None, ports: "_Ports | None" = None) -> Iterator[Item]:
+               info: dict | None = None, ports: "_Ports | None" = None,
+               dirs: Directions | None = None) -> Iterator[Item]:
     """Yield the messages to send, filtered and re-addressed, in capture order, reading
     the capture(s) as a stream (memory does not grow with the file). ``old_base``: the
-    captured port base for ``cfg.base_port`` (see :func:`scan`). ``info``, when given,
-    receives the counters (captured_messages, skipped, undecodable, truncated) at the
+    captured port base for ``cfg.base_port`` (see :func:`scan`). ``dirs``: the TCP
+    connections' directions from :func:`directions` of the same ``cfg`` (``Scan.
+    directions``); None runs that pass first. ``info``, when given, receives the
+    counters (captured_messages, skipped, undecodable, truncated, tcp_direction) at the
     end; ``ports`` the captured server ports seen. Raises PcapError for a bad file,
     ReplayError for a port mapped out of range."""
+    if dirs is None:
+        dirs = directions(cfg)
     d = Dissector(cfg.ports)
     skipped = Counter()
     captured = 0
-    truncated = []
-    records = 0
-    for f in cfg.files:
-        st: dict = {}
-        for linktype, rec in read_pcap(f, st):
-            for m in d.feed(parse_packet(linktype, rec)):
-                captured += 1
-                it = _item(cfg, d, m, old_base, skipped, ports)
-                if it is not None:
-                    yield it
-        records += st.get("records", 0)
-        if "truncated" in st:
-            truncated.append(st["truncated"])
+    status: list[dict] = []
+    for m, n in _messages(cfg.files, d, _Conns(), status=status):
+        captured += 1
+        server = None if n is None else dirs.server.get(n) or d.server_endpoint(m)
+        it = _item(cfg, m, server, n, old_base, skipped, ports)
+        if it is not None:
+            yield it
     d.finish()
+    truncated = [st["truncated"] for st in status if "truncated" in st]
     from dgt.tools.summary import check_truncated
-    check_truncated(truncated, records)
+    check_truncated(truncated, sum(st.get("records", 0) for st in status))
     if info is not None:
         info.update({"captured_messages": captured, "skipped": dict(skipped),
                      "undecodable": d.undecodable, "from_base_port": old_base,
-                     "truncated": truncated})
+                     "truncated": truncated, "tcp_direction": dirs.counts})
 
 
 class _Ports:
@@ -239,18 +360,19 @@ class _Ports:
         self.hi = port if self.hi is None else max(self.hi, port)
 
 
-def _item(cfg: ReplayConfig, d: Dissector, m, old_base, skipped: Counter,
-          ports: _Ports | None = None) -> Item | None:
+def _item(cfg: ReplayConfig, m: Message, server: tuple[str, int] | None, n: int | None,
+          old_base, skipped: Counter, ports: _Ports | None = None) -> Item | None:
     """The :class:`Item` for message ``m``, or None when a filter drops it (counted in
-    ``skipped``). With ``old_base`` None and a ``base_port``, the port is left as
-    captured (the first pass of :func:`scan`)."""
+    ``skipped``; a TCP message not sent to ``server``, its connection's shard end, as
+    ``reverse``). ``n``: its TCP connection's number. With ``old_base`` None and a
+    ``base_port``, the port is left as captured (the first pass of :func:`scan`).
+    Raises ReplayError for a port mapped out of 1..65535."""
     conn = None
     if m.proto == "tcp":
-        server = d.server_endpoint(m)
         if (m.dst, m.dport) != server:
             skipped["reverse"] += 1
             return None
-        conn = ((m.src, m.sport), server)
+        conn = ((m.src, m.sport), server, n)
     if ports is not None:
         ports.add(m.dport)
     h = m.header
@@ -279,15 +401,16 @@ def _item(cfg: ReplayConfig, d: Dissector, m, old_base, skipped: Counter,
 
 
 def scan(cfg: ReplayConfig) -> Scan:
-    """First pass over the capture(s), streamed: count what will be sent and find what
-    the schedule and the port mapping need, keeping no message. Raises PcapError for a
-    bad file, ReplayError for a port mapped out of range."""
-    sc = Scan()
+    """The first passes over the capture(s), streamed: the TCP connections' directions
+    (:func:`directions`), then count what will be sent and find what the schedule and
+    the port mapping need, keeping no message. Raises PcapError for a bad file,
+    ReplayError for a port mapped out of range."""
+    sc = Scan(directions=directions(cfg))
     old_base = cfg.from_base_port
     find_base = cfg.base_port is not None and old_base is None
     seen, mapped = _Ports(), _Ports()
     size = 0
-    for it in iter_items(cfg, old_base, sc.info, seen):
+    for it in iter_items(cfg, old_base, sc.info, seen, sc.directions):
         sc.messages += 1
         if sc.first_ts_ns is None:
             sc.first_ts_ns = it.ts_ns
@@ -312,7 +435,7 @@ def plan(cfg: ReplayConfig) -> tuple[list[Item], dict]:
     a bad file."""
     sc = scan(cfg)
     info: dict = {}
-    items = list(iter_items(cfg, sc.from_base_port, info))
+    items = list(iter_items(cfg, sc.from_base_port, info, dirs=sc.directions))
     return items, info
 
 
@@ -409,7 +532,7 @@ def replay(cfg: ReplayConfig, items: Iterable[Item] | None = None, progress=None
         sc = scanned or scan(cfg)
         check_schedule([sc.last_offset(cfg.speed, cfg.rate_pps, cfg.rate_mbit)])
         total = sc.messages
-        items = iter_items(cfg, sc.from_base_port, info)
+        items = iter_items(cfg, sc.from_base_port, info, dirs=sc.directions)
     else:
         items = list(items)
         total = len(items)
@@ -574,6 +697,13 @@ def format_report(rep: dict) -> str:
               + (f", ratio {ratio:.3f})" if ratio else ")")]
     if rep.get("send_errors_by_destination"):
         lines.append(f"send errors by destination: {rep['send_errors_by_destination']}")
+    tcp = rep.get("tcp_direction") or {}
+    if tcp.get("ports"):
+        lines.append(f"tcp direction: {tcp['ports']} connection(s) with no SYN and no "
+                     f"HELLO/BLOCKS/END/PULL: their shard end guessed from the ports")
+    if tcp.get("syn_disagreed"):
+        lines.append(f"tcp direction: {tcp['syn_disagreed']} connection(s) whose message "
+                     f"types name the other end than their SYN: the types decided")
     from dgt.tools.summary import truncation_text
     for t in rep.get("truncated", ()):
         lines.append(truncation_text(t) + "; replayed the records before it")

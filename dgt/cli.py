@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     """``dgt``: parse ``argv`` and run the subcommand. Ctrl-C (or a signal a command
     turns into it, dgt.interrupt) at any point, even while the parser is built and the
     subcommands import numpy and torch, is one line and the shell's status (130)."""
+    from .interrupt import keep_lost_interrupts
+    keep_lost_interrupts()   # a Ctrl-C inside an import's callback: not swallowed
     try:
         return _main(argv)
     except KeyboardInterrupt:

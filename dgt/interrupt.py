@@ -91,6 +91,44 @@ def interrupted(prog: str, undone: str = "") -> int:
     return exit_status()
 
 
+#: s: how soon a KeyboardInterrupt that Python had to swallow is raised again
+RAISE_AGAIN_S = 0.01
+
+
+def keep_lost_interrupts() -> None:
+    """Never lose a Ctrl-C (or a stop signal turned into one) to a callback.
+
+    A KeyboardInterrupt raised while Python runs a callback it cannot unwind from (a
+    weakref callback, such as the import system's module-lock ``cb``, a ``__del__``) is
+    "unraisable": Python prints ``Exception ignored in: ...`` and a traceback, and goes
+    on as if no signal had come (CI saw it with a Ctrl-C 1 s into ``dgt train``). This
+    sets ``sys.unraisablehook`` so that such an interrupt prints nothing and is raised
+    again RAISE_AGAIN_S later, from a SIGALRM timer, where the program's own handlers
+    catch it; every other unraisable exception goes to the previous hook. Main thread
+    only (signal(2) handlers)."""
+    previous = sys.unraisablehook
+
+    def hook(args) -> None:
+        if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt) \
+                and os.getpid() == _hook_pid:
+            signal.signal(signal.SIGALRM, _raise_again)
+            signal.setitimer(signal.ITIMER_REAL, RAISE_AGAIN_S)
+            return
+        previous(args)
+
+    global _hook_pid
+    _hook_pid = os.getpid()   # a forked child keeps the hook, not the timer's meaning
+    sys.unraisablehook = hook
+
+
+_hook_pid: int | None = None
+
+
+def _raise_again(signum, frame) -> None:
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
 def _defaults_in_child() -> None:
     if os.getpid() == _owner_pid:
         return

@@ -105,3 +105,46 @@ def test_ctrl_c_at_any_moment_of_start_up_never_prints_a_traceback():
         out, err = p.communicate(timeout=120)
         assert "Traceback" not in err, (delay, err)
         assert p.returncode in (130, -signal.SIGINT), (delay, p.returncode, err)
+
+
+SWALLOWED = """
+import os, signal, sys, time, weakref
+if sys.argv[1] == "kept":
+    from dgt.interrupt import keep_lost_interrupts
+    keep_lost_interrupts()
+
+
+class A:
+    pass
+
+
+def cb(ref):   # a weakref callback, as the import system's module-lock one
+    os.kill(os.getpid(), signal.SIGINT)   # delivered here: Python raises inside cb
+    for _ in range(1000):
+        pass
+
+
+try:
+    a = A()
+    r = weakref.ref(a, cb)
+    del a
+    for _ in range(500):
+        time.sleep(0.01)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_a_ctrl_c_inside_a_weakref_callback_is_neither_printed_nor_lost():
+    """CI of d83fcf8: a Ctrl-C 1 s into dgt train landed in importlib's module-lock
+    callback; Python printed "Exception ignored in: <function _get_module_lock.<locals>.
+    cb ...> Traceback ... KeyboardInterrupt" and went on. With dgt.cli's hook the
+    interrupt is raised again outside the callback: no text, and it is not lost."""
+    bare = subprocess.run([sys.executable, "-c", SWALLOWED, "bare"], capture_output=True,
+                          text=True, timeout=60)
+    assert "Exception ignored" in bare.stderr and bare.stdout == "not interrupted\n", \
+        (bare.stdout, bare.stderr)   # the fault, reproduced without the hook
+    kept = subprocess.run([sys.executable, "-c", SWALLOWED, "kept"], capture_output=True,
+                          text=True, timeout=60)
+    assert kept.stdout == "interrupted\n" and kept.stderr == "", (kept.stdout, kept.stderr)

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import enum
 import glob
-import json
 import os
 from dataclasses import asdict, dataclass, field
 
 from .atomic import write_json
 from .rank_list import rank_list
+from .run_files import read_json
 
 
 class FailureReason(str, enum.Enum):
@@ -102,10 +102,10 @@ def write(run_dir: str, record: FailureRecord) -> None:
 
 
 def read(path: str) -> FailureRecord | None:
-    """One record, or None when the file is missing or malformed."""
+    """One record, or None when the file is missing or malformed, or is not a regular
+    file or too large (dgt.run_files.read_json: a FIFO is not waited on)."""
     try:
-        with open(path) as f:
-            d = json.load(f)
+        d = read_json(path)
         return FailureRecord(kind=str(d["kind"]), rank=int(d["rank"]),
                              reason=FailureReason(d["reason"]), message=str(d["message"]),
                              blamed=[int(r) for r in d.get("blamed", [])])
@@ -138,10 +138,10 @@ def first_cause(records: list[FailureRecord]) -> FailureRecord | None:
 def job_stop(run_dir: str) -> tuple[str, int | None] | None:
     """What the launcher left in ``run_dir/failure.json`` when it stopped the job for a
     failure: (its message, the failed rank or None); None when there is no such file (a
-    normal stop: the launcher, systemd, Ctrl-C) or it cannot be read."""
+    normal stop: the launcher, systemd, Ctrl-C) or it cannot be read (not a regular
+    file: dgt.run_files.read_json)."""
     try:
-        with open(os.path.join(run_dir, "failure.json")) as f:
-            info = json.load(f)
+        info = read_json(os.path.join(run_dir, "failure.json"))
         return str(info["message"]), info.get("rank")
     except (OSError, ValueError, KeyError, TypeError):
         return None

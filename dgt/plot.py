@@ -16,40 +16,49 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import sys
 
-from .run_files import job_world
+from .run_files import job_world, read_json
 from .trace import channel_totals, comm_times_ms, read_run, skipped_note
 
 
 def load(source: str) -> dict:
     """{history, comm_ms: {rank: [ms]}, channels: {name: {field: n}}, notes: [what was
-    skipped]} from a report file or a run directory; a trace's unreadable lines and an
-    unreadable trainer-0.json are skipped and named in ``notes``. Raises ValueError
-    saying what is missing."""
+    skipped]} from a report file or a run directory; a trace's unreadable lines, a
+    trace, ``pids.json`` or ``trainer-0.json`` that is not a regular file (a FIFO, a
+    device, a directory: dgt.run_files.open_regular), and an unreadable trainer-0.json
+    are skipped and named in ``notes``. A report or trainer-0.json over
+    dgt.run_files.MAX_RECORD bytes is not read. Raises ValueError saying what is
+    missing."""
     if os.path.isdir(source):
         skipped: dict[str, int] = {}
-        traces = read_run(source, skipped, job_world(source))   # this job's ranks
-        notes = skipped_note(skipped)
+        refused: dict[str, str] = {}
+        notes: list[str] = []
+        world = job_world(source, notes)   # this job's ranks
+        traces = read_run(source, skipped, world, refused)
+        notes += skipped_note(skipped, refused)
         history = []
         path = os.path.join(source, "trainer-0.json")
         if os.path.exists(path):
             try:
-                with open(path, "rb") as f:
-                    history = json.loads(f.read())["history"]
+                history = read_json(path)["history"]
                 _checked({"history": history, "channels": {}, "comm_ms": {}}, path)
             except NotAReport as e:
                 history = []
                 notes.append(f"{path}: unreadable ({e.what}), no accuracy curve")
-            except (OSError, ValueError, KeyError, TypeError):
+            except OSError as e:   # RefusedFile: a FIFO, a device, too large
+                history = []
+                notes.append(f"{path}: unreadable ({e.strerror or e}), no accuracy curve")
+            except (ValueError, KeyError, TypeError):
                 history = []
                 notes.append(f"{path}: unreadable, no accuracy curve")
         if not traces and not history:
-            raise ValueError(f"{source} holds no trace-<rank>.jsonl nor trainer-0.json; "
-                             f"give a dgt train --run-dir or --report")
+            why = f" ({'; '.join(notes)})" if notes else ""
+            raise ValueError(f"{source} holds no {'readable ' if notes else ''}"
+                             f"trace-<rank>.jsonl nor trainer-0.json{why}; give a dgt "
+                             f"train --run-dir or --report")
         channels: dict = {}
         for lines in traces.values():
             for name, ch in channel_totals(lines).items():
@@ -61,9 +70,8 @@ def load(source: str) -> dict:
                                      for r, lines in traces.items()}}, source,
                         from_traces=True)
     try:
-        with open(source) as f:
-            r = json.load(f)
-    except OSError as e:
+        r = read_json(source)
+    except OSError as e:   # RefusedFile: a FIFO, a device, too large
         raise ValueError(f"cannot read {source}: {e.strerror}") from None
     except ValueError:
         raise ValueError(f"{source} is not a JSON report; give a dgt train --report file "

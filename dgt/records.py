@@ -15,7 +15,6 @@ too).
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import secrets
@@ -23,7 +22,7 @@ import shutil
 
 from .atomic import write_json
 from .ipc import shm_dir
-from .run_files import of_job
+from .run_files import of_job, read_json
 from .unixsock import private_dir
 
 SPILL_ENV = "DGT_RECORD_SPILL"
@@ -94,7 +93,9 @@ def load(run_dir: str, pattern: str, spill: str | None, world: int | None = None
     ``world``, only the files of ranks 0..world-1 (dgt.run_files.rank_of): another job's
     ranks are never this one's. Returns (records, warnings: one per spilled record,
     naming the run-dir file and the error). A record that cannot be read or parsed is
-    skipped with a warning naming it."""
+    skipped with a warning naming it, as is one that is not a regular file (a FIFO, a
+    device, a directory) or is over dgt.run_files.MAX_RECORD bytes
+    (dgt.run_files.read_json), which is never read."""
     found: dict[str, dict] = {}
     warnings: list[str] = []
     for path in of_job(os.path.join(run_dir, pattern), world):
@@ -115,8 +116,7 @@ def load(run_dir: str, pattern: str, spill: str | None, world: int | None = None
 
 def _read(path: str, warnings: list[str]):
     try:
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path)
     except (OSError, ValueError) as e:
         warnings.append(f"cannot read {path}: {getattr(e, 'strerror', None) or e}")
         return None

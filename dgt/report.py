@@ -9,29 +9,41 @@ import numpy as np
 
 from . import records
 from .rank_list import rank_list
-from .run_files import of_job
-from .trace import comm_times_ms, cpu_ms, read_run
+from .run_files import of_job, open_regular
+from .trace import comm_times_ms, cpu_ms, read_run, skipped_note, unread
 from .transport.counters import merge
 
 
-def conservation_error(run_dir: str, world: int | None = None) -> float | None:
+def conservation_error(run_dir: str, world: int | None = None,
+                       warnings: list[str] | None = None) -> float | None:
     """Relative error of the conservation invariant (docs/architecture.md):
     ``||sum(aggregate * N) + sum_w residual_w + N sum_s residual_s - sum_w,t g_w,t||
     / ||sum_w,t g_w,t||`` (residual_s: shard s's, dgt.pull_codec), from the float64
     sums the sidecars saved (``--check-conservation``); with ``world``, ranks
-    0..world-1's only."""
+    0..world-1's only. One of those files that is not a regular file
+    (dgt.run_files.open_regular: a FIFO, a device, a directory) or cannot be read is
+    not read: with ``warnings``, said there and None returned; else raised (OSError,
+    RefusedFile)."""
     files = of_job(os.path.join(run_dir, "conservation-*.npz"), world)
     if not files:
         return None
     raw = applied = residual = None
     for path in files:
-        z = np.load(path)
-        raw = z["raw_sum"] if raw is None else raw + z["raw_sum"]
-        res = z["residual"]
-        if "shard_residual" in z:
-            res = res + float(z["n_workers"]) * z["shard_residual"]
-        residual = res if residual is None else residual + res
-        applied = z["applied_sum"]  # identical on every node
+        try:
+            f = open_regular(path)
+        except OSError as e:
+            if warnings is None:
+                raise
+            warnings.append(f"{path}: {unread(e)}; no conservation check")
+            return None
+        with f:
+            z = np.load(f)
+            raw = z["raw_sum"] if raw is None else raw + z["raw_sum"]
+            res = z["residual"]
+            if "shard_residual" in z:
+                res = res + float(z["n_workers"]) * z["shard_residual"]
+            residual = res if residual is None else residual + res
+            applied = z["applied_sum"]  # identical on every node
     denom = float(np.linalg.norm(raw)) or 1.0
     return float(np.linalg.norm(applied + residual - raw) / denom)
 
@@ -75,11 +87,16 @@ def _used(sidecars: list[dict], field: str, default: str) -> str:
 def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None) -> dict:
     """The report of a finished run from its records in ``run_dir`` and, for those the
     run dir refused, in the spill folder ``spill`` (dgt.records): of ranks
-    0..job.workers-1 only, whatever else the run dir holds."""
+    0..job.workers-1 only, whatever else the run dir holds. A trace or record that is
+    not a regular file (a FIFO, a device, a directory) or cannot be read is left out
+    with a warning naming it."""
     world = job.workers
     trainers, lost_t = records.load(run_dir, "trainer-*.json", spill, world)
     sidecars, lost_s = records.load(run_dir, "sidecar-*.json", spill, world)
-    traces = read_run(run_dir, world=world)   # every rank's trace, read once
+    refused: dict[str, str] = {}
+    traces = read_run(run_dir, world=world, refused=refused)   # every rank's, read once
+    not_read = skipped_note({}, refused)
+    conservation = conservation_error(run_dir, world, not_read)
     comm = comm_ms(traces, trainers)
     traffic = merge(sidecars)
     total_blocks = sum(ch["blocks_sent"] for ch in traffic["channels"].values())
@@ -94,7 +111,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
     used = tx.resolve_codecs(loopback=not getattr(job, "testbed", False))
     r = {
         # the trainers' own: e.g. a checkpoint file not written (dgt.job)
-        "warnings": lost_t + lost_s + _warnings(sidecars) +
+        "warnings": lost_t + lost_s + not_read + _warnings(sidecars) +
         [w for t in trainers for w in t.get("warnings", [])],
         "mode": tx.mode,
         # what the UDP bands and the PULLs' low share were coded in (auto resolved)
@@ -144,7 +161,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         # CPU ms a sidecar used per push, mean over the sidecars (start-up included)
         "sidecar_cpu_ms_per_push": sidecar_cpu_ms_per_push(sidecars),
         "cpu_per_iteration": cpu_per_iteration(traces, trainers),
-        "conservation_rel_error": conservation_error(run_dir, world),
+        "conservation_rel_error": conservation,
         "history": trainers[0]["history"] if trainers else [],
         "sidecars": [{"rank": s["rank"], "host": s["host"], "tcp_port": s["tcp_port"],
                       "udp_ports": s["udp_ports"], "session": s["session"],

@@ -60,14 +60,105 @@ def rank_of(name: str) -> int | None:
     return None
 
 
-def job_world(run_dir: str) -> int | None:
+#: the most bytes a reader takes of a JSON record it reads whole (``trainer-<r>.json``,
+#: ``sidecar-<r>.json``, ``pids.json``, a failure record, a ``--report``): far beyond
+#: any run's (a trainer's record of a million iterations holds some 60 MB), yet a file
+#: of many GB where kilobytes are expected is refused rather than read into memory
+MAX_RECORD = 256 << 20
+
+
+class RefusedFile(OSError):
+    """A run dir's file that a reader does not read: not a regular file (a FIFO would
+    block it, a device such as /dev/zero never ends, a directory is no file), or larger
+    than it may be. ``filename``: its path; ``strerror``: what it is, e.g. ``a FIFO,
+    not a regular file``; ``str()``: both, one line."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(None, why, path)
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+def _kind(path: str, st: os.stat_result) -> str:
+    """What the file at ``path`` (``st``: its stat, through a link) is when not a regular
+    file: ``a FIFO``, ``a directory``, ``a symbolic link to a character device
+    (/dev/zero)``..."""
+    import stat
+    what = next((name for test, name in (
+        (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket")) if test(st.st_mode)), "a special file")
+    if os.path.islink(path):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        shown = target if target.isprintable() else ascii(target)
+        what = f"a symbolic link to {what} ({shown[:80]})"
+    return what
+
+
+def open_regular(path: str, limit: int | None = None):
+    """``path`` opened for reading (binary, O_CLOEXEC) when it is a regular file,
+    through a symbolic link (a run dir's files may be links to regular files). Nothing
+    else is opened or read: a FIFO (whose open and read wait for a writer), a device
+    (``/dev/zero`` never ends; opening some acts), a directory, a socket. Checked
+    before the open and again, on what was opened, after it (O_NONBLOCK: a FIFO put
+    there meanwhile does not block the open). ``limit``: the most bytes the file may
+    have (None: any size). Raises RefusedFile (an OSError, one line naming ``path`` and
+    what it is, or its size), OSError when it cannot be opened (missing, no
+    permission)."""
+    import stat
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise RefusedFile(path, f"{_kind(path, st)}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RefusedFile(path, f"{_kind(path, st)}, not a regular file")
+        if limit is not None and st.st_size > limit:
+            raise RefusedFile(path, _over(st.st_size, limit))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _over(size: int, limit: int) -> str:
+    """Why a file of ``size`` bytes is refused: over ``limit`` bytes."""
+    return f"{size:,} bytes, over the limit of {limit:,} bytes"
+
+
+def read_json(path: str, limit: int = MAX_RECORD):
+    """The JSON document in the regular file ``path`` (:func:`open_regular`) of at most
+    ``limit`` bytes (default :data:`MAX_RECORD`; one that grows past it while read is
+    refused too). Raises RefusedFile (an OSError naming ``path``: not a regular file,
+    or over ``limit``), OSError when it cannot be read, ValueError when it is not JSON
+    (UnicodeDecodeError: not UTF-8)."""
+    with open_regular(path, limit) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise RefusedFile(path, _over(len(data), limit))
+    return json.loads(data)
+
+
+def job_world(run_dir: str, notes: list[str] | None = None) -> int | None:
     """The ranks of the job that last started in ``run_dir``: one more than the highest
     sidecar rank in its ``pids.json`` (dgt.launch.Job.start). None when there is none,
-    or it cannot be read (a sidecar started by hand; a run dir of an older dgt)."""
+    or it cannot be read (a sidecar started by hand; a run dir of an older dgt). A
+    ``pids.json`` that is not a regular file or too large (:func:`read_json`) is not
+    read, and said in ``notes`` when given (``<path>: a FIFO, not a regular file;
+    skipped``)."""
     try:
-        with open(os.path.join(run_dir, "pids.json"), "rb") as f:
-            procs = json.loads(f.read())
+        procs = read_json(os.path.join(run_dir, "pids.json"))
         ranks = [p["rank"] for p in procs if p["kind"] == "sidecar"]
+    except RefusedFile as e:
+        if notes is not None:
+            notes.append(f"{e}; skipped")
+        return None
     except (OSError, ValueError, TypeError, KeyError):
         return None
     ok = ranks and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0

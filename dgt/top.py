@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
 import os
 import re
@@ -25,8 +24,8 @@ import select
 import sys
 import time
 
-from .run_files import in_job, job_world
-from .trace import iterations, parse_line, skipped_note
+from .run_files import RefusedFile, in_job, job_world, open_regular, read_json
+from .trace import LineReader, iterations, parse_line, skipped_note, unread
 
 #: trace lines per rank the rates and medians are taken over
 WINDOW = 20
@@ -35,48 +34,64 @@ _ACC = re.compile(r"test acc ([0-9.]+)")
 
 
 class TraceFollower:
-    """Reads the new lines of every ``trace-<rank>.jsonl`` in a run dir."""
+    """Reads the new lines of every ``trace-<rank>.jsonl`` in a run dir (in chunks: a
+    line over dgt.trace.MAX_LINE is counted unreadable, never held). A trace that is
+    not a regular file (a FIFO, a device, a directory: dgt.run_files.open_regular) or
+    cannot be read is not read, and named in :meth:`notes` while it is so."""
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
         self.offsets: dict[int, int] = {}
         self.lines: dict[int, collections.deque] = {}
-        self.partial: dict[int, bytes] = {}
+        self.readers: dict[int, LineReader] = {}
         self.skipped: dict[str, int] = {}   # trace file -> unreadable lines skipped
+        self.refused: dict[str, str] = {}   # path -> why it was not read (last poll)
+        self.world_notes: list[str] = []   # a pids.json not read (last poll)
 
     def poll(self) -> None:
         try:
             names = os.listdir(self.run_dir)
         except OSError:
             return
-        world = job_world(self.run_dir)   # a previous job's traces of more ranks: not shown
+        self.refused, self.world_notes = {}, []
+        # a previous job's traces of more ranks: not shown
+        world = job_world(self.run_dir, self.world_notes)
         for name in names:
             m = re.fullmatch(r"trace-(\d+)\.jsonl", name)
             if not m or not in_job(int(m.group(1)), world):
                 continue
             r = int(m.group(1))
-            try:
-                with open(os.path.join(self.run_dir, name), "rb") as f:
-                    f.seek(self.offsets.get(r, 0))
-                    chunk = self.partial.get(r, b"") + f.read()
-                    self.offsets[r] = f.tell()
-            except OSError:
-                continue
-            *done, self.partial[r] = chunk.split(b"\n")
-            if not self.partial[r].isascii():   # a sidecar writes ASCII: not torn, damaged
-                done.append(self.partial[r])
-                self.partial[r] = b""
+            path = os.path.join(self.run_dir, name)
+            reader = self.readers.setdefault(r, LineReader())
             q = self.lines.setdefault(r, collections.deque(maxlen=WINDOW))
-            for raw in done:
-                line = parse_line(raw)
-                if line is not None:
-                    q.append(line)
-                elif raw.strip():
-                    self.skipped[name] = self.skipped.get(name, 0) + 1
+            try:
+                with open_regular(path) as f:
+                    f.seek(self.offsets.get(r, 0))   # what was appended since
+                    for raw in reader.feed(f):
+                        self._take(name, q, raw)
+                    self.offsets[r] = f.tell()
+            except FileNotFoundError:   # gone since listdir
+                continue
+            except OSError as e:
+                self.refused[path] = unread(e)
+                continue
+            if not reader.partial.isascii():   # a sidecar writes ASCII: not torn, damaged
+                self._take(name, q, reader.partial)
+                reader.partial = b""
+
+    def _take(self, name: str, q: collections.deque, raw: bytes | None) -> None:
+        """Add trace line ``raw`` (None: one over MAX_LINE) of file ``name`` to ``q``,
+        or count it in ``skipped`` when it is unreadable."""
+        line = None if raw is None else parse_line(raw)
+        if line is not None:
+            q.append(line)
+        elif raw is None or raw.strip():
+            self.skipped[name] = self.skipped.get(name, 0) + 1
 
     def notes(self) -> list[str]:
-        """What was skipped, once per file (``dgt.trace.skipped_note``)."""
-        return skipped_note(self.skipped)
+        """What was skipped, once per file, and each file not read
+        (``dgt.trace.skipped_note``)."""
+        return self.world_notes + skipped_note(self.skipped, self.refused)
 
     def rows(self) -> dict[int, dict]:
         out = {}
@@ -251,25 +266,43 @@ def error_line(ep: str, answered: bool, why: str) -> str:
     return f"{ep} does not answer ({why})"
 
 
-def accuracy(run_dir: str | None) -> float | None:
-    """The last test accuracy rank 0's trainer printed or reported, or None."""
+#: how much of the end of ``trainer-0.log`` accuracy() reads (bytes)
+LOG_TAIL = 20000
+
+
+def accuracy(run_dir: str | None, notes: list[str] | None = None) -> float | None:
+    """The last test accuracy rank 0's trainer printed (the last :data:`LOG_TAIL` bytes
+    of ``trainer-0.log``) or reported (``trainer-0.json``), or None. Either file not
+    read for what it is (not a regular file, a record over dgt.run_files.MAX_RECORD)
+    is said in ``notes`` when given."""
     if not run_dir:
         return None
     path = os.path.join(run_dir, "trainer-0.json")
     if os.path.exists(path):
         try:
-            with open(path, "rb") as f:
-                acc = json.loads(f.read())["final_test_accuracy"]
+            acc = read_json(path)["final_test_accuracy"]
             if isinstance(acc, (int, float)) and not isinstance(acc, bool):
                 return float(acc)
+        except RefusedFile as e:
+            _refused(e, notes)
         except (OSError, ValueError, KeyError, TypeError):
             pass   # a damaged file: the log's last accuracy instead
     try:
-        with open(os.path.join(run_dir, "trainer-0.log"), errors="replace") as f:
-            found = _ACC.findall(f.read()[-20000:])
+        with open_regular(os.path.join(run_dir, "trainer-0.log")) as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - LOG_TAIL))
+            found = _ACC.findall(f.read(LOG_TAIL).decode(errors="replace"))
         return float(found[-1]) if found else None
+    except RefusedFile as e:
+        _refused(e, notes)
     except OSError:
-        return None
+        pass
+    return None
+
+
+def _refused(e: RefusedFile, notes: list[str] | None) -> None:
+    """Say in ``notes`` (when given) that a file was not read, and why."""
+    if notes is not None:
+        notes.append(f"{e}; skipped")
 
 
 def is_run_dir(path: str) -> bool:
@@ -382,8 +415,9 @@ def main(ns: argparse.Namespace) -> int:
         source.poll()
         if isinstance(source, EndpointPoller) and len(source.errors) == len(eps):
             ns.parser.error(no_endpoint(source.errors))
-        console.print(render(source.rows(), label, accuracy(ns.run_dir), source.notes(),
-                             live=False))
+        notes = source.notes()
+        acc = accuracy(ns.run_dir, notes)
+        console.print(render(source.rows(), label, acc, notes, live=False))
         return 0
     import termios
     import tty
@@ -396,8 +430,9 @@ def main(ns: argparse.Namespace) -> int:
                   screen=False) as live:
             while True:
                 source.poll()
-                live.update(render(source.rows(), label, accuracy(ns.run_dir),
-                                   source.notes()), refresh=True)
+                notes = source.notes()
+                acc = accuracy(ns.run_dir, notes)
+                live.update(render(source.rows(), label, acc, notes), refresh=True)
                 if _quit_pressed(ns.interval_s):
                     break
     except KeyboardInterrupt:

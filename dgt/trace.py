@@ -45,7 +45,7 @@ import resource
 import time
 
 from .metrics import TimeHistogram
-from .run_files import of_job
+from .run_files import RefusedFile, of_job, open_regular
 from .transport.counters import FIELDS
 
 log = logging.getLogger("dgt.trace")
@@ -198,44 +198,110 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+#: the longest trace line read (bytes): a sidecar's is a few KiB, some 2 MB with the
+#: PULL times of 65536 shards; a longer one (a file that is not a trace, a sparse file of
+#: zeros) is an unreadable line, counted once and never held whole
+MAX_LINE = 16 << 20
+#: how much of a trace is read at a time (bytes)
+CHUNK = 1 << 20
+
+
+class LineReader:
+    """The whole lines of a trace file, read :data:`CHUNK` bytes at a time, so that no
+    line longer than :data:`MAX_LINE` is held: ``feed(f)`` reads ``f`` from its
+    position to its end. What follows the last newline waits in ``partial`` for the
+    next ``feed`` (the sidecar is still writing it, or was killed mid-write)."""
+
+    def __init__(self):
+        self.partial = b""
+        self.long = False   # in a line over MAX_LINE, already yielded as None
+
+    def feed(self, f):
+        """Yield each line of ``f`` that a newline ends (bytes, without it), and None
+        once for a line longer than :data:`MAX_LINE` when it passes that length (its
+        bytes are dropped as they are read). Raises OSError."""
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            *done, self.partial = (self.partial + chunk).split(b"\n")
+            for raw in done:
+                if self.long:   # the end of the long line
+                    self.long = False
+                else:
+                    yield raw if len(raw) <= MAX_LINE else None
+            if self.long:
+                self.partial = b""
+            elif len(self.partial) > MAX_LINE:
+                self.partial, self.long = b"", True
+                yield None
+
+
 def read_trace(path: str, skipped: dict[str, int] | None = None) -> list[dict]:
     """The lines of one trace file (``parse_line``). A torn last line (the sidecar was
-    killed while writing) is skipped; any other unreadable line is skipped and counted
-    in ``skipped[basename(path)]`` when ``skipped`` is given. Raises OSError."""
+    killed while writing) is skipped; any other unreadable line (one over
+    :data:`MAX_LINE` too) is skipped and counted in ``skipped[basename(path)]`` when
+    ``skipped`` is given. Raises RefusedFile (an OSError) when ``path`` is not a
+    regular file (dgt.run_files.open_regular: a FIFO, a device, a directory), OSError
+    when it cannot be read."""
     out = []
     bad = 0
-    with open(path, "rb") as f:
-        data = f.read()
-    lines = data.split(b"\n")
-    for i, raw in enumerate(lines):
-        line = parse_line(raw)
+    reader = LineReader()
+    with open_regular(path) as f:
+        for raw in reader.feed(f):
+            line = None if raw is None else parse_line(raw)
+            if line is not None:
+                out.append(line)
+            elif raw is None or raw.strip():
+                bad += 1
+    last = reader.partial   # no newline after it: a whole line, or a torn one
+    if last.strip():
+        line = parse_line(last)
         if line is not None:
             out.append(line)
-        elif raw.strip() and not (i == len(lines) - 1 and raw.isascii()):
+        elif not last.isascii():
             bad += 1
     if bad and skipped is not None:
         skipped[os.path.basename(path)] = bad
     return out
 
 
-def skipped_note(skipped: dict[str, int]) -> list[str]:
+def skipped_note(skipped: dict[str, int], refused: dict[str, str] | None = None
+                 ) -> list[str]:
     """One line per trace file with unreadable lines, e.g. ``trace-0.jsonl: 2
-    unreadable lines skipped``."""
+    unreadable lines skipped``, then one per file not read (``refused``: path -> why,
+    e.g. ``run/trace-1.jsonl: a FIFO, not a regular file; skipped``)."""
     return [f"{name}: {n} unreadable line{'s' if n != 1 else ''} skipped"
-            for name, n in sorted(skipped.items())]
+            for name, n in sorted(skipped.items())] + \
+        [f"{path}: {why}; skipped" for path, why in sorted((refused or {}).items())]
 
 
 def read_run(run_dir: str, skipped: dict[str, int] | None = None,
-             world: int | None = None) -> dict[int, list[dict]]:
+             world: int | None = None, refused: dict[str, str] | None = None
+             ) -> dict[int, list[dict]]:
     """{rank: trace lines} of every ``trace-<rank>.jsonl`` in ``run_dir`` (``read_trace``;
     ``skipped`` counts the unreadable lines per file); with ``world``, of ranks
-    0..world-1 only (a previous job's traces of more ranks are not this job's)."""
+    0..world-1 only (a previous job's traces of more ranks are not this job's). With
+    ``refused`` (path -> why), a trace that cannot be read (not a regular file, no
+    permission) is left out and said there; without it, raises that OSError
+    (RefusedFile for a FIFO, a device, a directory)."""
     out = {}
     for path in of_job(os.path.join(run_dir, "trace-*.jsonl"), world):
         rank = os.path.basename(path)[len("trace-"):-len(".jsonl")]
-        if rank.isdigit():
+        if not rank.isdigit():
+            continue
+        try:
             out[int(rank)] = read_trace(path, skipped)
+        except OSError as e:
+            if refused is None:
+                raise
+            refused[path] = unread(e)
     return dict(sorted(out.items()))
+
+
+def unread(e: OSError) -> str:
+    """Why a file was not read, for a note after its name: RefusedFile's ``a FIFO,
+    not a regular file``, else the errno text (``Permission denied``)."""
+    if isinstance(e, RefusedFile):
+        return e.strerror
+    return f"cannot be read ({e.strerror or e})"
 
 
 def iterations(lines: list[dict]) -> list[dict]:

@@ -29,6 +29,8 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "drop --local-steps")
     for line in job.warnings():
         print(f"{parser.prog}: warning: {line}", file=sys.stderr, flush=True)
+    from .interrupt import import_torch
+    import_torch()   # a Ctrl-C meanwhile comes after it, not inside torch's C++
     from .job import check_workload
     from .launch import (check_checkpoint_dir, check_memory, check_paths, check_ports,
                          resume_from, run_job)
@@ -65,6 +67,8 @@ def _sidecar(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             check_run_dir(node.run_dir, keep=(node.socket,))
     except ValueError as e:
         parser.error(str(e))
+    from .interrupt import import_torch
+    import_torch()   # a Ctrl-C meanwhile comes after it, not inside torch's C++
     from .sidecar import run_from_args
     return run_from_args(ns, parser)
 

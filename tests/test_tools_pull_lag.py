@@ -74,6 +74,19 @@ def test_damaged_traces_and_a_missing_run_dir_are_one_line(run, tmp_path):
     assert "no trace-<rank>.jsonl" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_a_trace_that_is_a_fifo_is_one_line_not_a_hang(run, tmp_path):
+    """Third breaker round (stop 42): the readers of a run dir waited for ever on a FIFO
+    put in a trace's place; pull_lag read its traces with a plain open()."""
+    import os
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    (bad / "trace-1.jsonl").unlink()
+    os.mkfifo(bad / "trace-1.jsonl")
+    p = tool(bad)   # on the old code: the 60 s timeout of tool()
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "trace-1.jsonl: a FIFO, not a regular file" in p.stderr, p.stderr
+
+
 def test_phases_split_push_skew_from_the_network(run, tmp_path):
     """A worker that pushed 300 ms after the others shows in the push skew, a PULL that
     landed 200 ms late in the network phase; the text output names both."""

@@ -29,13 +29,15 @@ import sys
 from collections import Counter
 
 from dgt.run_files import job_world, of_job
+from dgt.trace import read_trace
 
 
 def load(run_dir: str) -> dict[int, dict[int, dict]]:
     """{iteration: {rank: that rank's iteration record}} from ``trace-*.jsonl``, of the
     ranks of the job in ``run_dir``'s ``pids.json`` when it has one
     (dgt.run_files.job_world: a previous job's traces of more ranks are not this job's).
-    Raises FileNotFoundError when there is no trace; skips lines that are not an
+    Raises FileNotFoundError when there is no trace, dgt.run_files.RefusedFile (an
+    OSError) for one that is not a regular file (a FIFO, /dev/zero); skips lines that are not an
     iteration record (not JSON, not an object, or without an int ``t`` and ``rank`` and
     a ``pull_s`` object)."""
     paths = of_job(os.path.join(run_dir, "trace-*.jsonl"), job_world(run_dir))
@@ -44,16 +46,10 @@ def load(run_dir: str) -> dict[int, dict[int, dict]]:
                                 f"train --run-dir)")
     out: dict[int, dict[int, dict]] = {}
     for p in paths:
-        with open(p, errors="replace") as f:
-            for line in f:
-                try:
-                    x = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(x, dict) and x.get("kind") == "iteration" and \
-                        isinstance(x.get("t"), int) and isinstance(x.get("rank"), int) \
-                        and isinstance(x.get("pull_s"), dict):
-                    out.setdefault(x["t"], {})[x["rank"]] = x
+        for x in read_trace(p):   # a FIFO or a device: RefusedFile, never read
+            if x.get("kind") == "iteration" and isinstance(x.get("t"), int) and \
+                    isinstance(x.get("rank"), int) and isinstance(x.get("pull_s"), dict):
+                out.setdefault(x["t"], {})[x["rank"]] = x
     return out
 
 
@@ -137,7 +133,7 @@ def main(argv=None) -> int:
         traces = load(args.run_dir)
         r = lags(traces, stall_ms=args.stall_ms)
         r["phases"] = phases(traces)
-    except FileNotFoundError as e:
+    except OSError as e:   # no trace; one that is not a regular file (RefusedFile)
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
     if args.json:

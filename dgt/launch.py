@@ -359,9 +359,10 @@ class Job:
         # a rank that hung is named first, not the rank whose wait for it ran out
         if blame:
             return f"{blame}; {what}", next(r for r in cause.blamed if r != exited)
-        if own is not None and cause is own and not own.blamed:
-            # its own record blames no rank (a stranger's values in the store): the
-            # others are not told that this rank failed, only that it exited
+        if own is not None and not own.blamed and cause is not None and not cause.blamed:
+            # its own record blames no rank (a stranger's values in the store), nor does
+            # the first cause, its own or an older one of another rank's that saw the
+            # same: the others are not told that this rank failed, only that it exited
             return what, None
         return what, rank
 

@@ -242,6 +242,31 @@ def test_a_sidecar_frozen_at_start_up_is_named_not_a_library_stack_frame(tmp_pat
     assert not [x for x in pids if alive(x["pid"])]
 
 
+def test_a_rank_that_exits_on_a_fault_nobody_is_blamed_for_is_not_blamed(tmp_path):
+    """CI of bef959c (tests/test_store_attack.py): a stranger's garbage in the store;
+    rank 2 and then rank 1 each recorded it blaming nobody, and rank 1's sidecar exited
+    first. The first cause was rank 2's record, not rank 1's own, so the launcher named
+    rank 1 as the failed rank, and the ranks it stopped relayed that blame."""
+    from dgt import failure
+    from dgt.config import JobConfig, TransmissionConfig
+    from dgt.launch import Job
+    text = ("rendezvous step 'dgt/ep' did not complete within 3 s: the store held "
+            "rejected values for rank(s) [1] (store_rejected), written by another process")
+    for r, when in ((2, 1_000_000_000), (1, 2_000_000_000)):   # rank 2's is older
+        failure.write(str(tmp_path), failure.FailureRecord(
+            "sidecar", r, failure.FailureReason.OTHER, text, []))
+        os.utime(failure.record_path(str(tmp_path), "sidecar", r), ns=(when, when))
+    j = Job(JobConfig(run_dir=str(tmp_path), workers=3), TransmissionConfig())
+    headline, blamed = j._describe_failure("sidecar", 1, 3)
+    assert blamed is None, headline
+    assert headline == f"sidecar of rank 1 exited with status 3: {text}", headline
+    # a rank whose own record blames itself is still named
+    os.unlink(failure.record_path(str(tmp_path), "sidecar", 1))
+    failure.write(str(tmp_path), failure.FailureRecord(
+        "sidecar", 1, failure.FailureReason.OTHER, "a bug of ours", [1]))
+    assert j._describe_failure("sidecar", 1, 3)[1] == 1
+
+
 def test_our_failure_record_is_chosen_over_what_a_library_printed(tmp_path):
     from dgt import failure
     from dgt.config import JobConfig, TransmissionConfig

@@ -188,11 +188,8 @@ class NodeLink:
                             else "the run dir")
         job_fd = None   # a restart's folder is inside the job's: keep dgt train off both
         if os.environ.get("DGT_RUN_DIR") and env.restart_count:
-            job_fd = open_lock(os.environ["DGT_RUN_DIR"], "DGT_RUN_DIR")
-            try:
-                share_lock(job_fd, os.environ["DGT_RUN_DIR"], "DGT_RUN_DIR")
-            except RuntimeError as e:
-                raise PeerFailure(str(e), rank) from None
+            job_fd = _share_run_dir(open_lock(os.environ["DGT_RUN_DIR"], "DGT_RUN_DIR"),
+                                    os.environ["DGT_RUN_DIR"], rank, "DGT_RUN_DIR")
         sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
         for folder in {run_dir, _previous_run_dir(env)} - {None}:
             reap_sidecar(folder, rank, env.run_id)
@@ -296,6 +293,18 @@ def uncaught_exception() -> str | None:
     return " ".join(text.split())[:300]
 
 
+def _share_run_dir(fd: int, run_dir: str, rank: int, what: str) -> int:
+    """``fd``, the run dir's lock (dgt.run_files.open_lock), with its shared flock taken
+    (:func:`dgt.run_files.share_lock`). Raises PeerFailure, ``fd`` closed, when a ``dgt
+    train`` job holds the run dir."""
+    try:
+        share_lock(fd, run_dir, what)
+    except RuntimeError as e:
+        os.close(fd)
+        raise PeerFailure(str(e), rank) from None
+    return fd
+
+
 def take_rank(run_dir: str, rank: int, what: str) -> int:
     """Take ``rank`` of ``run_dir`` for this trainer: a write lock (fcntl(2), not
     inherited by the sidecar, released when this process ends) on byte ``rank`` of the
@@ -314,12 +323,7 @@ def take_rank(run_dir: str, rank: int, what: str) -> int:
         holder = lock_holder(fd, rank, 1)
         os.close(fd)
     else:
-        try:
-            share_lock(fd, run_dir, what)
-        except RuntimeError as e:
-            os.close(fd)
-            raise PeerFailure(str(e), rank) from None
-        return fd
+        return _share_run_dir(fd, run_dir, rank, what)
     who = f"its trainer of rank {rank}, pid {holder}, is alive" if holder else \
         f"its trainer of rank {rank} holds {path}"
     try:   # its sidecar, once past its rendezvous (no probe of its socket: a stranger)

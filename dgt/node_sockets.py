@@ -26,6 +26,9 @@ MIN_QUEUED_BYTES = 512
 #: bytes one read takes: a GRO run of up to 64 datagrams fits (asyncio's own datagram
 #: transports read up to 256 KiB as well)
 READ_BYTES = 256 * 1024
+#: the kernel filter keeps iterations up to this many ahead of the open one, and is
+#: replaced when the next one leaves its window (:meth:`NodeSockets.filter_iteration`)
+FILTER_AHEAD = 16
 
 
 class NodeSockets:
@@ -41,6 +44,9 @@ class NodeSockets:
         self.warnings: list[str] = []
         self.socket_owned: tuple[int, int] | None = None   # (dev, inode) we bound
         self.tcp_server = self.unix_server = None
+        self._windowed: dict[int, sockfilter.Windowed] = {}   # channel -> its filter
+        self._window: tuple[int, int] | None = None   # the filters' iterations kept
+        self._unfiltered: set[int] = set()   # channels whose filter the kernel refused
 
     async def bind(self, accepted: Callable, on_datagram: Callable,
                    serve_trainer: Callable) -> None:
@@ -85,16 +91,42 @@ class NodeSockets:
         """Attach the kernel filter (transport.sockfilter) to every channel socket, for
         shard session ``s`` (transport.session.ShardSession) of a ``world``-node job and
         the peers' channel ``sources`` ((address, port) pairs; None: any): a datagram no
-        peer can have sent is dropped before it queues."""
+        peer can have sent, or that belongs to no iteration around ``s``'s open one, is
+        dropped before it queues. :meth:`filter_iteration` moves that window on."""
+        self._windowed, self._window = {}, None
         for c, sender in self.senders.items():
-            self._filter_one(c, sender.sock, lambda: sockfilter.program(
-                session=s.session, shard=s.shard, world=world, lo=s.lo, hi=s.hi,
-                sources=sources, family=sender.sock.family))
+            try:
+                self._windowed[c] = sockfilter.Windowed(
+                    session=s.session, shard=s.shard, world=world, lo=s.lo, hi=s.hi,
+                    sources=sources, family=sender.sock.family)
+            except ValueError as e:   # too many sources for one program
+                self._no_filter(c, e)
+        self.filter_iteration(s.iteration)
+
+    def filter_iteration(self, iteration: int) -> None:
+        """Called as the shard opens ``iteration``: while the filters' iteration window
+        holds ``iteration + 1`` nothing is done; else each channel socket's filter is
+        replaced by one keeping ``[iteration - 1, iteration + FILTER_AHEAD]``. So
+        datagrams more than FILTER_AHEAD iterations older than the open one (a replay of an old
+        capture) are dropped in the kernel, not after they have filled the receive
+        buffer, at one attach per channel every FILTER_AHEAD iterations (each costs the
+        kernel about 70 us: transport.sockfilter). A no-op before :meth:`filter_udp`."""
+        if self._window is not None and self._window[0] <= iteration - 1 and \
+                iteration + 1 <= self._window[1]:
+            return
+        self._window = (max(iteration - 1, 0), iteration + FILTER_AHEAD)
+        for c, w in self._windowed.items():
+            self._filter_one(c, self.senders[c].sock, lambda: w.at(*self._window))
 
     def _filter_one(self, c: int, sock, program) -> None:
         try:
             sockfilter.attach(sock, program())
         except (OSError, ValueError) as e:   # the receive path checks it all anyway
+            self._no_filter(c, e)
+
+    def _no_filter(self, c: int, e: Exception) -> None:
+        if c not in self._unfiltered:   # once per channel, not once per iteration
+            self._unfiltered.add(c)
             log.warning("rank %d: no kernel filter on UDP channel %d (%s); forged "
                         "datagrams are refused in the receive path only", self.node.rank,
                         c, e)

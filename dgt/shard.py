@@ -36,6 +36,10 @@ class ServerShard:
                  on_pull: Callable[[int, int, np.ndarray, np.ndarray], None],
                  coder: PullCoder | None = None):
         self.layout, self.rank, self.session, self.on_pull = layout, rank, session, on_pull
+        #: ``on_advance(iteration)``: called as the session opens ``iteration``, before
+        #: that iteration's PULLs go out (the sidecar moves its kernel filter's
+        #: iteration window); None: nothing to call
+        self.on_advance: Callable[[int], None] | None = None
         self.coder = coder
         self.coded_pull: CodedPull | None = None
         self.n_workers = session.n_workers
@@ -120,6 +124,8 @@ class ServerShard:
         flat = acc.reshape(-1)
         self.bitmaps = [None] * self.n_workers
         self.session.advance()
+        if self.on_advance is not None:
+            self.on_advance(self.session.iteration)
         for w in range(self.n_workers):
             self.on_pull(w, iteration, flat, bitmaps[w])
 

@@ -282,6 +282,7 @@ class Sidecar:
             checkpoint.restore(self, state, msg["resume"])
         self.sockets.filter_udp(self.shard.session, self.world, None if self.udp_sources
                                 is None else list(self.udp_sources))
+        self.shard.on_advance = self.sockets.filter_iteration
         await self.links.connect(lambda r: self._protocol(outgoing_to=r), self.session_id,
                                  lambda p, r: self.control.connected(p.conn_id, r,
                                                                      time.monotonic()))

@@ -105,3 +105,64 @@ def test_a_drop_all_filter_keeps_nothing():
     finally:
         rx.close()
         peer.close()
+
+
+def test_the_iteration_window_keeps_only_its_iterations():
+    """program(iteration=(first, last)): BLOCKS and END of iterations first..last pass,
+    one below and one above are dropped in the kernel; Windowed gives the same bytes for
+    every window without assembling again."""
+    rx, peer = _udp(), _udp()
+    rx.setblocking(False)
+    kw = dict(session=SESSION, shard=1, world=3, lo=10, hi=20,
+              sources=[peer.getsockname()], family=rx.family)
+    windowed = sockfilter.Windowed(**kw)
+    for window in [(4, 6), (0, 16), (2**32 - 3, 2**32 - 2)]:
+        assert windowed.at(*window) == sockfilter.program(**kw, iteration=window)
+    sockfilter.attach(rx, windowed.at(4, 6))
+    try:
+        for it in (3, 4, 5, 6, 7, 100):
+            peer.sendto(_block(iteration=it, block=10 + it % 10), rx.getsockname())
+            peer.sendto(wire.encode(wire.MsgType.END, session=SESSION, sender=2, shard=1,
+                                    channel=1, iteration=it, count=1), rx.getsockname())
+        got = [wire.decode_header(d) for d in _received(rx)]
+        assert [(h.type, h.iteration) for h in got] == [
+            (t, it) for it in (4, 5, 6) for t in (wire.MsgType.BLOCKS, wire.MsgType.END)]
+        sockfilter.attach(rx, windowed.at(7, 23))   # the window moved on
+        peer.sendto(_block(iteration=6), rx.getsockname())
+        peer.sendto(_block(iteration=23), rx.getsockname())
+        assert [wire.decode_header(d).iteration for d in _received(rx)] == [23]
+    finally:
+        rx.close()
+        peer.close()
+
+
+def test_a_node_replaces_its_filters_only_when_the_next_iteration_leaves_the_window():
+    """dgt.node_sockets.NodeSockets.filter_iteration: the filters keep [n - 1, n +
+    FILTER_AHEAD] and are replaced (one attach per channel) only when n + 1 leaves that
+    window; a datagram of an iteration outside it is dropped in the kernel."""
+    from dgt.config import NodeConfig, TransmissionConfig
+    from dgt.node_sockets import FILTER_AHEAD, NodeSockets
+    from dgt.transport.session import ShardSession
+    socks = NodeSockets(TransmissionConfig(channels=1), NodeConfig(rank=1), [0, 0])
+    rx, peer = _udp(), _udp()
+    rx.setblocking(False)
+    socks.senders[1] = BatchSender(rx)
+    session = ShardSession(session=SESSION, shard=1, lo=10, hi=20, block_elems=4,
+                           n_workers=3, deadline_s=1.0)
+    attached = []
+    attach = sockfilter.attach
+    try:
+        sockfilter.attach = lambda s, code: (attached.append(code), attach(s, code))
+        socks.filter_udp(session, 3, [peer.getsockname()])
+        for n in range(1, 2 * FILTER_AHEAD + 1):
+            socks.filter_iteration(n)
+        # at 0, then when n + 1 left [0 - 1, 0 + A] (n = A) and [A - 1, 2A] (n = 2A)
+        assert len(attached) == 3, len(attached)
+        assert socks._window == (2 * FILTER_AHEAD - 1, 3 * FILTER_AHEAD)
+        for it in (2 * FILTER_AHEAD - 2, 2 * FILTER_AHEAD, 3 * FILTER_AHEAD + 1):
+            peer.sendto(_block(iteration=it), rx.getsockname())
+        assert [wire.decode_header(d).iteration for d in _received(rx)] == [2 * FILTER_AHEAD]
+    finally:
+        sockfilter.attach = attach
+        rx.close()
+        peer.close()

@@ -635,3 +635,36 @@ def test_a_stranger_before_the_trainer_neither_takes_its_place_nor_stops_the_job
     r = json.loads(report.read_text())
     assert r["iterations"] == 5 and r["replicas_identical"]
     assert "Traceback" not in logs_of(run_dir)
+
+
+def test_a_replay_of_old_iterations_never_reaches_the_receive_path(tmp_path):
+    """A host on the path replays the job's datagrams of 30 iterations ago from the
+    peers' own channel ports (a raw socket), with the job's session and blocks in each
+    shard's range: the kernel filter's iteration window drops them before they queue
+    (transport/sockfilter.py), so none reaches the receive path as ``stale``. Before the
+    window, every one did (docs/security.md)."""
+    if os.geteuid() != 0:
+        pytest.skip(reason="needs root (a raw socket sends from the peers' ports)")
+    from dgt.tools.flood import IterationSniffer, flood
+    base = free_base_port()
+    run_dir, report = tmp_path / "run", tmp_path / "r.json"
+    p = start_train(run_dir, "--epochs", 20, "--base-port", base, "--report", report)
+    sniffer = IterationSniffer({base + 10 * r for r in range(4)})
+    sniffer.start()
+    try:
+        t_end = time.monotonic() + 300
+        while sniffer.iteration < 40 or len(sniffer.ranges) < 4:
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < t_end, "the job never reached iteration 40"
+            time.sleep(0.05)
+        sent = flood("127.0.0.1", base, 4, 3, rate=2000, duration_s=1.5, sniff=False,
+                     spoof=True, in_range=True, iteration_lag=30, sniffer=sniffer)
+    finally:
+        sniffer.stop = True
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, out + err
+    r = json.loads(report.read_text())
+    assert r["replicas_identical"] and r["final_test_accuracy"] >= 0.95, r
+    assert sent["datagrams"] > 1000 and sent["iteration"] >= 10, sent
+    assert r["rejected"].get("stale", 0) <= sent["datagrams"] // 100, (sent, r["rejected"])
+    assert r["udp_kernel_drops"] >= sent["datagrams"] * 0.9, (sent, r["udp_kernel_drops"])

@@ -8,6 +8,9 @@ the current iteration; their block index is random (most lie outside the receivi
 shard's range, ``bad_block``) unless ``--in-range``: then it lies in the shard's range
 (read off the shard's PULLs), and they pass every check a receiver can make before the
 MAC.
+With ``--iteration-lag L`` they carry the sniffed iteration minus L: a replay of the
+job's datagrams of L iterations ago (the sidecar's kernel filter drops those more than
+16 behind: transport/sockfilter.py).
 With ``--spoof`` (root, raw socket) each one is sent from a peer's own channel socket
 address (127.0.0.1, the peer's port), so it is not refused as ``unknown_source``:
 the worst a host on the path can send. Paced to ``--rate`` datagrams/s per sidecar.
@@ -186,16 +189,20 @@ def flood(host: str, base_port: int, world: int, channels: int, rate: float,
           duration_s: float, sniff: bool, spoof: bool, keyed: bool = False,
           in_range: bool = False,
           block_bytes: int = 1408, seed: int = 0,
-          stop: threading.Event | None = None) -> dict:
+          stop: threading.Event | None = None, iteration_lag: int = 0,
+          sniffer: IterationSniffer | None = None) -> dict:
     """Send forged BLOCKS datagrams at ``rate`` per second to every sidecar; return
-    counts. Raises PermissionError for ``sniff``/``spoof`` without root."""
+    counts (``iteration``: the last forged iteration). ``sniffer``: a running
+    :class:`IterationSniffer` to read (then ``sniff`` is not needed; the caller stops
+    it). Raises PermissionError for ``sniff``/``spoof`` without root."""
     if not host.startswith("127."):
         raise ValueError(f"{host} is not a loopback address: flood only your own host")
     rng = random.Random(seed)
     udp_ports = {r: [base_port + 10 * r + c for c in range(1, channels + 1)]
                  for r in range(world)}
-    sniffer = IterationSniffer({base_port + 10 * r for r in range(world)}) if sniff else None
-    if sniffer:
+    own_sniffer = sniff and sniffer is None
+    if own_sniffer:
+        sniffer = IterationSniffer({base_port + 10 * r for r in range(world)})
         sniffer.start()
     if spoof:
         out = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
@@ -215,7 +222,7 @@ def flood(host: str, base_port: int, world: int, channels: int, rate: float,
             due = int((time.monotonic() - t0) * rate)
             session = sniffer.session if sniffer and sniffer.session is not None \
                 else stranger_session
-            it = sniffer.iteration if sniffer else 0
+            it = max(sniffer.iteration - iteration_lag, 0) if sniffer else 0
             sent["session_sniffed"] = bool(sniffer and sniffer.session is not None)
             ranges = dict(sniffer.ranges) if sniffer and in_range else {}
             if pool_key != (session, it, len(ranges)):   # ready packets per round
@@ -244,8 +251,9 @@ def flood(host: str, base_port: int, world: int, channels: int, rate: float,
             time.sleep(0.002)
     finally:
         out.close()
-        if sniffer:
+        if own_sniffer:
             sniffer.stop = True
+    sent["iteration"] = pool_key[1] if pool_key else None
     sent["shard_ranges_sniffed"] = len(sniffer.ranges) if sniffer else 0
     sent["seconds"] = round(time.monotonic() - t0, 1)
     sent["rate_per_sidecar"] = round(sent["datagrams"] / world / max(sent["seconds"], 1e-9))
@@ -269,12 +277,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keyed", action="store_true",
                    help="the job runs with --secret: forge a MAC flag and a junk tag, so "
                         "the datagrams have the real ones' size")
+    p.add_argument("--iteration-lag", type=int, default=0, metavar="L",
+                   help="with --sniff: forge the iteration L before the newest seen (a "
+                        "replay of an earlier iteration's datagrams)")
     ns = p.parse_args(argv)
+    if ns.iteration_lag < 0:
+        p.error("--iteration-lag must be 0 or more")
     stop = threading.Event()   # SIGTERM ends the flood early, with its counts printed
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         out = flood(ns.host, ns.base_port, ns.world, ns.channels, ns.rate, ns.duration_s,
-                    ns.sniff, ns.spoof, ns.keyed, ns.in_range, stop=stop)
+                    ns.sniff, ns.spoof, ns.keyed, ns.in_range, stop=stop,
+                    iteration_lag=ns.iteration_lag)
     except (ValueError, PermissionError) as e:
         print(f"flood: error: {e}", file=sys.stderr)
         return 2

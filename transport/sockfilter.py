@@ -10,11 +10,19 @@ is the UDP header, so the dgt header starts at offset 8. It keeps a datagram onl
   source address) is one of ``sources`` (``dgt.sidecar.udp_sources``);
 - its dgt header carries ``MAGIC``, ``VERSION``, this job's ``session``, this ``shard``
   and a ``sender`` below the world size;
+- its ``iteration`` lies in a window ``[first, last]`` around the shard's open
+  iteration ``n``: the receive path takes ``n - 1`` (late blocks) and ``n`` and refuses
+  the rest (``stale``, ``future``). The kernel copies and compiles a filter on every
+  attach (about 70 us a socket here), so the sidecar does not replace it each
+  iteration: it sets ``[n - 1, n + A]`` and replaces it when ``n + 1`` leaves it
+  (A = 16, ``FILTER_AHEAD`` in ``dgt/node_sockets.py``), so datagrams more than A
+  iterations older than the open one (a replay of an old capture) never queue;
 - it is a BLOCKS datagram whose ``block`` lies in ``[lo, hi)``, or an END (tail marker).
 
 Everything else is what the receive path would refuse anyway (``unknown_source``,
 ``bad_magic``, ``bad_version``, ``stray``, ``wrong_shard``, ``bad_sender``,
-``bad_block``, ``bad_udp_message``): the filter moves those refusals into the kernel.
+``bad_block``, ``stale``, ``future``, ``bad_udp_message``): the filter moves those
+refusals into the kernel.
 Such a datagram is then not counted by reason; the kernel counts it in the socket's
 drops (``/proc/net/udp``, column ``drops``; ``SK_MEMINFO_DROPS``). A coalesced GRO run
 is judged by its first datagram's header (the receive path checks every one).
@@ -102,13 +110,48 @@ class Program:
 
 
 def program(*, session: int, shard: int, world: int, lo: int, hi: int,
-            sources: list[tuple[str, int]] | None, family: int = socket.AF_INET) -> bytes:
+            sources: list[tuple[str, int]] | None, family: int = socket.AF_INET,
+            iteration: tuple[int, int] | None = None) -> bytes:
     """The filter as packed ``struct sock_filter`` instructions (8 bytes each).
 
-    ``sources``: (numeric address, port) of the peers' channel sockets, or None to skip
-    the source check (a peer on a wildcard host). On an ``AF_INET6`` socket only the
+    ``iteration``: (first, last), the header's iteration (u32) must lie in
+    ``[first, last]`` (None: any; :class:`Windowed` moves the window without
+    assembling again). ``sources``: (numeric address, port) of the peers' channel
+    sockets, or None to skip the source check (a peer on a wildcard host). On an ``AF_INET6`` socket only the
     ports are checked. Raises ValueError when the program would exceed 4096
     instructions (then attach none)."""
+    return _build(session=session, shard=shard, world=world, lo=lo, hi=hi,
+                  sources=sources, family=family, iteration=iteration).assemble()
+
+
+def _window(first: int, last: int) -> tuple[int, int]:
+    """The two constants of the iteration check: keep a header iteration i with
+    ``k0 <= i`` and not ``i >= k1`` (u32; an iteration of 2**32 - 1 stays out)."""
+    return max(first, 0), min(last + 1, 0xFFFFFFFF)
+
+
+class Windowed:
+    """:func:`program` assembled once (about 0.2 ms in Python); :meth:`at` gives it
+    for another iteration window by rewriting the window's two constants in place.
+    Takes :func:`program`'s keywords (but ``iteration``); raises ValueError as it
+    does."""
+
+    def __init__(self, **kw):
+        p = _build(**kw, iteration=(0, 0))
+        self.code = bytearray(p.assemble())
+        # k, the 32-bit constant, is the last field of each 8-byte struct sock_filter
+        self._k = (8 * p.labels["iteration_lo"] + 4, 8 * p.labels["iteration_hi"] + 4)
+
+    def at(self, first: int, last: int) -> bytes:
+        """The program keeping header iterations in ``[first, last]``."""
+        for off, k in zip(self._k, _window(first, last)):
+            struct.pack_into("=I", self.code, off, k)
+        return bytes(self.code)
+
+
+def _build(*, session: int, shard: int, world: int, lo: int, hi: int,
+           sources: list[tuple[str, int]] | None, family: int,
+           iteration: tuple[int, int] | None) -> Program:
     p = Program()
     H = UDP_HEADER
     off = {name: wire.HEADER_DTYPE.fields[name][1] + H for name in wire.HEADER_DTYPE.names}
@@ -141,6 +184,13 @@ def program(*, session: int, shard: int, world: int, lo: int, hi: int,
     p.jump(JEQ, shard, 0, "drop")
     p.ld(H, off["sender"])
     p.jump(JGE, world, "drop", 0)
+    if iteration is not None:
+        lo_it, hi_it = _window(*iteration)
+        p.ld(W, off["iteration"])
+        p.label("iteration_lo")
+        p.jump(JGE, lo_it, 0, "drop")
+        p.label("iteration_hi")
+        p.jump(JGE, hi_it, "drop", 0)
     p.ld(B, off["type"])
     p.jump(JEQ, wire.MsgType.END, "accept", 0)
     p.jump(JEQ, wire.MsgType.BLOCKS, 0, "drop")
@@ -151,7 +201,7 @@ def program(*, session: int, shard: int, world: int, lo: int, hi: int,
     p.ret(ACCEPT)
     p.label("drop")
     p.ret(DROP)
-    return p.assemble()
+    return p
 
 
 def drop_all() -> bytes:

@@ -143,6 +143,26 @@ def test_tcp_mid_stream_pickup_resyncs():
     assert d.reasons["tcp_resync"] >= 1
 
 
+@pytest.mark.parametrize("chunk", [5, 40, 100000])
+def test_tcp_mid_stream_pickup_without_ports_is_found_by_its_headers(chunk):
+    """No ports given and no SYN: a stream that starts inside a frame is still taken
+    for dgt once a header that decodes comes (before, it was dropped as not dgt for
+    its first two bytes); a stream of other bytes is not, even with dgt's magic in it."""
+    msgs = all_messages()
+    stream = b"".join(msgs)[13:]
+    d = Dissector(None)
+    got = []
+    for i, off in enumerate(range(0, len(stream), chunk)):
+        got += d.feed(_seg(stream[off:off + chunk], 5000 + off, i + 1))
+    assert [m.data for m in got] == msgs[1:]
+    assert d.reasons["tcp_resync"] >= 1
+    other = Dissector(None)
+    junk = (b"GET / HTTP/1.1\r\n" + b"DG\x01" + bytes(40)) * 4000   # > PROBE_BYTES
+    for i, off in enumerate(range(0, len(junk), 1400)):
+        assert other.feed(_seg(junk[off:off + 1400], 9000 + off, i + 1)) == []
+    assert other.streams and all(s.is_dgt is False for s in other.streams.values())
+
+
 def test_truncated_stream_counts_undecodable():
     m = all_messages()[1]
     d = Dissector(None)

@@ -458,6 +458,26 @@ class Message:
 _SYN, _FIN, _RST = 0x02, 0x01, 0x04
 _MAX_PENDING = 64 << 20  # out-of-order bytes held per flow before a gap is declared
 _RESYNC = struct.pack("!HB", wire.MAGIC, wire.VERSION)
+#: bytes of a stream that starts with no dgt magic (picked up mid-frame, no --ports)
+#: searched for a decodable dgt header before it is taken for another protocol's
+PROBE_BYTES = 64 * 1024
+
+
+def _probe(buf: bytearray) -> bool | None:
+    """Is a stream whose first bytes are not dgt's magic a dgt stream picked up
+    mid-frame? True when a full header that decodes (``wire.decode_header``: magic,
+    version, a known type, a sane length) lies in ``buf``; False when none does in
+    its first PROBE_BYTES; None while fewer have come."""
+    i = buf.find(_RESYNC)
+    while 0 <= i <= len(buf) - wire.HEADER_BYTES:
+        try:
+            wire.decode_header(buf[i:i + wire.HEADER_BYTES])
+            return True
+        except wire.WireError:
+            i = buf.find(_RESYNC, i + 1)
+    if len(buf) >= PROBE_BYTES:
+        return False
+    return None
 
 
 class TcpStream:
@@ -467,6 +487,8 @@ class TcpStream:
     complete. Retransmitted and overlapping bytes are trimmed; out-of-order segments
     wait for the gap to fill. A stream picked up mid-way, or one with a gap that never
     fills, resynchronises on the next valid header; skipped bytes count as undecodable.
+    Without ports, a stream that does not start with dgt's magic is a dgt stream when a
+    header that decodes comes in its first PROBE_BYTES (:func:`_probe`).
     """
 
     def __init__(self, dissector: "Dissector"):
@@ -545,7 +567,10 @@ class TcpStream:
         if self.is_dgt is None:
             if len(buf) < 2:
                 return out
-            self.is_dgt = self.d.ports is not None or buf[:2] == _MAGIC_BYTES
+            self.is_dgt = True if self.d.ports is not None or buf[:2] == _MAGIC_BYTES \
+                else _probe(buf)
+            if self.is_dgt is None:   # not yet known: wait for more of the stream
+                return out
             if not self.is_dgt:
                 buf.clear()
                 return out

@@ -28,6 +28,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -78,6 +79,13 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
+def say_error(line: str) -> None:
+    """One line of the launcher's errors and warnings (stderr), flushed at once: a
+    job that failed or was refused says so where a user who sent stdout (the progress
+    and the summary) to a file still sees it, as the flag errors do."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -86,8 +94,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class Job:
     def __init__(self, job: JobConfig, tx: TransmissionConfig, log=say, metrics=None,
-                 ckpt: CheckpointConfig | None = None):
+                 ckpt: CheckpointConfig | None = None, warn=None):
         self.job, self.tx, self.log = job, tx, log
+        #: errors and warnings: stderr beside the console's stdout, else the caller's log
+        self.warn = warn or (say_error if log is say else log)
         self.ckpt = ckpt or CheckpointConfig()
         self.restarts = 0
         self.metrics = metrics   # dgt.metrics.MetricsConfig: rank r serves on port + r
@@ -622,7 +632,7 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=say, metrics=None,
 
 
 def _run(j: Job, t0: float) -> tuple[int, dict | None]:
-    job, tx, log = j.job, j.tx, j.log
+    job, tx, log, warn = j.job, j.tx, j.log, j.warn
     try:   # a busy run dir, a missing testbed or root: say so before anything starts
         unixsock.owned_dir(j.run_dir, "--run-dir")
         # before the lock file: a folder of someone else's files gets none of ours
@@ -637,11 +647,11 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         cleared = run_files.clear_previous(j.run_dir, keep=(j.checkpoint_dir, j.ckpt.resume))
     except (RuntimeError, ValueError, unixsock.NotOurs) as e:
         j.cleanup()
-        log(f"dgt train: {e}")
+        warn(f"dgt train: {e}")
         return 2, None
     except OSError as e:   # e.g. a full disk: making the folder needed no data block
         j.cleanup()
-        log(f"dgt train: --run-dir {j.run_dir}: {e.strerror or e}")
+        warn(f"dgt train: --run-dir {j.run_dir}: {e.strerror or e}")
         return 2, None
     used = tx.resolve_codecs(loopback=not job.testbed)
     band, pull = used.band_codec, used.pull_codec
@@ -661,7 +671,7 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         log(f"dgt train: removed {cleared} file(s) of a previous job from {j.run_dir} "
             f"(its logs, records and traces)")
     if tx.secret and not udpmac.NATIVE:
-        log(f"dgt train: warning: {udpmac.NOT_NATIVE}")
+        warn(f"dgt train: warning: {udpmac.NOT_NATIVE}")
     if resume or j.ckpt.checkpoint_every:
         log("dgt train: " + (f"resuming from {resume}; " if resume else "") +
             (f"a checkpoint every {j.ckpt.checkpoint_every} iterations in "
@@ -675,7 +685,7 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         code, failure = j.wait()
         while failure and j.restarts < j.ckpt.max_restarts:   # torchrun --max-restarts
             resume = j.restart_from(resume)
-            log(f"dgt train: {failure}; restart {j.restarts}/{j.ckpt.max_restarts} from "
+            warn(f"dgt train: {failure}; restart {j.restarts}/{j.ckpt.max_restarts} from "
                 f"{resume or 'the beginning'} (the failed attempt's logs: "
                 f"{os.path.join(j.run_dir, f'attempt-{j.restarts}')})")
             j.start(resume)
@@ -683,26 +693,26 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
     except RuntimeError as e:
         j.kill()
         kept = j.cleanup()
-        log(f"dgt train: {e}" + (f"; checkpoints kept in {kept}" if kept else ""))
+        warn(f"dgt train: {e}" + (f"; checkpoints kept in {kept}" if kept else ""))
         return 2, None
     except OSError as e:   # the run dir removed or full while the job ran
         j.kill()
-        log(f"dgt train: failed: {e.filename or j.run_dir}: {e.strerror or e}; "
+        warn(f"dgt train: failed: {e.filename or j.run_dir}: {e.strerror or e}; "
             f"children stopped (is --run-dir {j.run_dir} still there, with free space?)")
         return 1, None
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         j.kill()
-        log(f"dgt train: interrupted; children stopped, logs kept in {j.run_dir}")
+        warn(f"dgt train: interrupted; children stopped, logs kept in {j.run_dir}")
         return exit_status(), None
     except BaseException:
         j.kill()
         raise
     wall_s = time.monotonic() - t0
     if failure:
-        log(f"dgt train: failed: {failure}")
-        log(f"dgt train: logs kept in {j.run_dir}")
+        warn(f"dgt train: failed: {failure}")
+        warn(f"dgt train: logs kept in {j.run_dir}")
         return code, None
     report = build_report(j.run_dir, job, tx, wall_s, j.spill)
     report["restarts"] = j.restarts
@@ -711,7 +721,7 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         try:
             write_report(job.report, report)
         except OSError as e:
-            log(f"dgt train: cannot write --report {job.report}: {e.strerror or e}; the "
+            warn(f"dgt train: cannot write --report {job.report}: {e.strerror or e}; the "
                 f"summary above has its numbers; logs kept in {j.run_dir}")
             return 1, report
         log(f"report: {job.report}")

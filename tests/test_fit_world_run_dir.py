@@ -302,10 +302,11 @@ def test_the_same_train_command_runs_again_in_its_run_dir(tmp_path):
 
 
 def _launcher_line(p) -> str:
-    """The one line the launcher says (it logs on stdout) when it refuses to start."""
+    """The one line the launcher says when it refuses to start: on stderr, nothing on
+    stdout (a user who sent stdout to a file still sees it)."""
     assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
-    lines = (p.stdout + p.stderr).strip().splitlines()
-    assert len(lines) == 1, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and not p.stdout, (p.stdout, p.stderr)
     return lines[0]
 
 

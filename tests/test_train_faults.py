@@ -131,6 +131,8 @@ def test_dead_peer_ends_the_job_with_its_rank_named(tmp_path, victim, sig):
     out, err = p.communicate(timeout=60)  # bounded: a hang fails the test
     assert p.returncode != 0
     text = out + err
+    # the failure is on stderr (the progress and summary on stdout)
+    assert "dgt train: failed:" in err and "failed" not in out, (out, err)
     assert f"{victim} of rank 2" in text or "rank 2" in text, text
     assert "failed" in text
     assert not [x for x in pids if alive(x["pid"])]
@@ -301,8 +303,9 @@ def test_a_second_job_on_the_same_run_dir_is_refused_and_the_first_is_untouched(
                              str(run_dir), "--workers", "2", "--epochs", "1"],
                             capture_output=True, text=True, timeout=60)
     assert second.returncode == 2
+    # on stderr, as a flag's error is: a user who sent stdout to a file sees it
     assert f"--run-dir {run_dir} is in use by another dgt train (pid {first.pid})" in \
-        second.stdout + second.stderr, second.stdout + second.stderr
+        second.stderr and "in use" not in second.stdout, (second.stdout, second.stderr)
     assert "Traceback" not in second.stdout + second.stderr
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, out + err

@@ -10,6 +10,8 @@ import pytest
 
 from dgt.tc_profiles import system
 
+pytest_plugins = ["stop_on_sigterm"]   # SIGTERM tears the fixtures down, as Ctrl-C does
+
 
 def pytest_configure(config):
     """Every process the tests start makes its temporary folders (``dgt train``'s run

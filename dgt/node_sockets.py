@@ -100,17 +100,18 @@ class NodeSockets:
                     session=s.session, shard=s.shard, world=world, lo=s.lo, hi=s.hi,
                     sources=sources, family=sender.sock.family)
             except ValueError as e:   # too many sources for one program
-                self._no_filter(c, e)
+                self._no_filter(c, sender.sock, e)
         self.filter_iteration(s.iteration)
 
     def filter_iteration(self, iteration: int) -> None:
         """Called as the shard opens ``iteration``: while the filters' iteration window
         holds ``iteration + 1`` nothing is done; else each channel socket's filter is
         replaced by one keeping ``[iteration - 1, iteration + FILTER_AHEAD]``. So
-        datagrams more than FILTER_AHEAD iterations older than the open one (a replay of an old
-        capture) are dropped in the kernel, not after they have filled the receive
-        buffer, at one attach per channel every FILTER_AHEAD iterations (each costs the
-        kernel about 70 us: transport.sockfilter). A no-op before :meth:`filter_udp`."""
+        datagrams more than FILTER_AHEAD iterations older than the open one (a replay
+        of an old capture) are dropped in the kernel, not after they have filled the
+        receive buffer, at one attach per channel every FILTER_AHEAD iterations (each
+        costs the kernel about 70 us: transport.sockfilter). A no-op before
+        :meth:`filter_udp`."""
         if self._window is not None and self._window[0] <= iteration - 1 and \
                 iteration + 1 <= self._window[1]:
             return
@@ -122,9 +123,15 @@ class NodeSockets:
         try:
             sockfilter.attach(sock, program())
         except (OSError, ValueError) as e:   # the receive path checks it all anyway
-            self._no_filter(c, e)
+            self._no_filter(c, sock, e)
 
-    def _no_filter(self, c: int, e: Exception) -> None:
+    def _no_filter(self, c: int, sock, e: Exception) -> None:
+        """Channel ``c``'s filter could not be made or attached: take off the one it
+        has (bind's drop-all would keep every datagram out), and say so once."""
+        try:
+            sockfilter.detach(sock)
+        except OSError:   # none attached
+            pass
         if c not in self._unfiltered:   # once per channel, not once per iteration
             self._unfiltered.add(c)
             log.warning("rank %d: no kernel filter on UDP channel %d (%s); forged "

@@ -166,3 +166,34 @@ def test_a_node_replaces_its_filters_only_when_the_next_iteration_leaves_the_win
         sockfilter.attach = attach
         rx.close()
         peer.close()
+
+
+def test_a_filter_too_big_for_the_kernel_leaves_the_channel_open_not_closed(caplog):
+    """More peers' sources than one classic BPF program can hold (4,096 instructions):
+    the channel goes without a filter (the receive path checks every datagram), with one
+    warning; before, it kept bind's drop-all filter and no datagram ever came in."""
+    from dgt.config import NodeConfig, TransmissionConfig
+    from dgt.node_sockets import NodeSockets
+    from dgt.transport.session import ShardSession
+    socks = NodeSockets(TransmissionConfig(channels=1), NodeConfig(rank=1), [0, 0])
+    rx, peer = _udp(), _udp()
+    rx.setblocking(False)
+    socks.senders[1] = BatchSender(rx)
+    sockfilter.attach(rx, sockfilter.drop_all())   # as bind leaves it
+    session = ShardSession(session=SESSION, shard=1, lo=10, hi=20, block_elems=4,
+                           n_workers=3, deadline_s=1.0)
+    many = [peer.getsockname()] + [("127.0.0.2", p) for p in range(20000, 21000)]
+    try:
+        with pytest.raises(ValueError):
+            sockfilter.program(session=SESSION, shard=1, world=3, lo=10, hi=20,
+                               sources=many, iteration=(0, 1))
+        socks.filter_udp(session, 3, many)
+        for n in range(1, 40):
+            socks.filter_iteration(n)
+        peer.sendto(_block(), rx.getsockname())
+        assert _received(rx) == [_block()]
+        warned = [r for r in caplog.records if "no kernel filter" in r.getMessage()]
+        assert len(warned) == 1, warned
+    finally:
+        rx.close()
+        peer.close()

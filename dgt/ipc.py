@@ -30,6 +30,8 @@ import os
 
 import numpy as np
 
+from .jsonparse import loads
+
 MAX_LINE = 1 << 16
 
 
@@ -100,10 +102,7 @@ def decode_msg(line: bytes) -> dict:
     """Raises ValueError for anything that is not one JSON object with an 'op'."""
     if len(line) > MAX_LINE:
         raise ValueError("control message too long")
-    try:
-        obj = json.loads(line)
-    except RecursionError:   # e.g. 60,000 '[': json's decoder gives up on the depth
-        raise ValueError("control message nested too deeply") from None
+    obj = loads(line, "control message")   # e.g. 60,000 '[': nested too deeply
     if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
         raise ValueError("control message must be a JSON object with an 'op'")
     return obj

@@ -10,9 +10,10 @@ refused before any work, with one line that says what to do
 """
 from __future__ import annotations
 
-import json
 import os
 import stat
+
+from .jsonparse import loads
 
 #: the largest existing JSON file read to see whether it is JSON (a report is KBs)
 MAX_JSON_BYTES = 64 << 20
@@ -53,7 +54,7 @@ def foreign(path: str, kind: str) -> str | None:
         return f"cannot read it to see what it holds: {e.strerror or e}"
     if kind == "json":
         try:
-            json.loads(head)
+            loads(head)
         except (ValueError, UnicodeDecodeError):
             return refuse
         return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -173,14 +174,35 @@ def _drawing(name: str):
                         f"{said or type(e).__name__}") from None
 
 
+#: what matplotlib logs on its first run in a new home (building its font cache): a
+#: notice, no error, that came on stderr before a command's own output
+FIRST_RUN_NOTICES = ("generated new fontManager", "Matplotlib is building the font cache")
+
+
+class _NoFirstRunNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(FIRST_RUN_NOTICES)
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, for every dgt command that draws: its
+    first-run notices (:data:`FIRST_RUN_NOTICES`) are dropped, its other warnings and
+    errors pass."""
+    log = logging.getLogger("matplotlib.font_manager")   # matplotlib's, made before it
+    if not any(isinstance(f, _NoFirstRunNotices) for f in log.filters):
+        log.addFilter(_NoFirstRunNotices())
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def plot(data: dict, out_dir: str, title: str = "") -> list[str]:
     """Write the PNGs into ``out_dir`` (created when missing, but never its parents: a
     mistyped path is an error, not a new tree); returns their paths. Raises OSError,
     DrawError (matplotlib could not draw one: neither it nor those after it are
     written)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     try:
         os.mkdir(out_dir)
     except FileExistsError:

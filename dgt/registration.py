@@ -19,6 +19,7 @@ from typing import Callable
 from .config import PACE_AUTO, NodeConfig, TransmissionConfig
 from .errors import PeerFailure
 from .failure import FailureReason
+from .jsonparse import loads
 from .layout import BlockLayout
 from .rank_list import rank_list
 from .link_rate import auto_pace_mbit, peers_on_loopback
@@ -105,7 +106,7 @@ def check_endpoint(key: str, text: str) -> dict:
     ``rank``, ``host`` (str), ``tcp_port`` and ``udp_ports`` (ports 1..65535), ``pid``
     (int) and ``wire`` (:func:`wire_settings`: an int for each of :data:`WIRE_FLAGS`).
     Raises ValueError/TypeError/KeyError otherwise."""
-    ep = json.loads(text)
+    ep = loads(text)
     if not (type(ep) is dict and ep["rank"] == int(key.rsplit("/", 1)[1])
             and isinstance(ep["host"], str) and ep["host"] and _is_port(ep["tcp_port"])
             and type(ep["udp_ports"]) is list and all(map(_is_port, ep["udp_ports"]))

@@ -27,6 +27,7 @@ from typing import Callable
 
 from .errors import PeerFailure
 from .failure import FailureReason
+from .jsonparse import loads
 from .rank_list import rank_list
 from .transport.reasons import Reason
 from .transport.wire import mac_tag
@@ -147,7 +148,7 @@ def failure_record(world: int
         return r is None or type(r) is int and 0 <= r < world
 
     def check(_key: str, text: str) -> tuple[str, int | None, int | None]:
-        info = json.loads(text)
+        info = loads(text)
         message, rank, by = info["message"], info.get("rank"), info.get("by")
         if not isinstance(message, str) or not message.strip() or not (
                 is_rank(rank) and is_rank(by)):

@@ -11,9 +11,10 @@ only ranks ``0..world-1`` (:func:`job_world`, :func:`in_job`).
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
+
+from .jsonparse import loads
 
 #: every file of one rank that a job writes in its run dir, ``{}`` for the rank: the
 #: launcher's logs and socket (dgt.launch.Job._spawn, Job._socket_path), the trainer's
@@ -142,7 +143,7 @@ def read_json(path: str, limit: int = MAX_RECORD):
         data = f.read(limit + 1)
     if len(data) > limit:
         raise RefusedFile(path, _over(len(data), limit))
-    return json.loads(data)
+    return loads(data)
 
 
 def job_world(run_dir: str, notes: list[str] | None = None) -> int | None:

@@ -44,6 +44,7 @@ import os
 import resource
 import time
 
+from .jsonparse import loads
 from .metrics import TimeHistogram
 from .run_files import RefusedFile, of_job, open_regular
 from .transport.counters import FIELDS
@@ -175,7 +176,7 @@ def parse_line(raw: bytes) -> dict | None:
     fields are not numbers, or ``channels`` that are not counters (a damaged or foreign
     file; the readers skip and count it)."""
     try:
-        line = json.loads(raw.decode("utf-8"))
+        line = loads(raw.decode("utf-8"))
     except ValueError:   # UnicodeDecodeError is one
         return None
     if not isinstance(line, dict):

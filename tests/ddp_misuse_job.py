@@ -5,6 +5,11 @@ except ``--short-rank``, which stops before step ``--short-step``:
 - ``--how raise``: it raises RuntimeError there, uncaught (the trainer crashes);
 - ``--how return``: it returns from main() there, without ``state.close()`` (an orderly
   end with fewer steps; the hook's state is closed at interpreter exit).
+- ``--how second-state`` (no rank ends early): a second DDP model, GAN-style, whose
+  DgtState is refused while the first is live (each rank prints ``rank <r>: refused:
+  <message>``) and which trains with DDP's own all-reduce; then, after the first
+  state's ``close()``, a third model trains through a new DgtState (``rank <r>: third
+  model trained``).
 
 A rank whose own step fails with dgt.PeerFailure prints one line to stderr,
 ``ddp_misuse_job.py rank <r>: error: PeerFailure: <message>``, and exits with status 2.
@@ -12,6 +17,7 @@ A rank whose own step fails with dgt.PeerFailure prints one line to stderr,
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,7 +33,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--short-rank", type=int, default=1)
     p.add_argument("--short-step", type=int, default=5)
-    p.add_argument("--how", choices=("raise", "return"), default="raise")
+    p.add_argument("--how", choices=("raise", "return", "second-state"), default="raise")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -40,15 +46,39 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1 + rank)
     for step in range(a.iterations):
-        if rank == a.short_rank and step == a.short_step:
+        if rank == a.short_rank and step == a.short_step and a.how != "second-state":
             if a.how == "raise":
                 raise RuntimeError(f"injected at step {step}")
             return
         opt.zero_grad()
         model(torch.randn(4, 8, generator=gen)).sum().backward()
         opt.step()
+    if a.how == "second-state":
+        second_state(rank, model, state, gen)
     state.close()
     dist.destroy_process_group()
+
+
+def second_state(rank: int, model, state, gen) -> None:
+    other = DDP(torch.nn.Linear(8, 2))
+    try:
+        dgt.ddp.DgtState(sidecar_args=["--mode", "tcp"])
+    except RuntimeError as e:
+        print(f"rank {rank}: refused: {e}", flush=True)
+    for _ in range(2):
+        x = torch.randn(4, 8, generator=gen)
+        model(x).sum().backward()
+        other(x).sum().backward()
+    state.close()
+    third = DDP(torch.nn.Linear(8, 2))
+    if rank == 0:   # rank 1 asks for its sidecars' store first: not the closed one's
+        time.sleep(2)
+    new = dgt.ddp.DgtState(sidecar_args=["--mode", "tcp"])
+    third.register_comm_hook(new, dgt.ddp.dgt_hook)
+    for _ in range(2):
+        third(torch.randn(4, 8, generator=gen)).sum().backward()
+    new.close()
+    print(f"rank {rank}: third model trained", flush=True)
 
 
 if __name__ == "__main__":

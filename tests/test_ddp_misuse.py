@@ -141,3 +141,26 @@ def test_a_crashed_rank_is_named_with_its_error_and_a_short_one_as_fewer_steps(t
     else:
         assert "rank 1 closed after step 4; rank 0 is at step 5: every rank must run " \
             "the same number of steps" in ours[0], ours[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_second_live_dgt_state_in_one_process_is_refused_in_one_line(tmp_path):
+    """Two DDP models in one trainer (GAN-style), a DgtState for each: before the fix
+    the second state's sidecar took the first one's socket and store key and failed
+    after 35 s with "rendezvous store lost (rank 0 died?)" or "this sidecar already
+    has a trainer" (the hook's own message had said to create another). Now it is
+    refused at once; the second model trains with DDP's all-reduce, and a state made
+    after the first one's close() trains a third model."""
+    from dgt.ddp.state import ONE_PER_PROCESS
+    run_dir = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", JOB, "--how", "second-state",
+                        "--iterations", "2"],
+                       capture_output=True, text=True, timeout=240, cwd=REPO,
+                       env=dict(os.environ, DGT_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:] + _logs(run_dir)
+    for rank in (0, 1):
+        assert f"rank {rank}: refused: {ONE_PER_PROCESS}\n" in p.stdout, p.stdout
+        assert f"rank {rank}: third model trained" in p.stdout, p.stdout
+    assert "\n" not in ONE_PER_PROCESS and "close() the first DgtState" in ONE_PER_PROCESS
+    assert "one DDP model per process" in _errors_section()

@@ -131,6 +131,82 @@ def test_summary_bad_session(tmp_path, session):
                     "16 hex digits")
 
 
+# ------------------------------------------------------------- bad reports
+
+#: JSON nested deeper than Python's recursion limit: json.loads raises RecursionError,
+#: not ValueError (it was a traceback, exit 1, in every reader)
+DEEP = "[" * 100000 + "]" * 100000
+
+#: every tool that reads a report; each gets ``--report R`` and the pcap
+REPORT_CMDS = {
+    "summary": ["pcap", "summary"],
+    "replay": ["replay", "--to", "127.0.0.1", "--dry-run"],
+    "capture": ["capture", "--count", "1", "-w", "{tmp}/c.pcap"],
+}
+
+
+def _report_cli(tmp_path, tool, report):
+    pcap = _udp_pcap(tmp_path / "u.pcap", n=1)
+    cmd = [a.replace("{tmp}", str(tmp_path)) for a in REPORT_CMDS[tool]]
+    return _cli(*cmd, "--report", str(report), *([] if tool == "capture" else [str(pcap)]))
+
+
+@pytest.mark.parametrize("tool", [*REPORT_CMDS, "plot"])
+def test_a_report_nested_too_deeply_is_one_line(tmp_path, tool):
+    report = tmp_path / "deep.json"
+    report.write_text(DEEP)
+    r = _cli("plot", str(report)) if tool == "plot" else _report_cli(tmp_path, tool, report)
+    _one_line_error(r, str(report))
+    if tool != "plot":
+        assert "nested too deeply" in r.stderr, r.stderr
+
+
+def test_top_skips_a_trace_line_nested_too_deeply(tmp_path):
+    """Such a line is one unreadable line, counted and named as any other."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "trace-0.jsonl").write_text(DEEP + "\n")
+    r = _cli("top", "--once", str(run))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    assert "trace-0.jsonl: 1 unreadable line skipped" in " ".join(r.stdout.split()), \
+        r.stdout
+
+
+#: sidecars rows whose ports are no port: a float (even a whole one, or 1e400, which
+#: JSON gives as infinity), a bool, a string, 0, a negative, over 65535
+BAD_ROWS = {
+    "tcp-1e400": '{"rank": 0, "tcp_port": 1e400, "udp_ports": [1]}',
+    "tcp-99999999-udp-minus-1": '{"rank": 0, "tcp_port": 99999999, "udp_ports": [-1]}',
+    "udp-minus-1": '{"rank": 0, "tcp_port": 47000, "udp_ports": [-1]}',
+    "tcp-5.0": '{"rank": 0, "tcp_port": 5.0, "udp_ports": [47001]}',
+    "tcp-NaN": '{"rank": 0, "tcp_port": NaN, "udp_ports": [47001]}',
+}
+
+
+@pytest.mark.parametrize("row", BAD_ROWS.values(), ids=BAD_ROWS)
+@pytest.mark.parametrize("tool", REPORT_CMDS)
+def test_a_report_port_that_is_no_port_is_refused_by_every_tool(tmp_path, tool, row):
+    report = tmp_path / "r.json"
+    report.write_text('{"sidecars": [%s]}' % row)
+    _one_line_error(_report_cli(tmp_path, tool, report), f"{report}: bad sidecars entry 0",
+                    "not a port 1..65535")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tcp_port", 0), ("tcp_port", 65536), ("tcp_port", -5), ("tcp_port", 47000.0),
+    ("tcp_port", float("inf")), ("tcp_port", True), ("tcp_port", "47000"),
+    ("tcp_port", None), ("tcp_port", [47000]), ("udp_ports", [47001, 70000]),
+    ("udp_ports", [False]), ("udp_ports", "47001"), ("udp_ports", [47001.5]),
+    ("rank", -1), ("rank", 0.0), ("rank", True), ("host", ["127.0.0.1"]), ("host", ""),
+])
+def test_the_sidecars_table_takes_only_whole_ports_1_to_65535(field, value):
+    from dgt.tools import ports
+    good = {"rank": 0, "host": "127.0.0.1", "tcp_port": 47000, "udp_ports": [47001]}
+    assert ports.sidecars_from_doc({"sidecars": [good]})[0].udp_ports == (47001,)
+    with pytest.raises(ports.PortSpecError, match="bad sidecars entry 0"):
+        ports.sidecars_from_doc({"sidecars": [{**good, field: value}]})
+
+
 # ------------------------------------------------------------- damaged pcaps
 
 def _header(linktype=1):
@@ -273,6 +349,60 @@ def test_an_output_that_fails_to_write_is_one_error_line(tmp_path, dev_full, cmd
     _one_line_error(r, says.format(full=dev_full))
     assert stat.S_ISCHR(os.stat(dev_full).st_mode)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+#: a dgt train report that 'dgt plot' draws (the fields it reads, two points each)
+SMALL_REPORT = {"history": [{"iteration": i, "seconds": i / 6, "test_accuracy": i / 20}
+                            for i in (6, 12)],
+                "channels": {"tcp": {"bytes_sent": 1000, "bytes_delivered": 1000}},
+                "comm_ms": [1.0, 2.0]}
+
+
+@pytest.mark.parametrize("what", ["summary-plot", "summary-plot-full", "plot"])
+def test_a_fresh_users_plot_prints_no_matplotlib_notice(tmp_path, dev_full, what):
+    """An outside tester, as a new user: matplotlib's first-run "generated new
+    fontManager" (INFO) came on stderr before 'dgt pcap summary --plot's own output
+    (the tools' logging let every library's INFO through), so the one error line of a
+    failed write was two. HOME and MPLCONFIGDIR are new, empty folders here: stderr is
+    exactly what dgt says."""
+    home, mpl = tmp_path / "home", tmp_path / "mpl"
+    home.mkdir()
+    mpl.mkdir()
+    env = dict(os.environ, HOME=str(home), MPLCONFIGDIR=str(mpl))
+    png = tmp_path / "s.png"
+    if what == "plot":
+        report = tmp_path / "report.json"
+        report.write_text(json.dumps(SMALL_REPORT))
+        r = _cli("plot", str(report), "--out", str(tmp_path / "png"), env=env)
+        expected, png = "", tmp_path / "png" / "comm_time.png"
+    else:
+        out = dev_full if what == "summary-plot-full" else png
+        r = _cli("pcap", "summary", str(_udp_pcap(tmp_path / "u.pcap")), "--plot",
+                 str(out), env=env)
+        expected = (f"dgt pcap summary: error: cannot write {out} (--plot): No space "
+                    f"left on device\n" if out == dev_full else "")
+    assert r.stderr == expected
+    assert r.returncode == (2 if expected else 0)
+    assert expected or png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(mpl), "matplotlib's first run: it built its font cache here"
+
+
+def test_matplotlib_s_first_run_notices_are_dropped_and_its_other_warnings_pass(caplog):
+    """The font cache notice that matplotlib logs (WARNING) when building the cache
+    takes over 5 s, which no test can make happen at will: the records themselves,
+    through matplotlib's own logger."""
+    import logging
+
+    from dgt.plot import pyplot
+    pyplot()
+    log = logging.getLogger("matplotlib.font_manager")
+    with caplog.at_level(logging.INFO):
+        log.warning("Matplotlib is building the font cache; this may take a moment.")
+        log.info("generated new fontManager")
+        log.warning("findfont: Font family %r not found.", "Nope")
+        log.error("a real error")
+    assert [r.getMessage() for r in caplog.records] == \
+        ["findfont: Font family 'Nope' not found.", "a real error"]
 
 
 @pytest.mark.parametrize("flag, earlier", [

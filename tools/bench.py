@@ -769,9 +769,8 @@ def loss_sweep(doc: dict) -> dict | None:
 def plot_loss_sweep(doc: dict, path: str) -> None:
     """One panel per rate and lossy scenario: median comm time against loss rate, a line
     per system, the clean cell at 0 %."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from dgt.plot import pyplot
+    plt = pyplot()
     sweep = loss_sweep(doc)
     panels = list(dict.fromkeys((r["rate"], r["scenario"]) for r in sweep["rows"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False,
@@ -795,9 +794,8 @@ def plot_loss_sweep(doc: dict, path: str) -> None:
 
 
 def plot_comm(doc: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from dgt.plot import pyplot
+    plt = pyplot()
     cells = [c for c in doc["cells"] if not c.get("error")]
     rates = list(dict.fromkeys(c["rate"] or "loopback" for c in cells)) or ["loopback"]
     fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4), squeeze=False)
@@ -826,9 +824,8 @@ def plot_comm(doc: dict, path: str) -> None:
 
 
 def plot_accuracy(doc: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from dgt.plot import pyplot
+    plt = pyplot()
     cells = [c for c in doc["cells"] if not c.get("error") and c.get("history")]
     panels = list(dict.fromkeys((c["rate"] or "loopback", scenario_label(c)) for c in cells))
     if not panels:

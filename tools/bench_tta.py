@@ -913,9 +913,8 @@ def curve_colors(cells: list[dict]) -> list[str | None]:
 
 
 def plot_accuracy(doc: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from dgt.plot import pyplot
+    plt = pyplot()
     cells = [c for c in doc["cells"] if not c.get("error") and c.get("history")]
     panels = list(dict.fromkeys((c["rate"] or "loopback", c["scenario"], c["workload"])
                                 for c in cells)) or [("loopback", "loopback", "")]

@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -161,10 +160,12 @@ def parse_session(text: str, where: str = "--session") -> int:
 
 
 def _logging(quiet: bool = False) -> None:
+    """dgt's own INFO lines (not with ``quiet``) and every library's warnings on stderr;
+    not the libraries' INFO (matplotlib's "generated new fontManager", …)."""
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
-                            format="%(message)s", stream=sys.stderr)
+        logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+        logging.getLogger("dgt").setLevel(logging.WARNING if quiet else logging.INFO)
     elif quiet:
         logging.getLogger("dgt").setLevel(logging.WARNING)
 
@@ -224,25 +225,22 @@ def cmd_capture(args) -> int:
 
 @_guard
 def cmd_pcap_summary(args) -> int:
-    from dgt.tools import summary
+    from dgt.tools import ports, summary
     _logging()
-    spec = _port_spec(args)
+    spec = _port_spec(args)   # with --report: its sidecars table, checked
     check_output("--json", args.json)
     check_output("--plot", args.plot)
     sessions = ([parse_session(x) for x in args.session.split(",")]
                 if args.session else None)
-    if sessions is None and args.report:
-        with open(args.report) as f:
-            doc = json.load(f)
+    rep = ports.read_report(args.report) if args.report else None
+    if sessions is None and rep is not None:
+        rows = rep["sidecars"] if isinstance(rep, dict) else rep   # _port_spec checked
         found = {parse_session(r["session"], f"session in {args.report}")
-                 for r in doc.get("sidecars", [])
-                 if isinstance(r, dict) and r.get("session")}
+                 for r in rows if r.get("session")}
         sessions = sorted(found) or None
     s = summary.summarize(args.files, spec, sessions)
     print(summary.format_table(s))
-    if args.report:
-        with open(args.report) as f:
-            rep = json.load(f)
+    if rep is not None:
         if isinstance(rep, dict) and rep.get("channels"):
             cmp = summary.compare_with_report(s, rep)
             s["report_comparison"] = {k: {"blocks": list(v["blocks"]),

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dgt.run_files import RefusedFile, read_json
+
 #: Port stride between ranks under ``--base-port`` (rank r uses B + 10 r; docs/tools.md).
 RANK_STRIDE = 10
 
@@ -99,35 +101,89 @@ def from_ports(text: str) -> PortSpec:
     return PortSpec(tcp=ports, udp=ports)
 
 
+def read_report(path: str | Path):
+    """The JSON document of the report file ``path``, read as every dgt reader reads a
+    record (dgt.run_files.read_json: a regular file of at most MAX_RECORD bytes; JSON
+    nested too deeply is malformed JSON, dgt.jsonparse). Raises :class:`PortSpecError`,
+    one line, when it is missing, not a regular file, unreadable or not JSON."""
+    p = str(path)
+    try:
+        return read_json(p)
+    except FileNotFoundError:
+        raise PortSpecError(f"report {p} not found") from None
+    except RefusedFile as e:
+        raise PortSpecError(f"report {e}") from None
+    except OSError as e:
+        raise PortSpecError(f"report {p} is not readable: {e.strerror or e}") from None
+    except ValueError as e:
+        raise PortSpecError(f"report {p} is not readable JSON: {e}") from None
+
+
 def sidecars_from_report(path: str | Path) -> tuple[Sidecar, ...]:
     """Read the ``sidecars`` table of a ``dgt train`` report JSON.
 
-    Raises :class:`PortSpecError` when the file is missing, not JSON, or lacks the table.
+    Raises :class:`PortSpecError` when the file is missing, not JSON, or lacks the table
+    or it is malformed (:func:`sidecars_from_doc`).
     """
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise PortSpecError(f"report {p} not found") from None
-    except (OSError, ValueError) as e:
-        raise PortSpecError(f"report {p} is not readable JSON: {e}") from None
-    return sidecars_from_doc(doc, str(p))
+    return sidecars_from_doc(read_report(path), str(path))
+
+
+def is_port(v) -> bool:
+    """Whether ``v`` (a JSON value) is a port: an integer 1..65535; not a float (5.0,
+    1e400), a bool, a string."""
+    return type(v) is int and 1 <= v <= 65535
+
+
+def _shown(v) -> str:
+    """A JSON value as an error line shows it: a number or literal as JSON writes it
+    (``Infinity``, ``true``, ``5.0``), cut to 40 characters; a list or object by kind
+    (it may be nested deep)."""
+    if isinstance(v, (list, dict)):
+        return "a list" if isinstance(v, list) else "an object"
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _sidecar(r) -> Sidecar:
+    """One row of a ``sidecars`` table. Raises ValueError saying what is wrong."""
+    if not isinstance(r, dict):
+        raise ValueError(f"{_shown(r)}, not an object")
+    for k in ("rank", "tcp_port"):
+        if k not in r:
+            raise ValueError(f"no {k!r}")
+    rank, tcp, udp = r["rank"], r["tcp_port"], r.get("udp_ports", [])
+    host = r.get("host", "127.0.0.1")
+    if type(rank) is not int or rank < 0:
+        raise ValueError(f"rank {_shown(rank)} is not a whole number >= 0")
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host {_shown(host)} is not a host name or address")
+    if not is_port(tcp):
+        raise ValueError(f"tcp_port {_shown(tcp)} is not a port 1..65535")
+    if type(udp) is not list:
+        raise ValueError(f"udp_ports {_shown(udp)} is not a list of ports")
+    bad = next((u for u in udp if not is_port(u)), None)
+    if bad is not None:
+        raise ValueError(f"udp_ports holds {_shown(bad)}, not a port 1..65535")
+    return Sidecar(rank, host, tcp, tuple(udp))
 
 
 def sidecars_from_doc(doc, where: str = "report") -> tuple[Sidecar, ...]:
     """The ``sidecars`` table of an already-loaded report dict (or a bare list of rows).
+    Each row is ``{"rank": int >= 0, "host": str, "tcp_port": port, "udp_ports":
+    [port, ...]}``, a port an integer 1..65535 (:func:`is_port`).
 
     Raises :class:`PortSpecError` when the table is missing or malformed.
     """
     rows = doc.get("sidecars") if isinstance(doc, dict) else doc
     if not rows or not isinstance(rows, list):
         raise PortSpecError(f"{where} has no 'sidecars' table; pass --ports instead")
-    try:
-        return tuple(Sidecar(int(r["rank"]), str(r.get("host", "127.0.0.1")),
-                             int(r["tcp_port"]), tuple(int(u) for u in r.get("udp_ports", ())))
-                     for r in rows)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise PortSpecError(f"{where}: bad sidecars entry ({e})") from None
+    out = []
+    for i, r in enumerate(rows):
+        try:
+            out.append(_sidecar(r))
+        except ValueError as e:
+            raise PortSpecError(f"{where}: bad sidecars entry {i} ({e})") from None
+    return tuple(out)
 
 
 def from_sidecars(sidecars) -> PortSpec:

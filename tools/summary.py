@@ -287,9 +287,8 @@ def plot(s: dict, out_png: str, flag: str = "--plot") -> None:
     per-channel shares, as one PNG (matplotlib, Agg backend) in ``out_png``
     (``dgt.tools.output``). Raises ValueError ``cannot write PATH (FLAG): why``."""
     from dgt.tools.output import write_file
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from dgt.plot import pyplot
+    plt = pyplot()
 
     names = list(s["channels"])
     colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}

@@ -42,8 +42,9 @@ class FlatLayout:
             off = self.offsets.get(self.key(p))
             if off is None:
                 raise ValueError("dgt_hook: a bucket holds a parameter this DgtState has "
-                                 "not laid out: one DgtState per DDP model (create another "
-                                 "for this model)")
+                                 "not laid out (it serves another model): one DgtState per "
+                                 "DDP model and one such model per process; train this "
+                                 "model with DDP's own all-reduce (no register_comm_hook)")
             out.append((off, p.numel()))
         return out
 

@@ -31,6 +31,7 @@ from ..config import default_run_dir
 from ..deadline import bounded
 from ..unixsock import NotOurs, owned_dir, private_dir
 from ..errors import PeerFailure
+from ..jsonparse import load, loads
 from ..rendezvous import QUIET_TORCH_ENV
 from ..run_files import check_run_dir, lock_holder, open_lock, share_lock
 from . import generation
@@ -39,6 +40,9 @@ from . import generation
 CLOSE_GRACE_S = 30.0
 #: how long a restarted generation waits for the failed one's sidecar to end by itself
 REAP_GRACE_S = 10.0
+
+#: sidecars this process has started (every rank starts them in the same order)
+_spawned = 0
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,9 @@ class NodeLink:
         # count in the key, which differs between hosts; torchrun's bare store does
         key = ("dgt/sidecar-store" if generation.current is not None
                else f"dgt/{env.tag}/sidecar-store")
+        global _spawned   # a state made after close(): not the closed one's key
+        _spawned += 1
+        key += f"/{_spawned}" if _spawned > 1 else ""
         listener = None
         if rank == 0:   # rank 0's sidecar hosts the sidecars' store on a port bound here
             listener = socket.create_server((host, 0), backlog=1024,
@@ -328,7 +335,7 @@ def take_rank(run_dir: str, rank: int, what: str) -> int:
         f"its trainer of rank {rank} holds {path}"
     try:   # its sidecar, once past its rendezvous (no probe of its socket: a stranger)
         with open(os.path.join(run_dir, f"endpoints-{rank}.json")) as f:
-            pid = int(json.load(f)["pid"])
+            pid = int(load(f)["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         pid = None
     if pid and running(pid):
@@ -383,7 +390,7 @@ def reap_sidecar(run_dir: str, rank: int, run_id: str,
     sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
     try:
         with open(os.path.join(run_dir, f"endpoints-{rank}.json")) as f:
-            pid = int(json.load(f)["pid"])
+            pid = int(load(f)["pid"])
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")
     except (OSError, ValueError, KeyError, TypeError):   # no sidecar ran there, or it
@@ -456,7 +463,7 @@ def _sidecar_store(raw: bytes, key: str) -> tuple[str, int]:
     torchrun's store. Raises PeerFailure (nobody blamed) when it is malformed: torchrun's
     store has no login, and another local process wrote there."""
     try:
-        host, port = json.loads(raw)
+        host, port = loads(raw)
         if isinstance(host, str) and host and type(port) is int and 0 < port < 1 << 16:
             return host, port
     except (ValueError, TypeError):

@@ -12,15 +12,26 @@ from ..config import peer_timeout_of, trainer_timeout_s
 STATE_VERSION = 1
 #: bucket timings kept for :attr:`DgtState.timings` (the last this many iterations)
 TIMINGS_KEPT = 1000
+#: the refusal of a second live DgtState in one process (its sidecar would take the
+#: first one's socket, lock and store key)
+ONE_PER_PROCESS = ("DgtState(): this process already has a live DgtState; dgt trains one "
+                   "DDP model per process: train another model with DDP's own all-reduce "
+                   "(no register_comm_hook), or close() the first DgtState before making "
+                   "another")
+
+#: the NodeLink of this process's connected DgtState (None before the first)
+_live_link = None
 
 
 class DgtState:
     """State of :func:`dgt.ddp.dgt_hook` for one ``DistributedDataParallel`` model.
 
     Construct it after ``torch.distributed.init_process_group`` and before the first
-    backward, once per DDP model, on every rank. Under torchrun it starts this rank's
-    sidecar (one per trainer: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-    ``TORCHELASTIC_RUN_ID``), or attaches to the one listening on ``socket_path`` (or
+    backward, on every rank, for one DDP model per process: a second DgtState while
+    one is connected raises RuntimeError (a second model trains with DDP's own
+    all-reduce, or after the first state's :meth:`close`). Under torchrun it starts
+    this rank's sidecar (one per trainer: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``), or attaches to the one listening on ``socket_path`` (or
     ``$DGT_SOCKET``) when given. What the sidecars do with a push (``--mode``, ``--k``,
     channels, error feedback, …) comes from ``DGT_*`` env vars and ``sidecar_args``
     (``dgt sidecar`` flags, e.g. ``["--mode", "tcp"]``). The sidecar stops when
@@ -184,14 +195,18 @@ class DgtState:
     # -- the sidecar -----------------------------------------------------------------
     def connect(self) -> None:
         """Start (or attach to) this rank's sidecar, if not done yet. Needs
-        ``torch.distributed`` initialised. Raises RuntimeError (not initialised, or
-        after :meth:`close`) and :class:`dgt.PeerFailure` (the sidecar did not come up,
-        or is another job's)."""
+        ``torch.distributed`` initialised. Raises RuntimeError (not initialised, after
+        :meth:`close`, or while another DgtState of this process is connected) and
+        :class:`dgt.PeerFailure` (the sidecar did not come up, or is another job's)."""
+        global _live_link
         self._check_open()
         if self._node is None:
+            if _live_link is not None and not _live_link.closed:
+                raise RuntimeError(ONE_PER_PROCESS)
             from .node import NodeLink
             self._node = NodeLink.start(self.socket_path, self.sidecar_args,
                                         self.timeout_s, self.process_group)
+            _live_link = self._node
 
     @property
     def node(self):

@@ -33,6 +33,16 @@ be read (EACCES: another user's) is an error saying so, never "no checkpoint"
 error naming it, before anything starts. So is a step, found or given, that leaves
 nothing to train under ``--iterations`` or ``--epochs`` (:func:`check_left`).
 
+Each rank's trainer then writes ``sha256-<r>.txt`` (:func:`seal`): the SHA-256 of its
+two files, as ``sha256sum`` prints them (``sha256sum -c`` checks them by hand). A step
+whose file no longer matches (a bit flipped on disk, a file edited) is damaged
+(:func:`tampered`): skipped, or refused when given by name, like a file that does not
+load. A step without that file (written by a version before it, or a rank killed
+between its trainer file and its digests) is not checked. A file whose state holds a
+NaN or inf in a floating tensor (a residual, scores, the model, the optimiser's moments)
+is refused at :func:`load`, naming the field: resumed, it trained on silently with a
+rank's blocks all dropped, or with replicas that were no longer identical.
+
 A DDP training script (dgt.ddp, examples/ddp_train.py) keeps the same layout with its
 own ``trainer-<r>.pt``; each trainer file says who wrote it (``writer``), and each tool
 refuses the other's (:func:`check_writer`).
@@ -42,6 +52,7 @@ The pickled state holds tensors and plain Python values only: no socket, no mapp
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import re
@@ -70,6 +81,11 @@ def trainer_file(folder: str, rank: int) -> str:
 
 def sidecar_file(folder: str, rank: int) -> str:
     return os.path.join(folder, f"sidecar-{rank}.pt")
+
+
+def digest_file(folder: str, rank: int) -> str:
+    """``rank``'s ``sha256-<r>.txt`` in step ``folder`` (:func:`seal`)."""
+    return os.path.join(folder, f"sha256-{rank}.txt")
 
 
 def complete_steps(root: str, world: int) -> list[tuple[int, str]]:
@@ -129,12 +145,14 @@ def cut_short(folder: str, world: int) -> str | None:
 
 def damaged(folder: str, world: int) -> str | None:
     """Why step ``folder`` cannot be resumed from: the first of its files that
-    :func:`load` refuses (missing included), or that :func:`misplaced` finds to be of
-    another step or rank, as its one-line message; None when every file loads and
-    belongs there (tensors stay on disk: mmap; the step and rank are read from the
-    files as loaded, nothing twice). Each rank's ``trainer-<r>.pt``, then its
-    ``sidecar-<r>.pt``, which is needed when that trainer file is dgt train's or any
-    rank's sidecar file is there (a DDP script without dgt writes none)."""
+    :func:`load` refuses (missing included, or NaN/inf in its state), that
+    :func:`misplaced` finds to be of another step or rank, or whose SHA-256 differs
+    from what :func:`seal` recorded (:func:`tampered`), as its one-line message; None
+    when every file loads, belongs there and matches (tensors stay on disk: mmap; the
+    step and rank are read from the files as loaded, nothing twice). Each rank's
+    ``trainer-<r>.pt``, then its ``sidecar-<r>.pt``, which is needed when that trainer
+    file is dgt train's or any rank's sidecar file is there (a DDP script without dgt
+    writes none)."""
     sides = any(os.path.exists(sidecar_file(folder, r)) for r in range(world))
     workers = None   # the step's, as its trainer-0.pt (else sidecar-0.pt) records it
     for r in range(world):
@@ -146,7 +164,7 @@ def damaged(folder: str, world: int) -> str | None:
             return str(e)
         if r == 0:
             workers = recorded_world(state, side)
-        why = misplaced(folder, r, workers, state, side)
+        why = misplaced(folder, r, workers, state, side) or tampered(folder, r)
         if why is not None:
             return why
     return None
@@ -196,6 +214,65 @@ def misplaced(folder: str, rank: int, workers: int | None, trainer: dict,
         unit = "round" if step is not None and pushes != step else "step"   # fedavg
         return (f"{sidecar_file(folder, rank)} is of {unit} {done}, its trainer-{rank}.pt "
                 f"of {unit} {pushes} (copied from another step?)")
+    return None
+
+
+def seal(folder: str, rank: int, sidecar: bool = True) -> None:
+    """Write ``rank``'s ``sha256-<r>.txt`` in step ``folder``, after its files: the
+    SHA-256 of its ``sidecar-<r>.pt`` (``sidecar``: this rank wrote one) and
+    ``trainer-<r>.pt``, one ``<hex>  <name>`` line each (``sha256sum``'s format),
+    atomically (dgt.atomic). :func:`tampered` checks them at resume. Raises OSError
+    naming the file that could not be read or written."""
+    from .atomic import write_atomic
+    names = ([os.path.basename(sidecar_file(folder, rank))] if sidecar else []) + \
+        [os.path.basename(trainer_file(folder, rank))]
+    text = "".join(f"{_sha256(os.path.join(folder, n))}  {n}\n" for n in names)
+    write_atomic(digest_file(folder, rank), lambda f: f.write(text.encode()))
+
+
+#: the most bytes :func:`tampered` reads of a ``sha256-<r>.txt`` (two lines of 80)
+_DIGESTS_MAX = 4096
+
+
+def _sha256(path: str) -> str:
+    """The SHA-256 (hex) of file ``path``. Raises OSError."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tampered(folder: str, rank: int) -> str | None:
+    """Why ``rank``'s files of step ``folder`` are not what was written, as one line
+    naming the file: one whose SHA-256 differs from the one its ``sha256-<r>.txt``
+    recorded (:func:`seal`: a bit flipped on disk, a file edited by hand), a digest file
+    that is not such a list, or a file that cannot be read; None when they match, or
+    when there is no ``sha256-<r>.txt`` (a step of a version before it: not checked)."""
+    path = digest_file(folder, rank)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_DIGESTS_MAX + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+    mine = {os.path.basename(trainer_file(folder, rank)),
+            os.path.basename(sidecar_file(folder, rank))}
+    lines = [re.fullmatch(r"([0-9a-f]{64})  (\S+)", ln)
+             for ln in raw.decode("ascii", "replace").splitlines()]
+    if len(raw) > _DIGESTS_MAX or not lines or \
+            not all(m and m.group(2) in mine for m in lines):
+        return f"{path} is not a list of this rank's SHA-256 digests (damaged)"
+    for m in lines:
+        name = os.path.join(folder, m.group(2))
+        try:
+            got = _sha256(name)
+        except OSError as e:
+            return f"cannot read {name}: {e.strerror or e}"
+        if got != m.group(1):
+            return (f"{name} does not match the SHA-256 that {os.path.basename(path)} "
+                    f"recorded when it was written (damaged on disk, or changed since)")
     return None
 
 
@@ -321,7 +398,8 @@ def _readable(folder: str, world: int) -> None:
     for a damaged step. Anything else (a file not there, not a regular file) is left to
     :func:`damaged`."""
     for r in range(world):
-        for path in (trainer_file(folder, r), sidecar_file(folder, r)):
+        for path in (trainer_file(folder, r), sidecar_file(folder, r),
+                     digest_file(folder, r)):
             try:
                 regular = stat.S_ISREG(os.stat(path).st_mode)
             except FileNotFoundError:
@@ -375,8 +453,10 @@ def check_resume(folder: str, world: int, job, tx) -> None:
     :data:`RUN_FLAGS` (``job``: a JobConfig) and ``--mode``, ``--block-bytes`` and
     ``--error-feedback`` (``tx``: a TransmissionConfig), and the step leaves something
     to train (:func:`check_left`). Raises ValueError naming the flag that differs, or
-    the file that is not such a checkpoint or is of another step or rank than its name
-    says (:func:`misplaced`: the files are loaded here anyway)."""
+    the file that is not such a checkpoint, holds NaN or inf (:func:`load`), is of
+    another step or rank than its name says (:func:`misplaced`: the files are loaded
+    here anyway) or does not match the SHA-256 recorded when it was written
+    (:func:`tampered`)."""
     mode, block_bytes = tx.mode, tx.block_bytes
     workers = None   # as rank 0's files record it
     first = None     # rank 0's trainer file, loaded
@@ -387,16 +467,25 @@ def check_resume(folder: str, world: int, job, tx) -> None:
                 f"--{flag} {v}"
         return ValueError(f"--resume {folder}: taken with {given(then)}, this run has "
                           f"{given(now)}; resume with the same flags")
+
+    def elsewhere(why: str, files: str) -> ValueError:
+        return ValueError(f"{why}; resume from another step (--resume "
+                          f"{os.path.dirname(os.path.normpath(folder)) or '.'} takes the "
+                          f"newest whose files {files})")
     for r in range(world):
-        side = load(sidecar_file(folder, r), mmap=True)
-        st = load(trainer_file(folder, r), mmap=True, writer="dgt train")
+        try:
+            side = load(sidecar_file(folder, r), mmap=True)
+            st = load(trainer_file(folder, r), mmap=True, writer="dgt train")
+        except NonFinite as e:
+            raise elsewhere(str(e), "are intact") from None
         if r == 0:
             workers, first = recorded_world(st, side), st
         why = misplaced(folder, r, workers, st, side)
         if why is not None:
-            raise ValueError(f"{why}; resume from another step (--resume "
-                             f"{os.path.dirname(os.path.normpath(folder)) or '.'} takes "
-                             f"the newest whose files agree)")
+            raise elsewhere(why, "agree")
+        why = tampered(folder, r)
+        if why is not None:
+            raise elsewhere(why, "are intact")
         if side.get("mode", mode) != mode:
             raise differs("mode", side["mode"], mode)
         if side.get("block_elems", block_bytes // 4) != block_bytes // 4:
@@ -480,7 +569,8 @@ def discard(folder: str, rank: int) -> None:
     an older run under the same name makes the step look complete, and the space
     comes back. A file that cannot be removed is left (a file there is whole:
     dgt.atomic)."""
-    for path in (trainer_file(folder, rank), sidecar_file(folder, rank)):
+    for path in (trainer_file(folder, rank), sidecar_file(folder, rank),
+                 digest_file(folder, rank)):
         _remove(path)
 
 
@@ -496,7 +586,10 @@ def load(path: str, mmap: bool = False, writer: str | None = None) -> dict:
     """``torch.load`` of one of our files (tensors and plain values only:
     ``weights_only``; ``mmap``: tensors stay on disk until read, for a cheap check).
     ``writer``: a trainer file, which must be that tool's (:func:`check_writer`).
-    Raises ValueError for a file that is missing or not ours."""
+    Raises ValueError for a file that is missing or not ours, and :class:`NonFinite`
+    (a ValueError naming the file and the field) for one whose state holds a NaN or inf
+    in a floating tensor: its residual, scores, model or optimiser state
+    (:func:`non_finite`)."""
     import torch
     try:   # a FIFO or a device would block or stream forever in torch.load
         if not stat.S_ISREG(os.stat(path).st_mode):
@@ -520,7 +613,38 @@ def load(path: str, mmap: bool = False, writer: str | None = None) -> dict:
         raise ValueError(f"{path} is not a dgt checkpoint file of format {FORMAT}")
     if writer is not None:
         check_writer(state, path, writer)
+    bad = non_finite(state)
+    if bad is not None:
+        field, n, of = bad
+        raise NonFinite(f"{path}: {field} holds {n} NaN or inf value{'s' * (n != 1)} "
+                        f"(of {of}): the file is damaged, or was saved from a broken run")
     return state
+
+
+class NonFinite(ValueError):
+    """A checkpoint file whose state holds NaN or inf (:func:`load`)."""
+
+
+def non_finite(obj, field: str = "") -> tuple[str, int, int] | None:
+    """The first floating tensor in ``obj`` (a loaded state: dicts, lists and tuples
+    of tensors and plain values) that holds a NaN or inf: (its field, dotted, e.g.
+    ``residual.residual`` or ``optimizer.state.3.exp_avg``; how many values are not
+    finite; how many it has), or None. Plain Python floats are not looked at (a
+    loss of NaN in the history is a record, not state to train on)."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() or obj.is_complex():
+            n = obj.numel() - int(torch.isfinite(obj).sum())
+            if n:
+                return field, n, obj.numel()
+        return None
+    items = obj.items() if isinstance(obj, dict) else \
+        enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        hit = non_finite(v, f"{field}.{k}" if field else str(k))
+        if hit is not None:
+            return hit
+    return None
 
 
 def prune(root: str, world: int, keep: int = KEEP, writing: int | None = None) -> None:

@@ -132,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    import os
+    try:   # torch's libraries fail to load from a removed folder (oneMKL: "FATAL ERROR")
+        os.getcwd()
+    except FileNotFoundError:
+        print("dgt: error: the current folder no longer exists (it was removed after "
+              "this shell entered it); cd to one that does", file=sys.stderr)
+        return 2
     from .hugepages import env_problem
     problem = env_problem()   # before numpy loads (the subcommands import it)
     if problem:

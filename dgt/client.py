@@ -31,6 +31,7 @@ import torch
 from . import ipc, unixsock
 from .config import LAUNCHED_ENV, default_socket, peer_timeout_of, trainer_timeout_s
 from .errors import PeerFailure
+from .failure import FailureReason
 from .process import ended
 
 
@@ -38,6 +39,15 @@ from .process import ended
 #: end, to tell the user it exited (its socket closes a moment before its exit is done)
 GONE_WAIT_S = 1.0
 
+
+
+def _reported(msg: dict) -> PeerFailure:
+    """The failure an ``error`` line of our sidecar reports: a relay (``PEER_REPORTED``)
+    of what the sidecar saw, blaming the rank it names, or nobody when it names none;
+    never this trainer's own rank (that is for a sidecar gone or silent)."""
+    rank = msg.get("rank")
+    return PeerFailure(msg.get("message", "unknown error"), rank,
+                       FailureReason.PEER_REPORTED)
 
 def no_sidecar(path: str, waited_s: float, why: str) -> str:
     """The message for a sidecar socket ``path`` still missing after ``waited_s``."""
@@ -160,7 +170,7 @@ class Client:
             except OSError:
                 pass
         if msg and msg.get("op") == "error":
-            return PeerFailure(msg.get("message", "unknown error"), msg.get("rank"))
+            return _reported(msg)
         return None
 
     def _recv(self, want: str, also: str = "") -> dict:
@@ -174,7 +184,7 @@ class Client:
             raise self._sidecar_gone("end of stream")
         msg = ipc.decode_msg(line)
         if msg["op"] == "error":
-            raise PeerFailure(msg.get("message", "unknown error"), msg.get("rank"))
+            raise _reported(msg)
         if msg["op"] != want and msg["op"] != also:
             raise PeerFailure(f"sidecar sent {msg['op']!r}, expected {want!r}")
         return msg

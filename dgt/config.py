@@ -387,6 +387,11 @@ class NodeConfig:
                                "train passes one, so no other process can take the port "
                                "between its choice and the bind")
     log_level: str = _f("WARNING", "log level", choices=LOG_LEVELS, parse="upper")
+    register_timeout_s: float = _f(0.0, "fail the job, naming this rank, when its trainer "
+                                   "has not registered this many seconds after the "
+                                   "rendezvous (0 = wait for ever: a trainer may start "
+                                   "long after its sidecar; dgt train passes its own "
+                                   "--register-timeout-s)")
 
     def __post_init__(self):
         if not self.socket and self.rank >= 0:
@@ -407,6 +412,9 @@ class NodeConfig:
             raise ValueError(f"--master-port must be 1..65535, got {self.master_port}")
         if not self.master_addr:
             raise ValueError("--master-addr must not be empty")
+        if not 0.0 <= self.register_timeout_s <= MAX_PEER_TIMEOUT_S:
+            raise ValueError(f"--register-timeout-s must be in 0..{MAX_PEER_TIMEOUT_S:g} s "
+                             f"(0 = no bound), got {self.register_timeout_s:g}")
         if self.master_listen_fd != -1 and (self.master_listen_fd < 3 or self.rank != 0):
             raise ValueError(f"--master-listen-fd is for rank 0 only and must be an "
                              f"inherited descriptor >= 3 (or -1), got "
@@ -434,6 +442,10 @@ class JobConfig:
     """The training job (``dgt train``)."""
 
     workers: int = _f(4, "training processes, one sidecar each (1..64)")
+    register_timeout_s: float = _f(300.0, "seconds each trainer has, from its sidecar's "
+                                   "rendezvous, to load its data, build its model and "
+                                   "register; one stuck or stopped before then fails the "
+                                   "job naming its rank")
     epochs: int = _f(10, "passes over the training set")
     iterations: int = _f(0, "stop after this many iterations (0 = run every epoch)")
     eval_every: int = _f(0, "also measure test accuracy every this many iterations "
@@ -501,6 +513,9 @@ class JobConfig:
                                  ("--hidden", self.hidden, 1)):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if not 0.0 < self.register_timeout_s <= MAX_PEER_TIMEOUT_S:
+            raise ValueError(f"--register-timeout-s must be in (0, {MAX_PEER_TIMEOUT_S:g}] "
+                             f"s, got {self.register_timeout_s:g}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr:g}")
         self.validate_workload()
@@ -523,6 +538,9 @@ class JobConfig:
         (not errors: the env var of a flag, e.g. DGT_DATA_DIR, may be set for every
         job)."""
         out = []
+        if not self.testbed and self.testbed_prefix != "dgt":
+            out.append(f"--testbed-prefix {self.testbed_prefix} is ignored without "
+                       f"--testbed (the job runs over loopback)")
         if self.dataset == "digits" and self.data_dir:
             out.append(f"--data-dir {self.data_dir} (or DGT_DATA_DIR) is ignored: "
                        f"--dataset digits ships with scikit-learn")

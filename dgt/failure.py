@@ -48,6 +48,9 @@ class FailureReason(str, enum.Enum):
     IMPERSONATED = "impersonated"
     #: stopped by a signal (the launcher relays the first failure in failure.json)
     STOPPED = "stopped"
+    #: a sidecar of a ``dgt train`` job stopped by a signal the launcher did not send
+    #: (no failure.json): someone outside the job stopped this rank, which is the cause
+    SIGNALLED = "signalled"
     #: anything else (a bug of ours, a local resource)
     OTHER = "other"
 
@@ -60,7 +63,8 @@ BLAME_TEXT = {FailureReason.PEER_SILENT: "stopped answering (dead or frozen)",
               FailureReason.PEER_GONE: "went away (connection closed)",
               FailureReason.MISMATCH: "disagree with the others",
               FailureReason.STORE_LOST: "(the rendezvous store's host) went away",
-              FailureReason.OWN_TRAINER: "lost their trainer"}
+              FailureReason.OWN_TRAINER: "lost their trainer",
+              FailureReason.SIGNALLED: "were stopped by a signal from outside the job"}
 
 
 @dataclass

@@ -111,9 +111,29 @@ def held(signums=STOP_SIGNALS):
 
 
 def import_torch() -> None:
-    """``import torch`` with the stop signals :func:`held` (see there)."""
+    """``import torch`` with the stop signals :func:`held` (see there). An import that
+    fails (too little address space under ``ulimit -v``: a SystemError or MemoryError
+    from torch's C++ start-up; a broken installation) ends the process with one line on
+    stderr and status 2, not a traceback."""
     with held():
-        import torch  # noqa: F401
+        try:
+            import torch  # noqa: F401
+        except Exception as e:   # noqa: BLE001 - said in one line, whatever it is
+            why = (str(e).splitlines() or [""])[0][:200]
+            print(f"dgt: error: import torch failed ({type(e).__name__}"
+                  f"{': ' + why if why else ''}){_import_hint()}", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(2) from None
+
+
+def _import_hint() -> str:
+    """Why an import of torch may fail here: the address-space limit, when there is one."""
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        return (f"; the address-space limit (ulimit -v) is {soft >> 20} MiB and torch "
+                f"needs more: raise it")
+    return "; check the torch installation (.venv/bin/pip install -e .)"
 
 
 #: s: how soon a KeyboardInterrupt that Python had to swallow is raised again

@@ -208,9 +208,10 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
 
     def save_checkpoint(epoch: int, index: int, losses: list[float]) -> None:
         """After ``step`` iterations (between two, every replica alike): the sidecar's
-        state, then ours (dgt.checkpoint); rank 0 prunes old steps. A file that cannot
-        be written (a full disk, EIO) leaves this step incomplete (this rank's files
-        removed: checkpoint.discard) and is one line in ``warnings``; training goes on."""
+        state, then ours, then both files' SHA-256 (dgt.checkpoint.seal); rank 0 prunes
+        old steps. A file that cannot be written (a full disk, EIO) leaves this step
+        incomplete (this rank's files removed: checkpoint.discard) and is one line in
+        ``warnings``; training goes on."""
         folder = path = checkpoint.step_dir(ckpt_dir, step)
         try:
             os.makedirs(folder, exist_ok=True)
@@ -231,6 +232,8 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
                              "history": history, "reached": reached, "comm_s": comm_s,
                              "comm_at": comm_at, "seconds": time.monotonic() - t_start,
                              "eval_seconds": eval_s}, path)
+            path = checkpoint.digest_file(folder, ns.rank)   # their SHA-256, last
+            checkpoint.seal(folder, ns.rank, sidecar=hasattr(client, "save_state"))
         except OSError as e:
             checkpoint.discard(folder, ns.rank)
             warnings.append(checkpoint.not_written(path, e))
@@ -403,11 +406,13 @@ def main(argv: list[str] | None = None) -> int:
         # no rank: our own sidecar (gone, silent), which the message names itself
         who = f" (rank {e.rank})" if e.rank is not None else ""
         print(f"dgt trainer {ns.rank}: job failed{who}: {e}", file=sys.stderr, flush=True)
-        # a rank named: the sidecar's failure relayed; none: our own sidecar is at fault
+        # the sidecar's failure relayed (its error line, or a rank named): blaming whom it
+        # blames, maybe nobody; else our own sidecar (gone, silent) is at fault
+        relayed = e.rank is not None or e.reason is FailureReason.PEER_REPORTED
         failure.write(os.path.dirname(os.path.abspath(ns.result)), failure.FailureRecord(
             "trainer", ns.rank,
-            FailureReason.PEER_REPORTED if e.rank is not None else FailureReason.OTHER,
-            str(e), e.ranks if e.rank is not None else [ns.rank]))
+            FailureReason.PEER_REPORTED if relayed else FailureReason.OTHER,
+            str(e), e.ranks if relayed else [ns.rank]))
         return 3
     try:   # a full run dir keeps the result in the spill folder (dgt.records)
         records.write(ns.result, result)

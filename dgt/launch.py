@@ -43,7 +43,7 @@ from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig,
                      JobConfig, TransmissionConfig, default_run_dir, to_argv,
                      trainer_timeout_s)
 from .rendezvous import QUIET_TORCH_ENV
-from .report import build_report, diverged, print_summary
+from .report import build_report, diverged, print_summary, replicas_differ
 
 GRACE_S = 5.0
 #: anonymous + shared memory of one dgt process (Python, torch, numpy) before the
@@ -202,7 +202,9 @@ class Job:
                 "--master-addr", master_addr, "--master-port", str(master_port),
                 "--host", host, "--base-port", str(j.base_port),
                 "--socket", sock, "--run-dir", self.run_dir,
-                "--seed", str(j.seed)] + tx_argv + self._metrics_argv(r)
+                "--seed", str(j.seed),
+                "--register-timeout-s", repr(j.register_timeout_s)] + tx_argv + \
+                self._metrics_argv(r)
             fds = store_fd if r == 0 else []
             if fds:
                 side += ["--master-listen-fd", str(fds[0])]
@@ -729,7 +731,10 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
     if kept:
         log(f"dgt train: checkpoints kept in {kept} (--resume {kept} goes on from the "
             f"newest; the rest of the temporary folder is removed)")
-    return (1 if diverged(report) else 0), report
+    differ = replicas_differ(report)
+    if differ is not None:   # in the summary too; a script reads the status
+        warn(f"dgt train: warning: {differ}; exit status 1")
+    return (1 if diverged(report) or differ is not None else 0), report
 
 
 def write_report(path: str, report: dict) -> None:

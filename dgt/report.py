@@ -174,9 +174,9 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "config": {"job": asdict(job),
                    "transmission": {k: v for k, v in asdict(tx).items() if k != "secret"}},
     }
-    bad = divergence(r)
-    if bad is not None:   # the report carries what the summary warns about
-        r["warnings"].append(bad)
+    for bad in (divergence(r), replicas_differ(r)):
+        if bad is not None:   # the report carries what the summary warns about
+            r["warnings"].append(bad)
     r["warnings"] += strangers_accepted(r["channels"])
     return r
 
@@ -339,6 +339,26 @@ def divergence(r: dict) -> str | None:
             f"training diverged (lower --lr) or a trainer pushed non-finite gradients "
             f"({r['rejected'].get('non_finite', 0)} non-finite blocks were kept out of the "
             f"aggregate); the numbers of this run describe a broken model")
+
+
+def replicas_differ(r: dict) -> str | None:
+    """The warning for a run whose replicas ended with different parameters (the
+    trainers' ``param_sha256`` differ), or None. Every rank applies the same aggregate,
+    so they differ only when a rank started from other state (e.g. a checkpoint file
+    damaged on disk) or a bug: such a run ends with a warning on stderr and exit status
+    1 (``dgt train``), never as a result. Ranks as the trainers' records list them."""
+    shas = r.get("param_sha256") or []
+    if len(set(shas)) < 2:
+        return None
+    held: dict[str, list[int]] = {}
+    for rank, sha in enumerate(shas):
+        held.setdefault(sha, []).append(rank)
+    which = ", ".join(f"{'rank' if len(ranks) == 1 else 'ranks'} {rank_list(ranks)} "
+                      f"{sha[:16]}…" for sha, ranks in held.items())
+    return (f"the replicas are not identical at the end: {len(held)} different "
+            f"parameter SHA-256 over {len(shas)} ranks ({which}); the ranks did not "
+            f"train the same model (resumed from a damaged checkpoint?), so the numbers "
+            f"of this run describe no single model")
 
 
 def diverged(r: dict) -> dict | None:

@@ -66,6 +66,8 @@ def rank_of(name: str) -> int | None:
 #: any run's (a trainer's record of a million iterations holds some 60 MB), yet a file
 #: of many GB where kilobytes are expected is refused rather than read into memory
 MAX_RECORD = 256 << 20
+#: bytes :func:`read_json` reads at a time
+READ_CHUNK = 1 << 20
 
 
 class RefusedFile(OSError):
@@ -139,11 +141,16 @@ def read_json(path: str, limit: int = MAX_RECORD):
     refused too). Raises RefusedFile (an OSError naming ``path``: not a regular file,
     or over ``limit``), OSError when it cannot be read, ValueError when it is not JSON
     (UnicodeDecodeError: not UTF-8)."""
+    chunks, total = [], 0
     with open_regular(path, limit) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise RefusedFile(path, _over(len(data), limit))
-    return loads(data)
+        # 1 MiB at a time: read(limit + 1) would allocate all of the limit (256 MiB)
+        # for a record of a few hundred bytes, and fail under an address-space limit
+        while chunk := f.read(min(READ_CHUNK, limit + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise RefusedFile(path, _over(total, limit))
+    return loads(b"".join(chunks))
 
 
 def job_world(run_dir: str, notes: list[str] | None = None) -> int | None:

@@ -33,7 +33,7 @@ from .agent import WorkerAgent
 from .atomic import write_json
 from .errors import PeerFailure
 from .failure import FailureReason
-from .config import (START_SKEW_S, MetricsConfig, NodeConfig, OneLineParser,
+from .config import (LAUNCHED_ENV, START_SKEW_S, MetricsConfig, NodeConfig, OneLineParser,
                      default_run_dir, TransmissionConfig, add_sidecar_arguments, from_args)
 from .layout import BlockLayout
 from .node_report import write_node_results
@@ -141,6 +141,7 @@ class Sidecar:
         self.timer_at = 0.0
         self.drained = 0   # reads of queued datagrams made before a deadline (drain)
         self.pushes = 0
+        self.registering = False   # our trainer's register came (--register-timeout-s)
         self.pace_source = "--pace-mbit"
         self._published: asyncio.Future | None = None   # failure written to the store
         # the store watch while we wait for our trainer's register (_watch_job)
@@ -183,8 +184,17 @@ class Sidecar:
 
     def _on_signal(self) -> None:
         """SIGTERM/SIGINT: stop; if the launcher left the reason (failure.json), pass it on
-        (else a normal stop: the launcher, systemd, Ctrl-C, not an error of ours)."""
+        (else a normal stop: the launcher, systemd, Ctrl-C, not an error of ours). A
+        sidecar of a ``dgt train`` job of several ranks that the launcher did not stop
+        was stopped from outside the job: that is the job's failure, and this rank is
+        named as its cause (``SIGNALLED``; before, rank 0's sidecar, which lingers for
+        the store, was outlived by the processes it stopped, and the launcher named one
+        of them)."""
         stop = failure.job_stop(self.node.run_dir)
+        if stop is None and self.world > 1 and os.environ.get(LAUNCHED_ENV):
+            self.fail("stopped by a signal from outside the job", self.rank,
+                      level=logging.WARNING, why=FailureReason.SIGNALLED)
+            return
         self.fail(f"job stopped: {stop[0]}" if stop else "stopped by signal",
                   stop[1] if stop else None, propagate=stop is None,
                   level=logging.WARNING, why=FailureReason.STOPPED)
@@ -217,6 +227,9 @@ class Sidecar:
         self.rendezvoused.set()
         if self.world > 1:
             self._watch = asyncio.get_running_loop().create_task(self._watch_job())
+        if self.node.register_timeout_s > 0:
+            asyncio.get_running_loop().call_later(self.node.register_timeout_s,
+                                                  self._register_overdue)
         print(f"dgt sidecar: rank {self.rank}/{self.world} ready: tcp {me['tcp_port']}, "
               f"udp {me['udp_ports']}, socket {self.node.socket}, run dir "
               f"{self.node.run_dir}", flush=True)
@@ -252,8 +265,22 @@ class Sidecar:
             await asyncio.wait([self._watch])
 
     # -- trainer ----------------------------------------------------------------------
+    def _register_overdue(self) -> None:
+        """``--register-timeout-s`` after the rendezvous: a trainer that has not sent
+        its register by now is stuck or stopped before it connected (a frozen import,
+        SIGSTOP), and nothing else would ever notice when every trainer is (the
+        rendezvous steps' own timeouts start at the first register). Fails the job
+        naming this rank."""
+        if self.registering or self.done.is_set():
+            return
+        self.fail(f"rank {self.rank}'s trainer did not register within "
+                  f"{self.node.register_timeout_s:g} s of the rendezvous (stuck or stopped "
+                  f"before it connected; raise --register-timeout-s if loading its data "
+                  f"takes longer)", self.rank, why=FailureReason.OWN_TRAINER)
+
     async def _register(self, msg: dict) -> None:
         loop = asyncio.get_running_loop()
+        self.registering = True
         if self.agent is not None:
             raise PeerFailure(f"rank {self.rank}: register sent twice", self.rank)
         n_params = check_model_size(msg.get("n_params"), self.rank)

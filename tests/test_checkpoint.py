@@ -186,7 +186,8 @@ def test_a_resumed_run_ends_bitwise_where_an_uninterrupted_one_does(tmp_path, mo
     _, first = run_train(tmp_path / "first", *SMALL, *mode, "--iterations", 10,
                          "--checkpoint-every", 10, "--checkpoint-dir", ck)
     assert sorted(os.listdir(ck / "step-00000010")) == [
-        "sidecar-0.pt", "sidecar-1.pt", "trainer-0.pt", "trainer-1.pt"]
+        "sha256-0.txt", "sha256-1.txt", "sidecar-0.pt", "sidecar-1.pt", "trainer-0.pt",
+        "trainer-1.pt"]
     p, resumed = run_train(tmp_path / "resumed", *SMALL, *mode, "--iterations", 20,
                            "--resume", ck)
     assert "resuming from" in p.stdout
@@ -336,9 +337,26 @@ def test_a_checkpoint_file_that_cannot_be_written_is_a_warning_and_training_goes
         f"checkpoint {ck}/step-00000030/trainer-0.pt not written: Is a directory"]
     # step 20 (rank 1 wrote no trainer file) was pruned at 30; 30 lacks trainer-0.pt
     assert checkpoint.complete_steps(str(ck), 2) == [(10, str(ck / "step-00000010"))]
-    assert sorted(os.listdir(ck / "step-00000030")) == ["sidecar-1.pt", "trainer-0.pt",
-                                                        "trainer-1.pt"]
+    assert sorted(os.listdir(ck / "step-00000030")) == ["sha256-1.txt", "sidecar-1.pt",
+                                                        "trainer-0.pt", "trainer-1.pt"]
     assert checkpoint.resolve(str(ck), 2) == str(ck / "step-00000010")
+
+
+def test_digests_that_cannot_be_written_leave_the_step_incomplete(tmp_path):
+    """Each rank's sha256-<r>.txt is written last (dgt.checkpoint.seal); when it cannot
+    be (here a folder in its place) the step costs that rank's files, as any other
+    checkpoint file would: one warning, the run finishes, the step is not complete."""
+    from conftest import run_train
+    ck = tmp_path / "ck"
+    os.makedirs(ck / "step-00000010" / "sha256-1.txt")
+    p, rep = run_train(tmp_path / "run", *SMALL, "--iterations", 10,
+                       "--checkpoint-every", 10, "--checkpoint-dir", ck)
+    assert rep["iterations"] == 10 and rep["replicas_identical"]
+    assert _warned(p, rep) == [
+        f"checkpoint {ck}/step-00000010/sha256-1.txt not written: Is a directory"]
+    assert checkpoint.complete_steps(str(ck), 2) == []
+    assert sorted(os.listdir(ck / "step-00000010")) == [
+        "sha256-0.txt", "sha256-1.txt", "sidecar-0.pt", "trainer-0.pt"]
 
 
 @pytest.mark.slow

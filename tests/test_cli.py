@@ -36,6 +36,9 @@ BAD = [
     (["sidecar", "--rank", "0", "--world", "1", "--secret", "x" * 100],
      "--secret must be at most 64 bytes"),
     (["train", "--tcp-rto-min-ms", "3"], "--tcp-rto-min-ms must be 0"),
+    (["train", "--register-timeout-s", "0"], "--register-timeout-s must be in (0, 3600]"),
+    (["sidecar", "--rank", "0", "--world", "1", "--register-timeout-s", "-1"],
+     "--register-timeout-s must be in 0..3600"),
     (["bench", "--profile", "nope", "--estimate"], "--profile: unknown profile 'nope'"),
     (["bench", "--cell-timeout-s", "-1", "--estimate"], "--cell-timeout-s must be >= 0"),
     # breaker round 2026-12-01: each of these was accepted, then failed later or silently

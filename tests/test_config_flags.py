@@ -82,3 +82,13 @@ def test_every_flag_is_one_field_with_its_env_var_and_one_default(command, tmp_p
                        else raw.lower() == "true" if f.type == "bool" else raw), \
             (f.name, raw, got)
     assert seen == set(owner), f"fields without a flag: {set(owner) - seen}"
+
+
+def test_a_testbed_prefix_without_testbed_is_a_warning():
+    """Breaker round 4: --testbed-prefix without --testbed was taken in silence, where
+    --k-min and --local-steps without what they need are refused."""
+    from dgt.config import JobConfig
+    assert any("--testbed-prefix lab is ignored without --testbed" in w
+               for w in JobConfig(testbed_prefix="lab").warnings())
+    assert JobConfig(testbed_prefix="lab", testbed=True).warnings() == []
+    assert JobConfig().warnings() == []

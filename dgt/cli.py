@@ -29,6 +29,11 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "drop --local-steps")
     for line in job.warnings():
         print(f"{parser.prog}: warning: {line}", file=sys.stderr, flush=True)
+    from .fdlimit import ensure
+    try:   # before torch opens its files; the children inherit it
+        ensure(job.workers)
+    except ValueError as e:
+        parser.error(str(e))
     from .interrupt import import_torch
     import_torch()   # a Ctrl-C meanwhile comes after it, not inside torch's C++
     from .job import check_workload

@@ -405,7 +405,7 @@ class NodeConfig:
             raise ValueError(f"--world must be 1..{MAX_WORLD} (the flag, env DGT_WORLD or "
                              f"torchrun's WORLD_SIZE), got {self.world}; it is required")
         if not 0 <= self.rank < self.world:   # -1: not given (the default)
-            got = "" if self.rank == -1 else f", got {self.rank}"
+            got = "; it is required" if self.rank == -1 else f", got {self.rank}"
             raise ValueError(f"--rank must be in 0..{self.world - 1} (the flag, env "
                              f"DGT_RANK or torchrun's RANK){got}")
         if not 1 <= self.master_port <= 65535:
@@ -585,7 +585,7 @@ def finite(typ):
         v = typ(text)
         if v != v or v in (float("inf"), float("-inf")):
             raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-        return v
+        return v + 0 if typ is float else v   # -0.0 is 0.0 (else 'k -0.0' in the log)
     conv.__name__ = typ.__name__
     return conv
 

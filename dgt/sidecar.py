@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from . import checkpoint, datapath, failure, hugepages, ipc, parts, unixsock
+from . import checkpoint, datapath, failure, fdlimit, hugepages, ipc, parts, unixsock
 from .agent import WorkerAgent
 from .atomic import write_json
 from .errors import PeerFailure
@@ -608,6 +608,7 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         node.check_listen_fd()
         check_resolves(node.master_addr)
         mcfg = from_args(MetricsConfig, ns)
+        fdlimit.ensure(node.world)   # ulimit -n: raised to what the job needs, or refused
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=getattr(logging, node.log_level),

@@ -37,6 +37,8 @@ BAD = [
      "--secret must be at most 64 bytes"),
     (["train", "--tcp-rto-min-ms", "3"], "--tcp-rto-min-ms must be 0"),
     (["train", "--register-timeout-s", "0"], "--register-timeout-s must be in (0, 3600]"),
+    (["sidecar", "--world", "2"], "--rank must be in 0..1 (the flag, env DGT_RANK or "
+                                  "torchrun's RANK); it is required"),
     (["sidecar", "--rank", "0", "--world", "1", "--register-timeout-s", "-1"],
      "--register-timeout-s must be in 0..3600"),
     (["bench", "--profile", "nope", "--estimate"], "--profile: unknown profile 'nope'"),

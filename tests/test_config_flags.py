@@ -92,3 +92,11 @@ def test_a_testbed_prefix_without_testbed_is_a_warning():
                for w in JobConfig(testbed_prefix="lab").warnings())
     assert JobConfig(testbed_prefix="lab", testbed=True).warnings() == []
     assert JobConfig().warnings() == []
+
+
+def test_a_negative_zero_is_zero():
+    """Breaker round 4: '--k -0.0' was logged as 'k -0.0' and '--pull-coded-fraction -0'
+    as 'the lowest -0 of each PULL'."""
+    from dgt.config import finite
+    assert repr(finite(float)("-0.0")) == "0.0" and repr(finite(float)("-0")) == "0.0"
+    assert finite(int)("-0") == 0 and finite(float)("-2.5") == -2.5

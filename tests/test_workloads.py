@@ -1,5 +1,6 @@
 """dgt.workloads without processes: models, datasets (real files in their real formats),
 partitions, the torchvision import shim."""
+import os
 import pickle
 
 import numpy as np
@@ -178,6 +179,17 @@ def test_fashion_mnist_from_data_dir_and_its_errors(tmp_path):
         datasets.load("fashion-mnist", str(tmp_path / "nope"))
     msg = datasets.fashion_mnist_missing("/nonexistent-debian-dir")
     assert "--data-dir" in msg
+    # a FIFO where an IDX file should be: said as such, not as missing (breaker round 4)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    _fake_fmnist(fifo)
+    for name in os.listdir(fifo):
+        if name.startswith("t10k-images"):
+            os.unlink(fifo / name)
+            os.mkfifo(fifo / name)
+    with pytest.raises(DatasetError, match=r"t10k-images-idx3-ubyte(\.gz)? is a FIFO, not "
+                                           r"a regular file"):
+        datasets.load("fashion-mnist", str(fifo))
 
 
 def write_cifar(folder, per_batch=40, test=40, seed=0):
@@ -219,6 +231,10 @@ def test_cifar10_loads_the_real_python_layout(tmp_path):
     ("truncate", "is not a CIFAR-10 batch"), ("garbage", "is not a CIFAR-10 batch"),
     ("shape", "uint8 data (n, 3072)"), ("missing", "lacks data_batch_3"),
     ("hostile", "is not a CIFAR-10 batch"),
+    # breaker round 4: a FIFO, a folder or a dangling link was reported as missing
+    ("fifo", "data_batch_3 is a FIFO, not a regular file"),
+    ("folder", "data_batch_3 is a folder, not a regular file"),
+    ("dangling", "data_batch_3 is a dangling symbolic link"),
     # the unpickler's own text here has a newline in it (CI once drew such bytes at
     # random): the message must still be one line
     ("persid", "A load persistent id instruction was encountered, but")])
@@ -235,6 +251,10 @@ def test_cifar10_bad_files_are_one_line(tmp_path, damage, message):
         datasets.write_cifar_batch(str(p), np.zeros((4, 100), np.uint8), [0] * 4)
     elif damage == "missing":
         p.unlink()
+    elif damage in ("fifo", "folder", "dangling"):
+        p.unlink()
+        {"fifo": os.mkfifo, "folder": os.mkdir,
+         "dangling": lambda q: os.symlink(tmp_path / "nowhere", q)}[damage](p)
     elif damage == "hostile":   # a pickle that would run a command: never executed
         p.write_bytes(b"cos\nsystem\n(S'touch " + str(tmp_path / "pwned").encode()
                       + b"'\ntR.")

@@ -140,6 +140,28 @@ def read_idx(path: str, magic: int, dims: int) -> np.ndarray:
     return np.frombuffer(raw, np.uint8, offset=want).reshape(shape)
 
 
+def _not_regular(folder: str, names) -> str | None:
+    """The first of ``names`` in ``folder`` that exists but is not a regular file (a
+    FIFO, a folder, a device, a dangling link): one line for the user, else None.
+    Without it such a file was reported as missing."""
+    import stat
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            if os.path.islink(path):
+                return f"{path} is a dangling symbolic link; give the dataset's files"
+            continue
+        except OSError as e:
+            return f"{path}: {e.strerror}; give the dataset's files"
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a folder" if \
+                stat.S_ISDIR(st.st_mode) else "not a regular file"
+            return f"{path} is {kind}, not a regular file; give the dataset's files"
+    return None
+
+
 def _find(folder: str, base: str) -> str | None:
     for name in (base + ".gz", base):
         if os.path.isfile(os.path.join(folder, name)):
@@ -153,6 +175,9 @@ def fashion_mnist_missing(folder: str = FASHION_MNIST_DIR) -> str | None:
     missing = [b for b in _FMNIST_FILES.values() if _find(folder, b) is None]
     if not missing:
         return None
+    odd = _not_regular(folder, [n for b in missing for n in (b + ".gz", b)])
+    if odd:
+        return odd
     if folder == FASHION_MNIST_DIR:
         return (f"Fashion-MNIST is not in {folder}; install Debian's package "
                 f"'{FASHION_MNIST_PACKAGE}' (apt-get install {FASHION_MNIST_PACKAGE}) or "
@@ -223,6 +248,9 @@ def _cifar_dir(folder: str) -> str:
                            f"holds data_batch_1..5 and test_batch (cifar-10-batches-py)")
     missing = [f for f in CIFAR_TRAIN_FILES + (CIFAR_TEST_FILE,)
                if not os.path.isfile(os.path.join(d, f))]
+    odd = _not_regular(d, missing)
+    if odd:
+        raise DatasetError(odd)
     if missing:
         raise DatasetError(f"--data-dir {folder} lacks {missing[0]}: CIFAR-10's python "
                            f"layout has data_batch_1..5 and test_batch; give the "

@@ -61,6 +61,7 @@ import stat
 
 from .errors import PeerFailure
 from .failure import FailureReason
+from .run_files import RefusedFile, open_regular
 
 #: complete step folders kept by rank 0 (the newest; an older one is a fallback while
 #: the newest is being written)
@@ -250,11 +251,13 @@ def tampered(folder: str, rank: int) -> str | None:
     that is not such a list, or a file that cannot be read; None when they match, or
     when there is no ``sha256-<r>.txt`` (a step of a version before it: not checked)."""
     path = digest_file(folder, rank)
-    try:
-        with open(path, "rb") as f:
+    try:   # a FIFO there must not block the resume: only a regular file is read
+        with open_regular(path, _DIGESTS_MAX) as f:
             raw = f.read(_DIGESTS_MAX + 1)
     except FileNotFoundError:
         return None
+    except RefusedFile as e:
+        return f"{e} (damaged)"
     except OSError as e:
         return f"cannot read {path}: {e.strerror or e}"
     mine = {os.path.basename(trainer_file(folder, rank)),

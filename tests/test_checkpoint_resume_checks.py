@@ -394,3 +394,12 @@ def test_a_run_whose_replicas_end_different_warns_and_exits_1(ck, tmp_path):
     assert r["warnings"] == [msg]
     assert f"warning: {msg}" in p.stdout
     assert p.stderr.strip().splitlines()[-1] == f"dgt train: warning: {msg}; exit status 1"
+
+
+@pytest.mark.timeout(60)
+def test_a_digest_file_that_is_a_fifo_is_damage_not_a_hang(tmp_path):
+    """sha256-<r>.txt is read only when it is a regular file: a FIFO there blocked the
+    resume for ever (found reviewing the digests' first version)."""
+    os.mkfifo(tmp_path / "sha256-0.txt")
+    why = checkpoint.tampered(str(tmp_path), 0)
+    assert why == f"{tmp_path}/sha256-0.txt: a FIFO, not a regular file (damaged)", why

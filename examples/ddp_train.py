@@ -253,6 +253,8 @@ if __name__ == "__main__":
     # address it cannot bind)
     except (ValueError, OSError, dgt.PeerFailure) as e:
         who = f" rank {os.environ['RANK']}" if "RANK" in os.environ else ""
-        print(f"{os.path.basename(sys.argv[0])}{who}: error: {e}", file=sys.stderr,
-              flush=True)
+        # one write: every rank's stderr is torchrun's, and print() would write the
+        # line and its newline apart (unbuffered), so two ranks' lines could interleave
+        sys.stderr.write(f"{os.path.basename(sys.argv[0])}{who}: error: {e}\n")
+        sys.stderr.flush()
         sys.exit(2)

@@ -64,7 +64,10 @@ def second_state(rank: int, model, state, gen) -> None:
     try:
         dgt.ddp.DgtState(sidecar_args=["--mode", "tcp"])
     except RuntimeError as e:
-        print(f"rank {rank}: refused: {e}", flush=True)
+        # one write: the two ranks share torchrun's stdout, and print() writes the
+        # line and its newline apart, so the lines could interleave (CI saw it)
+        sys.stdout.write(f"rank {rank}: refused: {e}\n")
+        sys.stdout.flush()
     for _ in range(2):
         x = torch.randn(4, 8, generator=gen)
         model(x).sum().backward()
@@ -78,13 +81,15 @@ def second_state(rank: int, model, state, gen) -> None:
     for _ in range(2):
         third(torch.randn(4, 8, generator=gen)).sum().backward()
     new.close()
-    print(f"rank {rank}: third model trained", flush=True)
+    sys.stdout.write(f"rank {rank}: third model trained\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
     try:
         main()
     except dgt.PeerFailure as e:
-        print(f"{os.path.basename(sys.argv[0])} rank {os.environ['RANK']}: error: "
-              f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"{os.path.basename(sys.argv[0])} rank {os.environ['RANK']}: "
+                         f"error: {type(e).__name__}: {e}\n")   # one write: see above
+        sys.stderr.flush()
         sys.exit(2)

@@ -237,10 +237,11 @@ except socket.timeout:
 
 
 def test_a_filter_the_kernel_will_not_hold_leaves_the_channel_open(tmp_path):
-    """On a kernel whose net.core.optmem_max is 20480 (the default before Linux 6.9),
-    the filter of a 64-node job with 3 channels does not fit (ENOMEM): the channel goes
-    without a filter, where before it kept bind's drop-all one and no datagram came in.
-    Run in a network namespace of its own, whose optmem_max alone is lowered."""
+    """On a kernel whose net.core.optmem_max is 20480 (a long-time default; newer
+    kernels have 131072), the filter of a 64-node job with 3 channels does not fit
+    (ENOMEM): the channel goes without a filter, where before it kept bind's drop-all
+    one and no datagram came in. Run in a network namespace of its own, whose
+    optmem_max alone is lowered."""
     if os.geteuid() != 0:
         pytest.skip(reason="needs root (a network namespace with its own optmem_max)")
     if shutil.which("unshare") is None or shutil.which("ip") is None:

@@ -5,6 +5,8 @@ line, a line on a socket, a value in the rendezvous store.
 Python's recursion limit (``'[' * 100000``), and a reader that catches ValueError for
 malformed JSON let it through as a traceback (a crashed process, where it came from a
 stranger). :func:`loads` makes it the ValueError every reader already handles.
+:func:`is_port` checks a decoded value that should be a port (a record, a report's
+``sidecars`` table, a store's value).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ def loads(data: str | bytes, what: str = "JSON"):
         raise ValueError(f"{what} nested too deeply") from None
 
 
-def load(f, what: str = "JSON"):
-    """:func:`loads` of what the open file ``f`` holds from its position."""
-    return loads(f.read(), what)
+def is_port(v) -> bool:
+    """Whether ``v``, a decoded JSON value, is a port: an integer 1..65535; not a float
+    (5.0, 1e400), a bool, a string."""
+    return type(v) is int and 0 < v < 1 << 16

@@ -44,7 +44,7 @@ class NodeSockets:
         self.warnings: list[str] = []
         self.socket_owned: tuple[int, int] | None = None   # (dev, inode) we bound
         self.tcp_server = self.unix_server = None
-        self._windowed: dict[int, sockfilter.Windowed] = {}   # channel -> its filter
+        self._windowed: sockfilter.Windowed | None = None   # every channel's filter
         self._window: tuple[int, int] | None = None   # the filters' iterations kept
         self._unfiltered: set[int] = set()   # channels whose filter the kernel refused
 
@@ -75,7 +75,7 @@ class NodeSockets:
             # the most datagrams its receive queue holds: drain's bound
             self.queue_datagrams[c] = s.getsockopt(socket.SOL_SOCKET,
                                                    socket.SO_RCVBUF) // MIN_QUEUED_BYTES
-            self._filter_one(c, s, sockfilter.drop_all)   # nothing is ready for it yet
+            self._filter_one(c, s, sockfilter.drop_all())   # nothing is ready for it yet
             tr, proto = await loop.create_datagram_endpoint(
                 lambda c=c: DatagramProtocol(lambda d, a, now, c=c: on_datagram(c, d, a, now),
                                              cfg.drop_udp,
@@ -93,13 +93,16 @@ class NodeSockets:
         the peers' channel ``sources`` ((address, port) pairs; None: any): a datagram no
         peer can have sent, or that belongs to no iteration around ``s``'s open one, is
         dropped before it queues. :meth:`filter_iteration` moves that window on."""
-        self._windowed, self._window = {}, None
-        for c, sender in self.senders.items():
-            try:
-                self._windowed[c] = sockfilter.Windowed(
-                    session=s.session, shard=s.shard, world=world, lo=s.lo, hi=s.hi,
-                    sources=sources, family=sender.sock.family)
-            except ValueError as e:   # too many sources for one program
+        self._windowed = self._window = None
+        if not self.senders:   # --mode tcp: no channel socket
+            return
+        family = next(iter(self.senders.values())).sock.family   # all on node.host
+        try:   # one program for every channel: they share the sources and the family
+            self._windowed = sockfilter.Windowed(
+                session=s.session, shard=s.shard, world=world, lo=s.lo, hi=s.hi,
+                sources=sources, family=family)
+        except ValueError as e:   # more sources than one program holds
+            for c, sender in self.senders.items():
                 self._no_filter(c, sender.sock, e)
         self.filter_iteration(s.iteration)
 
@@ -112,17 +115,18 @@ class NodeSockets:
         receive buffer, at one attach per channel every FILTER_AHEAD iterations (each
         costs the kernel about 70 us: transport.sockfilter). A no-op before
         :meth:`filter_udp`."""
-        if self._window is not None and self._window[0] <= iteration - 1 and \
-                iteration + 1 <= self._window[1]:
+        if self._windowed is None or (self._window is not None and
+                                      iteration + 1 <= self._window[1]):
             return
         self._window = (max(iteration - 1, 0), iteration + FILTER_AHEAD)
-        for c, w in self._windowed.items():
-            self._filter_one(c, self.senders[c].sock, lambda: w.at(*self._window))
+        code = self._windowed.at(*self._window)
+        for c, sender in self.senders.items():
+            self._filter_one(c, sender.sock, code)
 
-    def _filter_one(self, c: int, sock, program) -> None:
+    def _filter_one(self, c: int, sock, code: bytes) -> None:
         try:
-            sockfilter.attach(sock, program())
-        except (OSError, ValueError) as e:   # the receive path checks it all anyway
+            sockfilter.attach(sock, code)
+        except OSError as e:   # the receive path checks it all anyway
             self._no_filter(c, sock, e)
 
     def _no_filter(self, c: int, sock, e: Exception) -> None:

@@ -19,7 +19,7 @@ from typing import Callable
 from .config import PACE_AUTO, NodeConfig, TransmissionConfig
 from .errors import PeerFailure
 from .failure import FailureReason
-from .jsonparse import loads
+from .jsonparse import is_port, loads
 from .layout import BlockLayout
 from .rank_list import rank_list
 from .link_rate import auto_pace_mbit, peers_on_loopback
@@ -97,10 +97,6 @@ def check_session(_key: str, text: str) -> int:
     return session
 
 
-def _is_port(p) -> bool:
-    return type(p) is int and 0 < p < 1 << 16
-
-
 def check_endpoint(key: str, text: str) -> dict:
     """A rank's endpoints as stored under ``dgt/ep/<rank>``: a JSON object with that
     ``rank``, ``host`` (str), ``tcp_port`` and ``udp_ports`` (ports 1..65535), ``pid``
@@ -108,8 +104,8 @@ def check_endpoint(key: str, text: str) -> dict:
     Raises ValueError/TypeError/KeyError otherwise."""
     ep = loads(text)
     if not (type(ep) is dict and ep["rank"] == int(key.rsplit("/", 1)[1])
-            and isinstance(ep["host"], str) and ep["host"] and _is_port(ep["tcp_port"])
-            and type(ep["udp_ports"]) is list and all(map(_is_port, ep["udp_ports"]))
+            and isinstance(ep["host"], str) and ep["host"] and is_port(ep["tcp_port"])
+            and type(ep["udp_ports"]) is list and all(map(is_port, ep["udp_ports"]))
             and type(ep["pid"]) is int and type(ep["wire"]) is dict
             and all(type(ep["wire"][f]) is int for f in WIRE_FLAGS)):
         raise ValueError("not an endpoint record")

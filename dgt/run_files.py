@@ -102,6 +102,19 @@ def _kind(path: str, st: os.stat_result) -> str:
     return what
 
 
+def not_regular(path: str) -> str | None:
+    """What ``path`` is when it is there but is not a regular file, in the words of
+    :class:`RefusedFile` (``a FIFO``, ``a directory``, ``a symbolic link to …``), or
+    ``a dangling symbolic link``; None when it is a regular file or is not there.
+    Raises OSError when it cannot be looked at (EACCES on a folder above it)."""
+    import stat
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "a dangling symbolic link" if os.path.islink(path) else None
+    return None if stat.S_ISREG(st.st_mode) else _kind(path, st)
+
+
 def open_regular(path: str, limit: int | None = None):
     """``path`` opened for reading (binary, O_CLOEXEC) when it is a regular file,
     through a symbolic link (a run dir's files may be links to regular files). Nothing

@@ -233,7 +233,7 @@ def test_cifar10_loads_the_real_python_layout(tmp_path):
     ("hostile", "is not a CIFAR-10 batch"),
     # breaker round 4: a FIFO, a folder or a dangling link was reported as missing
     ("fifo", "data_batch_3 is a FIFO, not a regular file"),
-    ("folder", "data_batch_3 is a folder, not a regular file"),
+    ("folder", "data_batch_3 is a directory, not a regular file"),
     ("dangling", "data_batch_3 is a dangling symbolic link"),
     # the unpickler's own text here has a newline in it (CI once drew such bytes at
     # random): the message must still be one line

@@ -50,12 +50,17 @@ def _add_port_args(p: argparse.ArgumentParser, required: bool = False,
                    help="with --base-port: UDP channels per rank")
 
 
-def _port_spec(args, required: bool = False):
+def _port_spec(args, required: bool = False, report=None):
+    """The ports to decode as dgt: --ports, else --report's sidecars table (``report``:
+    that file's document, when the caller has read it already), else --base-port's
+    layout; None when none is given (unless ``required``). Raises PortSpecError."""
     from dgt.tools import ports
     if args.ports:
         return ports.from_ports(args.ports)
     if args.report:
-        return ports.from_report(args.report)
+        if report is None:
+            return ports.from_report(args.report)
+        return ports.from_sidecars(ports.sidecars_from_doc(report, args.report))
     if args.layout_base is not None:
         if args.ranks < 1:
             raise ports.PortSpecError(f"--ranks must be >= 1, got {args.ranks}")
@@ -227,16 +232,18 @@ def cmd_capture(args) -> int:
 def cmd_pcap_summary(args) -> int:
     from dgt.tools import ports, summary
     _logging()
-    spec = _port_spec(args)   # with --report: its sidecars table, checked
+    rep = ports.read_report(args.report) if args.report else None   # read once
+    spec = _port_spec(args, report=rep)   # with --report: its sidecars table, checked
     check_output("--json", args.json)
     check_output("--plot", args.plot)
     sessions = ([parse_session(x) for x in args.session.split(",")]
                 if args.session else None)
-    rep = ports.read_report(args.report) if args.report else None
     if sessions is None and rep is not None:
-        rows = rep["sidecars"] if isinstance(rep, dict) else rep   # _port_spec checked
+        # with --ports the table was not checked: rows that are no object say nothing
+        rows = rep.get("sidecars") if isinstance(rep, dict) else rep
         found = {parse_session(r["session"], f"session in {args.report}")
-                 for r in rows if r.get("session")}
+                 for r in (rows if isinstance(rows, list) else [])
+                 if isinstance(r, dict) and r.get("session")}
         sessions = sorted(found) or None
     s = summary.summarize(args.files, spec, sessions)
     print(summary.format_table(s))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dgt.run_files import RefusedFile, read_json
+from dgt.jsonparse import is_port
 
 #: Port stride between ranks under ``--base-port`` (rank r uses B + 10 r; docs/tools.md).
 RANK_STRIDE = 10
@@ -128,12 +129,6 @@ def sidecars_from_report(path: str | Path) -> tuple[Sidecar, ...]:
     return sidecars_from_doc(read_report(path), str(path))
 
 
-def is_port(v) -> bool:
-    """Whether ``v`` (a JSON value) is a port: an integer 1..65535; not a float (5.0,
-    1e400), a bool, a string."""
-    return type(v) is int and 1 <= v <= 65535
-
-
 def _shown(v) -> str:
     """A JSON value as an error line shows it: a number or literal as JSON writes it
     (``Infinity``, ``true``, ``5.0``), cut to 40 characters; a list or object by kind
@@ -170,7 +165,7 @@ def _sidecar(r) -> Sidecar:
 def sidecars_from_doc(doc, where: str = "report") -> tuple[Sidecar, ...]:
     """The ``sidecars`` table of an already-loaded report dict (or a bare list of rows).
     Each row is ``{"rank": int >= 0, "host": str, "tcp_port": port, "udp_ports":
-    [port, ...]}``, a port an integer 1..65535 (:func:`is_port`).
+    [port, ...]}``, a port an integer 1..65535 (dgt.jsonparse.is_port).
 
     Raises :class:`PortSpecError` when the table is missing or malformed.
     """

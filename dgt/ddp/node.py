@@ -31,9 +31,9 @@ from ..config import default_run_dir
 from ..deadline import bounded
 from ..unixsock import NotOurs, owned_dir, private_dir
 from ..errors import PeerFailure
-from ..jsonparse import load, loads
+from ..jsonparse import is_port, loads
 from ..rendezvous import QUIET_TORCH_ENV
-from ..run_files import check_run_dir, lock_holder, open_lock, share_lock
+from ..run_files import check_run_dir, lock_holder, open_lock, read_json, share_lock
 from . import generation
 
 #: how long close() waits for the sidecar to end on its own before SIGTERM
@@ -334,9 +334,8 @@ def take_rank(run_dir: str, rank: int, what: str) -> int:
     who = f"its trainer of rank {rank}, pid {holder}, is alive" if holder else \
         f"its trainer of rank {rank} holds {path}"
     try:   # its sidecar, once past its rendezvous (no probe of its socket: a stranger)
-        with open(os.path.join(run_dir, f"endpoints-{rank}.json")) as f:
-            pid = int(load(f)["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+        pid = int(read_json(os.path.join(run_dir, f"endpoints-{rank}.json"))["pid"])
+    except (OSError, ValueError, KeyError, TypeError):   # RefusedFile: not a regular file
         pid = None
     if pid and running(pid):
         who = f"its sidecar-{rank}, pid {pid}, is alive"
@@ -389,8 +388,7 @@ def reap_sidecar(run_dir: str, rank: int, run_id: str,
     (ended and reused) is left alone. Returns the pid it waited for, or None."""
     sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
     try:
-        with open(os.path.join(run_dir, f"endpoints-{rank}.json")) as f:
-            pid = int(load(f)["pid"])
+        pid = int(read_json(os.path.join(run_dir, f"endpoints-{rank}.json"))["pid"])
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")
     except (OSError, ValueError, KeyError, TypeError):   # no sidecar ran there, or it
@@ -464,7 +462,7 @@ def _sidecar_store(raw: bytes, key: str) -> tuple[str, int]:
     store has no login, and another local process wrote there."""
     try:
         host, port = loads(raw)
-        if isinstance(host, str) and host and type(port) is int and 0 < port < 1 << 16:
+        if isinstance(host, str) and host and is_port(port):
             return host, port
     except (ValueError, TypeError):
         pass

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..run_files import not_regular
+
 #: name -> (channels, height, width) of one sample
 SHAPES = {"digits": (1, 8, 8), "fashion-mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
 from . import DATASETS  # noqa: F401  (one list of names)
@@ -141,24 +143,17 @@ def read_idx(path: str, magic: int, dims: int) -> np.ndarray:
 
 
 def _not_regular(folder: str, names) -> str | None:
-    """The first of ``names`` in ``folder`` that exists but is not a regular file (a
-    FIFO, a folder, a device, a dangling link): one line for the user, else None.
-    Without it such a file was reported as missing."""
-    import stat
+    """The first of ``names`` in ``folder`` that is there but is not a regular file (a
+    FIFO, a directory, a dangling link: dgt.run_files.not_regular), as one line for the
+    user, else None. Without it such a file was reported as missing."""
     for name in names:
         path = os.path.join(folder, name)
         try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            if os.path.islink(path):
-                return f"{path} is a dangling symbolic link; give the dataset's files"
-            continue
+            what = not_regular(path)
         except OSError as e:
             return f"{path}: {e.strerror}; give the dataset's files"
-        if not stat.S_ISREG(st.st_mode):
-            kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a folder" if \
-                stat.S_ISDIR(st.st_mode) else "not a regular file"
-            return f"{path} is {kind}, not a regular file; give the dataset's files"
+        if what:
+            return f"{path} is {what}, not a regular file; give the dataset's files"
     return None
 
 

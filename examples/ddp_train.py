@@ -46,6 +46,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import dgt.ddp   # dgt
 from dgt import checkpoint
 
+#: the live DgtState, for the close of an error at the end of this file            # dgt
+LIVE: list = []                                                                     # dgt
+
 
 def load_data(name: str, seed: int):
     """(train, test, shape, name): TensorDatasets of float32 images and int64 labels.
@@ -199,6 +202,7 @@ def main() -> None:
     if a.comm == "dgt":
         state = dgt.ddp.DgtState(sidecar_args=["--mode", a.mode] if a.mode else [],  # dgt
                                  overlap=not a.no_overlap)                           # dgt
+        LIVE.append(state)   # for an error's close, at the end of this file        # dgt
         if ck is not None:                                                            # dgt
             state.load_state_dict(ck["dgt"])                                          # dgt
         model.register_comm_hook(state, dgt.ddp.dgt_hook)                              # dgt
@@ -257,4 +261,6 @@ if __name__ == "__main__":
         # line and its newline apart (unbuffered), so two ranks' lines could interleave
         sys.stderr.write(f"{os.path.basename(sys.argv[0])}{who}: error: {e}\n")
         sys.stderr.flush()
+        for state in LIVE:   # the other ranks are told this rank failed, and why:   # dgt
+            state.close(failed=f"{type(e).__name__}: {e}")   # not "fewer steps"    # dgt
         sys.exit(2)

@@ -5,6 +5,9 @@ except ``--short-rank``, which stops before step ``--short-step``:
 - ``--how raise``: it raises RuntimeError there, uncaught (the trainer crashes);
 - ``--how return``: it returns from main() there, without ``state.close()`` (an orderly
   end with fewer steps; the hook's state is closed at interpreter exit).
+- ``--how exit``: it catches its own ValueError there, says so to its sidecar with
+  ``state.close(failed=...)`` and calls ``sys.exit(2)``, as a script that handles its
+  own errors does.
 - ``--how second-state`` (no rank ends early): a second DDP model, GAN-style, whose
   DgtState is refused while the first is live (each rank prints ``rank <r>: refused:
   <message>``) and which trains with DDP's own all-reduce; then, after the first
@@ -33,7 +36,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--short-rank", type=int, default=1)
     p.add_argument("--short-step", type=int, default=5)
-    p.add_argument("--how", choices=("raise", "return", "second-state"), default="raise")
+    p.add_argument("--how", choices=("raise", "return", "exit", "second-state"),
+                   default="raise")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -49,6 +53,12 @@ def main() -> None:
         if rank == a.short_rank and step == a.short_step and a.how != "second-state":
             if a.how == "raise":
                 raise RuntimeError(f"injected at step {step}")
+            if a.how == "exit":
+                try:
+                    raise ValueError(f"injected at step {step}")
+                except ValueError as e:
+                    state.close(failed=f"{type(e).__name__}: {e}")
+                    sys.exit(2)
             return
         opt.zero_grad()
         model(torch.randn(4, 8, generator=gen)).sum().backward()

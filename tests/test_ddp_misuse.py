@@ -99,6 +99,18 @@ def test_good_constructor_arguments_are_taken():
         ("/run/s.sock", ["--mode", "tcp"], False, 5.0)
 
 
+@pytest.mark.parametrize("failed", [3, b"boom", ValueError("boom")])
+def test_close_failed_of_the_wrong_kind_is_one_line(failed):
+    from dgt.ddp import DgtState
+    state = DgtState(connect=False)
+    with pytest.raises(TypeError) as e:
+        state.close(failed=failed)
+    assert str(e.value).startswith(f"DgtState.close(failed={failed!r}): give the error "
+                                   "as a str"), str(e.value)
+    assert "\n" not in str(e.value)
+    state._check_open()   # still open: the refused close changed nothing
+
+
 def test_training_on_after_close_is_one_line(group):
     # before: TypeError "expected np.ndarray (got NoneType)" at dgt/ddp/hook.py
     from dgt.ddp import DgtState, dgt_hook
@@ -118,13 +130,15 @@ def test_training_on_after_close_is_one_line(group):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["raise", "return"])
+@pytest.mark.parametrize("how", ["raise", "exit", "return"])
 def test_a_crashed_rank_is_named_with_its_error_and_a_short_one_as_fewer_steps(tmp_path,
                                                                               how):
     """Rank 1 of 2 stops before step 5 of 8: ``raise`` (an uncaught RuntimeError; before
     the fix rank 0 said "rank 1 closed after step 4 ... every rank must run the same
-    number of steps", as the orderly close at interpreter exit told it) or ``return``
-    (an orderly end with fewer steps: that message stays)."""
+    number of steps", as the orderly close at interpreter exit told it), ``exit`` (its
+    own ValueError caught, ``state.close(failed=...)``, ``sys.exit(2)``: before
+    ``close`` took ``failed``, such a script could only end as an orderly close) or
+    ``return`` (an orderly end with fewer steps: that message stays)."""
     run_dir = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", JOB, "--how", how],
@@ -134,8 +148,9 @@ def test_a_crashed_rank_is_named_with_its_error_and_a_short_one_as_fewer_steps(t
     ours = [ln for ln in p.stderr.splitlines()
             if re.search(r"ddp_misuse_job\.py rank 0: error: ", ln)]
     assert len(ours) == 1, p.stderr[-3000:] + _logs(run_dir)
-    if how == "raise":
-        assert "rank 1's trainer failed (RuntimeError: injected at step 5) at step 5" \
+    if how != "return":
+        error = "RuntimeError" if how == "raise" else "ValueError"
+        assert f"rank 1's trainer failed ({error}: injected at step 5) at step 5" \
             in ours[0], ours[0]
         assert "same number of steps" not in ours[0], ours[0]
     else:

@@ -215,14 +215,25 @@ class DgtState:
         self.connect()
         return self._node
 
-    def close(self) -> None:
+    def close(self, failed: str | None = None) -> None:
         """Say goodbye to the sidecar and wait (bounded) until it has stopped; it
         leaves no process, socket or shared memory behind. Idempotent. The state takes
         no more buckets after it (:func:`dgt.ddp.dgt_hook` and :meth:`save_sidecar`
-        raise RuntimeError)."""
+        raise RuntimeError).
+
+        ``failed``: this trainer's error, one line (e.g. ``"ValueError: bad batch"``),
+        for a script that catches its own error and exits: the sidecar fails the job
+        naming it, as at an exit by an uncaught exception, instead of the other ranks
+        reading an orderly end with fewer steps (an exit function cannot see
+        ``sys.exit``'s status). Raises TypeError when it is not a str or None."""
+        if failed is not None and not isinstance(failed, str):
+            raise TypeError(f"DgtState.close(failed={failed!r}): give the error as a "
+                            f"str (one line), or None for an orderly end")
+        if failed is not None:
+            failed = " ".join(failed.split())[:300] or "failed"
         self._closed = True
         if self._node is not None:
-            self._node.close()
+            self._node.close(failed)
 
     def _check_open(self) -> None:
         """Raise RuntimeError when :meth:`close` was called."""

@@ -11,6 +11,7 @@ whole vector at once, or (the DDP hook) in parts while backward runs.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +30,8 @@ from .rank_list import rank_list
 from .scheduler.pacing import PortPacing
 from .transport.counters import Counters
 from .transport.sender import PushSender
+
+log = logging.getLogger("dgt.sidecar")
 
 
 @dataclass
@@ -164,5 +167,13 @@ class WorkerAgent:
 
     def _settle(self, arrived: np.ndarray) -> None:
         self.planner.settle(arrived)
+        bad = self.planner.non_finite_blocks
+        if bad != self.counters.blocks_non_finite:
+            if not self.counters.blocks_non_finite:   # the first: once in the log
+                log.warning("rank %d: push %d held NaN or inf in %d block(s): sent as "
+                            "zeros and kept out of the residual (the trainer's gradient "
+                            "overflowed? counted in blocks_non_finite)", self.rank,
+                            self.iteration, bad)
+            self.counters.blocks_non_finite = bad
         if self.meter is not None:
             self.meter.settle(self.planner, self.parts.first_sent, self.parts.idle_s)

@@ -139,6 +139,9 @@ class SidecarCollector:
                  "Blocks the worker handed to its own colocated shard (in-process)"),
                 ("dgt_tail_markers_total", ctr.tail_markers,
                  "UDP channel tail markers sent (END on a UDP channel)"),
+                ("dgt_blocks_non_finite_total", ctr.blocks_non_finite,
+                 "Blocks of this node's pushes that held a NaN or inf: sent as zeros, "
+                 "kept out of the residual"),
                 ("dgt_pushes_total", sc.pushes, "Iterations this sidecar completed "
                  "(push to applied aggregate)"),
                 ("dgt_pulls_held_total", sc.pulls_held,

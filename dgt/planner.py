@@ -14,7 +14,7 @@ import torch
 
 from . import codec
 from .config import TransmissionConfig
-from .contribution import ContributionScores
+from .contribution import ContributionScores, block_magnitude, drop_non_finite
 from .feedback import Residual
 from .layout import BlockLayout
 from .scheduler.assign import (DROPPED, AdaptiveK, assign_channels, rank_blocks,
@@ -58,6 +58,9 @@ class PushPlanner:
         self.budget = TimeBudget(cfg.time_budget_ms / 1000.0) if cfg.time_budget_ms \
             else None
         self.budget_cut = 0
+        #: blocks of this node's pushes that held a NaN or inf, zeroed before they were
+        #: sent and kept out of the residual (dgt.contribution.drop_non_finite), in all
+        self.non_finite_blocks = 0
         if self.budget is not None:
             self._remote = torch.ones(layout.n_blocks, dtype=torch.bool)
             self._remote[self.local[0]:self.local[1]] = False
@@ -67,10 +70,12 @@ class PushPlanner:
         """Compensate ``grad`` ((padded,) float32) into ``work``, score, rank and
         assign. Returns (channel per block (n_blocks,) int8: 0 reliable, 1..C UDP, -1
         dropped; k used)."""
-        cfg, n = self.cfg, self.layout.n_blocks
-        if self.raw_sum is not None:
-            self.raw_sum += grad
+        cfg, n, e = self.cfg, self.layout.n_blocks, self.layout.block_elems
+        before = self._kept(slice(None))
         g = self.residual.compensate(grad)
+        mag = block_magnitude(g, e)
+        bad = drop_non_finite(g.view(-1, e), mag)
+        self._count_raw(slice(None), grad, bad, before)
         k = self.adaptive.update(loss) if self.adaptive else cfg.k
         if cfg.mode == "tcp":
             k = 1.0
@@ -78,7 +83,7 @@ class PushPlanner:
         if cfg.mode == "random":
             scores = torch.rand(n, generator=self.gen)
         else:
-            scores = self.scores.update(g, self.layout.block_elems)
+            scores = self.scores.fold(mag)
         order = rank_blocks(scores, epsilon=cfg.epsilon, n_reliable=n_rel, generator=self.gen)
         chan = assign_channels(order, n_rel, cfg.channels,
                                drop_unreliable=cfg.mode == "topk")
@@ -112,20 +117,53 @@ class PushPlanner:
             idx = slice(int(rows[0]), int(rows[-1]) + 1)
         else:
             idx = torch.from_numpy(rows)
-        if self.raw_sum is not None:
-            self.raw_sum.view(-1, e)[idx] += grad.view(-1, e)[idx]
+        before = self._kept(idx)
         g = self.residual.compensate_rows(idx, grad)
+        mag = g.abs().mean(dim=1)
+        bad = drop_non_finite(g, mag)
+        if bad is not None and not isinstance(idx, slice):   # g is a gathered copy
+            self.work.view(-1, e)[idx[bad]] = 0.0
+        self._count_raw(idx, grad, bad, before)
         n_rel = reliable_count(rows.size, k)
         if cfg.mode == "random":
             scores = torch.rand(rows.size, generator=self.gen)
         else:
-            scores = self.scores.update_rows(idx, g)
+            scores = self.scores.fold_rows(idx, mag)
         order = rank_blocks(scores, epsilon=cfg.epsilon, n_reliable=n_rel, generator=self.gen)
         chan = assign_channels(order, n_rel, cfg.channels,
                                drop_unreliable=cfg.mode == "topk")
         chan = self._fit_budget(torch.from_numpy(rows), order, chan).numpy()
         self.coded = self._code(rows, chan)
         return chan
+
+    def _kept(self, idx) -> torch.Tensor | None:
+        """With ``cfg.check_conservation``: a copy of the residual's blocks ``idx`` (a
+        slice, or (m,) int64) before this push is compensated into them (None when the
+        residual holds nothing), for :meth:`_count_raw`; else None, uncopied."""
+        if self.raw_sum is None or self.residual.empty or not self.residual.enabled:
+            return None
+        return self.work.view(-1, self.layout.block_elems)[idx].clone()
+
+    def _count_raw(self, idx, grad: torch.Tensor, bad: torch.Tensor | None,
+                   before: torch.Tensor | None) -> None:
+        """Count blocks ``idx`` of ``grad`` ((padded,) float32) in ``raw_sum`` (with
+        ``cfg.check_conservation``) and the ``bad`` ones (indices into ``idx``'s
+        blocks) in :attr:`non_finite_blocks`. A zeroed block took its gradient and
+        what the residual kept of it (``before``) out of the job: the invariant's left
+        side loses both, so it still holds for the rest."""
+        if bad is not None:
+            self.non_finite_blocks += bad.numel()
+        if self.raw_sum is None:
+            return
+        raw = self.raw_sum.view(-1, self.layout.block_elems)
+        rows = raw[idx]   # a view for a slice, a copy otherwise: written back below
+        if bad is not None:
+            out = rows[bad] - (before[bad] if before is not None else 0.0)
+        rows += grad.view(-1, self.layout.block_elems)[idx]
+        if bad is not None:
+            rows[bad] = out
+        if not isinstance(idx, slice):
+            raw[idx] = rows
 
     def _wire_cost(self) -> torch.Tensor:
         """(MAX_CHANNELS + 1,) float64: wire bytes one remote block costs on each

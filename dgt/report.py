@@ -149,6 +149,7 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "blocks_local": traffic["blocks_local"],
         "blocks_cut_by_budget": sum(s.get("blocks_cut_by_budget", 0) for s in sidecars),
         "tail_markers": traffic["tail_markers"],
+        "blocks_non_finite": traffic["blocks_non_finite"],
         "rejected": traffic["rejected"],
         "emulated_drops": sum(s.get("emulated_drops", 0) for s in sidecars),
         "udp_kernel_drops": sum(s.get("udp_kernel_drops", 0) for s in sidecars),
@@ -169,12 +170,13 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
                       "cpu_s": s.get("cpu_s"), "cpu_sys_s": s.get("cpu_sys_s"),
                       "max_rss_bytes": s.get("max_rss_bytes"),
                       "numpy_huge_page_advice": s.get("numpy_huge_page_advice"),
-                      "int8_codec": s.get("int8_codec")}
+                      "int8_codec": s.get("int8_codec"),
+                      "blocks_non_finite": s.get("blocks_non_finite", 0)}
                      for s in sidecars],
         "config": {"job": asdict(job),
                    "transmission": {k: v for k, v in asdict(tx).items() if k != "secret"}},
     }
-    for bad in (divergence(r), replicas_differ(r)):
+    for bad in (divergence(r), replicas_differ(r), non_finite_pushed(r)):
         if bad is not None:   # the report carries what the summary warns about
             r["warnings"].append(bad)
     r["warnings"] += strangers_accepted(r["channels"])
@@ -339,6 +341,23 @@ def divergence(r: dict) -> str | None:
             f"training diverged (lower --lr) or a trainer pushed non-finite gradients "
             f"({r['rejected'].get('non_finite', 0)} non-finite blocks were kept out of the "
             f"aggregate); the numbers of this run describe a broken model")
+
+
+def non_finite_pushed(r: dict) -> str | None:
+    """The warning for a run in which trainers pushed blocks holding NaN or inf (the
+    sidecars' ``blocks_non_finite``), or None. Such a block is sent as zeros and kept
+    out of the residual (dgt.contribution.drop_non_finite): training goes on, without
+    that block of that rank for that iteration."""
+    per = {s["rank"]: s.get("blocks_non_finite", 0) for s in r.get("sidecars", [])}
+    ranks = sorted(rank for rank, n in per.items() if n)
+    if not ranks:
+        return None
+    total = sum(per[rank] for rank in ranks)
+    return (f"rank(s) {rank_list(ranks)} pushed "
+            f"{total} gradient block(s) holding NaN or inf: each was sent as zeros and "
+            f"kept out of the residual, so those ranks' values of those blocks are "
+            f"missing from their iterations (an overflowing trainer? lower --lr; the "
+            f"iterations are in the trace's blocks_non_finite)")
 
 
 def replicas_differ(r: dict) -> str | None:

@@ -27,8 +27,8 @@ Each line (``"kind": "iteration"``) holds, for iteration ``t`` of this node's wo
   took to leave this node (the budget's next measurement);
 - ``channels``: per channel, how much each counter of ``dgt.transport.counters``
   grew since the previous line (blocks and bytes sent, delivered, late, lost, ...);
-  ``blocks_unsent``, ``blocks_local``, ``tail_markers``, ``rejected``: the same for the
-  node-wide counters.
+  ``blocks_unsent``, ``blocks_local``, ``tail_markers``, ``blocks_non_finite``,
+  ``rejected``: the same for the node-wide counters.
 
 At shutdown the sidecar appends one ``"kind": "final"`` line with what the counters
 grew after the last iteration (late blocks, BYE-time rejects). So the sum of a file's
@@ -51,7 +51,7 @@ from .transport.counters import FIELDS
 
 log = logging.getLogger("dgt.trace")
 
-NODE_FIELDS = ("blocks_unsent", "blocks_local", "tail_markers")
+NODE_FIELDS = ("blocks_unsent", "blocks_local", "tail_markers", "blocks_non_finite")
 
 
 def trace_path(run_dir: str, rank: int) -> str:

@@ -8,6 +8,8 @@ except ``--short-rank``, which stops before step ``--short-step``:
 - ``--how exit``: it catches its own ValueError there, says so to its sidecar with
   ``state.close(failed=...)`` and calls ``sys.exit(2)``, as a script that handles its
   own errors does.
+- ``--how nan`` (no rank ends early): its loss is multiplied by NaN at that step only,
+  so its gradient is NaN once (an overflowing step);
 - ``--how second-state`` (no rank ends early): a second DDP model, GAN-style, whose
   DgtState is refused while the first is live (each rank prints ``rank <r>: refused:
   <message>``) and which trains with DDP's own all-reduce; then, after the first
@@ -36,7 +38,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--short-rank", type=int, default=1)
     p.add_argument("--short-step", type=int, default=5)
-    p.add_argument("--how", choices=("raise", "return", "exit", "second-state"),
+    p.add_argument("--how", choices=("raise", "return", "exit", "nan", "second-state"),
                    default="raise")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -50,7 +52,9 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1 + rank)
     for step in range(a.iterations):
-        if rank == a.short_rank and step == a.short_step and a.how != "second-state":
+        poison = rank == a.short_rank and step == a.short_step and a.how == "nan"
+        if rank == a.short_rank and step == a.short_step and a.how not in ("nan",
+                                                                            "second-state"):
             if a.how == "raise":
                 raise RuntimeError(f"injected at step {step}")
             if a.how == "exit":
@@ -61,8 +65,14 @@ def main() -> None:
                     sys.exit(2)
             return
         opt.zero_grad()
-        model(torch.randn(4, 8, generator=gen)).sum().backward()
+        loss = model(torch.randn(4, 8, generator=gen)).sum()
+        (loss * float("nan") if poison else loss).backward()
         opt.step()
+    if a.how == "nan":   # every replica ends finite and identical
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        sys.stdout.write(f"rank {rank}: finite {bool(torch.isfinite(flat).all())} "
+                         f"sum {float(flat.double().sum())!r}\n")
+        sys.stdout.flush()
     if a.how == "second-state":
         second_state(rank, model, state, gen)
     state.close()

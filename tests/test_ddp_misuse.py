@@ -2,6 +2,7 @@
 DgtState arguments of the wrong kind, a closed state trained on, and a rank whose
 trainer crashes. Each misuse is one line naming it, not an internal error, and a crash
 is not blamed on the others as fewer steps."""
+import json
 import os
 import pathlib
 import re
@@ -156,6 +157,36 @@ def test_a_crashed_rank_is_named_with_its_error_and_a_short_one_as_fewer_steps(t
     else:
         assert "rank 1 closed after step 4; rank 0 is at step 5: every rank must run " \
             "the same number of steps" in ours[0], ours[0]
+
+
+@pytest.mark.timeout(300)
+def test_one_nan_step_of_a_rank_costs_that_step_only(tmp_path):
+    """Rank 1's loss is NaN at step 3 of 8 (one overflowing step). Before the fix its
+    residual kept the NaN: every later push of rank 1 was g + NaN, kept out at the
+    shards in every iteration (rejected non_finite at iterations 3 to 7, an outside
+    tester's run), with no word. Now rank 1's sidecar drops the NaN blocks at step 3
+    (sent as zeros, counted in its trace's blocks_non_finite, said in its log) and no
+    shard ever sees a non-finite block; the replicas end finite and identical."""
+    run_dir = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", JOB, "--how", "nan", "--short-step", "3",
+                        "--hidden", "400"],
+                       capture_output=True, text=True, timeout=240, cwd=REPO,
+                       env=dict(os.environ, DGT_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:] + _logs(run_dir)
+    ends = sorted(ln for ln in p.stdout.splitlines() if re.match(r"rank \d: finite", ln))
+    assert len(ends) == 2 and all("finite True" in ln for ln in ends), p.stdout
+    assert ends[0].split(" sum ")[1] == ends[1].split(" sum ")[1], ends
+    lines = {r: [json.loads(ln) for ln in (run_dir / f"trace-{r}.jsonl").read_text()
+                 .splitlines() if '"iteration"' in ln] for r in (0, 1)}
+    kept_out = [(r, x["t"]) for r in (0, 1) for x in lines[r]
+                if x.get("rejected", {}).get("non_finite")]
+    assert kept_out == [], kept_out
+    dropped = [(x["t"], x["blocks_non_finite"]) for x in lines[1]
+               if x.get("blocks_non_finite")]
+    assert [t for t, _ in dropped] == [3], dropped
+    assert not any(x.get("blocks_non_finite") for x in lines[0])
+    assert "push 3 held NaN or inf" in (run_dir / "sidecar-1.log").read_text()
 
 
 @pytest.mark.timeout(300)

@@ -38,3 +38,17 @@ def test_kernel_drops_from_a_full_receive_buffer_are_not_blamed_on_strangers(tmp
             f"channel filter's refusals or a full receive buffer: --udp-buffer-bytes)"
             in line), line
     assert "no peer" not in p.stdout, line
+
+
+def test_non_finite_pushes_are_a_warning_naming_the_ranks():
+    # an outside tester's DDP job: one NaN step of rank 1 went unmentioned
+    from dgt.report import non_finite_pushed
+    sidecars = [{"rank": 0, "blocks_non_finite": 0}, {"rank": 1, "blocks_non_finite": 2},
+                {"rank": 2, "blocks_non_finite": 0}, {"rank": 3, "blocks_non_finite": 5}]
+    w = non_finite_pushed({"sidecars": sidecars})
+    assert w.startswith("rank(s) [1, 3] pushed 7 gradient block(s) holding NaN or inf"), w
+    assert "lower --lr" in w and "\n" not in w
+    one = non_finite_pushed({"sidecars": sidecars[:2]})
+    assert one.startswith("rank(s) [1] pushed 2 gradient block(s)"), one
+    assert non_finite_pushed({"sidecars": [{"rank": 0}, {"rank": 1,
+                                                         "blocks_non_finite": 0}]}) is None

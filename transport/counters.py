@@ -37,7 +37,9 @@ class Counters:
     """All channels of one node, plus: ``blocks_unsent`` (never sent, by design: mode
     topk's unreliable share), ``blocks_local`` (to the colocated shard, in-process), and ``rejected[reason]``
     (malformed, stray, replayed messages), ``tail_markers`` (UDP channel tail markers
-    sent: END on a UDP channel after its last block)."""
+    sent: END on a UDP channel after its last block), ``blocks_non_finite`` (blocks of
+    this node's pushes that held a NaN or inf: sent as zeros, kept out of the
+    residual)."""
 
     channels: list[ChannelCounters] = field(
         default_factory=lambda: [ChannelCounters() for _ in range(1 + MAX_UDP_CHANNELS)])
@@ -45,12 +47,14 @@ class Counters:
     blocks_unsent: int = 0
     blocks_local: int = 0
     tail_markers: int = 0
+    blocks_non_finite: int = 0
 
     def to_dict(self, n_channels: int) -> dict:
         return {
             "blocks_unsent": self.blocks_unsent,
             "blocks_local": self.blocks_local,
             "tail_markers": self.tail_markers,
+            "blocks_non_finite": self.blocks_non_finite,
             "channels": {channel_name(c): asdict(self.channels[c])
                          for c in range(n_channels + 1)},
             "rejected": dict(self.rejected),
@@ -60,9 +64,9 @@ class Counters:
 def merge(dicts: list[dict]) -> dict:
     """Sum several ``Counters.to_dict`` results (one per node)."""
     out: dict = {"channels": {}, "rejected": Counter(), "blocks_unsent": 0,
-                 "blocks_local": 0, "tail_markers": 0}
+                 "blocks_local": 0, "tail_markers": 0, "blocks_non_finite": 0}
     for d in dicts:
-        for k in ("blocks_unsent", "blocks_local", "tail_markers"):
+        for k in ("blocks_unsent", "blocks_local", "tail_markers", "blocks_non_finite"):
             out[k] += d.get(k, 0)
         for name, ch in d["channels"].items():
             acc = out["channels"].setdefault(name, dict.fromkeys(FIELDS, 0))

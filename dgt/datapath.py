@@ -42,8 +42,7 @@ def build(cfg: TransmissionConfig, lay: BlockLayout, rank: int, session: int,
     """``send_pull(worker, iteration, aggregate, received)``: where the shard's PULLs
     go; ``conn_of(worker)``: the connection a worker's PULLs go on. Raises OSError
     when the shared memory cannot be made."""
-    tag = f"dgt-{os.getpid()}-{session & 0xffffffff:08x}-r{rank}"
-    grad = ipc.ShmBuffer(os.path.join(ipc.shm_dir(), tag + "-grad"), lay.padded, True)
+    grad = ipc.ShmBuffer(ipc.buffer_name(os.getpid(), session, rank), lay.padded, True)
     policy = DeadlinePolicy(min_s=cfg.deadline_ms / 1000.0,
                             rate_mbit=cfg.pace_mbit or 1000.0)
     # a slow --pace-mbit makes a long drain time, a short --peer-timeout-s a short PULL

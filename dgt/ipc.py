@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import secrets
+import stat
 
 import numpy as np
 
@@ -38,21 +40,30 @@ MAX_LINE = 1 << 16
 class ShmBuffer:
     """A float32 vector of ``n`` values in a /dev/shm file, mapped into this process.
 
-    ``create=True`` makes (or truncates) the file; the creator unlinks it, in unlink()
-    once the other side has mapped it (the mappings outlive the name, so nothing is left
-    in /dev/shm whatever kills either process later), or at the latest in close().
-    ``array``: (n,) float32 numpy view over the mapping (no copy).
+    ``create=True`` makes the file, which must not exist (O_EXCL, O_NOFOLLOW, mode
+    0600: /dev/shm is every user's, and a name planted there by another user, a link
+    or a file of theirs, is never written through or shared; :func:`buffer_name` makes
+    names no one can guess); the creator unlinks it, in unlink() once the other side
+    has mapped it (the mappings outlive the name, so nothing is left in /dev/shm
+    whatever kills either process later), or at the latest in close(). The attaching
+    side maps only a regular file of its own user that no other user may read or
+    write. ``array``: (n,) float32 numpy view over the mapping (no copy).
+
+    Raises OSError when the file cannot be made or opened (FileExistsError: the name
+    is taken; ELOOP: it is a link) and ValueError when the attaching side finds
+    another size, another owner or another user's access.
     """
 
     def __init__(self, path: str, n: int, create: bool = False):
-        self.path, self.n, self.owner = path, n, create
-        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        self.path, self.n, self.owner = path, n, False
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
+        self.owner = create
         try:
             if create:
                 os.ftruncate(fd, n * 4)
-            elif os.fstat(fd).st_size != n * 4:
-                raise ValueError(f"{path}: size {os.fstat(fd).st_size} B, expected {n * 4} B")
+            else:
+                _check_ours(fd, path, n * 4)
             self.map = mmap.mmap(fd, n * 4)
         finally:
             os.close(fd)
@@ -74,6 +85,30 @@ class ShmBuffer:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _check_ours(fd: int, path: str, size: int) -> None:
+    """Raise ValueError unless ``fd`` is a regular file of ``size`` bytes owned by this
+    process's user, with no access for group or others (what :class:`ShmBuffer` makes)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path}: not a regular file; the sidecar named no buffer of its own")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ValueError(f"{path}: owned by uid {st.st_uid} with mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}; a sidecar's buffer is its "
+                         f"user's alone (uid {os.geteuid()}, mode 0600): another user "
+                         f"made it")
+    if st.st_size != size:
+        raise ValueError(f"{path}: size {st.st_size} B, expected {size} B")
+
+
+def buffer_name(pid: int, session: int, rank: int) -> str:
+    """The path of a sidecar's shared buffer: ``<shm_dir>/dgt-<pid>-<session, 8 hex
+    digits>-r<rank>-<16 random hex digits>-grad``. The pid leads, so that whoever
+    reaps a dead sidecar finds its buffers (``dgt-<pid>-*``); the random part, so that
+    no other user can know the name in advance and plant it."""
+    return os.path.join(shm_dir(), f"dgt-{pid}-{session & 0xffffffff:08x}-r{rank}-"
+                                   f"{secrets.token_hex(8)}-grad")
 
 
 def drop_name(path: str) -> None:

@@ -61,32 +61,57 @@ def exchange_endpoints(node: NodeConfig, cfg: TransmissionConfig, me: dict,
 #: come, or leaves one out
 WIRE_FLAGS = ("block_bytes", "channels", "world")
 
+#: the flags that decide the job's arithmetic, which every rank must also give alike:
+#: a rank apart would be understood, but would train another job than the others and
+#: than every report says (breaker round 5: hand-started sidecars with --mode tcp and
+#: dgt, or int8 and fp32 bands, trained in silence to other bits). Per-node flags stay
+#: free: --pace-mbit (a node's port), the waits and timeouts, socket buffers,
+#: --drop-udp, --time-budget-ms (a node's own link time), --check-conservation.
+JOB_FLAGS = ("mode", "k", "k_min", "adaptive_k", "alpha", "epsilon", "error_feedback",
+             "band_codec", "pull_codec", "pull_coded_fraction", "reliable_codec")
 
-def wire_settings(cfg: TransmissionConfig, world: int) -> dict[str, int]:
-    """This rank's values of :data:`WIRE_FLAGS` (``world``: its --world), as published
-    in its endpoint record."""
-    return {"block_bytes": cfg.block_bytes, "channels": cfg.channels, "world": world}
+
+def wire_settings(cfg: TransmissionConfig, world: int) -> dict:
+    """This rank's values of :data:`WIRE_FLAGS` (``world``: its --world) and of
+    :data:`JOB_FLAGS`, as published in its endpoint record."""
+    return {"block_bytes": cfg.block_bytes, "channels": cfg.channels, "world": world,
+            **{name: getattr(cfg, name) for name in JOB_FLAGS}}
+
+
+def _given(name: str, value) -> str:
+    """``--k 0.5``, ``--no-error-feedback``: a flag as a rank gave it."""
+    flag = "--" + name.replace("_", "-")
+    if type(value) is bool:
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {value}"
 
 
 def agree_wire(peers: dict[int, dict]) -> None:
-    """Every rank published the same :data:`WIRE_FLAGS` as rank 0 (``peers``: rank ->
-    endpoint record, :func:`check_endpoint`). Raises PeerFailure (MISMATCH) naming the
-    flag, the ranks apart and both values: two sidecars started with different
-    --block-bytes or --channels (a hand-started node, a torchrun node with its own
-    DGT_* variables) would otherwise fail at their first push, with errors that name
-    neither the flag nor the rank; with different --world, the rank that counts more
-    ranks would wait out the rendezvous for one that never comes, blaming it. Only the
-    ranks this rank counts are compared: one that counts more is refused by a peer
-    that counts fewer, whose failure ends its wait."""
+    """Every rank published the same :data:`WIRE_FLAGS` and :data:`JOB_FLAGS` as rank 0
+    (``peers``: rank -> endpoint record, :func:`check_endpoint`). Raises PeerFailure
+    (MISMATCH) naming the flag, the ranks apart and both values: two sidecars started
+    with different --block-bytes or --channels (a hand-started node, a torchrun node
+    with its own DGT_* variables) would otherwise fail at their first push, with errors
+    that name neither the flag nor the rank; with different --world, the rank that
+    counts more ranks would wait out the rendezvous for one that never comes, blaming
+    it; with a different --mode, --k or codec the job would train on, another job than
+    any rank's report describes. Only the ranks this rank counts are compared: one that
+    counts more is refused by a peer that counts fewer, whose failure ends its wait."""
     ref = peers[0]["wire"]
-    for name in WIRE_FLAGS:
+    for name in WIRE_FLAGS + JOB_FLAGS:
         apart = sorted(r for r, ep in peers.items() if ep["wire"][name] != ref[name])
-        if apart:
-            flag = "--" + name.replace("_", "-")
+        if not apart:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name in WIRE_FLAGS:
             got = ", ".join(f"rank {r} has {peers[r]['wire'][name]}" for r in apart)
-            raise PeerFailure(f"{got}, rank 0 has {flag} {ref[name]}; every rank must "
-                              f"give the same {flag}", apart[0],
-                              FailureReason.MISMATCH, apart)
+            text = f"{got}, rank 0 has {flag} {ref[name]}"
+        else:
+            got = ", ".join(f"rank {r} has {_given(name, peers[r]['wire'][name])}"
+                            for r in apart)
+            text = f"{got}, rank 0 has {_given(name, ref[name])}"
+        raise PeerFailure(f"{text}; every rank must give the same {flag}", apart[0],
+                          FailureReason.MISMATCH, apart)
 
 
 def check_session(_key: str, text: str) -> int:
@@ -100,14 +125,16 @@ def check_session(_key: str, text: str) -> int:
 def check_endpoint(key: str, text: str) -> dict:
     """A rank's endpoints as stored under ``dgt/ep/<rank>``: a JSON object with that
     ``rank``, ``host`` (str), ``tcp_port`` and ``udp_ports`` (ports 1..65535), ``pid``
-    (int) and ``wire`` (:func:`wire_settings`: an int for each of :data:`WIRE_FLAGS`).
+    (int) and ``wire`` (:func:`wire_settings`: an int for each of :data:`WIRE_FLAGS`, a
+    JSON scalar for each of :data:`JOB_FLAGS`).
     Raises ValueError/TypeError/KeyError otherwise."""
     ep = loads(text)
     if not (type(ep) is dict and ep["rank"] == int(key.rsplit("/", 1)[1])
             and isinstance(ep["host"], str) and ep["host"] and is_port(ep["tcp_port"])
             and type(ep["udp_ports"]) is list and all(map(is_port, ep["udp_ports"]))
             and type(ep["pid"]) is int and type(ep["wire"]) is dict
-            and all(type(ep["wire"][f]) is int for f in WIRE_FLAGS)):
+            and all(type(ep["wire"][f]) is int for f in WIRE_FLAGS)
+            and all(type(ep["wire"][f]) in (str, int, float, bool) for f in JOB_FLAGS)):
         raise ValueError("not an endpoint record")
     return ep
 

@@ -404,3 +404,35 @@ def test_sidecars_started_with_different_wire_flags_are_refused_at_rendezvous(
         assert p.returncode == 3, (out, err)
         assert want in err, err
         assert "Traceback" not in err and "IndexError" not in err, err
+
+
+@pytest.mark.parametrize("args,want", [
+    ((["--mode", "tcp"], ["--mode", "dgt"]),
+     "rank 1 has --mode dgt, rank 0 has --mode tcp; every rank must give the same --mode"),
+    ((["--band-codec", "int8"], ["--band-codec", "fp32"]),
+     "rank 1 has --band-codec fp32, rank 0 has --band-codec int8; every rank must give "
+     "the same --band-codec"),
+    ((["--reliable-codec", "int4"], ["--reliable-codec", "fp32"]),
+     "rank 1 has --reliable-codec fp32, rank 0 has --reliable-codec int4"),
+    ((["--k", "0.9"], ["--k", "0.1"]), "rank 1 has --k 0.1, rank 0 has --k 0.9"),
+    (([], ["--no-error-feedback"]),
+     "rank 1 has --no-error-feedback, rank 0 has --error-feedback; every rank must give "
+     "the same --error-feedback"),
+])
+def test_sidecars_started_with_different_job_flags_are_refused_at_rendezvous(
+        tmp_path, args, want):
+    """Hand-started sidecars that disagree on a flag of the job's arithmetic (an
+    outside tester, breaker round 5: each of these pairs trained to the end, exit 0,
+    each rank's report stating its own settings, none the job that ran): both stop at
+    rendezvous with one line naming the flag, the rank apart and both values."""
+    port = _free_port()
+    procs = [_sidecar(r, 2, port, tmp_path / f"s{r}.sock", tmp_path, "--peer-timeout-s",
+                      10, *a) for r, a in enumerate(args)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        stop_procs(*procs)
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 3, (out, err)
+        assert want in err, err
+        assert "Traceback" not in err, err

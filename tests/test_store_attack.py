@@ -194,9 +194,11 @@ def _pair(secret=""):
 
 
 def _ep(rank):
+    from dgt.config import TransmissionConfig
+    from dgt.registration import wire_settings
     return json.dumps({"rank": rank, "host": "127.0.0.1", "tcp_port": 5000 + rank,
                        "udp_ports": [6000 + rank], "pid": 1,
-                       "wire": {"block_bytes": 1408, "channels": 1, "world": 2}})
+                       "wire": wire_settings(TransmissionConfig(channels=1), 2)})
 
 
 def test_with_a_secret_a_value_found_by_listing_keys_cannot_be_forged_or_moved(tmp_path):

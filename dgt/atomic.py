@@ -15,9 +15,15 @@ import json
 import os
 import stat
 import tempfile
+import time
 from typing import BinaryIO, Callable
 
 from . import outpath
+
+#: how long a write to a FIFO waits for a process to open it for reading, s (an open
+#: for writing blocks until one does: a report to a FIFO no one reads hung for ever
+#: after the run, breaker round 5)
+FIFO_READER_WAIT_S = 10.0
 
 
 def write_atomic(path: str, write: Callable[[BinaryIO], None], fsync: bool = True) -> None:
@@ -73,12 +79,35 @@ def writes_through(path: str) -> bool:
 def _write_in_place(path: str, write: Callable[[BinaryIO], None]) -> None:
     """``write(f)`` on ``path`` opened for writing as it is (no temporary file, no
     rename, no fsync: a device or a pipe has no disk copy to flush). Raises OSError
-    naming ``path`` (e.g. ENOSPC from /dev/full, EPIPE from a closed pipe)."""
+    naming ``path`` (e.g. ENOSPC from /dev/full, EPIPE from a closed pipe, ENXIO from
+    a FIFO that no process opened for reading within :data:`FIFO_READER_WAIT_S`)."""
     try:
-        with open(path, "wb") as f:
+        with _open_through(path) as f:
             write(f)
     except OSError as e:
         raise _naming(e, path) from None
+
+
+def _open_through(path: str) -> BinaryIO:
+    """``path`` opened for writing as it is; a FIFO once a reader has it open (tried
+    without blocking until :data:`FIFO_READER_WAIT_S` has passed, then ENXIO), its
+    writes then blocking as a pipe's do. Raises OSError."""
+    if not stat.S_ISFIFO(os.stat(path).st_mode):
+        return open(path, "wb")
+    deadline = time.monotonic() + FIFO_READER_WAIT_S
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            if time.monotonic() > deadline:
+                raise OSError(errno.ENXIO, f"a FIFO that no process opened for reading "
+                              f"within {FIFO_READER_WAIT_S:g} s", path) from None
+            time.sleep(0.05)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "wb")
 
 
 def _naming(e: OSError, path: str) -> OSError:

@@ -1,6 +1,7 @@
 """An output flag replaces only a file of the kind it writes (dgt.outpath): breaker
 round, stop 31, where ``dgt train --report notes.txt`` replaced the notes with a JSON
 report, made it mode 0600, and as root ``--report /etc/passwd`` replaced that."""
+import errno
 import json
 import os
 import stat
@@ -109,6 +110,30 @@ def test_a_fifo_gets_the_bytes_and_stays_a_fifo(tmp_path):
     atomic.write_json(fifo, {"a": 1})
     assert json.loads(reader.communicate(timeout=30)[0]) == {"a": 1}
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_no_one_reads_is_an_error_not_a_hang(tmp_path):
+    # breaker round 5: dgt train --report FIFO trained, printed its summary, then
+    # blocked in open() for ever (no reader)
+    fifo = str(tmp_path / "out.fifo")
+    os.mkfifo(fifo)
+    with pytest.raises(OSError) as e:
+        atomic.write_json(fifo, {"a": 1})
+    assert e.value.errno == errno.ENXIO and e.value.filename == fifo, e.value
+    assert "no process opened for reading within" in str(e.value)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.timeout(120)
+def test_train_report_to_a_fifo_no_one_reads_is_one_line_and_exit_1(tmp_path):
+    fifo = str(tmp_path / "report.fifo")
+    os.mkfifo(fifo)
+    p = _dgt("train", "--workers", "2", "--iterations", "2", "--report", fifo)
+    assert p.returncode == 1, p.stderr
+    assert f"cannot write --report {fifo}: a FIFO that no process opened for reading " \
+        "within 10 s" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
 
 
 def test_train_report_to_a_full_device_is_one_line_and_exit_1(dev_full):

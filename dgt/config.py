@@ -369,16 +369,20 @@ class NodeConfig:
                    shown="required")
     world: int = _f(0, "number of nodes (1..64)", torchrun="WORLD_SIZE", shown="required")
     master_addr: str = _f("127.0.0.1", "rendezvous (TCPStore) host; rank 0 hosts it",
-                          torchrun="MASTER_ADDR")
+                          torchrun="MASTER_ADDR",
+                          nonempty="give rank 0's address, or leave it out for 127.0.0.1")
     master_port: int = _f(29500, "rendezvous (TCPStore) port", torchrun="MASTER_PORT")
-    host: str = _f("127.0.0.1", "address to listen on")
+    host: str = _f("127.0.0.1", "address to listen on",
+                   nonempty="give this host's address, or leave it out for 127.0.0.1")
     base_port: int = _f(0, "TCP port base+10*rank, UDP channel c on base+10*rank+c "
                         "(0 = free ports)")
     socket: str = _f("", "Unix socket for the trainer",
                      shown="$XDG_RUNTIME_DIR/dgt/sidecar-<rank>.sock, else "
-                           "/tmp/dgt-<uid>/sidecar-<rank>.sock")
+                           "/tmp/dgt-<uid>/sidecar-<rank>.sock",
+                     nonempty="give the socket's path, or leave it out for the default")
     run_dir: str = _f("", "where to write endpoints-<rank>.json and sidecar-<rank>.json",
-                      shown="$XDG_RUNTIME_DIR/dgt, else /tmp/dgt-<uid>")
+                      shown="$XDG_RUNTIME_DIR/dgt, else /tmp/dgt-<uid>",
+                      nonempty="give a folder, or leave it out for the default")
     seed: int = _f(0, "seed for ranking ties and exploration")
     job: str = _f("", "job id: a trainer that attaches to this sidecar (dgt.ddp) must "
                   "name the same one", torchrun="TORCHELASTIC_RUN_ID", shown="none")
@@ -464,7 +468,9 @@ class JobConfig:
                       "(--data-dir in CIFAR-10's python layout)", choices=WORKLOAD_DATASETS)
     data_dir: str = _f("", "folder with the dataset's files (fashion-mnist: its four IDX "
                        "files, default /usr/share/datasets/fashion-mnist; cifar10: "
-                       "cifar-10-batches-py)")
+                       "cifar-10-batches-py)",
+                       nonempty="give the dataset's folder, or leave it out for the "
+                       "default")
     partition: str = _f("iid", "how the training set is split over workers: iid | "
                         "dirichlet:ALPHA (label skew, e.g. dirichlet:0.5) | shards:K (K "
                         "classes per worker, e.g. shards:2)")
@@ -473,15 +479,20 @@ class JobConfig:
     local_steps: int = _f(4, "with --algo fedavg: local optimiser steps per round (H)")
     seed: int = _f(0, "seed for model init, data split and shuffling")
     device: str = _f("cpu", "cpu | cuda | cuda:N (trainer device)")
-    report: str = _f("", "write the JSON report here")
+    report: str = _f("", "write the JSON report here",
+                     nonempty="give the file the JSON report goes to, or leave it out "
+                     "for none")
     run_dir: str = _f("", "keep logs and per-process results here (none: a temp dir, "
-                      "removed after a successful run)")
+                      "removed after a successful run)",
+                      nonempty="give a folder, or leave it out for a temporary one")
     base_port: int = _f(0, "rank r listens on TCP base+10r and UDP base+10r+c "
                         "(0 = free ports)")
     testbed: bool = _f(False, "run one sidecar + trainer per testbed host (needs "
                        "'dgt testbed up'; root)")
     testbed_prefix: str = _f("dgt", "with --testbed: the testbed's name prefix (its "
-                             "namespaces are <prefix>-h<i>)")
+                             "namespaces are <prefix>-h<i>)",
+                             nonempty="give the prefix 'dgt testbed up' was given, or "
+                             "leave it out for dgt")
     target_accuracy: float = _f(0.95, "report the iteration and time when test accuracy "
                                 "first reaches this")
     stop_at_target: bool = _f(False, "stop at the first evaluation that reaches "
@@ -720,9 +731,13 @@ class CheckpointConfig:
                                "optimiser and each sidecar's state, enough to resume "
                                "bitwise (0 = never)")
     checkpoint_dir: str = _f("", "write checkpoints here, one step-<t> folder each, the "
-                             "newest two kept", shown="<run-dir>/checkpoints")
+                             "newest two kept", shown="<run-dir>/checkpoints",
+                             nonempty="give a folder, or leave it out for "
+                             "<run-dir>/checkpoints")
     resume: str = _f("", "resume from this checkpoint: a step-<t> folder, or a "
-                     "--checkpoint-dir (its newest complete step)")
+                     "--checkpoint-dir (its newest complete step)",
+                     nonempty="give a step-<t> folder or a --checkpoint-dir; leave it "
+                     "out to start from step 0")
     max_restarts: int = _f(0, "when a process fails, stop them all and start the job "
                            "again from the newest checkpoint, up to this many times, as "
                            "torchrun --max-restarts does (0..100)")

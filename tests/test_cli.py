@@ -92,6 +92,24 @@ BAD = [
     (["train", "--secret", ""], "--secret (or DGT_SECRET) is empty"),
     (["sidecar", "--rank", "0", "--world", "1", "--secret", ""],
      "--secret (or DGT_SECRET) is empty"),
+    # breaker round 5: an empty path was taken as not given (--resume "$CKPT" with CKPT
+    # unset started from step 0 in silence)
+    (["train", "--resume", ""], "--resume (or DGT_RESUME) is empty: give a step-<t> "
+                                "folder or a --checkpoint-dir; leave it out to start from "
+                                "step 0"),
+    (["train", "--report", ""], "--report (or DGT_REPORT) is empty"),
+    (["train", "--run-dir", ""], "--run-dir (or DGT_RUN_DIR) is empty"),
+    (["train", "--checkpoint-dir", ""], "--checkpoint-dir (or DGT_CHECKPOINT_DIR) is empty"),
+    (["train", "--data-dir", ""], "--data-dir (or DGT_DATA_DIR) is empty"),
+    (["train", "--testbed-prefix", ""], "--testbed-prefix (or DGT_TESTBED_PREFIX) is empty"),
+    (["sidecar", "--rank", "0", "--world", "1", "--socket", ""],
+     "--socket (or DGT_SOCKET) is empty"),
+    (["sidecar", "--rank", "0", "--world", "1", "--run-dir", ""],
+     "--run-dir (or DGT_RUN_DIR) is empty"),
+    (["sidecar", "--rank", "0", "--world", "1", "--master-addr", ""],
+     "--master-addr (or DGT_MASTER_ADDR) is empty"),
+    (["sidecar", "--rank", "0", "--world", "1", "--host", ""], "--host (or DGT_HOST) is empty"),
+    (["bench", "--loopback", "--out", ""], "--out is empty: give the results folder"),
     # workloads (docs/workloads.md)
     (["train", "--model", "lenet"], "argument --model: invalid choice: 'lenet'"),
     (["train", "--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),

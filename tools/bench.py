@@ -174,7 +174,11 @@ def check_shared(cfg) -> None:
 def check_out_dir(out: str) -> None:
     """``--out`` must be a folder we can write, or creatable in one: checked before any
     cell runs (a matrix takes most of an hour), without creating anything. Raises
-    BenchError naming the flag."""
+    BenchError naming the flag (an empty --out too: it would write into the current
+    folder, breaker round 5)."""
+    if not out:
+        raise BenchError("--out is empty: give the results folder, or leave it out for "
+                         "the default")
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
         raise BenchError(f"--out {out} is a file; give a folder")

@@ -109,8 +109,8 @@ class ServerShard:
             if not bitmaps[w].all():
                 recv[w][~bitmaps[w]] = 0
         # finite blocks near float32's limit (a forged datagram, a diverging worker)
-        # may sum to inf: an outcome handled here and downstream like any non-finite
-        # value, not a numpy warning in the sidecar's log; the numbers are unchanged
+        # may sum to inf: no numpy warning in the sidecar's log, and their mean is taken
+        # again below, in float64
         with np.errstate(over="ignore", invalid="ignore"):
             acc = self._sum(recv)
             # a NaN/inf in any worker's block makes that block's sum non-finite: one
@@ -119,6 +119,8 @@ class ServerShard:
             if bad.size:
                 self._exclude_non_finite(bad, acc)
             acc /= np.float32(self.n_workers)
+            if bad.size:
+                self._mean_of_overflows(bad, acc)
             if self.coder is not None:   # two-sided error feedback: the PULL side
                 self.coded_pull = self.coder.code(acc)
         flat = acc.reshape(-1)
@@ -137,6 +139,20 @@ class ServerShard:
         for w in range(2, self.n_workers):
             acc += recv[w, rows]
         return acc
+
+    def _mean_of_overflows(self, rows: np.ndarray, acc: np.ndarray) -> None:
+        """Blocks ``rows`` summed to NaN/inf and ``acc`` holds their mean: where a sum of
+        finite copies overflowed float32 (each worker's values finite, near its limit:
+        a diverging trainer, or a forged block), that mean is inf although the true one
+        is finite. Such rows get the float64 mean of the copies, rounded to float32
+        (a mean of finite float32 values is within float32's range), so no inf
+        reaches the model (breaker round 6: 3e38 on two ranks made every replica inf).
+        The rows are a few, and the same on every replica: each takes this PULL."""
+        sub = acc[rows]
+        over = rows[~np.isfinite(sub).all(axis=1)]
+        if over.size:
+            acc[over] = (self.recv[:, over].astype(np.float64).sum(axis=0)
+                         / self.n_workers).astype(np.float32)
 
     def _exclude_non_finite(self, rows: np.ndarray, acc: np.ndarray) -> None:
         """Blocks ``rows`` summed to NaN/inf: every worker block among them that holds a

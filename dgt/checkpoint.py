@@ -412,9 +412,12 @@ def _readable(folder: str, world: int) -> None:
 
 
 #: the trainer's flags that a resumed run must share with the checkpoint: they decide
-#: the parameters' shapes, the data each rank sees and the order of its batches
+#: the parameters' shapes, the data each rank sees and the order of its batches; and
+#: --lr, which the restored optimiser state would override in silence (breaker round 6:
+#: --resume with --lr 5 trained on at the step's lr, the report saying 5). A step
+#: written before --lr was recorded is not checked for it
 RUN_FLAGS = ("model", "hidden", "width", "dataset", "partition", "algo", "local_steps",
-             "batch_size", "seed")
+             "batch_size", "seed", "lr")
 
 
 def run_flags(ns) -> dict:

@@ -123,7 +123,10 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_anything_start
                                                    "run has --no-error-feedback"),
                         (("--block-bytes", 704), "--block-bytes 1408, this run has "
                                                   "--block-bytes 704"),
-                        (("--mode", "tcp"), "--mode dgt, this run has --mode tcp")):
+                        (("--mode", "tcp"), "--mode dgt, this run has --mode tcp"),
+                        # breaker round 6: taken, then overridden by the optimiser's
+                        # restored state in silence, the report saying 5
+                        (("--lr", 5), "taken with --lr 0.002, this run has --lr 5.0")):
         p = _train(*base[:4], *extra, *base[4:], "--resume", ck)
         assert p.returncode == 2 and want in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and "rank" not in p.stderr, p.stderr

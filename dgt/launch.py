@@ -92,6 +92,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _write_pid(f) -> None:
+    """Write this process's pid over lock file ``f`` (what a refused job names). Raises
+    OSError."""
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+
+
 class Job:
     def __init__(self, job: JobConfig, tx: TransmissionConfig, log=say, metrics=None,
                  ckpt: CheckpointConfig | None = None, warn=None):
@@ -107,9 +116,34 @@ class Job:
         self.run_dir = job.run_dir or tempfile.mkdtemp(prefix="dgt-run-")
         os.makedirs(self.run_dir, exist_ok=True)
         self._lock = None
+        self._ck_lock = None   # lock_checkpoints()
         self.spill = ""   # dgt.records: where a child's record goes when the run dir is full
         self.checkpoint_dir = self.ckpt.checkpoint_dir or \
             os.path.join(self.run_dir, "checkpoints")
+
+    def lock_checkpoints(self) -> None:
+        """Take the checkpoint dir for this job (an exclusive flock on
+        ``<checkpoint-dir>/lock``, held until we exit): two jobs writing one
+        --checkpoint-dir removed each other's steps as they kept their newest two, and
+        either job's files could end in one step (breaker round 6). Raises RuntimeError
+        naming the other job's pid, or ValueError for a ``lock`` that is a link or not a
+        regular file (dgt.run_files.open_lock)."""
+        import fcntl
+        f = os.fdopen(run_files.open_lock(self.checkpoint_dir, "--checkpoint-dir"), "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            other = f.read().strip() or "?"
+            f.close()
+            raise RuntimeError(f"--checkpoint-dir {self.checkpoint_dir} is in use by "
+                               f"another dgt train (pid {other}); give each job its own "
+                               f"--checkpoint-dir") from None
+        try:
+            _write_pid(f)
+        except OSError:   # a full disk: the flock holds all the same
+            pass
+        self._ck_lock = f
 
     def lock(self) -> None:
         """Take the run dir for this job (an exclusive flock on ``<run-dir>/lock``, held
@@ -135,10 +169,7 @@ class Job:
             raise RuntimeError(f"--run-dir {self.run_dir} is in use by {what}; give each "
                                f"job its own --run-dir") from None
         try:
-            f.seek(0)
-            f.truncate()
-            f.write(str(os.getpid()))
-            f.flush()
+            _write_pid(f)
         except OSError as e:   # a full disk: leave no empty lock file behind
             os.unlink(path)
             try:
@@ -645,6 +676,7 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         resume = resume_from(j.ckpt, job, tx)
         if j.ckpt.checkpoint_every:
             check_checkpoint_dir(j.checkpoint_dir)
+            j.lock_checkpoints()
         # ours now (the lock): a previous job's files must not mix into this one's report
         cleared = run_files.clear_previous(j.run_dir, keep=(j.checkpoint_dir, j.ckpt.resume))
     except (RuntimeError, ValueError, unixsock.NotOurs) as e:

@@ -584,3 +584,28 @@ def test_checkpoints_in_the_temporary_run_dir_outlive_the_run(tmp_path):
         assert "resuming from" in again.stdout + again.stderr
     finally:
         shutil.rmtree(os.path.dirname(kept), ignore_errors=True)
+
+
+def test_a_checkpoint_dir_in_use_by_another_job_is_refused(tmp_path):
+    """Breaker round 6: two dgt train jobs with one --checkpoint-dir both ran, each
+    removing the other's steps as it kept its newest two (5 of one job's checkpoints
+    lost, a step mixing both jobs' files). A job takes the folder as it takes its run
+    dir: an exclusive flock on <checkpoint-dir>/lock, its pid written there. Here this
+    test holds it, as a running job does."""
+    import fcntl
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    with open(ck / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write(str(os.getpid()))
+        held.flush()
+        p = _train("--workers", 2, "--hidden", 32, "--iterations", 4, "--checkpoint-every",
+                   2, "--checkpoint-dir", ck, "--run-dir", tmp_path / "run")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (f"dgt train: --checkpoint-dir {ck} is in use by another "
+                                f"dgt train (pid {os.getpid()}); give each job its own "
+                                f"--checkpoint-dir"), p.stderr
+    p = _train("--workers", 2, "--hidden", 32, "--iterations", 4, "--checkpoint-every", 2,
+               "--checkpoint-dir", ck, "--run-dir", tmp_path / "run")
+    assert p.returncode == 0, p.stderr
+    assert checkpoint.latest(str(ck), 2) is not None

@@ -664,7 +664,13 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 errno.EADDRNOTAVAIL: f"--host {node.host} is not an address of this host",
                 errno.EAFNOSUPPORT: f"--host {node.host}: this host has IPv6 turned off "
                                     f"(sysctl net.ipv6.conf.all.disable_ipv6=1); give an "
-                                    f"IPv4 address"}
+                                    f"IPv4 address",
+                # breaker round 6: a link-local address without its scope was only
+                # "[Errno 22] Invalid argument"
+                errno.EINVAL: f"--host {node.host}: cannot listen there ({e.strerror})"
+                              + ("; a link-local IPv6 address needs its interface, e.g. "
+                                 f"{node.host}%eth0" if node.host.lower().startswith("fe80")
+                                 and "%" not in node.host else "")}
         msg = what.get(e.errno) or (f"--host {node.host}: {e.strerror}" if isinstance(
             e, socket.gaierror) else str(e))
         print(f"dgt sidecar: error: {msg}", file=sys.stderr)

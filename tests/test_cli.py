@@ -42,7 +42,7 @@ BAD = [
     (["sidecar", "--rank", "0", "--world", "1", "--register-timeout-s", "-1"],
      "--register-timeout-s must be in 0..3600"),
     (["bench", "--profile", "nope", "--estimate"], "--profile: unknown profile 'nope'"),
-    (["bench", "--cell-timeout-s", "-1", "--estimate"], "--cell-timeout-s must be >= 0"),
+    (["bench", "--cell-timeout-s", "-1", "--estimate"], "--cell-timeout-s must be a finite number >= 0"),
     # breaker round 2026-12-01: each of these was accepted, then failed later or silently
     (["train", "--seed", "-1"], "--seed must be in 0..4294967295"),
     (["train", "--seed", str(2**32)], "--seed must be in 0..4294967295"),
@@ -65,7 +65,11 @@ BAD = [
      "is too large"),
     (["train", "--peer-timeout-s", "1e10"], "--peer-timeout-s must be in (0, 3600] s"),
     (["train", "--batch-size", "500"], "exceeds the 1437 training samples"),
-    (["bench", "--cell-timeout-s", "nan", "--estimate"], "--cell-timeout-s must be >= 0"),
+    (["bench", "--cell-timeout-s", "nan", "--estimate"], "--cell-timeout-s must be a finite "
+                                                          "number >= 0"),
+    # breaker round 6: infinity was taken
+    (["bench", "tta", "--cell-timeout-s", "1e309", "--estimate"],
+     "--cell-timeout-s must be a finite number >= 0 (0: from the estimate), got inf"),
     (["bench", "--hidden", "1000000000", "--estimate"], "GiB of memory"),
     # field faults, issue 12
     (["sidecar", "--rank", "1", "--world", "2", "--master-addr", "no-such-host.invalid"],
@@ -318,3 +322,22 @@ def test_a_model_too_large_for_one_worker_asks_for_a_smaller_model(tmp_path):
     assert str(e.value).startswith("--hidden 100000 needs about "), e.value
     assert "not even --workers 1 fits; use a smaller --hidden" in str(e.value)
     assert "or fewer" not in str(e.value)
+
+
+
+def test_a_link_local_host_without_its_scope_is_one_line_saying_so():
+    """Breaker round 6: ``dgt sidecar --host fe80::1`` said only ``[Errno 22] Invalid
+    argument``. (Only a bind is tried: nothing is sent.)"""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip(reason="this host has no IPv6 loopback")
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                        "--world", "1", "--host", "fe80::1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == ("dgt sidecar: error: --host fe80::1: cannot listen there "
+                                "(Invalid argument); a link-local IPv6 address needs its "
+                                "interface, e.g. fe80::1%eth0"), p.stderr

@@ -40,6 +40,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import platform
 import shlex
@@ -154,9 +155,9 @@ def check_shared(cfg) -> None:
         raise BenchError(f"--target-accuracy must be in (0, 1], got "
                          f"{cfg.target_accuracy:g}")
     check_prefix(cfg.prefix)
-    if not cfg.cell_timeout_s >= 0:   # also true for nan
-        raise BenchError(f"--cell-timeout-s must be >= 0 (0: from the estimate), got "
-                         f"{cfg.cell_timeout_s:g}")
+    if not 0 <= cfg.cell_timeout_s < math.inf:   # also true for nan
+        raise BenchError(f"--cell-timeout-s must be a finite number >= 0 (0: from the "
+                         f"estimate), got {cfg.cell_timeout_s:g}")
     if not cfg.loopback:
         from dgt.tc_profiles.schema import ProfileError, load_profile
         try:

@@ -731,8 +731,7 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         return 2, None
     except OSError as e:   # the run dir removed or full while the job ran
         j.kill()
-        warn(f"dgt train: failed: {e.filename or j.run_dir}: {e.strerror or e}; "
-            f"children stopped (is --run-dir {j.run_dir} still there, with free space?)")
+        warn(f"dgt train: failed: {launch_failure(e, j.run_dir)}; children stopped")
         return 1, None
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup
@@ -767,6 +766,20 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
     if differ is not None:   # in the summary too; a script reads the status
         warn(f"dgt train: warning: {differ}; exit status 1")
     return (1 if diverged(report) or differ is not None else 0), report
+
+
+def launch_failure(e: OSError, run_dir: str) -> str:
+    """What an OSError while the job starts or runs says (one line): a socket's (no
+    port free to bind: the ephemeral range used up by other connections, as an outside
+    tester's 36,000 loopback connections did in a CI run, breaker round 6), else the
+    run dir's (removed, or full)."""
+    import errno
+    if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+        return (f"no local port could be bound ({e.strerror or e}): this host's free "
+                f"ports are used up by other connections (ss -s counts them); try again "
+                f"when they are closed")
+    return (f"{e.filename or run_dir}: {e.strerror or e} (is --run-dir {run_dir} still "
+            f"there, with free space?)")
 
 
 def write_report(path: str, report: dict) -> None:

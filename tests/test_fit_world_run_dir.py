@@ -367,3 +367,25 @@ def test_a_restart_moves_files_into_the_run_dir_never_through_a_link(tmp_path):
     assert (elsewhere / "trainer-0.log").read_text() == "not the job's\n"
     assert not (run / "attempt-1").is_symlink()
     assert (run / "attempt-1" / "trainer-0.log").read_text() == "attempt 1\n"
+
+
+def test_a_port_that_cannot_be_bound_is_not_blamed_on_the_run_dir(tmp_path):
+    """Breaker round 6 left this host's ephemeral ports used up (36,000 loopback
+    connections) while a CI run went on: its jobs failed with 'RUN_DIR: Address already
+    in use (...); children stopped (is --run-dir RUN_DIR still there, with free
+    space?)', blaming the run dir. The error of a bind that found no port says so."""
+    import socket
+
+    from dgt.launch import launch_failure
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        try:
+            b.bind(a.getsockname())
+        except OSError as e:
+            busy = e
+    text = launch_failure(busy, str(tmp_path))
+    assert text.startswith("no local port could be bound (Address already in use)"), text
+    assert "run-dir" not in text and "\n" not in text
+    full = launch_failure(OSError(28, "No space left on device", "/r/x.log"), "/r")
+    assert full == ("/r/x.log: No space left on device (is --run-dir /r still there, "
+                    "with free space?)"), full

@@ -59,6 +59,7 @@ import re
 import shutil
 import stat
 
+from .config import given_flag
 from .errors import PeerFailure
 from .failure import FailureReason
 from .run_files import RefusedFile, open_regular
@@ -468,11 +469,8 @@ def check_resume(folder: str, world: int, job, tx) -> None:
     first = None     # rank 0's trainer file, loaded
 
     def differs(flag: str, then, now) -> ValueError:
-        def given(v):   # a switch (True/False) reads as the flag itself, or its --no-
-            return f"--{'' if v else 'no-'}{flag}" if isinstance(v, bool) else \
-                f"--{flag} {v}"
-        return ValueError(f"--resume {folder}: taken with {given(then)}, this run has "
-                          f"{given(now)}; resume with the same flags")
+        return ValueError(f"--resume {folder}: taken with {given_flag(flag, then)}, this "
+                          f"run has {given_flag(flag, now)}; resume with the same flags")
 
     def elsewhere(why: str, files: str) -> ValueError:
         return ValueError(f"{why}; resume from another step (--resume "

@@ -605,6 +605,16 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def given_flag(name: str, value) -> str:
+    """A flag as it was given: ``--k 0.5``; a switch (True/False) as the flag itself or
+    its ``--no-`` form. ``name``: the field's name (``error_feedback``) or the flag's
+    (``error-feedback``)."""
+    flag = _flag(name)
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {value}"
+
+
 def _env(name: str) -> str:
     return "DGT_" + name.upper()
 

@@ -16,7 +16,7 @@ import random
 from collections import Counter
 from typing import Callable
 
-from .config import PACE_AUTO, NodeConfig, TransmissionConfig
+from .config import PACE_AUTO, NodeConfig, TransmissionConfig, given_flag
 from .errors import PeerFailure
 from .failure import FailureReason
 from .jsonparse import is_port, loads
@@ -78,14 +78,6 @@ def wire_settings(cfg: TransmissionConfig, world: int) -> dict:
             **{name: getattr(cfg, name) for name in JOB_FLAGS}}
 
 
-def _given(name: str, value) -> str:
-    """``--k 0.5``, ``--no-error-feedback``: a flag as a rank gave it."""
-    flag = "--" + name.replace("_", "-")
-    if type(value) is bool:
-        return flag if value else "--no-" + flag[2:]
-    return f"{flag} {value}"
-
-
 def agree_wire(peers: dict[int, dict]) -> None:
     """Every rank published the same :data:`WIRE_FLAGS` and :data:`JOB_FLAGS` as rank 0
     (``peers``: rank -> endpoint record, :func:`check_endpoint`). Raises PeerFailure
@@ -107,9 +99,9 @@ def agree_wire(peers: dict[int, dict]) -> None:
             got = ", ".join(f"rank {r} has {peers[r]['wire'][name]}" for r in apart)
             text = f"{got}, rank 0 has {flag} {ref[name]}"
         else:
-            got = ", ".join(f"rank {r} has {_given(name, peers[r]['wire'][name])}"
+            got = ", ".join(f"rank {r} has {given_flag(name, peers[r]['wire'][name])}"
                             for r in apart)
-            text = f"{got}, rank 0 has {_given(name, ref[name])}"
+            text = f"{got}, rank 0 has {given_flag(name, ref[name])}"
         raise PeerFailure(f"{text}; every rank must give the same {flag}", apart[0],
                           FailureReason.MISMATCH, apart)
 

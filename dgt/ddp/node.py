@@ -296,8 +296,13 @@ def uncaught_exception() -> str | None:
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     if exc is None:
         return None
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return " ".join(text.split())[:300]
+    return one_line(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
+def one_line(text: str) -> str:
+    """A trainer's error as its sidecar is told it: one line, at most 300 characters
+    (never empty)."""
+    return " ".join(text.split())[:300] or "failed"
 
 
 def _share_run_dir(fd: int, run_dir: str, rank: int, what: str) -> int:

@@ -2,7 +2,8 @@
 
 A process of a job holds, besides Python's and torch's own: its listening sockets (TCP,
 one UDP socket per channel, the trainer's Unix socket), a TCP connection to and from
-every peer, the rendezvous store's connections (rank 0 hosts one per rank), shared
+every peer, its connection to the rendezvous store (whose server runs in a process
+of its own, dgt.store_host, that raises its own limit), shared
 memory and its log files; the launcher holds a log file per child. Below what that
 takes the job failed with whatever ran out first (an outside tester at ``ulimit -n``
 24 and 12: "Failed to init uv loop", a "Cannot close a running event loop" traceback,

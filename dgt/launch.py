@@ -38,7 +38,7 @@ from .transport import udpmac
 from .atomic import write_json, writes_through
 from .child_argv import module_argv
 from .interrupt import exit_status, raise_keyboard_interrupt_on
-from .process import running
+from .process import die_with_parent, running
 from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig,
                      JobConfig, TransmissionConfig, default_run_dir, to_argv,
                      trainer_timeout_s)
@@ -55,19 +55,6 @@ PROCESS_BASE_BYTES = 210 * 2**20
 #: shard's receive buffers and aggregate, PULL frames): --hidden 2500 (24.6 MiB of fp32)
 #: peaked at 421 + 513 MiB, 514 MiB over --hidden 32, i.e. 20.9 copies
 MODEL_COPIES_PER_WORKER = 21
-
-
-def _die_with_parent(parent: int) -> None:
-    """In a child, before exec: SIGTERM us when the launcher dies (prctl(2)
-    PR_SET_PDEATHSIG), so a launcher killed with SIGKILL leaves no job running;
-    exec keeps the setting. Exits at once if the launcher is already gone."""
-    import ctypes
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def say(line: str) -> None:
@@ -316,7 +303,7 @@ class Job:
         out = None if to_terminal else logf
         p = subprocess.Popen(argv, stdout=out, stderr=logf, env=env, start_new_session=True,
                              pass_fds=tuple(pass_fds),
-                             preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+                             preexec_fn=functools.partial(die_with_parent, os.getpid()))
         logf.close()
         self.procs.append((kind, rank, p))
 
@@ -505,7 +492,7 @@ def workload_argv(job: JobConfig) -> list[str]:
 def check_memory(job: JobConfig, meminfo: str = "/proc/meminfo") -> None:
     """Refuse a job that would not fit in this machine's memory: every sidecar and
     trainer runs here (on loopback and on the testbed alike), about
-    ``PROCESS_BASE_BYTES`` each plus ``MODEL_COPIES_PER_WORKER`` fp32 copies of the model
+    ``PROCESS_BASE_BYTES`` each (and the rendezvous store's process, dgt.store_host) plus ``MODEL_COPIES_PER_WORKER`` fp32 copies of the model
     per worker; the kernel's OOM killer would otherwise end the run, and maybe other
     programs, minutes in. ``job.n_params()`` is the chosen model's real parameter count.
     Raises ValueError naming --workers and the model's size flag. No check where
@@ -517,9 +504,9 @@ def check_memory(job: JobConfig, meminfo: str = "/proc/meminfo") -> None:
     except (OSError, StopIteration, ValueError, IndexError):
         return
     per_worker = 2 * PROCESS_BASE_BYTES + MODEL_COPIES_PER_WORKER * 4 * job.n_params()
-    need = job.workers * per_worker
+    need = job.workers * per_worker + PROCESS_BASE_BYTES   # and the store's process
     if need > 0.9 * avail:
-        fit = int(0.9 * avail // per_worker)
+        fit = int((0.9 * avail - PROCESS_BASE_BYTES) // per_worker)
         size = f"--hidden {job.hidden}" if job.model == "mlp" else \
             f"--model {job.model} --width {job.width:g}"
         smaller = "--hidden" if job.model == "mlp" else "--width"

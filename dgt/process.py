@@ -1,19 +1,43 @@
 """Whether a process of ours still runs, read from /proc (proc(5)): one answer for the
 trainer's client (its sidecar ended?), the DDP launcher (a previous generation's
-sidecar) and ``dgt train``'s lock (the job named in it alive?)."""
+sidecar), ``dgt train``'s lock (the job named in it alive?) and the rendezvous store's
+process (its parent frozen?); and how a child ends with its parent."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
+    """In a child (before exec, or first thing after it): ``sig`` to us when the parent
+    dies (prctl(2) PR_SET_PDEATHSIG), so a parent killed with SIGKILL leaves no child
+    running; exec keeps the setting. Exits at once if the parent ``parent`` is already
+    gone. SIGKILL ends a stopped child too; SIGTERM waits until it is continued."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def state(pid: int) -> str:
+    """Process ``pid``'s state letter (proc(5) /proc/PID/stat: R, S, D, T stopped, t
+    traced, Z zombie, ...), or "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def running(pid: int) -> bool:
     """True while process ``pid`` runs (proc(5); a zombie, dead but not yet reaped,
     counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return state(pid) not in ("", "Z")
 
 
 def ended(pid: int, wait_s: float) -> bool:
@@ -25,3 +49,14 @@ def ended(pid: int, wait_s: float) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """End child ``proc``: SIGTERM, then SIGKILL if it still runs after ``grace_s``
+    seconds; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,4 +1,5 @@
-"""Rendezvous through ``torch.distributed.TCPStore`` (rank 0 hosts it).
+"""Rendezvous through ``torch.distributed.TCPStore`` (rank 0's sidecar hosts it, in a
+process of its own: dgt.store_host; every rank, rank 0 too, is a client).
 
 Waits poll the store instead of blocking in ``get`` so that a failure anywhere in the
 job (published under ``dgt/failed``) ends every wait at once with the failed rank named,
@@ -182,17 +183,48 @@ class Rendezvous:
         self.rejected = rejected if rejected is not None else Counter()
         self._seen_bad: set[tuple[str, bytes]] = set()   # each bad value counted once
         self._check_failed = failure_record(world)
-        self._own_listener = None
+        self.host_process = None   # rank 0: the store's process (dgt.store_host)
         self.store = self._connect(is_master=rank == 0)
 
     def _connect(self, is_master: bool):
         from torch.distributed import TCPStore
-        if not is_master:   # bounded by timeout_s from our start (imports included),
-            # whatever TCPStore's own retries would do
+        if is_master:
+            self._start_host()
+        else:   # bounded by timeout_s from our start (imports included), whatever
+            # TCPStore's own retries would do
             wait_for_listener(self.host, self.port,
                               max(1.0, self.timeout_s - process_age_s()), self.timeout_s)
-            return self._bounded(lambda: self._connect_store(TCPStore, False))
-        return self._connect_store(TCPStore, True)
+        return self._bounded(lambda: self._connect_store(TCPStore))
+
+    def _start_host(self) -> None:
+        """Rank 0: the store's server in a process of its own (dgt.store_host), on the
+        listening socket we were given or bind here, so that a connection flood on the
+        store port cannot use up this sidecar's descriptors. Raises PeerFailure."""
+        from . import store_host
+        fd = self.listen_fd
+        if fd < 0:
+            own = self._listen()
+            fd = own.detach() if own is not None else -1
+        try:
+            self.host_process = store_host.start(fd, self.host, self.port, self.world,
+                                                 self.timeout_s)
+        except OSError as e:
+            raise PeerFailure(f"cannot start the rendezvous store's process: "
+                              f"{os.strerror(e.errno) if e.errno else e}", None) from None
+        finally:
+            if fd >= 0:   # the store's process holds the port from now on
+                os.close(fd)
+            self.listen_fd = -1
+        try:
+            self.host_process.wait_ready(max(self.timeout_s, store_host.START_S))
+        except store_host.StoreHostError as e:
+            raise PeerFailure(f"rendezvous store at {self.host}:{self.port} did not start: "
+                              f"{e}", None, FailureReason.STORE_LOST) from None
+
+    def close(self) -> None:
+        """Rank 0: stop the store's process (the others' stores are only clients)."""
+        if self.host_process is not None:
+            self.host_process.close()
 
     def _bounded(self, connect):
         """``connect()`` within what is left of timeout_s since start-up. A rank 0 that
@@ -219,24 +251,17 @@ class Rendezvous:
                               0, FailureReason.PEER_SILENT, [0])
         return out["store"]
 
-    def _connect_store(self, TCPStore, is_master: bool):
-        if not is_master:
-            store = self._probe_store(TCPStore)
-            if store is not None:
-                return store
-        elif self.listen_fd < 0:
-            self._own_listener = self._listen()
-            if self._own_listener is not None:   # the store owns the descriptor now
-                self.listen_fd = self._own_listener.detach()
+    def _connect_store(self, TCPStore):
+        store = self._probe_store(TCPStore)
+        if store is not None:
+            return store
         try:
-            extra = {"master_listen_fd": self.listen_fd} if is_master and \
-                self.listen_fd >= 0 else {}
-            return TCPStore(self.host, self.port, self.world, is_master=is_master,
+            return TCPStore(self.host, self.port, self.world, is_master=False,
                             timeout=timedelta(seconds=self.timeout_s),
-                            wait_for_workers=False, **extra)
+                            wait_for_workers=False)
         except Exception as e:  # DistStoreError / RuntimeError: one line for the user
             raise PeerFailure(f"rendezvous store at {self.host}:{self.port} unreachable: "
-                              f"{str(e).splitlines()[0]}", 0 if not is_master else None,
+                              f"{str(e).splitlines()[0]}", 0,
                               FailureReason.STORE_LOST) from None
 
     def _probe_store(self, TCPStore):
@@ -297,12 +322,11 @@ class Rendezvous:
     def _call(self, op: Callable[[], object]):
         """``op()``, one look at the store, bounded by ``answer_s``. A rank 0 that is
         frozen (SIGSTOP, a hung host) keeps its connections open and never answers, and
-        TCPStore's client then waits for ever whatever its timeout; so on ranks other
-        than 0 the look runs in a daemon thread of its own (a stuck one holds up no
+        TCPStore's client then waits for ever whatever its timeout; so (on rank 0 too:
+        the store runs in a process of its own, dgt.store_host) the look runs in a
+        daemon thread of its own (a stuck one holds up no
         executor's shutdown nor the interpreter's exit), and past ``answer_s`` this
         raises PeerFailure (STORE_LOST) naming rank 0, as does every later look."""
-        if self.rank == 0:   # the store is ours, in this process: it cannot be frozen
-            return op()
         if self._stuck is not None:
             raise self._stuck
         import threading

@@ -590,6 +590,8 @@ class Sidecar:
         self.trainer.close()
         for b in self.buffers:
             b.close()
+        if self.rdv is not None:   # rank 0: the store's process (dgt.store_host)
+            self.rdv.close()
 
 
 def main(argv: list[str] | None = None, prog: str = "dgt sidecar") -> int:

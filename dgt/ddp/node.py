@@ -26,7 +26,7 @@ from datetime import timedelta
 from .. import ipc
 from ..child_argv import module_argv
 from ..client import Client
-from ..process import running
+from ..process import running, stop
 from ..config import default_run_dir
 from ..deadline import bounded
 from ..unixsock import NotOurs, owned_dir, private_dir
@@ -177,7 +177,7 @@ class NodeLink:
     def _spawn(cls, env: TorchrunEnv, rank: int, world: int, sidecar_args: list[str],
                timeout_s: float) -> "NodeLink":
         import torch.distributed as dist
-        from ..launch import _die_with_parent
+        from ..process import die_with_parent
         run_dir = os.environ.get("DGT_RUN_DIR")
         if not run_dir:
             run_dir = os.path.join(private_dir(default_run_dir()), f"torchrun-{env.tag}")
@@ -238,9 +238,9 @@ class NodeLink:
             # when the trainer dies (SIGKILL included)
             proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=penv,
                                     pass_fds=fds, preexec_fn=functools.partial(
-                                        _die_with_parent, os.getpid()))
+                                        die_with_parent, os.getpid()))
         if listener is not None:
-            listener.close()   # the sidecar's copy hosts the store
+            listener.close()   # the sidecar's copy goes on to the store's process
         t_end = time.monotonic() + timeout_s
         while not os.path.exists(sock):
             if proc.poll() is not None or time.monotonic() > t_end:
@@ -278,12 +278,7 @@ class NodeLink:
         try:
             self.proc.wait(CLOSE_GRACE_S)
         except subprocess.TimeoutExpired:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop(self.proc, 5.0)
         _remove_shm(self.proc.pid)   # a sidecar killed before its first push
         _unlink_if_stale(self.socket_path)   # one killed by SIGKILL could not unlink it
 

@@ -44,7 +44,7 @@ import torch
 from dgt.atomic import write_json
 from dgt.child_argv import module_argv
 from dgt.config import JobConfig
-from dgt.launch import _die_with_parent
+from dgt.process import die_with_parent
 from dgt.report import summary_comm, summary_head, summary_row
 
 MODE = "gloo"
@@ -401,7 +401,7 @@ def run_gloo(job: GlooJob, log=print, stdout=None) -> tuple[int, dict | None]:
         # a launcher stopped by a signal (dgt bench on SIGTERM) takes its workers along
         procs.append(subprocess.Popen(argv, stdout=out, stderr=logf, env=env,
                                       start_new_session=True, preexec_fn=functools.partial(
-                                          _die_with_parent, os.getpid())))
+                                          die_with_parent, os.getpid())))
         logf.close()
     failure, fail_at = None, None
     try:

@@ -36,6 +36,9 @@ from .transport.wire import mac_tag
 FAILED = "dgt/failed"
 #: counter key of a store value that failed its check (tag or schema)
 STORE_REJECTED = Reason.STORE_REJECTED.value
+#: counter key of a value of this rank's own that another process deleted or changed,
+#: written again (Rendezvous._heal)
+STORE_REWRITTEN = Reason.STORE_REWRITTEN.value
 #: a failure record's message is cut to this many characters (one line)
 MESSAGE_CHARS = 500
 log = logging.getLogger("dgt.rendezvous")
@@ -46,6 +49,9 @@ WATCH_S = 4 * POLL_S
 #: s: how long rank 0 keeps the store up after publishing its own failure: a few polls
 #: of every wait (POLL_S), two of a waiting sidecar's watch (WATCH_S)
 LINGER_S = 2 * WATCH_S + POLL_S
+#: a wait looks whether this rank's own values are still in the store (Rendezvous._heal)
+#: every this many polls: once per WATCH_S
+HEAL_EVERY = round(WATCH_S / POLL_S)
 #: s: a rank's first connection to the store, which tells a service that is not one
 #: (Rendezvous._probe_store)
 PROBE_S = 3.0
@@ -183,6 +189,8 @@ class Rendezvous:
         self.rejected = rejected if rejected is not None else Counter()
         self._seen_bad: set[tuple[str, bytes]] = set()   # each bad value counted once
         self._check_failed = failure_record(world)
+        self._mine: dict[str, str] = {}   # logical key -> the sealed value this rank set
+        self._healed: set[str] = set()    # keys whose rewrite was logged
         self.host_process = None   # rank 0: the store's process (dgt.store_host)
         self.store = self._connect(is_master=rank == 0)
 
@@ -356,15 +364,40 @@ class Rendezvous:
         return key_name(self.key, self.scope, logical)
 
     def set(self, key: str, value: str) -> None:
-        """Store ``value`` under the logical ``key`` (named and sealed with the secret)."""
+        """Store ``value`` under the logical ``key`` (named and sealed with the secret).
+        It is this rank's own from then on: written again if another process deletes or
+        changes it (:meth:`_heal`)."""
         name = self.name(key)
+        sealed = seal(self.key, name, value)
+        self._mine[key] = sealed
         try:
-            self._call(lambda: self.store.set(name, seal(self.key, name, value)))
+            self._call(lambda: self.store.set(name, sealed))
         except PeerFailure:
             raise
         except Exception as e:
             raise PeerFailure(f"rendezvous store lost (rank 0 died?): {e}".splitlines()[0],
                               0, FailureReason.STORE_LOST) from None
+
+    def _heal(self) -> None:
+        """Write again each value this rank set (:meth:`set`) that the store no longer
+        holds as set: deleted or changed by another process (the store has no login).
+        A peer waits for this rank's values, and one deleted after it was written
+        stalled that wait until its bound, which then blamed this live rank (breaker
+        round 6). Counted in ``rejected["store_rewritten"]``, logged once per key. Runs
+        at every watch of a wait (:meth:`wait`) and of :meth:`job_failure`."""
+        for logical, sealed in list(self._mine.items()):
+            name = self.name(logical)
+            raw = self._call(lambda: self.store.get(name) if self.store.check([name])
+                             else None)
+            if raw == sealed.encode():
+                continue
+            self._call(lambda: self.store.set(name, sealed))
+            self.rejected[STORE_REWRITTEN] += 1
+            if logical not in self._healed:
+                self._healed.add(logical)
+                log.warning("rank %d: rendezvous store value of %r %s by another process; "
+                            "written again (%s)", self.rank, logical,
+                            "deleted" if raw is None else "changed", STORE_REWRITTEN)
 
     def gather(self, prefix: str, check: Callable[[str, str], object],
                first_cause: str = "") -> dict[int, object]:
@@ -405,8 +438,12 @@ class Rendezvous:
         process wrote to the store)."""
         t_end = time.monotonic() + self.timeout_s
         got: dict[str, object] = {}
+        polls = 0
         while True:
             try:
+                if polls % HEAL_EVERY == 0:
+                    self._heal()
+                polls += 1
                 ok, info = self._read(FAILED, self._check_failed)
                 if ok:
                     raise PeerFailure(info[0], info[1], FailureReason.PEER_REPORTED)
@@ -478,6 +515,7 @@ class Rendezvous:
         when the store does not answer: rank 0, its host, is gone, or (within
         ``answer_s``, :meth:`_call`) frozen."""
         try:
+            self._heal()
             ok, info = self._read(FAILED, self._check_failed)
         except PeerFailure:
             raise

@@ -220,7 +220,47 @@ def test_with_a_secret_a_value_found_by_listing_keys_cannot_be_forged_or_moved(t
         r1.set("dgt/ep/1", _ep(1))   # the real rank's value wins
         assert r0.gather("dgt/ep", check_endpoint)[1]["tcp_port"] == 5001
     finally:
-        del r1, r0
+        r1.close()
+        r0.close()
+
+
+@pytest.mark.parametrize("secret", ["", "store-secret-3"])
+def test_a_value_deleted_or_changed_by_a_stranger_is_written_again_by_its_rank(secret):
+    """Breaker round 6: deleting rank 1's key while rank 0 waits for it stalled the wait
+    until its bound, which then blamed rank 1, alive. Rank 1, waiting in its own turn,
+    writes its values again (``store_rewritten``), and rank 0's wait completes."""
+    r0, r1 = _pair(secret=secret)
+    out: dict = {}
+    try:
+        r1.set("dgt/ep/1", _ep(1))
+        r1.set("dgt/n_params/1", "7 abc 0")
+        stranger = TCPStore("127.0.0.1", r0.port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=30))
+        stranger.delete_key(r1.name("dgt/ep/1"))
+        stranger.set(r1.name("dgt/n_params/1"), "changed")
+
+        def rank_1():   # waits for rank 0's value, as a rank does in a gather
+            try:
+                out["got"] = r1.wait(["dgt/ep/0"], lambda _k, v: v)
+            except Exception as e:   # noqa: BLE001 - the test reports it
+                out["error"] = e
+        t = threading.Thread(target=rank_1)
+        t.start()
+        def check(_k, v):   # as the real checks do, the changed value fails its schema
+            if v == "changed":   # (with a secret it fails its MAC before)
+                raise ValueError("not a value of rank 1")
+            return v
+        got = r0.wait(["dgt/ep/1", "dgt/n_params/1"], check)
+        assert json.loads(got["dgt/ep/1"])["tcp_port"] == 5001
+        assert got["dgt/n_params/1"] == "7 abc 0"
+        r0.set("dgt/ep/0", _ep(0))
+        t.join(60)
+        assert "got" in out, out
+        assert r1.rejected["store_rewritten"] == 2, r1.rejected
+        assert r0.rejected["store_rewritten"] == 0, r0.rejected
+    finally:
+        r1.close()
+        r0.close()
 
 
 def test_without_a_secret_malformed_values_are_counted_not_raised(tmp_path):
@@ -239,7 +279,8 @@ def test_without_a_secret_malformed_values_are_counted_not_raised(tmp_path):
         r1.set("dgt/ep/1", _ep(1))
         assert sorted(r0.gather("dgt/ep", check_endpoint)) == [0, 1]
     finally:
-        del r1, r0
+        r1.close()
+        r0.close()
 
 
 def test_ddp_garbage_in_torchrun_s_store_is_one_line_not_a_traceback():

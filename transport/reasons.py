@@ -58,6 +58,7 @@ class Reason(str, enum.Enum):
     NON_FINITE_PULL = "non_finite_pull"
     # the rendezvous store (dgt.rendezvous)
     STORE_REJECTED = "store_rejected"
+    STORE_REWRITTEN = "store_rewritten"
 
     def __str__(self) -> str:
         return self.value

@@ -152,7 +152,8 @@ class TransmissionConfig:
                          "dropped on arrival (0..1; for tests on hosts without netem)")
     secret: str = _f("", "job secret: when set, every message carries a MAC (keyed "
                      "BLAKE2b on TCP, the UDP MAC of docs/wire.md on UDP) and "
-                     "unauthenticated ones are dropped",
+                     "unauthenticated ones are dropped; prefer the environment "
+                     "variable: a flag shows in the process list",
                      nonempty="give a secret, e.g. 32 random hex characters, or leave it "
                      "out to run without message authentication")
     check_conservation: bool = _f(False, "record the sums needed to check the "

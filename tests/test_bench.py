@@ -141,6 +141,21 @@ def test_bench_estimate_prints_plan():
     assert "estimate:" in p.stdout
 
 
+def test_bench_estimate_caps_each_cell_at_the_cell_timeout():
+    """A leftover of breaker round 6: --estimate gave each cell its full estimate even
+    where --cell-timeout-s kills the cell sooner."""
+    def plan_of(*extra):
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate",
+                            "--systems", "dgt", "--rates", "1gbit", "--scenarios", "clean",
+                            *extra], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        cell = next(ln for ln in p.stdout.splitlines() if " ~" in ln)
+        return float(cell.split("~")[1].split()[0])
+    full = plan_of()
+    assert full > 10, full   # the premise: a cell estimated longer than the cap below
+    assert plan_of("--cell-timeout-s", "10") == 10
+
+
 def test_bench_estimate_plans_a_loss_sweep():
     """--loss-pct 1,5: each lossy scenario once per loss rate, clean and tenant once."""
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate",

@@ -245,6 +245,13 @@ def estimate_cell_s(cfg: BenchConfig, rate: str | None) -> float:
     return STARTUP_S + iterations_of(cfg) * (xfer / XFER_EFFICIENCY + COMPUTE_S_PER_ITER)
 
 
+def bounded_cell_s(cfg: BenchConfig, rate: str | None) -> float:
+    """:func:`estimate_cell_s`, but no more than ``--cell-timeout-s`` when given: a cell
+    is killed there."""
+    est = estimate_cell_s(cfg, rate)
+    return min(est, cfg.cell_timeout_s) if cfg.cell_timeout_s else est
+
+
 def plan(cfg: BenchConfig) -> list[dict]:
     """The cells, in run order (one testbed build per rate x loss setting). A cell's
     ``loss_pct`` is its router's random drop, percent (None: no loss)."""
@@ -266,7 +273,7 @@ def testbed_settings(cells: list[dict]) -> int:
 
 def estimate_s(cfg: BenchConfig) -> float:
     cells = plan(cfg)
-    return sum(estimate_cell_s(cfg, c["rate"]) for c in cells) + \
+    return sum(bounded_cell_s(cfg, c["rate"]) for c in cells) + \
         (0 if cfg.loopback else 4.0 * testbed_settings(cells))
 
 
@@ -1158,7 +1165,7 @@ def cmd_bench(a) -> int:
             check_out_dir(cfg.out)   # the run it plans would write there
             for c in plan(cfg):
                 print(f"{c['rate'] or 'loopback':>8} {scenario_label(c):<16} {c['system']:<5} "
-                      f"~{estimate_cell_s(cfg, c['rate']):.0f} s")
+                      f"~{bounded_cell_s(cfg, c['rate']):.0f} s")
             print(f"estimate: {estimate_s(cfg) / 60:.1f} min")
             print("(a dgt job that fails at shutdown adds up to its peer timeout, "
                   f"{peer_timeout_s(cfg, cfg.rates[-1] if cfg.rates else None):.0f} s)")

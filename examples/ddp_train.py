@@ -87,7 +87,8 @@ def sha256(model: nn.Module) -> str:
 def save_checkpoint(root: str, step: int, epoch: int, batch: int, model, opt,
                     state) -> None:
     """D/step-<t>/: the sidecar's file first (dgt), then the trainer's (atomic), so a
-    folder with every trainer-<r>.pt is complete; rank 0 keeps the newest two."""
+    folder with every trainer-<r>.pt is complete, then sha256-<r>.txt (checked at
+    --resume); rank 0 keeps the newest two."""
     folder = checkpoint.step_dir(root, step)
     os.makedirs(folder, exist_ok=True)
     rank = dist.get_rank()
@@ -99,6 +100,7 @@ def save_checkpoint(root: str, step: int, epoch: int, batch: int, model, opt,
                      "batch": batch, "rng": torch.get_rng_state(),
                      "dgt": state.state_dict() if state is not None else None},   # dgt
                     checkpoint.trainer_file(folder, rank))
+    checkpoint.seal(folder, rank, sidecar=state is not None)   # sha256-<r>.txt, last
     dist.barrier()
     if rank == 0:
         checkpoint.prune(root, dist.get_world_size())
@@ -115,6 +117,10 @@ def resume_from(a) -> str | None:
     if not a.resume:
         return None
     if os.path.exists(checkpoint.trainer_file(a.resume, dist.get_rank())):
+        for r in range(world):   # every rank checks every rank's files: all stop alike
+            why = checkpoint.tampered(a.resume, r)
+            if why:
+                raise SystemExit(f"--resume {a.resume}: {why}; resume from another step")
         return a.resume
     newest = checkpoint.latest(a.resume, world)
     if newest is None:

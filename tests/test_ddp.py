@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -163,8 +164,8 @@ def test_a_resumed_example_ends_bitwise_where_an_uninterrupted_one_does(tmp_path
                                    mode, *RESUME, "--iterations", 20,
                                    "--checkpoint-every", 10, "--checkpoint-dir", ck)
     step10 = ck / "step-00000010"
-    assert sorted(os.listdir(step10)) == ["sidecar-0.pt", "sidecar-1.pt",
-                                          "trainer-0.pt", "trainer-1.pt"]
+    assert sorted(os.listdir(step10)) == ["sha256-0.txt", "sha256-1.txt", "sidecar-0.pt",
+                                          "sidecar-1.pt", "trainer-0.pt", "trainer-1.pt"]
     saved = torch.load(step10 / "trainer-1.pt", weights_only=True)["dgt"]
     assert saved["iteration"] == 10 and saved["sidecar_state"] == str(step10 / "sidecar-1.pt")
     p, resumed_run, resumed = torchrun(tmp_path, "resumed", 2, "--comm", "dgt", "--mode",
@@ -186,6 +187,19 @@ def test_a_resumed_example_ends_bitwise_where_an_uninterrupted_one_does(tmp_path
             "dgt train; resume it with the DDP training script" in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "train-run" / "pids.json").exists()   # nothing started
+        # a stop-44 leftover: the example wrote no sha256-<r>.txt, so a file changed on
+        # disk was resumed from unchecked; now every rank refuses it, naming the file
+        bad = tmp_path / "bad-step"
+        shutil.copytree(step10, bad)
+        with open(bad / "sidecar-1.pt", "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 1]))
+        p, _, _ = torchrun(tmp_path, "tampered", 2, "--comm", "dgt", "--mode", mode,
+                           *RESUME, "--iterations", 20, "--resume", bad, expect_rc=1)
+        assert f"--resume {bad}: {bad}/sidecar-1.pt does not match the SHA-256 that " \
+            f"sha256-1.txt recorded" in p.stdout + p.stderr, p.stdout + p.stderr
 
 
 def test_a_negative_checkpoint_interval_is_refused():

@@ -27,7 +27,9 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import multiprocessing
@@ -62,6 +64,50 @@ NOT_ROOT = f"the testbed {not_root('dgt testbed up')}"
 
 def _state_file(prefix: str) -> Path:
     return STATE_DIR / state_name(prefix)
+
+
+#: prefix -> [open lock file, depth]: the locks this process holds (up() calls down())
+_held: dict[str, list] = {}
+
+
+@contextlib.contextmanager
+def _exclusive(prefix: str):
+    """Hold ``/run/dgt/testbed-<prefix>.lock`` (flock(2), LOCK_EX) while a testbed of
+    this prefix is built or removed, so that two commands on one prefix do not build
+    the same namespaces at once (breaker round 7: two ``dgt testbed up --prefix P`` at
+    once ended in tracebacks, ``LookupError: netns 'P-sw' does not exist``, ``[Errno
+    17] File exists``, and a testbed of either size). Raises TestbedError naming the
+    other process's pid; re-entrant within this process."""
+    if prefix in _held:
+        _held[prefix][1] += 1
+        try:
+            yield
+        finally:
+            _held[prefix][1] -= 1
+        return
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    path = STATE_DIR / (state_name(prefix)[:-len(".json")] + ".lock")
+    f = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read(20).strip() or "?"
+            raise TestbedError(f"testbed {prefix} is being built or removed by another "
+                               f"process (pid {pid}); wait for it to finish, or give "
+                               f"another --prefix") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        _held[prefix] = [f, 1]
+        try:
+            yield
+        finally:
+            del _held[prefix]
+    finally:
+        f.close()   # the lock goes with it; the file stays (another may hold it now)
 
 
 def _our_netns(prefix: str) -> list[str]:
@@ -267,6 +313,18 @@ def missing_tools(loss: bool) -> list[str]:
 def up(hosts: int, rate: str = "1gbit", profile: str = "htb-prio",
        queue_bytes: int | None = None, loss_pct: float = 0.0, loss_dscp=None,
        prefix: str = DEFAULT_PREFIX, tcp_congestion: str = "cubic") -> Testbed:
+    """Build the star testbed and return it (:func:`_up`), holding the prefix's lock: a
+    second command on the same prefix meanwhile is refused (TestbedError)."""
+    check_prefix(prefix)
+    if not is_root():
+        raise TestbedError(NOT_ROOT)
+    with _exclusive(prefix):
+        return _up(hosts, rate, profile, queue_bytes, loss_pct, loss_dscp, prefix,
+                   tcp_congestion)
+
+
+def _up(hosts: int, rate: str, profile: str, queue_bytes: int | None, loss_pct: float,
+        loss_dscp, prefix: str, tcp_congestion: str) -> Testbed:
     """Build the star testbed and return it. An old testbed with the same prefix goes first.
 
     ``rate``: every port's shaped rate (tc notation). ``profile``: tc profile on every
@@ -440,6 +498,11 @@ def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
     check_prefix(prefix)
     if not is_root():
         raise TestbedError(NOT_ROOT)
+    with _exclusive(prefix):
+        return _down(prefix)
+
+
+def _down(prefix: str) -> list[str]:
     nss = _our_netns(prefix)
     for ns in nss:
         _kill_netns_pids(ns)

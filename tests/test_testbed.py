@@ -370,3 +370,57 @@ def test_exec_by_namespace_name_finds_its_testbed(bed):
         f"is a namespace of testbed '{bed.prefix}', not of --prefix dgtother"), r.stderr
     r = run("not-a-host", "--", "true")
     assert r.returncode == 2 and "neither a host index nor a testbed namespace" in r.stderr
+
+
+#: a process of ours that holds a prefix's testbed lock until its stdin closes
+HOLD_LOCK = """
+import sys
+from dgt.tc_profiles import testbed
+with testbed._exclusive(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+@root_only
+def test_a_second_command_on_a_prefix_being_built_is_refused_in_one_line():
+    """Breaker round 7: two ``dgt testbed up --prefix P`` at once ended in tracebacks
+    (``LookupError: netns 'P-sw' does not exist``), ``[Errno 17] File exists``, and a
+    testbed of either size. While one command builds or removes a prefix's testbed,
+    another on that prefix is refused, naming its pid; nothing is built. Then two at
+    once: each builds, or is refused in one line; never a traceback."""
+    import sys
+    prefix = f"dgtt{uuid.uuid4().hex[:6]}"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, prefix],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for cmd in (["up", "--hosts", "2"], ["down"]):
+            p = subprocess.run([sys.executable, "-m", "dgt.cli", "testbed", *cmd,
+                                "--prefix", prefix], capture_output=True, text=True,
+                               timeout=120)
+            assert p.returncode == 2, p.stderr
+            assert p.stderr.strip() == (
+                f"dgt testbed {cmd[0]}: error: testbed {prefix} is being built or removed "
+                f"by another process (pid {holder.pid}); wait for it to finish, or give "
+                f"another --prefix"), p.stderr
+        assert testbed.current(prefix) is None
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    try:
+        both = [subprocess.Popen([sys.executable, "-m", "dgt.cli", "testbed", "up",
+                                  "--hosts", str(n), "--prefix", prefix],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for n in (3, 2)]
+        outs = [p.communicate(timeout=300) for p in both]
+        for p, (out, err) in zip(both, outs):
+            assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, err
+            assert p.returncode == 0 or "is being built or removed by another" in err, err
+        built = [n for p, n in zip(both, (3, 2)) if p.returncode == 0]
+        assert built, outs
+        # the testbed left is whole: that of the command that built last
+        assert testbed.current(prefix).hosts in built
+    finally:
+        testbed.down(prefix)
+    assert testbed.current(prefix) is None

@@ -60,3 +60,18 @@ def stop(proc: subprocess.Popen, grace_s: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def exit_text(proc: subprocess.Popen, wait_s: float) -> str | None:
+    """How the child ``proc`` ended (``was killed by SIGKILL``, ``exited with status
+    3``), waiting up to ``wait_s`` seconds for it; None while it runs."""
+    try:
+        rc = proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        return None
+    if rc >= 0:
+        return f"exited with status {rc}"
+    try:
+        return f"was killed by {signal.Signals(-rc).name}"
+    except ValueError:
+        return f"was killed by signal {-rc}"

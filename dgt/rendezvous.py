@@ -226,8 +226,20 @@ class Rendezvous:
         try:
             self.host_process.wait_ready(max(self.timeout_s, store_host.START_S))
         except store_host.StoreHostError as e:
+            if "EADDRINUSE" in str(e):   # TCPStore bound the port itself (see _listen)
+                raise PeerFailure(f"--master-port {self.port} is in use on this host (the "
+                                  f"store listens on every interface, --master-addr "
+                                  f"{self.host} being none of its addresses); pick "
+                                  f"another port (or stop what holds it)", None) from None
             raise PeerFailure(f"rendezvous store at {self.host}:{self.port} did not start: "
                               f"{e}", None, FailureReason.STORE_LOST) from None
+
+    def _host_ended(self) -> str:
+        """On rank 0, how the store's process ended (breaker round 7: killed alone, it
+        read as rank 0 gone, in rank 0's own log too); "" while it runs, and on the
+        other ranks."""
+        how = self.host_process.ended() if self.host_process is not None else None
+        return f"its process, pid {self.host_process.pid}, {how}" if how else ""
 
     def close(self) -> None:
         """Rank 0: stop the store's process (the others' stores are only clients)."""
@@ -375,8 +387,10 @@ class Rendezvous:
         except PeerFailure:
             raise
         except Exception as e:
-            raise PeerFailure(f"rendezvous store lost (rank 0 died?): {e}".splitlines()[0],
-                              0, FailureReason.STORE_LOST) from None
+            lost = self._host_ended() or "rank 0 died?"
+            raise PeerFailure(f"rendezvous store lost ({lost}): "
+                              f"{str(e).splitlines()[0]}", 0,
+                              FailureReason.STORE_LOST) from None
 
     def _heal(self) -> None:
         """Write again each value this rank set (:meth:`set`) that the store no longer
@@ -457,7 +471,8 @@ class Rendezvous:
             except PeerFailure:
                 raise
             except Exception as e:
-                raise PeerFailure(f"rendezvous store lost (rank 0 died?): "
+                lost = self._host_ended() or "rank 0 died?"
+                raise PeerFailure(f"rendezvous store lost ({lost}): "
                                   f"{str(e).splitlines()[0]}", 0,
                                   FailureReason.STORE_LOST) from None
             if time.monotonic() > t_end:
@@ -471,6 +486,16 @@ class Rendezvous:
                         f"rank(s) {rank_list(bad)} ({STORE_REJECTED}), written by another process; "
                         f"run with --secret, or keep other users off --master-port "
                         f"{self.port}", None, FailureReason.OTHER, [])
+                if self.rejected[STORE_REWRITTEN]:   # breaker round 7: a deleting
+                    # stranger's stall blamed a live rank, a different one each run
+                    raise PeerFailure(
+                        f"rendezvous step '{step}' did not complete within "
+                        f"{self.timeout_s:.0f} s, the values of rank(s) "
+                        f"{rank_list(ranks)} missing: another process kept deleting or "
+                        f"changing values in the store (this rank wrote its own again "
+                        f"{self.rejected[STORE_REWRITTEN]} times, {STORE_REWRITTEN}), so "
+                        f"their absence blames nobody; keep other users off "
+                        f"--master-port {self.port}", None, FailureReason.OTHER, [])
                 plain = [r for r, k in zip(ranks, [k for k in keys if k not in got])
                          if self.key is not None and self._plain_set(k)]
                 if plain:   # they published under plain names: they have no --secret
@@ -521,9 +546,10 @@ class Rendezvous:
             raise
         except Exception as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            mine = self._host_ended()
             raise PeerFailure(f"the rendezvous store at {self.host}:{self.port} (rank 0) "
-                              f"is gone ({why})", 0, FailureReason.STORE_LOST, [0]) \
-                from None
+                              f"is gone ({mine + ': ' if mine else ''}{why})", 0,
+                              FailureReason.STORE_LOST, [0]) from None
         if not ok:
             return None
         message, rank, by = info

@@ -39,7 +39,7 @@ import time
 from datetime import timedelta
 
 from .child_argv import module_argv
-from .process import die_with_parent, state, stop
+from .process import die_with_parent, exit_text, state, stop
 from .store_shed import SILENT_S, shed
 
 log = logging.getLogger("dgt.store_host")
@@ -103,6 +103,11 @@ class StoreHost:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def ended(self) -> str | None:
+        """How the store's process ended (``was killed by SIGKILL``), after up to 0.5 s
+        for it to be reaped; None while it runs."""
+        return exit_text(self.proc, 0.5)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the store serves (the child's ``ready`` line), up to

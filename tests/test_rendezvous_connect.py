@@ -122,3 +122,16 @@ def test_a_store_that_comes_up_after_the_probe_is_joined():
             os.close(fd)
     assert out.returncode == 0, (out.stdout, out.stderr)
     assert out.stdout.split() == ["from-rank-0", "60.0"], out.stdout
+
+
+def test_a_taken_port_is_one_line_when_the_store_binds_every_interface():
+    """Breaker round 7: with --master-addr not an address of this host the store binds
+    every interface itself, and a taken port came back as torch's raw text ('The server
+    socket has failed to listen … code: -98, name: EADDRINUSE'); on 127.0.0.1 the same
+    was one line. (Nothing is sent: the store fails at its bind.)"""
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        with pytest.raises(PeerFailure) as e:
+            Rendezvous("192.0.2.1", port, 2, 0, 20.0)   # TEST-NET-1: no host's address
+    assert str(e.value).startswith(f"--master-port {port} is in use on this host"), e.value
+    assert "pick another port" in str(e.value) and "\n" not in str(e.value)

@@ -263,6 +263,28 @@ def test_a_value_deleted_or_changed_by_a_stranger_is_written_again_by_its_rank(s
         r0.close()
 
 
+def test_a_wait_spoiled_by_a_deleting_stranger_blames_nobody():
+    """Breaker round 7: a stranger deleting every key in a loop stalled the rendezvous
+    until its bound, which then blamed a live rank, a different one each run. A rank
+    that had to write its own values again knows another process is deleting: the
+    ranks whose values are missing are named, and blamed nobody."""
+    r0, r1 = _pair()
+    try:
+        r0.set("dgt/ep/0", _ep(0))
+        stranger = TCPStore("127.0.0.1", r0.port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=30))
+        stranger.delete_key("dgt/ep/0")
+        with pytest.raises(PeerFailure) as e:
+            r0.gather("dgt/ep", check_endpoint)   # rank 1's value never comes
+        assert r0.rejected["store_rewritten"] == 1
+        assert "the values of rank(s) [1] missing: another process kept deleting or " \
+            "changing values in the store" in str(e.value), str(e.value)
+        assert e.value.rank is None and e.value.ranks == [], e.value
+    finally:
+        r1.close()
+        r0.close()
+
+
 def test_without_a_secret_malformed_values_are_counted_not_raised(tmp_path):
     r0, r1 = _pair()
     try:

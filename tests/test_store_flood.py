@@ -10,22 +10,25 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dgt import checkpoint
 from dgt.rendezvous import QUIET_TORCH_ENV, Rendezvous
 from dgt.store_host import CROWDED, CrowdWatch
 from dgt.tools.store_flood import master_port
 
-#: a stranger: open argv[2] connections to 127.0.0.1:argv[1], keep them open, say how
-#: many connected, and hold them until stdin closes
+#: a stranger: open argv[2] connections to 127.0.0.1:argv[1] (trying again for 60 s
+#: while the listen queue is full, before the store's process accepts), keep them open,
+#: say how many connected, and hold them until stdin closes
 FLOOD = """
-import socket, sys
-held = []
-for _ in range(int(sys.argv[2])):
+import socket, sys, time
+held, t_end = [], time.monotonic() + 60
+while len(held) < int(sys.argv[2]) and time.monotonic() < t_end:
     try:
-        held.append(socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5))
+        held.append(socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1))
     except OSError as e:
         print(e, file=sys.stderr)
-        break
+        time.sleep(0.05)
 print(len(held), flush=True)
 sys.stdin.read()
 """
@@ -101,6 +104,27 @@ def test_the_store_s_process_ends_with_rank_0():
     while os.path.exists(f"/proc/{host}") and time.monotonic() < t_end:
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{host}"), "the store's process outlived rank 0"
+
+
+def test_rank_0_says_how_its_store_s_process_ended():
+    """Breaker round 7: the store's process killed alone read as "the rendezvous store
+    (rank 0) is gone", in rank 0's own log too; rank 0 knows how its child ended."""
+    import signal
+
+    from dgt.errors import PeerFailure
+    r0 = Rendezvous("127.0.0.1", _free_port(), 1, 0, 20.0)
+    try:
+        r0.set("k", "v")
+        assert r0.job_failure() is None
+        os.kill(r0.host_process.pid, signal.SIGKILL)
+        with pytest.raises(PeerFailure) as e:
+            for _ in range(100):   # the first look may still find the connection open
+                r0.job_failure()
+                time.sleep(0.05)
+        assert f"its process, pid {r0.host_process.pid}, was killed by SIGKILL" in \
+            str(e.value), str(e.value)
+    finally:
+        r0.close()
 
 
 def _until(pred, what: str, timeout_s: float = 30) -> None:

@@ -26,7 +26,7 @@ from datetime import timedelta
 from .. import ipc
 from ..child_argv import module_argv
 from ..client import Client
-from ..process import running, stop
+from ..process import exit_text, running, stop
 from ..config import default_run_dir
 from ..deadline import bounded
 from ..unixsock import NotOurs, owned_dir, private_dir
@@ -430,21 +430,6 @@ def _unlink_if_stale(sock: str) -> None:
         pass
     finally:
         s.close()
-
-
-def exit_text(proc: subprocess.Popen, wait_s: float) -> str | None:
-    """How the sidecar ``proc`` ended (``was killed by SIGKILL``, ``exited with status
-    3``), waiting up to ``wait_s`` seconds for it; None while it runs."""
-    try:
-        rc = proc.wait(wait_s)
-    except subprocess.TimeoutExpired:
-        return None
-    if rc >= 0:
-        return f"exited with status {rc}"
-    try:
-        return f"was killed by {signal.Signals(-rc).name}"
-    except ValueError:
-        return f"was killed by signal {-rc}"
 
 
 def _last_line(path: str) -> str:

@@ -13,14 +13,22 @@ local process that connects before the trainer cannot take its place with garbag
 a trainer has registered it is ours: its own bad line, or a disconnect without ``bye``,
 fails the job, and so does a bug of ours while serving it: the job fails cleanly, it
 never lingers.
+
+A connection from another user's process (SO_PEERCRED, unix(7)) is refused before its
+first line is read, with one ``error`` line that says whose sidecar this is, and the
+sidecar waits on for its own trainer (breaker round 7: a process of uid 65534 that
+reached a root sidecar's socket, in a folder it could write with umask 000, registered
+and then disconnected, and so stopped the sidecar: ``trainer of rank 0 disconnected``).
+The client checks the same the other way round (dgt.unixsock.check_peer).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Awaitable, Callable
 
-from . import ipc
+from . import ipc, unixsock
 from .errors import PeerFailure
 from .failure import FailureReason
 from .registration import check_model_size
@@ -40,6 +48,7 @@ class TrainerLink:
         self.rank, self.ops, self.fail, self.bye, self.done = rank, ops, fail, bye, done
         self.whoami = {"op": "hello", "rank": rank, **(whoami or {})}
         self.writer: asyncio.StreamWriter | None = None
+        self.foreign_uids: set[int] = set()   # uids refused (:meth:`_foreign`)
 
     def send(self, msg: dict) -> None:
         """One message to the trainer, if one is connected."""
@@ -79,9 +88,32 @@ class TrainerLink:
         writer.close()
         return True
 
+    def _foreign(self, writer: asyncio.StreamWriter) -> bool:
+        """Refuse, answer and close a connection from a process of another uid (its
+        credentials at connect, SO_PEERCRED); True when it was refused. Logged once per
+        uid."""
+        try:
+            pid, uid, _ = unixsock.peer_creds(writer.get_extra_info("socket"))
+        except (OSError, AttributeError, TypeError):
+            return False
+        if uid == os.getuid():
+            return False
+        if uid not in self.foreign_uids:
+            log.warning("rank %d: a connection from uid %d (pid %d) refused: only a "
+                        "trainer of this sidecar's user (uid %d) may connect",
+                        self.rank, uid, pid, os.getuid())
+        self.foreign_uids.add(uid)
+        writer.write(ipc.encode_msg({"op": "error", "rank": None,
+                                     "message": f"this sidecar serves uid "
+                                                f"{os.getuid()}'s trainer only"}))
+        writer.close()
+        return True
+
     async def serve(self, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> None:
         """asyncio.start_unix_server's callback: serve one connection to its end."""
+        if self._foreign(writer):
+            return
         try:
             line = await reader.readline()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):

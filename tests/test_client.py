@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -245,6 +246,49 @@ def test_client_refuses_a_socket_another_user_listens_on(shared_tmp):
     finally:
         squat.kill()
         squat.wait()
+
+
+@pytest.mark.timeout(180)
+def test_a_sidecar_refuses_another_user_s_connection_and_waits_for_its_own(shared_tmp):
+    """Breaker round 7: a process of uid 65534 that reached a root sidecar's socket (in a
+    folder it can enter, made with umask 000) registered, then disconnected, and the
+    sidecar stopped: 'trainer of rank 0 disconnected'. Now it is refused before its
+    first line and the sidecar serves its own user's trainer afterwards."""
+    nobody = as_nobody()
+    os.chmod(shared_tmp, 0o1777)
+    path = os.path.join(shared_tmp, "s.sock")
+    run_dir = os.path.join(shared_tmp, "run")
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                          "--world", "1", "--master-port", str(_free_port()), "--socket",
+                          path, "--run-dir", run_dir], stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: os.umask(0))
+    try:
+        t_end = time.monotonic() + 120
+        while not os.path.exists(path):
+            assert p.poll() is None and time.monotonic() < t_end, p.stderr.read()
+            time.sleep(0.05)
+        intruder = subprocess.run(nobody + [
+            "/usr/bin/python3", "-c",
+            "import socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+            "try:\n"
+            "    s.sendall(b'{\"op\": \"register\", \"n_params\": 10}\\n')\n"
+            "except OSError:\n"   # refused at once: the sidecar may close first
+            "    pass\n"
+            "print(s.makefile().readline(), end='')", path],
+            capture_output=True, text=True, timeout=60)
+        assert f"this sidecar serves uid {os.getuid()}'s trainer only" in intruder.stdout, \
+            (intruder.stdout, intruder.stderr)
+        c = dgt.Client(path, timeout_s=60, connect_timeout_s=10)   # its own trainer
+        c.register(nn.Linear(4, 2))
+        c.close()
+        assert p.wait(timeout=60) == 0
+        err = p.stderr.read()
+        assert "a connection from uid 65534" in err and "refused" in err, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def test_default_socket_and_run_dir_are_a_private_folder_of_this_user(tmp_path, monkeypatch):

@@ -163,7 +163,8 @@ def claim(path: str) -> tuple[socket.socket, tuple[int, int]]:
     """Bind and listen on ``path``; return (listening socket, (st_dev, st_ino)).
 
     Raises SocketInUse ("socket <path> in use by pid N") when a process listens there,
-    reclaims a stale socket file, and re-raises other OSErrors (e.g. a missing folder)."""
+    reclaims a stale socket file, and raises SocketInUse naming ``path`` and the reason
+    when it cannot be bound (a folder where no file can be made, say /proc)."""
     for _ in range(3):
         pid = _listener_pid(path)
         if pid is not None:
@@ -189,7 +190,11 @@ def claim(path: str) -> tuple[socket.socket, tuple[int, int]]:
                                   f"create a file in {os.path.dirname(path) or '.'}); give "
                                   f"--socket a path in a folder of yours, or leave it out "
                                   f"for the default") from None
-            raise
+            # breaker round 7: '--socket /proc/x.sock' said only '[Errno 2] No such file
+            # or directory', naming no path
+            raise SocketInUse(f"--socket {path}: cannot create a socket there "
+                              f"({e.strerror}); give --socket a path in a folder of "
+                              f"yours, or leave it out for the default") from None
         st = os.stat(path)
         s.listen(16)
         s.setblocking(False)

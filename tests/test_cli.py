@@ -53,6 +53,9 @@ BAD = [
     (["sidecar", "--rank", "0", "--world", "1", "--mode", "topk", "--band-codec", "fp16"],
      "--mode topk sends none over UDP; drop --band-codec or use --mode dgt"),
     (["train", "--report", "/proc/x.json"], "--report: cannot create a file in /proc"),
+    # breaker round 7: '[Errno 2] No such file or directory', naming no path
+    (["sidecar", "--rank", "0", "--world", "1", "--socket", "/proc/x.sock"],
+     "--socket /proc/x.sock: cannot create a socket there (No such file or directory)"),
     (["train", "--workers", "64", "--batch-size", "8", "--hidden", "20000"],
      "GiB of memory"),
     (["bench", "--out", "/proc/nope", "--estimate"], "--out /proc/nope: cannot write"),

@@ -86,9 +86,13 @@ class StoreHost:
         stopped: it stops itself when it sees us frozen (so the other ranks see rank 0
         frozen, as they did when the store ran in its sidecar), and we continue it once
         we are continued (SIGCONT). This thread does not run while we are frozen."""
-        try:
+        try:   # SIGINT ignored (kept across exec; Python then installs no handler):
+            # a terminal's Ctrl-C reaches the sidecar's whole process group, and the
+            # store's process must end when its sidecar has finished with it, not
+            # before, with a KeyboardInterrupt traceback (it did, breaker round 7)
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    pass_fds=pass_fds, close_fds=True)
+                                    pass_fds=pass_fds, close_fds=True,
+                                    preexec_fn=_ignore_sigint)
         except OSError as e:
             started.put(e)
             return
@@ -137,6 +141,10 @@ class StoreHost:
             stop(self.proc, 2.0)
         if self.proc.stdout is not None and not self.proc.stdout.closed:
             self.proc.stdout.close()
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def start(listen_fd: int, host: str, port: int, world: int, timeout_s: float) -> StoreHost:

@@ -106,6 +106,28 @@ def test_the_store_s_process_ends_with_rank_0():
     assert not os.path.exists(f"/proc/{host}"), "the store's process outlived rank 0"
 
 
+def test_ctrl_c_of_a_hand_started_sidecar_prints_no_traceback_of_its_store(tmp_path):
+    """A terminal's Ctrl-C reaches the whole foreground process group: the sidecar and
+    the store's process. The latter printed a KeyboardInterrupt traceback; it ignores
+    SIGINT and ends with its sidecar."""
+    import signal
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                          "--world", "1", "--master-port", str(_free_port()), "--socket",
+                          str(tmp_path / "s.sock"), "--run-dir", str(tmp_path / "run")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ, **QUIET_TORCH_ENV})
+    try:
+        assert "ready" in p.stdout.readline()   # the rendezvous is done: the store is up
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "stopped by signal" in err, err
+
+
 def test_rank_0_says_how_its_store_s_process_ended():
     """Breaker round 7: the store's process killed alone read as "the rendezvous store
     (rank 0) is gone", in rank 0's own log too; rank 0 knows how its child ended."""

@@ -119,6 +119,10 @@ def import_torch() -> None:
         try:
             import torch  # noqa: F401
         except Exception as e:   # noqa: BLE001 - said in one line, whatever it is
+            if _received:   # a Ctrl-C that came just before the signals were held: its
+                # KeyboardInterrupt rose inside torch's import, which turned it into
+                # another error (CI, loaded: 'TypeError: expected a message argument')
+                raise KeyboardInterrupt from None
             why = (str(e).splitlines() or [""])[0][:200]
             print(f"dgt: error: import torch failed ({type(e).__name__}"
                   f"{': ' + why if why else ''}){_import_hint()}", file=sys.stderr,

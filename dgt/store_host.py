@@ -40,7 +40,7 @@ from datetime import timedelta
 
 from .child_argv import module_argv
 from .process import die_with_parent, exit_text, state, stop
-from .store_shed import SILENT_S, shed
+from .store_shed import SILENT_S, our_fds, shed
 
 log = logging.getLogger("dgt.store_host")
 
@@ -162,12 +162,9 @@ def start(listen_fd: int, host: str, port: int, world: int, timeout_s: float) ->
 
 
 def open_fds(limit: int) -> int:
-    """Descriptors this process holds now (/proc/self/fd, proc(5)); ``limit`` when none
-    is left to open that folder with (EMFILE: a flood took them all)."""
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return limit
+    """Descriptors this process holds now (dgt.store_shed.our_fds: about ``limit`` when
+    none is left to open /proc/self/fd with, EMFILE: a flood took them all)."""
+    return len(our_fds(limit))
 
 
 def raise_fd_limit() -> int:

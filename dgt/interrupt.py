@@ -47,6 +47,12 @@ def exit_status() -> int:
     return 128 + (_received or signal.SIGINT)
 
 
+def received_name() -> str:
+    """The name of the stop signal that raised KeyboardInterrupt here ("SIGTERM", ...),
+    "SIGINT" for a Ctrl-C that Python's own handler raised."""
+    return signal.Signals(_received or signal.SIGINT).name
+
+
 def raise_keyboard_interrupt_on(*signums: int, ignore_repeats: bool = False) -> None:
     """From now on each of ``signums`` raises KeyboardInterrupt in this process.
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from dgt import outpath
-from dgt.interrupt import interrupted, stop_on_signals
+from dgt.interrupt import interrupted, received_name, stop_on_signals
 
 log = logging.getLogger("dgt.tools")
 
@@ -218,9 +218,12 @@ def cmd_capture(args) -> int:
         seconds=args.seconds, count=args.count, ring=args.ring, file_mb=args.file_mb,
         channels=ports.parse_channels(args.channel) if args.channel else None)
     # SIGTERM and SIGHUP stop it as Ctrl-C does, its documented end: the file is
-    # completed and the stats printed (exit 0: what was recorded is the result)
+    # completed and the stats printed (exit 0, as tcpdump's: what was recorded is the
+    # result; "stopped by" names the signal)
     stop_on_signals()
     st = capture.run_capture(cfg)
+    if st.stopped_by == "interrupt":
+        st.stopped_by = received_name()
     print(capture.format_stats(st))
     if args.json:
         from dgt.tools import output

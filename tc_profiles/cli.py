@@ -34,6 +34,7 @@ import json
 import math
 import os
 import sys
+import time
 
 from . import names
 from .lazy import OnFirstUse
@@ -174,15 +175,27 @@ def tb_up(args) -> int:
         return _fail(args, f"--rate: {e}")
     if (rc := _root(args)) is not None:
         return rc
-    tb = testbed.up(args.hosts, rate=args.rate, profile=args.profile,
-                    queue_bytes=args.queue_bytes, loss_pct=args.loss_pct,
-                    loss_dscp=args.loss_dscp,
-                    prefix=args.prefix, tcp_congestion=args.tcp_congestion)
-    print(f"testbed up: {tb.hosts} hosts, {tb.rate}, profile {tb.profile}, TCP "
-          f"{tb.tcp_congestion or 'as this machine'}"
-          + (f", loss {tb.loss_pct:g} %" if tb.loss_pct else ""))
-    for i in range(tb.hosts):
-        print(f"  host {i}: netns {tb.host_netns(i)}  addr {tb.host_addr(i)}")
+    started = time.time()
+    try:
+        tb = testbed.up(args.hosts, rate=args.rate, profile=args.profile,
+                        queue_bytes=args.queue_bytes, loss_pct=args.loss_pct,
+                        loss_dscp=args.loss_dscp,
+                        prefix=args.prefix, tcp_congestion=args.tcp_congestion)
+        print(f"testbed up: {tb.hosts} hosts, {tb.rate}, profile {tb.profile}, TCP "
+              f"{tb.tcp_congestion or 'as this machine'}"
+              + (f", loss {tb.loss_pct:g} %" if tb.loss_pct else ""))
+        for i in range(tb.hosts):
+            print(f"  host {i}: netns {tb.host_netns(i)}  addr {tb.host_addr(i)}")
+        sys.stdout.flush()   # here, where a stop signal still removes the testbed
+    except KeyboardInterrupt as e:
+        # stopped after the testbed was built (while it was said, or a blocked stdout):
+        # an interrupted 'up' leaves nothing, as one stopped half-way does (breaker 7:
+        # exit 130 with the testbed up). testbed.up removed a half-built one itself and
+        # said so in the exception's argument.
+        if e.args or not testbed.built_since(args.prefix, started):
+            raise
+        testbed.down(args.prefix)
+        raise KeyboardInterrupt(f"the testbed '{args.prefix}' was removed") from None
     return 0
 
 

@@ -66,6 +66,15 @@ def _state_file(prefix: str) -> Path:
     return STATE_DIR / state_name(prefix)
 
 
+def built_since(prefix: str, t: float) -> bool:
+    """Whether testbed ``prefix`` was built (its state file written, the last step of
+    :func:`up`) at or after ``t`` (``time.time()`` seconds)."""
+    try:
+        return _state_file(prefix).stat().st_mtime >= t
+    except OSError:
+        return False
+
+
 #: prefix -> [open lock file, depth]: the locks this process holds (up() calls down())
 _held: dict[str, list] = {}
 

@@ -113,6 +113,50 @@ def test_a_stop_signal_mid_build_removes_the_half_built_testbed(sig, background)
 
 
 @root_only
+def test_a_stop_signal_after_the_build_removes_the_testbed_too():
+    """Stopped after its testbed was built, while it said so (breaker round 7: SIGINT
+    1.3 s in, exit 130 and the testbed left up), 'dgt testbed up' removes it as one
+    stopped half-way does. Its stdout is a pipe filled to the brim beforehand, so it
+    blocks writing its summary, with the testbed built, until the signal comes."""
+    import fcntl
+    import os
+    import threading
+    prefix = f"dgtsa{uuid.uuid4().hex[:6]}"
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        while True:
+            os.write(w, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    os.set_blocking(w, True)
+    assert fcntl.fcntl(w, fcntl.F_GETFL) & os.O_NONBLOCK == 0
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "testbed", "up", "--hosts",
+                          "2", "--prefix", prefix], stdout=w, stderr=subprocess.PIPE,
+                         text=True)
+    os.close(w)
+    drained = []
+    try:
+        _wait_until(lambda: testbed._state_file(prefix).exists(), p, "the state file")
+        # blocked in its write: sleeping in the kernel with the testbed built
+        _wait_until(lambda: open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1]
+                    .split()[0] == "S", p, "a blocked write")
+        p.send_signal(signal.SIGINT)
+        reader = threading.Thread(target=lambda: drained.append(os.read(r, 1 << 20)))
+        reader.start()
+        err = p.communicate(timeout=120)[1]
+        reader.join(timeout=10)
+    finally:
+        _reap(p)
+        os.close(r)
+        left = _leftovers(prefix)
+        testbed.down(prefix)
+    assert p.returncode == 130, (p.returncode, err)
+    assert "dgt testbed up: interrupted; the testbed" in err and "removed" in err, err
+    assert left == []
+
+
+@root_only
 @requires_tool("iperf3")
 @pytest.mark.parametrize("sig,background", STOPS)
 def test_a_stop_signal_to_testbed_load_stops_its_bulk_tcp(sig, background):

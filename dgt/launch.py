@@ -361,6 +361,17 @@ class Job:
         and the rank it blames (None: its own record blames no rank). Who is at fault
         comes from the processes' failure records (``dgt.failure``), never from their
         log text."""
+        if self.job.testbed:
+            from .tc_profiles import testbed
+            if testbed.taken_down(self.job.testbed_prefix, self.job.workers):
+                # 'dgt testbed down' (or 'up' again) stops what runs in the namespaces:
+                # no rank is to blame (breaker round 7: "trainer of rank 0 was killed
+                # by signal 15", nothing more)
+                how = (f"was killed by signal {-code}" if code < 0 else
+                       f"exited with status {code}")
+                return (f"{kind} of rank {rank} {how}: the testbed "
+                        f"'{self.job.testbed_prefix}' was taken down under the job "
+                        f"('dgt testbed down' stops what runs in its namespaces)"), None
         if code < 0:
             hint = (" (SIGKILL from outside the job: the kernel's OOM killer if memory ran "
                     "out, see 'dmesg'; try fewer --workers or a smaller --hidden)"

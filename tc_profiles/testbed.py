@@ -95,8 +95,7 @@ def _exclusive(prefix: str):
             _held[prefix][1] -= 1
         return
     STATE_DIR.mkdir(parents=True, exist_ok=True)
-    path = STATE_DIR / (state_name(prefix)[:-len(".json")] + ".lock")
-    f = open(path, "a+")
+    f = open(_lock_path(prefix), "a+")
     try:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -117,6 +116,29 @@ def _exclusive(prefix: str):
             del _held[prefix]
     finally:
         f.close()   # the lock goes with it; the file stays (another may hold it now)
+
+
+def _lock_path(prefix: str) -> Path:
+    return STATE_DIR / (state_name(prefix)[:-len(".json")] + ".lock")
+
+
+def taken_down(prefix: str, hosts: int) -> bool:
+    """Whether testbed ``prefix`` lost what a job of ``hosts`` hosts runs on: fewer
+    host namespaces than that, or another process removing or rebuilding it now (its
+    lock held: ``dgt testbed down`` stops the processes in its namespaces before it
+    removes them). Never raises."""
+    try:
+        tb = current(prefix)
+        if tb is None or tb.hosts < hosts:
+            return True
+        with open(_lock_path(prefix)) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return prefix not in _held
+        return False
+    except (OSError, ValueError):
+        return False
 
 
 def _our_netns(prefix: str) -> list[str]:

@@ -48,3 +48,35 @@ def test_datagram_over_path_mtu_is_refused_clearly(train, testbed4, codec, block
     out = p.stdout + p.stderr
     assert "does not fit: the path MTU to rank" in out and "is 1500 B" in out, out
     assert f"use --block-bytes {fit} or less" in out, out
+
+
+def test_a_testbed_taken_down_under_a_job_is_named(tmp_path):
+    """'dgt testbed down' under a running '--testbed' job stops what runs in its
+    namespaces: the job fails naming that, blaming no rank (breaker round 7: "trainer of
+    rank 0 was killed by signal 15", nothing more)."""
+    import subprocess
+    import sys
+    import uuid
+
+    from dgt.tc_profiles import testbed
+    prefix = f"dgttd{uuid.uuid4().hex[:6]}"
+    testbed.up(2, rate="1gbit", prefix=prefix)
+    p = None
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "dgt.cli", "train", "--workers", "2", "--testbed",
+             "--testbed-prefix", prefix, "--iterations", "100000", "--epochs", "10000",
+             "--eval-every", "0", "--run-dir", str(tmp_path / "run")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in p.stdout:   # training has begun: its first epoch's line
+            if line.startswith("epoch"):
+                break
+        testbed.down(prefix)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        testbed.down(prefix)
+    assert p.returncode == 1, (p.returncode, err)
+    assert f"the testbed '{prefix}' was taken down under the job" in err, err

@@ -202,8 +202,9 @@ class CrowdWatch:
         return (f"the rendezvous store holds {n} descriptors of its limit of {self.limit} "
                 f"(ulimit -n): {n - self.base} connections to port {self.port}, where the "
                 f"job's {self.world} ranks make {self.world} (a connection flood?); "
-                f"{self.shed} silent ones shut down so far (connected, sent nothing for "
-                f"{SILENT_S:g} s: no rank's); ranks already connected, and the sidecars, "
+                f"{self.shed} silent ones shut down so far (connected, sent less than "
+                f"a store handshake, then nothing for {SILENT_S:g} s: no rank's); ranks "
+                f"already connected, and the sidecars, "
                 f"are not affected")
 
 

@@ -18,14 +18,16 @@ from dgt.store_host import CROWDED, CrowdWatch
 from dgt.tools.store_flood import master_port
 
 #: a stranger: open argv[2] connections to 127.0.0.1:argv[1] (trying again for 60 s
-#: while the listen queue is full, before the store's process accepts), keep them open,
-#: say how many connected, and hold them until stdin closes
+#: while the listen queue is full, before the store's process accepts), send argv[3]
+#: (hex) on each, keep them open, say how many connected, and hold them until stdin
+#: closes
 FLOOD = """
 import socket, sys, time
 held, t_end = [], time.monotonic() + 60
 while len(held) < int(sys.argv[2]) and time.monotonic() < t_end:
     try:
         held.append(socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1))
+        held[-1].sendall(bytes.fromhex(sys.argv[3]))
     except OSError as e:
         print(e, file=sys.stderr)
         time.sleep(0.05)
@@ -34,10 +36,10 @@ sys.stdin.read()
 """
 
 
-def _flood(port: int, n: int) -> tuple[subprocess.Popen, int]:
-    """Start a stranger holding ``n`` connections to ``port``; (its process, how many
-    connected)."""
-    p = subprocess.Popen([sys.executable, "-c", FLOOD, str(port), str(n)],
+def _flood(port: int, n: int, send: bytes = b"") -> tuple[subprocess.Popen, int]:
+    """Start a stranger holding ``n`` connections to ``port``, having sent ``send`` on
+    each; (its process, how many connected)."""
+    p = subprocess.Popen([sys.executable, "-c", FLOOD, str(port), str(n), send.hex()],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return p, int(p.stdout.readline())
 
@@ -201,23 +203,28 @@ def test_a_crowded_store_says_so_once_per_interval():
 
 def test_only_silent_connections_to_the_port_are_shut_down():
     """dgt.store_shed.shed on real loopback connections held by this process: two that
-    never sent a byte are shut down (their peers read the end of the stream), one that
-    spoke, the listener and a connection on another port are left alone; every
-    descriptor stays open (the store closes them itself)."""
+    never sent a byte and two that sent less than a store handshake (one byte, four)
+    are shut down (their peers read the end of the stream); one that sent a whole
+    handshake (a TCPStore client's validation message), the listener and a connection
+    on another port are left alone; every descriptor stays open (the store closes them
+    itself). Before, only those that sent nothing were shed (breaker round 6)."""
     import select
     import socket
 
-    from dgt.store_shed import shed
+    from dgt.store_shed import HANDSHAKE_BYTES, shed
     srv, other = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
-    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    silent[2].sendall(b"\x00")
+    silent[3].sendall(b"\x00\xce\xf7\x85")
     talker = socket.create_connection(("127.0.0.1", port))
-    talker.sendall(b"x")
+    talker.sendall(b"\x00\xce\xf7\x85\x3c")   # VALIDATE and torch's magic number
+    assert HANDSHAKE_BYTES == 5
     elsewhere = socket.create_connection(other.getsockname())
-    accepted = [srv.accept()[0] for _ in range(3)] + [other.accept()[0]]
+    accepted = [srv.accept()[0] for _ in range(5)] + [other.accept()[0]]
     try:
         time.sleep(0.5)   # older than the silence asked for below
-        assert shed(port, resource.getrlimit(resource.RLIMIT_NOFILE)[0], silent_s=0.3) == 2
+        assert shed(port, resource.getrlimit(resource.RLIMIT_NOFILE)[0], silent_s=0.3) == 4
         for c in silent:
             assert select.select([c], [], [], 10)[0] and c.recv(1) == b""
         for c in (talker, elsewhere):
@@ -229,10 +236,10 @@ def test_only_silent_connections_to_the_port_are_shut_down():
             x.close()
 
 
-def _train_under_flood(args: list[str], run_dir, flood_when, n: int):
+def _train_under_flood(args: list[str], run_dir, flood_when, n: int, send: bytes = b""):
     """``dgt train`` with ``args`` (and ``--run-dir run_dir``) under ``ulimit -n 256``;
     once ``flood_when(p)`` is true, a stranger holds ``n`` connections to the store's
-    port until the job ends. Returns (exit status, output)."""
+    port, ``send`` sent on each, until the job ends. Returns (exit status, output)."""
     cmd = [sys.executable, "-m", "dgt.cli", "train", "--workers", "2", "--hidden", "16",
            "--seed", "1", "--run-dir", str(run_dir)] + args
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -244,7 +251,7 @@ def _train_under_flood(args: list[str], run_dir, flood_when, n: int):
             assert p.poll() is None, p.communicate()[0]
             assert time.monotonic() < t_end, "no time to flood within 240 s"
             time.sleep(0.01)
-        stranger, held = _flood(master_port(str(run_dir)), n)
+        stranger, held = _flood(master_port(str(run_dir)), n, send)
         assert held >= 250   # past the job's limit of 256 either way
         out, _ = p.communicate(timeout=300)
     finally:
@@ -257,12 +264,16 @@ def _train_under_flood(args: list[str], run_dir, flood_when, n: int):
     return p.returncode, out
 
 
-def test_a_flood_at_start_up_does_not_stop_the_job(tmp_path):
+@pytest.mark.parametrize("send", [b"", b"\x00"], ids=["silent", "one-byte"])
+def test_a_flood_at_start_up_does_not_stop_the_job(tmp_path, send):
     """A stranger holds 1,000 connections to the store's port from the moment it is
-    known, before the ranks join, under ``ulimit -n 256``: the store's process sheds
-    the silent ones and the ranks join (before: the job failed, blaming rank 0)."""
+    known, before the ranks join, under ``ulimit -n 256``, each silent or having sent
+    one byte (the first of a store handshake): the store's process sheds them and the
+    ranks join (before: the job failed, blaming rank 0; with a byte each, it still
+    did)."""
     run_dir = tmp_path / "run"
-    code, out = _train_under_flood(["--iterations", "20"], run_dir, lambda p: True, 1000)
+    code, out = _train_under_flood(["--iterations", "20"], run_dir, lambda p: True, 1000,
+                                   send)
     assert code == 0, out
     log0 = (run_dir / "sidecar-0.log").read_text()
     assert "silent ones shut down so far" in log0, log0

@@ -52,9 +52,13 @@ def ended(pid: int, wait_s: float) -> bool:
 
 
 def stop(proc: subprocess.Popen, grace_s: float) -> None:
-    """End child ``proc``: SIGTERM, then SIGKILL if it still runs after ``grace_s``
-    seconds; reaped either way."""
+    """End child ``proc``: SIGTERM (and SIGCONT, so that a stopped child takes it at
+    once), then SIGKILL if it still runs after ``grace_s`` seconds; reaped either way."""
     proc.terminate()
+    try:
+        proc.send_signal(signal.SIGCONT)
+    except OSError:
+        pass
     try:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:

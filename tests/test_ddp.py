@@ -266,6 +266,41 @@ def test_torchrun_restarts_a_killed_trainer_from_the_checkpoint_and_leaves_nothi
                 and n.split("-")[1].isdigit() and int(n.split("-")[1]) in first + second]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_sidecar_does_not_outlive_its_torchrun_job(tmp_path):
+    """Breaker round 8: rank 1's sidecar stopped (SIGSTOP) mid-job. torchrun ends the
+    job on rank 0's error (SIGTERM to each trainer's group) and waits for the trainers
+    only; the stopped sidecar kept that SIGTERM pending for ever, left under init with
+    its ports. Now the trainer's SIGTERM ends its sidecar first: nothing is left."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", EXAMPLE, "--comm", "dgt", "--dataset", "digits",
+           "--hidden", "64", "--iterations", "100000"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=REPO, env=dict(os.environ, DGT_RUN_DIR=str(run_dir),
+                                            DGT_PEER_TIMEOUT_S="5", OMP_NUM_THREADS="1"))
+    pids = []
+    try:
+        t_end = time.monotonic() + 200
+        while not (run_dir / "endpoints-1.json").exists() or \
+                not (run_dir / "endpoints-0.json").exists():
+            assert p.poll() is None and time.monotonic() < t_end, p.communicate()[0]
+            time.sleep(0.05)
+        pids = _sidecar_pids(run_dir, 2)
+        time.sleep(1)   # a few steps in
+        os.kill(pids[1], signal.SIGSTOP)
+        log, _ = p.communicate(timeout=200)
+        left = [pid for pid in pids if alive(pid)]   # when torchrun has returned
+    finally:
+        stop_procs(p)
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert p.returncode != 0, log[-3000:]
+    assert left == [], (left, log[-3000:])
+
+
 # ------------------------------------------------------------------ in one process
 
 

@@ -40,6 +40,8 @@ from . import generation
 CLOSE_GRACE_S = 30.0
 #: how long a restarted generation waits for the failed one's sidecar to end by itself
 REAP_GRACE_S = 10.0
+#: how long a trainer stopped by SIGTERM waits for its sidecar to end before SIGKILL
+SIGTERM_GRACE_S = 3.0
 
 #: sidecars this process has started (every rank starts them in the same order)
 _spawned = 0
@@ -148,6 +150,7 @@ class NodeLink:
         self.client, self.proc, self.socket_path = client, proc, socket_path
         self.run_dir, self.rank, self.world = run_dir, rank, world
         self.closed = False
+        self.sigterm = None   # our SIGTERM handler while it is installed
         self.lock_fd: int | None = None   # this rank of the run dir (take_rank)
         self.job_lock_fd: int | None = None   # a restart's: DGT_RUN_DIR's, shared
 
@@ -256,6 +259,7 @@ class NodeLink:
         link = cls(client, proc, sock, run_dir, rank, world)
         # held for the trainer's life (closed with the process)
         link.lock_fd, link.job_lock_fd = lock_fd, job_fd
+        link.sigterm = _end_sidecar_on_sigterm(proc)
         return link
 
     def close_at_exit(self) -> None:
@@ -275,12 +279,52 @@ class NodeLink:
         self.client.close(failed)
         if self.proc is None:
             return
+        if self.sigterm is not None and signal.getsignal(signal.SIGTERM) is self.sigterm:
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)   # what it was before
+            except ValueError:   # not the main thread
+                pass
         try:
             self.proc.wait(CLOSE_GRACE_S)
         except subprocess.TimeoutExpired:
             stop(self.proc, 5.0)
         _remove_shm(self.proc.pid)   # a sidecar killed before its first push
         _unlink_if_stale(self.socket_path)   # one killed by SIGKILL could not unlink it
+
+
+def _end_sidecar_on_sigterm(proc: subprocess.Popen):
+    """Make SIGTERM to this trainer end its sidecar ``proc`` first, then the trainer
+    as before (the default action); returns the handler, or None where the trainer's
+    SIGTERM is not the default (a handler of the user's, SIG_IGN: left alone) or this
+    is not the main thread.
+
+    torchrun ends a generation with SIGTERM to each trainer's process group, which
+    holds its sidecar too, and then waits for the trainers only. A sidecar that is
+    stopped (SIGSTOP, a debugger) keeps that SIGTERM pending, and PR_SET_PDEATHSIG's as
+    well, for ever: it was left behind, under init, holding its ports (breaker round
+    8). The handler sends SIGTERM and SIGCONT, so a stopped sidecar takes it at once,
+    waits :data:`SIGTERM_GRACE_S` and SIGKILLs it past that."""
+    import threading
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def handler(signum, frame):
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)
+                proc.wait(SIGTERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            except OSError:
+                pass
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)   # dies of it, as without this handler
+
+    signal.signal(signal.SIGTERM, handler)
+    return handler
 
 
 def uncaught_exception() -> str | None:

@@ -152,7 +152,8 @@ class Job:
             what = f"a torchrun job (its trainer pid {trainer})" if trainer else \
                 f"another dgt train (pid {other})"
             if not trainer and not (other.isdigit() and running(int(other))):
-                what = "a torchrun job (DGT_RUN_DIR)"   # a restart's trainers hold it
+                # a restart's trainers hold it, and so does a sidecar started by hand
+                what = "a torchrun job (DGT_RUN_DIR) or a 'dgt sidecar' started by hand"
             raise RuntimeError(f"--run-dir {self.run_dir} is in use by {what}; give each "
                                f"job its own --run-dir") from None
         try:

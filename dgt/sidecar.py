@@ -601,6 +601,10 @@ def main(argv: list[str] | None = None, prog: str = "dgt sidecar") -> int:
     return run_from_args(p.parse_args(argv), p)
 
 
+#: a hand-started sidecar's shared hold of its run dir's lock (dgt.run_files.share_lock)
+_run_dir_lock: int | None = None
+
+
 def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     faulthandler.enable()   # a crash in native code leaves its Python stack in the log
     hugepages.keep_small_pages()   # no compaction stalls at the first push (dgt.hugepages)
@@ -641,6 +645,19 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(f"--run-dir: cannot create {node.run_dir}: {e.strerror}")
     if not os.access(node.run_dir, os.W_OK):
         parser.error(f"--run-dir {node.run_dir} is not writable")
+    if not os.environ.get(LAUNCHED_ENV):   # started by hand, or by dgt.ddp
+        # a running 'dgt train' holds its run dir alone (an outside tester's sidecar
+        # wrote a failure record blaming rank 1 into a live job's run dir); a shared
+        # hold for our life keeps a later 'dgt train' off ours in turn
+        from .run_files import open_lock, share_lock
+        try:
+            global _run_dir_lock
+            _run_dir_lock = open_lock(node.run_dir)
+            share_lock(_run_dir_lock, node.run_dir, "--run-dir")
+        except (ValueError, RuntimeError) as e:
+            parser.error(str(e))
+        except OSError as e:
+            parser.error(f"--run-dir {node.run_dir}: {e.strerror} ({e.filename})")
     sidecar = Sidecar(cfg, node, mcfg)
     if mcfg.metrics_port:
         from .metrics import Endpoint, bind_error

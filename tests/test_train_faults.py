@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import logs_of
+from conftest import logs_of, stop_procs
 
 pytestmark = pytest.mark.slow
 
@@ -308,9 +308,41 @@ def test_a_second_job_on_the_same_run_dir_is_refused_and_the_first_is_untouched(
     assert f"--run-dir {run_dir} is in use by another dgt train (pid {first.pid})" in \
         second.stderr and "in use" not in second.stdout, (second.stdout, second.stderr)
     assert "Traceback" not in second.stdout + second.stderr
+    # nor may a sidecar started by hand on it (breaker round 8: it waited 30 s, then
+    # left a failure record blaming rank 1 in the live job's run dir)
+    hand = subprocess.run([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "1",
+                           "--world", "2", "--run-dir", str(run_dir), "--socket",
+                           str(tmp_path / "hand.sock")],
+                          capture_output=True, text=True, timeout=60)
+    assert hand.returncode == 2, (hand.stdout, hand.stderr)
+    assert f"--run-dir {run_dir} is in use by a dgt train job (pid {first.pid})" in \
+        hand.stderr, hand.stderr
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, out + err
     assert json.loads((tmp_path / "first.json").read_text())["replicas_identical"]
+    assert not list(run_dir.glob("failure-*")), sorted(os.listdir(run_dir))
+
+
+def test_a_run_dir_held_by_a_hand_started_sidecar_is_refused_to_dgt_train(tmp_path):
+    """The other way round: a 'dgt sidecar' started by hand holds its run dir while it
+    runs, so a 'dgt train' on it is refused in one line that says who may hold it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    hand = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                             "--world", "2", "--master-port", str(free_base_port()),
+                             "--run-dir", str(run_dir), "--socket",
+                             str(tmp_path / "hand.sock")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(tmp_path / "hand.sock", hand)
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--run-dir",
+                            str(run_dir), "--workers", "2", "--iterations", "2"],
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        stop_procs(hand)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert (f"--run-dir {run_dir} is in use by a torchrun job (DGT_RUN_DIR) or a 'dgt "
+            f"sidecar' started by hand") in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("run_dir, message", [

@@ -59,3 +59,25 @@ def foreign(path: str, kind: str) -> str | None:
             return refuse
         return None
     return None if head.startswith(_MAGIC[kind]) else refuse
+
+
+def unreplaceable(path: str) -> str | None:
+    """Why this user cannot replace the existing regular file ``path`` the way dgt
+    writes its outputs (dgt.atomic: a new file renamed over it), or None. In a sticky
+    folder (``/tmp``, mode 1777) rename(2) over another user's file fails with EPERM
+    unless this user owns the file or the folder, or is root (CAP_FOWNER): an outside
+    tester's ``--report /tmp/x.json``, root's file, as uid 65534 failed only after the
+    whole training run. None also when ``path`` does not exist, is not a regular file
+    (written through, not replaced) or cannot be looked at."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        st, fst = os.lstat(path), os.stat(folder)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or not fst.st_mode & stat.S_ISVTX:
+        return None
+    if os.geteuid() in (0, st.st_uid, fst.st_uid):
+        return None
+    return (f"it is another user's file (uid {st.st_uid}) in a sticky folder ({folder}), "
+            f"which only its owner may replace; remove it as that user, or give another "
+            f"path")

@@ -164,3 +164,55 @@ def test_a_user_may_send_the_report_to_dev_null(shared_tmp):
     assert p.returncode == 2, p.stderr
     assert "--report" not in p.stderr and f"--resume {missing}" in p.stderr, p.stderr
     assert _still_a_device(os.devnull)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a file of another uid)")
+def test_another_users_file_in_a_sticky_folder_is_refused_before_the_work():
+    """Breaker round 8: as uid 65534, ``dgt train --report /tmp/x.json`` over root's
+    file passed the check before training and failed after it (rename(2) over another
+    user's file in a sticky folder: EPERM), exit 1 for a job that had succeeded. Now
+    the check before the work refuses it (dgt train's and the tools' output flags), and
+    the writer really cannot replace it. A child process drops to uid 65534."""
+    import shutil
+    import tempfile
+
+    from dgt.launch import _check_report
+    from dgt.tools.cli import check_output
+    folder = tempfile.mkdtemp(prefix="dgt-sticky-", dir="/tmp")
+    try:
+        os.chmod(folder, 0o1777)
+        theirs = os.path.join(folder, "r.json")
+        with open(theirs, "w") as f:
+            f.write("{}")
+        os.chmod(theirs, 0o666)   # writable by all: only the rename is refused
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child: uid 65534, then each writer's verdict
+            said = []
+            try:
+                os.setresgid(65534, 65534, 65534)
+                os.setgroups([])
+                os.setresuid(65534, 65534, 65534)
+                for check in (lambda: _check_report(theirs),
+                              lambda: check_output("--json", theirs),
+                              lambda: atomic.write_json(theirs, {"new": 1})):
+                    try:
+                        check()
+                        said.append("accepted")
+                    except (ValueError, OSError) as e:
+                        said.append(str(e))
+            finally:
+                os.write(w, json.dumps(said).encode())
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            said = json.loads(f.read() or "[]")
+        os.waitpid(pid, 0)
+        assert len(said) == 3, said
+        for line in said[:2]:
+            assert "is another user's file (uid 0) in a sticky folder" in line, said
+        assert "Operation not permitted" in said[2], said   # what the check foresaw
+        with open(theirs) as f:
+            assert f.read() == "{}"
+    finally:
+        shutil.rmtree(folder)

@@ -193,9 +193,9 @@ def make_registry(sidecar):
 
 
 class Endpoint:
-    """The HTTP server of one sidecar's registry (``prometheus_client.start_http_server``,
-    a daemon thread). ``start`` raises OSError when the port or address cannot be
-    bound."""
+    """The HTTP server of one sidecar's registry (dgt.metrics_server: prometheus_client's
+    WSGI app in a daemon thread, with a cap on connections and a read timeout).
+    ``start`` raises OSError when the port or address cannot be bound."""
 
     def __init__(self, sidecar, host: str, port: int):
         self.registry = make_registry(sidecar)
@@ -203,9 +203,8 @@ class Endpoint:
         self.server = None
 
     def start(self) -> None:
-        from prometheus_client import start_http_server
-        self.server, _ = start_http_server(self.port, addr=self.host,
-                                           registry=self.registry)
+        from .metrics_server import serve
+        self.server = serve(self.registry, self.host, self.port)
 
     def write_textfile(self, path: str) -> None:
         """The same exposition as a file (``write_to_textfile``, atomic rename): the

@@ -252,3 +252,52 @@ def test_sidecar_alone_refuses_a_port_in_use(tmp_path):
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1 and f"port {port}" in p.stderr
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_a_connection_flood_on_the_metrics_port_is_bounded(tmp_path):
+    """Breaker round 8: 1,500 connections that each sent a request line and then
+    nothing grew sidecar 0 from 8 threads to 511 (prometheus_client's server: a thread
+    per connection, no cap, no read timeout). Now at most MAX_CONNECTIONS are served at
+    once, the rest closed unanswered at accept; a held one is closed after its read
+    timeout; once the flood is gone a scrape is answered."""
+    import select
+    import threading
+    import urllib.request
+
+    from dgt.config import TransmissionConfig
+    from dgt.metrics import Endpoint
+    from dgt.metrics_server import MAX_CONNECTIONS
+    from dgt.sidecar import NodeConfig, Sidecar
+    sc = Sidecar(TransmissionConfig(), NodeConfig(rank=0, world=1, run_dir=str(tmp_path)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep = Endpoint(sc, "127.0.0.1", port)
+    ep.start()
+    base = threading.active_count()
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS * 3):
+            c = socket.create_connection(("127.0.0.1", port), timeout=10)
+            c.sendall(b"GET /metrics HTTP/1.1\r\n")   # and never the rest
+            held.append(c)
+        # the server takes them in: those beyond the cap are closed at accept (a few
+        # more may be served, where a first one's read timeout ran out meanwhile)
+        t_end = time.monotonic() + 60
+        while getattr(ep.server, "refused", 0) < MAX_CONNECTIONS and \
+                time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert getattr(ep.server, "refused", 0) >= MAX_CONNECTIONS, \
+            threading.active_count() - base
+        assert threading.active_count() <= base + MAX_CONNECTIONS, \
+            threading.active_count() - base
+        # the served ones are closed once silent for the read timeout (bounded wait)
+        assert all(select.select([c], [], [], 60)[0] and c.recv(1) == b"" for c in held)
+        for c in held:
+            c.close()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+        assert b"dgt_" in body
+    finally:
+        for c in held:
+            c.close()
+        ep.stop()

@@ -24,6 +24,7 @@ import faulthandler
 import hashlib
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -396,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-dir", default="", help="...under this folder")
     p.add_argument("--resume", default="", help="a complete step folder to resume from")
     ns = p.parse_args(argv)
+    # SIGINT as SIGTERM: the default action, no KeyboardInterrupt traceback (dgt train
+    # starts us with it ignored until here: dgt.launch._child_setup)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     logging.basicConfig(level=logging.WARNING)
     from .console import survive_closed_stdout
     survive_closed_stdout()   # rank 0 prints to the user's stdout, which may close

@@ -304,7 +304,8 @@ class Job:
         out = None if to_terminal else logf
         p = subprocess.Popen(argv, stdout=out, stderr=logf, env=env, start_new_session=True,
                              pass_fds=tuple(pass_fds),
-                             preexec_fn=functools.partial(die_with_parent, os.getpid()))
+                             preexec_fn=functools.partial(_child_setup, os.getpid(),
+                                                          kind == "trainer"))
         logf.close()
         self.procs.append((kind, rank, p))
 
@@ -554,6 +555,19 @@ def check_ports(job: JobConfig, metrics) -> None:
                              f"would be rank {r}'s metrics endpoint (metrics-port + rank) "
                              f"and rank {s}'s TCP listener (base-port + 10 x rank); use "
                              f"e.g. --metrics-port {free}")
+
+
+def _child_setup(launcher: int, trainer: bool) -> None:
+    """In a child before exec: dies with the launcher (dgt.process.die_with_parent); a
+    trainer also starts with SIGINT ignored, so that Python installs no KeyboardInterrupt
+    for it: dgt.job then gives it the default action. A SIGINT from outside the job (the
+    children run in sessions of their own, out of the terminal's Ctrl-C) ends a trainer
+    as SIGTERM does, named by the launcher (``was killed by signal 2``), where it was a
+    KeyboardInterrupt traceback in its log and "trainer of rank 1 disconnected" (breaker
+    round 8)."""
+    if trainer:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(launcher)
 
 
 def testbed_master_port(pid: int, taken: set[int]) -> int:

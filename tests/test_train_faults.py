@@ -547,6 +547,23 @@ def test_the_killed_or_frozen_rank_is_the_one_the_headline_names(tmp_path, kind,
     assert not [x for x in pids if alive(x["pid"])]
 
 
+def test_sigint_to_a_trainer_is_named_as_sigterm_is_and_leaves_no_traceback(tmp_path):
+    """Breaker round 8: SIGINT to rank 1's trainer (kill -INT; the children run in
+    sessions of their own, so a terminal's Ctrl-C reaches the launcher alone) ended it
+    in a KeyboardInterrupt traceback from inside loss.backward(), and the job said only
+    "trainer of rank 1 disconnected". Now it dies of the signal, as of SIGTERM, and the
+    headline names it."""
+    p, run_dir, pids = _started(tmp_path, "--workers", 2, "--epochs", 200)
+    os.kill(next(x["pid"] for x in pids if (x["kind"], x["rank"]) == ("trainer", 1)),
+            signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1, out + err
+    assert "dgt train: failed: trainer of rank 1 was killed by signal 2" in err, err
+    log = (run_dir / "trainer-1.log").read_text()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert not [x for x in pids if alive(x["pid"])]
+
+
 def test_rank_0_s_sidecar_frozen_at_start_up_is_blamed_by_the_others(tmp_path):
     """breaker round 5: rank 0's sidecar stopped right after it starts (it hosts the
     store, whose socket the launcher bound, so connecting works and nothing answers).

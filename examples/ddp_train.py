@@ -270,3 +270,10 @@ if __name__ == "__main__":
         for state in LIVE:   # the other ranks are told this rank failed, and why:   # dgt
             state.close(failed=f"{type(e).__name__}: {e}")   # not "fewer steps"    # dgt
         sys.exit(2)
+    except KeyboardInterrupt:   # Ctrl-C: one line, the shell's status, no traceback
+        who = f" rank {os.environ['RANK']}" if "RANK" in os.environ else ""
+        sys.stderr.write(f"{os.path.basename(sys.argv[0])}{who}: interrupted\n")
+        sys.stderr.flush()
+        for state in LIVE:                                                          # dgt
+            state.close(failed="interrupted (Ctrl-C)")                              # dgt
+        sys.exit(130)

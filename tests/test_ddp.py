@@ -301,6 +301,43 @@ def test_a_stopped_sidecar_does_not_outlive_its_torchrun_job(tmp_path):
     assert left == [], (left, log[-3000:])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_to_a_torchrun_job_is_one_line_per_rank(tmp_path):
+    """Breaker round 8: Ctrl-C (SIGINT to the whole process group) to a torchrun job of
+    the example printed each rank's KeyboardInterrupt traceback from inside the hook.
+    Now each rank says it was interrupted in one line; nothing is left (torchrun's own
+    report of the signal is torch's)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", EXAMPLE, "--comm", "dgt", "--dataset", "digits",
+           "--hidden", "64", "--iterations", "100000"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=REPO, start_new_session=True,
+                         env=dict(os.environ, DGT_RUN_DIR=str(run_dir),
+                                  OMP_NUM_THREADS="1"))
+    pids = []
+    try:
+        t_end = time.monotonic() + 200
+        while not all((run_dir / f"endpoints-{r}.json").exists() for r in (0, 1)):
+            assert p.poll() is None and time.monotonic() < t_end, p.communicate()[0]
+            time.sleep(0.05)
+        pids = _sidecar_pids(run_dir, 2)
+        time.sleep(1)   # a few steps in
+        os.killpg(p.pid, signal.SIGINT)   # as a terminal's Ctrl-C does
+        log, _ = p.communicate(timeout=200)
+    finally:
+        stop_procs(p)
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert p.returncode != 0, log[-3000:]
+    for r in (0, 1):
+        assert f"ddp_train.py rank {r}: interrupted" in log, log[-3000:]
+    assert "KeyboardInterrupt" not in log, log[-3000:]
+    assert not [pid for pid in pids if alive(pid)]
+
+
 # ------------------------------------------------------------------ in one process
 
 

@@ -266,6 +266,38 @@ def test_torchrun_restarts_a_killed_trainer_from_the_checkpoint_and_leaves_nothi
                 and n.split("-")[1].isdigit() and int(n.split("-")[1]) in first + second]
 
 
+def _signal_a_running_example(tmp_path, act, env=None) -> tuple[int, str, list[int]]:
+    """Run the example under torchrun (2 ranks, dgt, far more iterations than it will
+    take) in a session of its own; once both sidecars are up and a second has passed,
+    ``act(torchrun's pid, [sidecar pids])``; wait for torchrun to end. Returns (its exit
+    status, its output, the sidecars' pids still alive then); every process is gone
+    after, whatever happened."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", EXAMPLE, "--comm", "dgt", "--dataset", "digits",
+           "--hidden", "64", "--iterations", "100000"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=REPO, start_new_session=True,
+                         env=dict(os.environ, DGT_RUN_DIR=str(run_dir),
+                                  OMP_NUM_THREADS="1", **(env or {})))
+    pids = []
+    try:
+        t_end = time.monotonic() + 200
+        while not all((run_dir / f"endpoints-{r}.json").exists() for r in (0, 1)):
+            assert p.poll() is None and time.monotonic() < t_end, p.communicate()[0]
+            time.sleep(0.05)
+        pids = _sidecar_pids(run_dir, 2)
+        time.sleep(1)   # a few steps in
+        act(p.pid, pids)
+        log, _ = p.communicate(timeout=200)
+        return p.returncode, log, [pid for pid in pids if alive(pid)]
+    finally:
+        stop_procs(p)
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_stopped_sidecar_does_not_outlive_its_torchrun_job(tmp_path):
@@ -273,32 +305,11 @@ def test_a_stopped_sidecar_does_not_outlive_its_torchrun_job(tmp_path):
     job on rank 0's error (SIGTERM to each trainer's group) and waits for the trainers
     only; the stopped sidecar kept that SIGTERM pending for ever, left under init with
     its ports. Now the trainer's SIGTERM ends its sidecar first: nothing is left."""
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", EXAMPLE, "--comm", "dgt", "--dataset", "digits",
-           "--hidden", "64", "--iterations", "100000"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         cwd=REPO, env=dict(os.environ, DGT_RUN_DIR=str(run_dir),
-                                            DGT_PEER_TIMEOUT_S="5", OMP_NUM_THREADS="1"))
-    pids = []
-    try:
-        t_end = time.monotonic() + 200
-        while not (run_dir / "endpoints-1.json").exists() or \
-                not (run_dir / "endpoints-0.json").exists():
-            assert p.poll() is None and time.monotonic() < t_end, p.communicate()[0]
-            time.sleep(0.05)
-        pids = _sidecar_pids(run_dir, 2)
-        time.sleep(1)   # a few steps in
-        os.kill(pids[1], signal.SIGSTOP)
-        log, _ = p.communicate(timeout=200)
-        left = [pid for pid in pids if alive(pid)]   # when torchrun has returned
-    finally:
-        stop_procs(p)
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-    assert p.returncode != 0, log[-3000:]
-    assert left == [], (left, log[-3000:])
+    rc, log, left = _signal_a_running_example(
+        tmp_path, lambda _, pids: os.kill(pids[1], signal.SIGSTOP),
+        env={"DGT_PEER_TIMEOUT_S": "5"})
+    assert rc != 0, log[-3000:]
+    assert left == [], (left, log[-3000:])   # when torchrun has returned
 
 
 @pytest.mark.slow
@@ -308,34 +319,13 @@ def test_ctrl_c_to_a_torchrun_job_is_one_line_per_rank(tmp_path):
     the example printed each rank's KeyboardInterrupt traceback from inside the hook.
     Now each rank says it was interrupted in one line; nothing is left (torchrun's own
     report of the signal is torch's)."""
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", EXAMPLE, "--comm", "dgt", "--dataset", "digits",
-           "--hidden", "64", "--iterations", "100000"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         cwd=REPO, start_new_session=True,
-                         env=dict(os.environ, DGT_RUN_DIR=str(run_dir),
-                                  OMP_NUM_THREADS="1"))
-    pids = []
-    try:
-        t_end = time.monotonic() + 200
-        while not all((run_dir / f"endpoints-{r}.json").exists() for r in (0, 1)):
-            assert p.poll() is None and time.monotonic() < t_end, p.communicate()[0]
-            time.sleep(0.05)
-        pids = _sidecar_pids(run_dir, 2)
-        time.sleep(1)   # a few steps in
-        os.killpg(p.pid, signal.SIGINT)   # as a terminal's Ctrl-C does
-        log, _ = p.communicate(timeout=200)
-    finally:
-        stop_procs(p)
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-    assert p.returncode != 0, log[-3000:]
+    rc, log, left = _signal_a_running_example(   # as a terminal's Ctrl-C does
+        tmp_path, lambda torchrun, _: os.killpg(torchrun, signal.SIGINT))
+    assert rc != 0, log[-3000:]
     for r in (0, 1):
         assert f"ddp_train.py rank {r}: interrupted" in log, log[-3000:]
     assert "KeyboardInterrupt" not in log, log[-3000:]
-    assert not [pid for pid in pids if alive(pid)]
+    assert left == []
 
 
 # ------------------------------------------------------------------ in one process

@@ -266,6 +266,27 @@ def test_torchrun_restarts_a_killed_trainer_from_the_checkpoint_and_leaves_nothi
                 and n.split("-")[1].isdigit() and int(n.split("-")[1]) in first + second]
 
 
+@pytest.mark.timeout(300)
+def test_a_successful_run_leaves_no_default_run_dir():
+    """Without DGT_RUN_DIR each trainer's sidecar writes into a folder of its own
+    choosing, ``$XDG_RUNTIME_DIR/dgt/torchrun-<run id>-g0``; a successful run removes
+    it, as 'dgt train' removes its temporary run dir (breaker round 8: six runs left
+    six folders)."""
+    import tempfile
+    xdg = tempfile.mkdtemp(prefix="dgtx", dir="/tmp")   # short: a socket's path fits
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "DGT_RUN_DIR"}
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2", EXAMPLE, "--comm", "dgt",
+                            "--dataset", "digits", "--hidden", "64", "--iterations", "5"],
+                           capture_output=True, text=True, timeout=240, cwd=REPO,
+                           env=dict(env, XDG_RUNTIME_DIR=xdg, OMP_NUM_THREADS="1"))
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert os.listdir(os.path.join(xdg, "dgt")) == []
+    finally:
+        shutil.rmtree(xdg)
+
+
 def _signal_a_running_example(tmp_path, act, env=None) -> tuple[int, str, list[int]]:
     """Run the example under torchrun (2 ranks, dgt, far more iterations than it will
     take) in a session of its own; once both sidecars are up and a second has passed,

@@ -33,7 +33,8 @@ from ..unixsock import NotOurs, owned_dir, private_dir
 from ..errors import PeerFailure
 from ..jsonparse import is_port, loads
 from ..rendezvous import QUIET_TORCH_ENV
-from ..run_files import check_run_dir, lock_holder, open_lock, read_json, share_lock
+from ..run_files import (check_run_dir, lock_holder, open_lock, rank_of, read_json,
+                         share_lock)
 from . import generation
 
 #: how long close() waits for the sidecar to end on its own before SIGTERM
@@ -151,6 +152,7 @@ class NodeLink:
         self.run_dir, self.rank, self.world = run_dir, rank, world
         self.closed = False
         self.sigterm = None   # our SIGTERM handler while it is installed
+        self.temporary = False   # run_dir is the default one, not DGT_RUN_DIR
         self.lock_fd: int | None = None   # this rank of the run dir (take_rank)
         self.job_lock_fd: int | None = None   # a restart's: DGT_RUN_DIR's, shared
 
@@ -257,6 +259,7 @@ class NodeLink:
         # if it goes without a word (SIGKILL, a crash), the trainer's error says so
         client.sidecar_exit = functools.partial(exit_text, proc)
         link = cls(client, proc, sock, run_dir, rank, world)
+        link.temporary = not os.environ.get("DGT_RUN_DIR")   # our default folder
         # held for the trainer's life (closed with the process)
         link.lock_fd, link.job_lock_fd = lock_fd, job_fd
         link.sigterm = _end_sidecar_on_sigterm(proc)
@@ -290,6 +293,29 @@ class NodeLink:
             stop(self.proc, 5.0)
         _remove_shm(self.proc.pid)   # a sidecar killed before its first push
         _unlink_if_stale(self.socket_path)   # one killed by SIGKILL could not unlink it
+        if self.temporary and failed is None and self.proc.returncode == 0:
+            remove_rank_files(self.run_dir, self.rank)
+
+
+def remove_rank_files(run_dir: str, rank: int) -> None:
+    """After a successful run in the default run dir (no ``DGT_RUN_DIR``), as ``dgt
+    train`` removes its temporary one: this rank's files there (dgt.run_files.rank_of),
+    then the folder itself once only its ``lock`` is left (the last rank of the node to
+    end removes it). Before, every torchrun job left a folder of about 100 KB (an outside
+    tester). A failed run keeps everything for its logs; so does ``DGT_RUN_DIR``.
+    Never raises."""
+    try:
+        for name in os.listdir(run_dir):
+            path = os.path.join(run_dir, name)
+            if rank_of(name) == rank and not os.path.isdir(path):
+                os.unlink(path)
+        left = os.listdir(run_dir)
+        if set(left) <= {"lock"}:
+            for name in left:
+                os.unlink(os.path.join(run_dir, name))
+            os.rmdir(run_dir)
+    except OSError:   # another rank removed it first, or a file came meanwhile
+        pass
 
 
 def _end_sidecar_on_sigterm(proc: subprocess.Popen):

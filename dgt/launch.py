@@ -744,6 +744,8 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         return 2, None
     except OSError as e:   # the run dir removed or full while the job ran
         j.kill()
+        if cannot_run_python(e):   # nothing ran: no log worth keeping
+            j.cleanup()
         warn(f"dgt train: failed: {launch_failure(e, j.run_dir)}; children stopped")
         return 1, None
     except KeyboardInterrupt:
@@ -791,8 +793,25 @@ def launch_failure(e: OSError, run_dir: str) -> str:
         return (f"no local port could be bound ({e.strerror or e}): this host's free "
                 f"ports are used up by other connections (ss -s counts them); try again "
                 f"when they are closed")
+    if cannot_run_python(e):
+        return (f"cannot run the Python interpreter {e.filename}: {e.strerror} (this user "
+                f"may not execute it, or enter a folder on its way: a virtual environment "
+                f"made from another user's Python, one under /root say, is not this "
+                f"user's to run; make one from a Python this user can run, e.g. "
+                f"/usr/bin/python3)")
     return (f"{e.filename or run_dir}: {e.strerror or e} (is --run-dir {run_dir} still "
             f"there, with free space?)")
+
+
+def cannot_run_python(e: OSError) -> bool:
+    """Whether ``e`` is a child's exec of this interpreter failing (subprocess raises it
+    with the program as its filename): an outside tester, as uid 65534, ran root's
+    virtual environment, whose ``python3`` links into /root (mode 0700), and was told to
+    look at the run dir (breaker round 8)."""
+    import errno
+    return e.errno in (errno.EACCES, errno.ENOENT, errno.ENOEXEC, errno.ELOOP) and \
+        bool(e.filename) and os.path.abspath(str(e.filename)) == \
+        os.path.abspath(sys.executable)
 
 
 def write_report(path: str, report: dict) -> None:

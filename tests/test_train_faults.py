@@ -783,3 +783,25 @@ def test_a_sidecar_stopped_from_outside_the_job_is_the_rank_named(tmp_path, rank
                             f"3: stopped by a signal from outside the job")), line
     others = {0, 1, 2} - {rank}
     assert not any(f"rank(s) [{r}]" in line for r in others), line   # nobody else blamed
+
+
+def test_an_interpreter_this_user_cannot_run_is_named_not_the_run_dir(tmp_path):
+    """Breaker round 8: as uid 65534, with root's virtual environment (its python3 a
+    link into /root, mode 0700), every child's exec failed with EACCES on the
+    interpreter, and the job said '/…/python3: Permission denied (is --run-dir … still
+    there, with free space?)'. subprocess raises that error with the program as its
+    filename; the line now names the interpreter and what to do. A run dir's own error
+    keeps its hint."""
+    import errno
+
+    from dgt.launch import cannot_run_python, launch_failure
+    exec_failed = PermissionError(errno.EACCES, "Permission denied", sys.executable)
+    assert cannot_run_python(exec_failed)
+    text = launch_failure(exec_failed, str(tmp_path))
+    assert text.startswith(f"cannot run the Python interpreter {sys.executable}: "
+                           f"Permission denied"), text
+    assert "--run-dir" not in text and "make one from a Python this user can run" in text
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.log"))
+    assert not cannot_run_python(full)
+    assert f"(is --run-dir {tmp_path} still there, with free space?)" in \
+        launch_failure(full, str(tmp_path))

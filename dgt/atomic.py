@@ -43,12 +43,17 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None], fsync: bool = Tru
     except OSError as e:   # the error names the file we were asked to write
         raise OSError(e.errno, e.strerror, path) from None
     try:
-        # mkstemp makes the file 0600: give it the mode the file had, or the one a plain
-        # open() would give a new file (0666 less the umask)
+        # mkstemp makes the file 0600: give it the mode the file had when it was ours,
+        # or the one a plain open() would give a new file (0666 less the umask); never
+        # another user's mode, nor a link's target's (an outside tester's 0666 file in
+        # /tmp made root's report writable by all, breaker round 9)
+        mode = 0o666 & ~_umask()
         try:
-            mode = stat.S_IMODE(os.stat(path).st_mode)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                mode = stat.S_IMODE(st.st_mode) & 0o777
         except OSError:
-            mode = 0o666 & ~_umask()
+            pass
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             write(f)

@@ -47,6 +47,23 @@ def test_a_rerun_replaces_its_own_report_and_keeps_its_mode(tmp_path):
     assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~umask
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a file of another uid)")
+def test_root_replacing_another_users_file_does_not_take_its_mode(tmp_path):
+    """Breaker round 9: as root, ``--report /tmp/o.json`` over uid 65534's JSON file of
+    mode 0666 left root's report writable by every user (the old file's mode was
+    copied). Only the mode of a file of our own is kept."""
+    theirs = tmp_path / "o.json"
+    theirs.write_text("{}")
+    os.chown(theirs, 65534, 65534)
+    os.chmod(theirs, 0o666)
+    atomic.write_json(str(theirs), {"new": 1})
+    st = theirs.stat()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o666 & ~umask & 0o777 \
+        and not st.st_mode & 0o002, oct(st.st_mode)
+
+
 @pytest.mark.parametrize("kind,good,bad", [
     ("json", b'{"a": 1}\n', b"root:x:0:0:root:/root:/bin/bash\n"),
     ("png", b"\x89PNG\r\n\x1a\n" + b"\0" * 8, b"GIF89a"),

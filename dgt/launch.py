@@ -376,7 +376,8 @@ class Job:
                         f"('dgt testbed down' stops what runs in its namespaces)"), None
         if code < 0:
             hint = (" (SIGKILL from outside the job: the kernel's OOM killer if memory ran "
-                    "out, see 'dmesg'; try fewer --workers or a smaller --hidden)"
+                    f"out, see 'dmesg'; try fewer --workers or a smaller "
+                    f"{'--hidden' if self.job.model == 'mlp' else '--width'})"
                     if -code == signal.SIGKILL else
                     f" (a crash in native code: its stack is in "
                     f"{os.path.join(self.run_dir, f'{kind}-{rank}.log')})"

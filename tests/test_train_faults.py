@@ -805,3 +805,15 @@ def test_an_interpreter_this_user_cannot_run_is_named_not_the_run_dir(tmp_path):
     assert not cannot_run_python(full)
     assert f"(is --run-dir {tmp_path} still there, with free space?)" in \
         launch_failure(full, str(tmp_path))
+
+
+@pytest.mark.parametrize("model,flag", [("mlp", "--hidden"), ("cnn", "--width")])
+def test_the_advice_after_a_sigkill_names_the_model_s_own_size_flag(tmp_path, model, flag):
+    """Breaker round 9: after a SIGKILL the advice was 'a smaller --hidden' for every
+    model, though --hidden sizes the MLP alone; the others' size is --width."""
+    from dgt.config import JobConfig, TransmissionConfig
+    from dgt.launch import Job
+    j = Job(JobConfig(run_dir=str(tmp_path), model=model), TransmissionConfig())
+    text, blamed = j._describe_failure("trainer", 1, -signal.SIGKILL)
+    assert blamed == 1
+    assert text.endswith(f"try fewer --workers or a smaller {flag})"), text

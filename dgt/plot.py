@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import math
 import os
 import sys
 
+from . import outpath
+from .atomic import write_atomic
 from .run_files import job_world, read_json
 from .trace import channel_totals, comm_times_ms, read_run, skipped_note
 
@@ -197,16 +200,43 @@ def pyplot():
     return plt
 
 
+#: the PNGs :func:`plot` writes, in this order
+FIGURES = ("accuracy_time.png", "accuracy_iteration.png", "comm_time.png",
+           "channel_bytes.png")
+
+
+def save_png(fig, path: str, dpi: int) -> None:
+    """Write matplotlib figure ``fig`` to ``path`` as a PNG the way every dgt output is
+    written (dgt.outpath, dgt.atomic): never over a file that is not a PNG, nor another
+    user's in a sticky folder (:func:`check_png`), and through a temporary file renamed
+    into place, so a symbolic link there is replaced, never written through (breaker
+    round 9: ``dgt plot`` and ``dgt bench`` wrote their PNGs through a link that another
+    user had put beside the report, over a root file). Raises OSError."""
+    check_png(path)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=dpi), fsync=False)
+
+
+def check_png(path: str) -> None:
+    """Raise FileExistsError when ``path`` may not be replaced by a PNG
+    (dgt.outpath.foreign, dgt.outpath.unreplaceable); its strerror names the file."""
+    why = outpath.foreign(path, "png") or outpath.unreplaceable(path)
+    if why is not None:
+        raise FileExistsError(errno.EEXIST, f"{os.path.basename(path)}: {why}", path)
+
+
 def plot(data: dict, out_dir: str, title: str = "") -> list[str]:
-    """Write the PNGs into ``out_dir`` (created when missing, but never its parents: a
-    mistyped path is an error, not a new tree); returns their paths. Raises OSError,
-    DrawError (matplotlib could not draw one: neither it nor those after it are
-    written)."""
+    """Write the PNGs (:data:`FIGURES`) into ``out_dir`` (created when missing, but
+    never its parents: a mistyped path is an error, not a new tree), each by
+    :func:`save_png`, every name checked before the first is drawn; returns their
+    paths. Raises OSError, DrawError (matplotlib could not draw one: neither it nor
+    those after it are written)."""
     plt = pyplot()
     try:
         os.mkdir(out_dir)
     except FileExistsError:
         pass
+    for name in FIGURES:
+        check_png(os.path.join(out_dir, name))
     paths = []
 
     def figure(name, draw):
@@ -217,7 +247,7 @@ def plot(data: dict, out_dir: str, title: str = "") -> list[str]:
                 draw(ax)
                 fig.tight_layout()
                 path = os.path.join(out_dir, name)
-                fig.savefig(path, dpi=100)
+                save_png(fig, path, 100)
         finally:
             plt.close(fig)
         paths.append(path)
@@ -255,10 +285,10 @@ def plot(data: dict, out_dir: str, title: str = "") -> list[str]:
         ax.set_title(f"{title}bytes per channel".strip())
         ax.legend(fontsize=8)
 
-    figure("accuracy_time.png", accuracy("seconds", "wall time (s)"))
-    figure("accuracy_iteration.png", accuracy("iteration", "iteration"))
-    figure("comm_time.png", comm_time)
-    figure("channel_bytes.png", channel_bytes)
+    for name, draw in zip(FIGURES, (accuracy("seconds", "wall time (s)"),
+                                    accuracy("iteration", "iteration"), comm_time,
+                                    channel_bytes)):
+        figure(name, draw)
     return paths
 
 

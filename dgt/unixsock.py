@@ -67,13 +67,19 @@ def owned_dir(path: str, flag: str) -> str:
     Raises NotOurs (the message names ``flag``, the folder, and what to do: see
     :func:`_remedy`), or OSError from mkdir(2)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
+    check_owned(path, flag)
+    return path
+
+
+def check_owned(path: str, flag: str) -> None:
+    """The check of :func:`owned_dir` on the existing folder ``path``, creating
+    nothing. Raises NotOurs, or OSError from stat(2)."""
     st = os.stat(path)
     what = _not_ours(st)
     if what:
         raise NotOurs(f"{flag} {path} {what}: another user could put links there that "
                       f"this job would write through; give a folder only this user "
                       f"(uid {os.getuid()}) can write{_remedy(path, st)}")
-    return path
 
 
 def _remedy(path: str, st: os.stat_result) -> str:

@@ -341,3 +341,47 @@ def test_top_keeps_every_number_whole_on_an_80_column_terminal():
     assert rows(text) == {r: 140450 + r for r in range(4)}, text
     for number in ("1138.2", "123456", "12530", "25%"):
         assert text.count(number) >= 4, text
+
+
+def test_plot_never_writes_through_a_link_nor_over_a_file_that_is_not_a_png(clean_run,
+                                                                           tmp_path):
+    """Breaker round 9: another user put ``channel_bytes.png`` beside a report in /tmp
+    as a symbolic link to a root file, and ``dgt plot`` (root) wrote the PNG through it;
+    a text file of a figure's name was replaced as well. Now a name that holds no PNG,
+    through a link or not, is refused in one line before any figure is drawn, and a
+    link to a PNG is replaced by the new file, its target left alone."""
+    report = clean_run.parent / "report.json"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("root data")
+    out = tmp_path / "png"
+    out.mkdir()
+    (out / "channel_bytes.png").symlink_to(victim)
+    _one_error_line(_plot(report, out), "channel_bytes.png: it exists and is not a PNG")
+    assert victim.read_text() == "root data"
+    assert sorted(x.name for x in out.iterdir()) == ["channel_bytes.png"]   # none drawn
+    (out / "channel_bytes.png").unlink()
+    (out / "comm_time.png").write_text("notes")
+    _one_error_line(_plot(report, out), "comm_time.png: it exists and is not a PNG")
+    assert (out / "comm_time.png").read_text() == "notes"
+    (out / "comm_time.png").unlink()
+    old_png = tmp_path / "old.png"
+    old_png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 8)
+    (out / "accuracy_time.png").symlink_to(old_png)
+    p = _plot(report, out)
+    assert p.returncode == 0, p.stderr
+    assert not (out / "accuracy_time.png").is_symlink()
+    assert old_png.read_bytes() == b"\x89PNG\r\n\x1a\n" + b"\0" * 8
+
+
+def test_bench_refuses_an_out_folder_that_others_can_write(tmp_path):
+    """Breaker round 9: ``dgt bench --out`` in a folder of mode 0777 wrote its figure
+    and table through another user's links there. Such a folder is refused before any
+    cell runs, in one line, as --run-dir is."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--loopback", "--systems",
+                        "gloo", "--workers", "2", "--iterations", "2", "--out", str(shared)],
+                       capture_output=True, text=True, timeout=120)
+    _one_error_line(p, f"--out {shared} is writable by other users (mode 777)")
+    assert os.listdir(shared) == []

@@ -183,6 +183,12 @@ def check_out_dir(out: str) -> None:
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
         raise BenchError(f"--out {out} is a file; give a folder")
+    if os.path.isdir(path):   # another user's links there would be written through
+        from dgt.unixsock import NotOurs, check_owned
+        try:
+            check_owned(out, "--out")
+        except NotOurs as e:   # (breaker round 9: a 0777 folder of uid 65534's)
+            raise BenchError(str(e)) from None
     probe = path
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
@@ -781,7 +787,7 @@ def loss_sweep(doc: dict) -> dict | None:
 def plot_loss_sweep(doc: dict, path: str) -> None:
     """One panel per rate and lossy scenario: median comm time against loss rate, a line
     per system, the clean cell at 0 %."""
-    from dgt.plot import pyplot
+    from dgt.plot import pyplot, save_png
     plt = pyplot()
     sweep = loss_sweep(doc)
     panels = list(dict.fromkeys((r["rate"], r["scenario"]) for r in sweep["rows"]))
@@ -801,12 +807,12 @@ def plot_loss_sweep(doc: dict, path: str) -> None:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, 110)
     plt.close(fig)
 
 
 def plot_comm(doc: dict, path: str) -> None:
-    from dgt.plot import pyplot
+    from dgt.plot import pyplot, save_png
     plt = pyplot()
     cells = [c for c in doc["cells"] if not c.get("error")]
     rates = list(dict.fromkeys(c["rate"] or "loopback" for c in cells)) or ["loopback"]
@@ -831,12 +837,12 @@ def plot_comm(doc: dict, path: str) -> None:
         ax.set_title(rate)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, 110)
     plt.close(fig)
 
 
 def plot_accuracy(doc: dict, path: str) -> None:
-    from dgt.plot import pyplot
+    from dgt.plot import pyplot, save_png
     plt = pyplot()
     cells = [c for c in doc["cells"] if not c.get("error") and c.get("history")]
     panels = list(dict.fromkeys((c["rate"] or "loopback", scenario_label(c)) for c in cells))
@@ -861,7 +867,7 @@ def plot_accuracy(doc: dict, path: str) -> None:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, 110)
     plt.close(fig)
 
 

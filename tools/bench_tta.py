@@ -913,7 +913,7 @@ def curve_colors(cells: list[dict]) -> list[str | None]:
 
 
 def plot_accuracy(doc: dict, path: str) -> None:
-    from dgt.plot import pyplot
+    from dgt.plot import pyplot, save_png
     plt = pyplot()
     cells = [c for c in doc["cells"] if not c.get("error") and c.get("history")]
     panels = list(dict.fromkeys((c["rate"] or "loopback", c["scenario"], c["workload"])
@@ -937,7 +937,7 @@ def plot_accuracy(doc: dict, path: str) -> None:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, 110)
     plt.close(fig)
 
 

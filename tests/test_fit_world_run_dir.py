@@ -210,6 +210,9 @@ def test_an_earlier_jobs_run_dir_with_its_checkpoints_is_accepted(tmp_path):
     for name in [t.format(r) for t in RANK_FILES for r in (0, 1, 12)] + \
             list(JOB_FILES) + list(KEPT_FILES) + [".pids.json.k3x_9a1q.tmp"]:
         (run / name).write_text("old")
+    for name in KEPT_FILES:   # an earlier dgt plot's figures are PNGs (dgt plot
+        if name.endswith(".png"):   # replaces nothing else: dgt.plot.save_png)
+            (run / name).write_bytes(b"\x89PNG\r\n\x1a\n" + b"old")
     (run / "my-report.json").write_text("{}")
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(run / "x.sock"))

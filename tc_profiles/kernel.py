@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 from pyroute2 import netns
 from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_REPLACE, NLM_F_REQUEST
@@ -31,6 +32,7 @@ def _probe(kinds: list[str]) -> dict[str, bool]:
         raise KernelProbeError("checking the kernel's qdiscs needs root (CAP_NET_ADMIN)")
     name = f"dgt-probe-{os.getpid()}"
     found: dict[str, bool] = {}
+    _remove_stale_probes()
     try:
         create_netns(name)
     except OSError as e:
@@ -62,6 +64,27 @@ def _probe(kinds: list[str]) -> dict[str, bool]:
         except OSError:
             pass
     return found
+
+
+def _remove_stale_probes() -> list[str]:
+    """Remove the scratch namespaces of probes whose process has ended: one killed
+    between making its namespace and removing it (SIGKILL; an outside tester's round
+    left ``dgt-probe-6304`` behind). Returns the names removed; never raises."""
+    gone = []
+    try:
+        names = netns.listnetns()
+    except OSError:
+        return gone
+    for n in names:
+        m = re.fullmatch(r"dgt-probe-([1-9][0-9]*)", n)
+        if m is None or os.path.exists(f"/proc/{m.group(1)}"):
+            continue
+        try:
+            netns.remove(n)
+            gone.append(n)
+        except OSError:
+            pass
+    return gone
 
 
 def qdisc_available(kind: str) -> bool:

@@ -621,7 +621,7 @@ def _check_report(report: str) -> None:
                          f"create it first or give another path")
     if os.path.isdir(report):
         raise ValueError(f"--report {report} is a directory; give a file path")
-    why = outpath.foreign(report, "json") or outpath.unreplaceable(report)
+    why = outpath.refusal(report, "json")
     if why is not None:
         raise ValueError(f"--report {report}: {why}")
     if writes_through(report):   # no new file there: the folder may be /dev

@@ -81,3 +81,9 @@ def unreplaceable(path: str) -> str | None:
     return (f"it is another user's file (uid {st.st_uid}) in a sticky folder ({folder}), "
             f"which only its owner may replace; remove it as that user, or give another "
             f"path")
+
+
+def refusal(path: str, kind: str) -> str | None:
+    """Why an output of ``kind`` must not replace ``path`` (:func:`foreign`, then
+    :func:`unreplaceable`), or None: the one check every output writer makes."""
+    return foreign(path, kind) or unreplaceable(path)

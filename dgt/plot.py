@@ -218,8 +218,8 @@ def save_png(fig, path: str, dpi: int) -> None:
 
 def check_png(path: str) -> None:
     """Raise FileExistsError when ``path`` may not be replaced by a PNG
-    (dgt.outpath.foreign, dgt.outpath.unreplaceable); its strerror names the file."""
-    why = outpath.foreign(path, "png") or outpath.unreplaceable(path)
+    (dgt.outpath.refusal); its strerror names the file."""
+    why = outpath.refusal(path, "png")
     if why is not None:
         raise FileExistsError(errno.EEXIST, f"{os.path.basename(path)}: {why}", path)
 

@@ -118,7 +118,7 @@ def check_output(flag: str, path: str | None) -> None:
         raise bad(f"{e.strerror} (a part of {parent} is not a folder)") from None
     except OSError as e:
         raise bad(e.strerror or str(e)) from None
-    why = outpath.foreign(path, _KIND.get(flag, "json")) or outpath.unreplaceable(path)
+    why = outpath.refusal(path, _KIND.get(flag, "json"))
     if why is not None:
         raise bad(why)
 

@@ -337,15 +337,7 @@ def _end_sidecar_on_sigterm(proc: subprocess.Popen):
 
     def handler(signum, frame):
         if proc.poll() is None:
-            try:
-                proc.send_signal(signal.SIGTERM)
-                proc.send_signal(signal.SIGCONT)
-                proc.wait(SIGTERM_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            except OSError:
-                pass
+            stop(proc, SIGTERM_GRACE_S)   # SIGTERM and SIGCONT, SIGKILL past the grace
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)   # dies of it, as without this handler
 

@@ -556,6 +556,19 @@ class JobConfig:
         if self.dataset == "digits" and self.data_dir:
             out.append(f"--data-dir {self.data_dir} (or DGT_DATA_DIR) is ignored: "
                        f"--dataset digits ships with scikit-learn")
+        if self.dataset == "fashion-mnist":
+            from .workloads.datasets import FASHION_MNIST_DIR, fashion_mnist_both_forms
+            folder = self.data_dir or FASHION_MNIST_DIR
+            both = fashion_mnist_both_forms(folder)
+            if both:
+                out.append(f"{folder} holds {', '.join(both)} both gzipped and plain; "
+                           f"the .gz {'files are' if len(both) > 1 else 'file is'} read")
+        if self.model == "mlp" and self.width != JobConfig.width:
+            out.append(f"--width {self.width:g} (or DGT_WIDTH) is ignored: --model mlp "
+                       f"is sized by --hidden")
+        if self.model != "mlp" and self.hidden != JobConfig.hidden:
+            out.append(f"--hidden {self.hidden} (or DGT_HIDDEN) is ignored: --model "
+                       f"{self.model} is sized by --width")
         return out
 
     def validate_workload(self) -> None:
@@ -752,6 +765,14 @@ class CheckpointConfig:
     max_restarts: int = _f(0, "when a process fails, stop them all and start the job "
                            "again from the newest checkpoint, up to this many times, as "
                            "torchrun --max-restarts does (0..100)")
+
+    def warnings(self) -> list[str]:
+        """What is accepted but does less than it may seem, one line each (see
+        :meth:`JobConfig.warnings`)."""
+        if self.max_restarts and not self.checkpoint_every and not self.resume:
+            return [f"--max-restarts {self.max_restarts} without --checkpoint-every: a "
+                    f"restart starts the job again from iteration 0"]
+        return []
 
     def validate(self) -> None:
         """Raise ValueError naming the flag."""

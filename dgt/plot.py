@@ -293,6 +293,9 @@ def plot(data: dict, out_dir: str, title: str = "") -> list[str]:
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.out is not None and not ns.out.strip():
+        ns.parser.error("--out is empty; give a folder for the PNGs, or leave --out out "
+                        "to write them beside the report (in the run dir)")
     try:
         data = load(ns.source)
     except ValueError as e:
@@ -319,7 +322,7 @@ def register(sub) -> None:
                        "time per iteration and bytes per channel from a dgt train "
                        "--report file or --run-dir.")
     p.add_argument("source", metavar="REPORT|RUN_DIR", help="report JSON or run directory")
-    p.add_argument("--out", default="", help="folder for the PNGs, created if its parent "
+    p.add_argument("--out", default=None, help="folder for the PNGs, created if its parent "
                    "exists (default: beside the report, or in the run dir)")
     p.add_argument("--title", default="", help="prefix for the figure titles")
     p.set_defaults(func=main, parser=p)

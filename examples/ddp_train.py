@@ -272,7 +272,9 @@ if __name__ == "__main__":
         sys.exit(2)
     except KeyboardInterrupt:   # Ctrl-C: one line, the shell's status, no traceback
         who = f" rank {os.environ['RANK']}" if "RANK" in os.environ else ""
-        sys.stderr.write(f"{os.path.basename(sys.argv[0])}{who}: interrupted\n")
+        kept = "".join(f"; dgt's logs kept in {state.run_dir}"                      # dgt
+                       for state in LIVE if state.run_dir)                          # dgt
+        sys.stderr.write(f"{os.path.basename(sys.argv[0])}{who}: interrupted{kept}\n")
         sys.stderr.flush()
         for state in LIVE:                                                          # dgt
             state.close(failed="interrupted (Ctrl-C)")                              # dgt

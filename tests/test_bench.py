@@ -170,6 +170,29 @@ def test_bench_estimate_plans_a_loss_sweep():
                     ["lossy-link", "5", "%", "gloo"], ["lossy-link", "5", "%", "dgt"]]
 
 
+@pytest.mark.parametrize("args", [
+    ["--loopback", "--scenarios", "tenant"], ["--loopback", "--rates", "1gbit"],
+    ["--loopback", "--loss-pct", "3"], ["--loopback", "--profile", "htb-3band"],
+    ["tta", "--loopback", "--scenarios", "share"]])
+def test_bench_loopback_refuses_the_testbeds_flags_in_one_line(args):
+    """Breaker round 9: 'dgt bench --loopback --scenarios tenant' ran the loopback cells
+    and said nothing of the tenant it did not run."""
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate", *args],
+                       capture_output=True, text=True, timeout=60)
+    flag = next(a for a in args if a.startswith("--") and a != "--loopback")
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert f"{flag} does not apply with --loopback" in p.stderr, p.stderr
+    assert p.stderr.strip().endswith("(see 'dgt bench --help')")
+    assert len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
+
+
+def test_bench_errors_naming_a_flag_point_at_help_and_the_others_do_not():
+    from dgt.tools.bench import with_help_hint
+    assert with_help_hint("--workers must be 2..64,\n got 1") == \
+        "--workers must be 2..64, got 1 (see 'dgt bench --help')"
+    assert with_help_hint("dgt bench needs root") == "dgt bench needs root"
+
+
 @pytest.mark.parametrize("value, msg", [
     ("abc", "is not a percentage"), ("1,,3", "is not a percentage"),
     ("0", "in (0, 100)"), ("100", "in (0, 100)"), ("1,nan", "got nan"),
@@ -211,12 +234,29 @@ def test_loss_sweep_table_gives_growth_over_the_clean_cell(tmp_path):
     md = bench.markdown(doc)
     assert "| 1gbit | lossy-link | dgt --mode tcp | 100.0 | 110.0 (+10 %) | 300.0 (+200 %) |" in md
     assert "| 1gbit | lossy-link | dgt --mode dgt | 200.0 | 150.0 (-25 %) | – |" in md
-    assert "| 1gbit | lossy-link 5 % | dgt --mode dgt | failed: exit status 1" in md
+    assert "| 1gbit | lossy-link 5 % | dgt --mode dgt | failed ‡: exit status 1 |" in md
+    assert "- 1gbit lossy-link 5 % dgt --mode dgt: exit status 1" in md
     paths = bench.write_outputs(doc, str(tmp_path))
     assert (tmp_path / "loss_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(tmp_path / "loss_sweep.png") in paths
     doc["cells"] = [c for c in cells if c["loss_pct"] in (None, 1.0)]
     assert bench.loss_sweep(doc) is None   # one loss rate: no sweep
+
+
+def test_a_failed_cells_whole_reason_is_listed_under_the_table():
+    """Breaker round 9: the table cut a failed cell's reason at 120 characters, where the
+    part that says what to do comes last, and a '|' in it split the row."""
+    from dgt.tools.bench import failed_cell, failure_notes, md_text
+    why = ("exit status 1; logs in /tmp/x: dgt train: trainer 2 failed | see "
+           + "its log " * 20 + "and use a smaller --hidden")
+    cell = failed_cell(why)
+    assert cell.startswith("failed ‡: exit status 1") and cell.endswith("…")
+    assert "|" not in cell.replace("\\|", "")   # no bare pipe: the row keeps its columns
+    notes = failure_notes([{"error": why, "name": "c1"}, {"error": None, "name": "c2"}],
+                          lambda c: c["name"])
+    assert notes[-1] == f"- c1: {why}" and len(notes) == 4
+    assert failure_notes([{"error": None}], str) == []
+    assert md_text("a|b\nc") == "a\\|b c"
 
 
 def test_scoring_bench_reports_throughput():

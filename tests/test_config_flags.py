@@ -94,6 +94,46 @@ def test_a_testbed_prefix_without_testbed_is_a_warning():
     assert JobConfig().warnings() == []
 
 
+def test_a_size_flag_the_model_does_not_use_is_a_warning():
+    """Breaker round 9: --width with --model mlp and --hidden with a CNN were taken in
+    silence, and the job trained the default size."""
+    from dgt.config import JobConfig
+    assert JobConfig(model="mlp", width=4.0).warnings() == [
+        "--width 4 (or DGT_WIDTH) is ignored: --model mlp is sized by --hidden"]
+    assert JobConfig(model="vgg11", hidden=64).warnings() == [
+        "--hidden 64 (or DGT_HIDDEN) is ignored: --model vgg11 is sized by --width"]
+    assert JobConfig(model="mlp", hidden=64).warnings() == []
+    assert JobConfig(model="vgg11", width=0.25).warnings() == []
+
+
+def test_a_data_dir_with_both_forms_of_a_file_is_a_warning(tmp_path):
+    """Breaker round 9: a --data-dir holding train-images-idx3-ubyte both gzipped and
+    plain (two versions, perhaps) read the .gz in silence."""
+    from dgt.config import JobConfig
+    job = JobConfig(dataset="fashion-mnist", data_dir=str(tmp_path))
+    assert job.warnings() == []
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"")
+    assert job.warnings() == []
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(b"")
+    assert job.warnings() == [f"{tmp_path} holds train-images-idx3-ubyte both gzipped "
+                              f"and plain; the .gz file is read"]
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"")
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(b"")
+    assert job.warnings()[0].endswith("both gzipped and plain; the .gz files are read")
+
+
+def test_restarts_without_checkpoints_are_a_warning():
+    """Breaker round 9: --max-restarts without --checkpoint-every said nothing, and each
+    restart trained from iteration 0 again."""
+    from dgt.config import CheckpointConfig
+    assert CheckpointConfig(max_restarts=2).warnings() == [
+        "--max-restarts 2 without --checkpoint-every: a restart starts the job again "
+        "from iteration 0"]
+    assert CheckpointConfig(max_restarts=2, checkpoint_every=5).warnings() == []
+    assert CheckpointConfig(max_restarts=2, resume="/x/step-4").warnings() == []
+    assert CheckpointConfig().warnings() == []
+
+
 def test_a_negative_zero_is_zero():
     """Breaker round 4: '--k -0.0' was logged as 'k -0.0' and '--pull-coded-fraction -0'
     as 'the lowest -0 of each PULL'."""

@@ -343,8 +343,10 @@ def test_ctrl_c_to_a_torchrun_job_is_one_line_per_rank(tmp_path):
     rc, log, left = _signal_a_running_example(   # as a terminal's Ctrl-C does
         tmp_path, lambda torchrun, _: os.killpg(torchrun, signal.SIGINT))
     assert rc != 0, log[-3000:]
-    for r in (0, 1):
-        assert f"ddp_train.py rank {r}: interrupted" in log, log[-3000:]
+    for r in (0, 1):   # where the logs are (round 9: the line did not say)
+        assert f"ddp_train.py rank {r}: interrupted; dgt's logs kept in " \
+            f"{tmp_path / 'run'}\n" in log, log[-3000:]
+        assert (tmp_path / "run" / f"sidecar-{r}.log").is_file()
     assert "KeyboardInterrupt" not in log, log[-3000:]
     assert left == []
 

@@ -173,6 +173,41 @@ def test_cli_capture_count_via_subprocess(tmp_path):
     assert len(msgs) == 10 and {m.dscp for m in msgs} == {18}
 
 
+@root
+@pytest.mark.parametrize("tty", [False, True])
+def test_capture_logs_progress_each_second_on_a_terminal_only(tmp_path, tty):
+    """Breaker round 9: under nohup or CI, 'dgt capture' wrote a progress line every
+    second into the log; there it writes one in 30 s, on a terminal still each second."""
+    import pty
+    base = synth.free_base_port(1)
+    master, slave = pty.openpty() if tty else (None, None)
+    err = tmp_path / "err.log"
+    with open(err, "w") as f:
+        p = subprocess.run([PY, "-m", "dgt.cli", "capture", "--ports", str(base + 2),
+                            "-w", str(tmp_path / "p.pcap"), "--seconds", "3.5"],
+                           stdout=subprocess.PIPE, stderr=slave if tty else f, text=True,
+                           timeout=60)
+    if tty:
+        os.close(slave)
+        text = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:   # EIO: the pty's other end is closed and drained
+                break
+            if not chunk:
+                break
+            text += chunk
+        os.close(master)
+        text = text.decode()
+    else:
+        text = err.read_text()
+    assert p.returncode == 0, text
+    assert "capturing on lo" in text
+    progress = re.findall(r"captured \d+ packets, [\d.]+ MB", text)
+    assert (len(progress) >= 1) if tty else (progress == []), text
+
+
 # ------------------------------------------------ output that cannot be written (-w)
 
 def _dgt_capture(*args, cwd=None, prefix_cmd=()):

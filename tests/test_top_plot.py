@@ -96,6 +96,19 @@ def test_plot_writes_pngs_from_a_real_report(tmp_path):
     assert not (tmp_path / "missing").exists()
 
 
+@pytest.mark.parametrize("out", ["", "  "])
+def test_plot_refuses_an_empty_out_in_one_line(tmp_path, out):
+    """Breaker round 9: 'dgt plot report.json --out ""' was taken as no --out and wrote
+    the PNGs beside the report."""
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"history": [], "comm_ms": [], "channels": {}}))
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "plot", str(report), "--out", out],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--out is empty" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["report.json"]
+
+
 def test_plot_refuses_what_is_not_a_report(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps([1, 2]))

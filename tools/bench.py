@@ -668,6 +668,34 @@ def _fmt(v, spec=".1f", none="–"):
     return none if v is None else format(v, spec)
 
 
+def md_text(text: str) -> str:
+    """``text`` as it may stand in a Markdown table cell: one line, ``|`` escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+#: characters of a failed cell's reason shown inside the table; the whole reason is in
+#: the list under it (:func:`failure_notes`)
+FAILED_CELL_CHARS = 80
+
+
+def failed_cell(error: str) -> str:
+    """A failed cell's table text: the start of its reason, ‡ pointing at the list."""
+    text = md_text(error)
+    cut = text if len(text) <= FAILED_CELL_CHARS else \
+        text[:FAILED_CELL_CHARS].rstrip("\\") + "…"
+    return f"failed ‡: {cut}"
+
+
+def failure_notes(cells: list[dict], where) -> list[str]:
+    """Markdown lines under a table: each failed cell (``where(cell)`` names it) with
+    its whole reason, which the table cuts."""
+    failed = [c for c in cells if c.get("error")]
+    if not failed:
+        return []
+    return ["", "‡ why each failed cell failed:", ""] + [
+        f"- {where(c)}: {' '.join(str(c['error']).split())}" for c in failed]
+
+
 def markdown(doc: dict, loopback: bool = False) -> str:
     cfg = doc["config"]
     lines = [f"# dgt bench{' --loopback' if loopback else ''}: dgt vs gloo all_reduce", "",
@@ -703,7 +731,7 @@ def markdown(doc: dict, loopback: bool = False) -> str:
     for c in doc["cells"]:
         head = f"| {c['rate'] or 'loopback'} | {scenario_label(c)} | {c['label']} |"
         if c.get("error"):
-            lines.append(head + f" failed: {c['error'][:120]} |" + " |" * 11)
+            lines.append(head + f" {failed_cell(c['error'])} |" + " |" * 11)
             continue
         tr = c.get("target_reached")
         ch = c.get("channels") or {}
@@ -722,6 +750,8 @@ def markdown(doc: dict, loopback: bool = False) -> str:
             + f" | {_fmt(ch['tcp']['bytes_sent'] / 1e6 if 'tcp' in ch else None)}"
             + f" | {'/'.join(f'{u:.1f}' for u in udp) if udp else '–'}"
             + f" | {_fmt(lost, 'd')} |")
+    lines += failure_notes(doc["cells"], lambda c: f"{c['rate'] or 'loopback'} "
+                           f"{scenario_label(c)} {c['label']}")
     if any(c.get("shutdown_failure") for c in doc["cells"]):
         lines += ["", "† the job failed after trainer rank 0 had run every iteration "
                   "(the numbers are rank 0's and the sidecars' own records): "]
@@ -1132,6 +1162,28 @@ def check_tools(scenarios, estimate: bool, goodput: bool = False) -> None:
         print(f"warning: {line}")
 
 
+def with_help_hint(message: str) -> str:
+    """An error that names a flag points at the flags' reference, as argparse's own
+    errors do (dgt.config.OneLineParser)."""
+    message = " ".join(message.split())
+    return message + " (see 'dgt bench --help')" if "--" in message else message
+
+
+def check_loopback_args(a) -> None:
+    """``--loopback`` runs no testbed: the flags that shape one would be ignored. Raises
+    BenchError naming the first one given."""
+    if not a.loopback:
+        return
+    for flag, given in (("--scenarios", a.scenarios is not None),
+                        ("--rates", bool(a.rates)),
+                        ("--loss-pct", a.loss_pct != BenchConfig().loss_pct),
+                        ("--profile", a.profile != BenchConfig().profile)):
+        if given:
+            raise BenchError(f"{flag} does not apply with --loopback (no testbed, no "
+                             f"shaping); drop {flag}, or drop --loopback to run the "
+                             f"testbed (root)")
+
+
 def cmd_bench(a) -> int:
     """Entry point of ``dgt bench``: errors are one line on stderr, exit 2."""
     from dgt.tc_profiles.testbed import TestbedError
@@ -1163,6 +1215,7 @@ def cmd_bench(a) -> int:
                               seconds=a.seconds, out=a.out, profile=a.profile,
                               prefix=a.prefix, mb=a.mb)
             return 0 if res.get("ratio") is not None and "train_error" not in res else 1
+        check_loopback_args(a)
         cfg = config_from_args(a)
         cfg.validate()
         if a.estimate:
@@ -1186,7 +1239,7 @@ def cmd_bench(a) -> int:
         failed = [c for c in doc["cells"] if c.get("error")]
         return 1 if failed else 0
     except (BenchError, TestbedError) as e:
-        print(f"dgt bench: error: {e}", file=sys.stderr)
+        print(f"dgt bench: error: {with_help_hint(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return interrupted("dgt bench", "its jobs were stopped" + (

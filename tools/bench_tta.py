@@ -70,7 +70,8 @@ from dgt.config import MAX_PEER_TIMEOUT_S
 from dgt.tools import bench
 from dgt.report import cpu_per_iteration
 from dgt.trace import read_run
-from dgt.tools.bench import BenchError, _csv, _fmt, _load_avg, rate_bits_per_s
+from dgt.tools.bench import (BenchError, _csv, _fmt, _load_avg, failed_cell, failure_notes,
+                             rate_bits_per_s)
 from dgt.tc_profiles.needs_root import not_root
 
 BASES = ("gloo", "gloo-fp16", "gloo-powersgd", "tcp", "dgt", "dgt-ddp")
@@ -831,7 +832,7 @@ def markdown(doc: dict) -> str:
     for c in doc["cells"]:
         head = f"| {c['rate'] or 'loopback'} | {c['scenario']} | {c['workload']} | {c['label']} |"
         if c.get("error"):
-            lines.append(head + f" failed: {c['error'][:140]} |" + " |" * 9)
+            lines.append(head + f" {failed_cell(c['error'])} |" + " |" * 9)
             continue
         tt = c.get("time_to_target_s")
         lines.append(
@@ -843,6 +844,8 @@ def markdown(doc: dict) -> str:
             f"{_fmt(c['pull_bytes_per_iteration'] and c['pull_bytes_per_iteration'] / 1e3)} | "
             f"{'identical' if c['replicas_identical'] else 'DIFFER'} | {c.get('load_before')} |"
             + (" †" if c.get("shutdown_failure") else ""))
+    lines += failure_notes(doc["cells"], lambda c: f"{c['rate'] or 'loopback'} "
+                           f"{c['scenario']} {c['workload']} {c['label']}")
     lines += _cpu_table(doc["cells"])
     drops = [c for c in doc["cells"] if c.get("queue_drops") is not None]
     if drops:
@@ -1012,6 +1015,7 @@ def cmd_tta(a, command: str) -> int:
     """``dgt bench tta``. Raises BenchError (one line, exit 2 in bench.cmd_bench)."""
     if a.iterations is not None:
         raise BenchError("tta trains to the target: use --max-iterations, not --iterations")
+    bench.check_loopback_args(a)
     cfg = config_from_args(a)
     cfg.validate()
     if a.calibrate:

@@ -76,7 +76,8 @@ class CaptureConfig:
     ring: int | None = None
     file_mb: float | None = None
     channels: list[int] | None = None
-    progress_s: float = 1.0
+    progress_s: float = 1.0   # flush the file and read the kernel's drop counter
+    log_every_s: float = 1.0   # the "captured N packets" line (a multiple of progress_s)
 
 
 @dataclass
@@ -429,6 +430,7 @@ class Capture:
             chans = set(cfg.channels) if cfg.channels is not None else None
             deadline = t0 + cfg.seconds if cfg.seconds else None
             next_progress = t0 + cfg.progress_s
+            next_log = t0 + cfg.log_every_s
             anc = socket.CMSG_SPACE(16)
             log.info("capturing on %s%s, filter: %s", cfg.interface,
                      f" (netns {cfg.netns})" if cfg.netns else "", st.filter)
@@ -447,8 +449,10 @@ class Capture:
                 if now >= next_progress:
                     writer.flush()
                     st.kernel_drops += self._drops(sock)  # the kernel resets it on read
-                    log.info("captured %d packets, %.1f MB, %d kernel drops",
-                             st.packets, st.bytes / 1e6, st.kernel_drops)
+                    if now >= next_log:
+                        log.info("captured %d packets, %.1f MB, %d kernel drops",
+                                 st.packets, st.bytes / 1e6, st.kernel_drops)
+                        next_log = now + cfg.log_every_s
                     next_progress = now + cfg.progress_s
                 wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - now))
                 r, _, _ = select.select([sock], [], [], wait)

@@ -164,6 +164,10 @@ def parse_session(text: str, where: str = "--session") -> int:
     return int(t, 16)
 
 
+#: seconds between dgt capture's progress lines when stderr is not a terminal
+LOG_EVERY_S_NOT_TTY = 30.0
+
+
 def _logging(quiet: bool = False) -> None:
     """dgt's own INFO lines (not with ``quiet``) and every library's warnings on stderr;
     not the libraries' INFO (matplotlib's "generated new fontManager", …)."""
@@ -216,7 +220,9 @@ def cmd_capture(args) -> int:
     cfg = capture.CaptureConfig(
         out=args.write, ports=spec, interface=args.interface, netns=args.netns,
         seconds=args.seconds, count=args.count, ring=args.ring, file_mb=args.file_mb,
-        channels=ports.parse_channels(args.channel) if args.channel else None)
+        channels=ports.parse_channels(args.channel) if args.channel else None,
+        # a line a second on a terminal; in a log file (nohup, CI) one in 30 s
+        log_every_s=1.0 if sys.stderr.isatty() else LOG_EVERY_S_NOT_TTY)
     # SIGTERM and SIGHUP stop it as Ctrl-C does, its documented end: the file is
     # completed and the stats printed (exit 0, as tcpdump's: what was recorded is the
     # result; "stopped by" names the signal)

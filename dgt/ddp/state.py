@@ -209,6 +209,12 @@ class DgtState:
             _live_link = self._node
 
     @property
+    def run_dir(self) -> str | None:
+        """The folder of this rank's sidecar files (``sidecar-<rank>.log``, its socket),
+        kept after a failed or interrupted run; None before :meth:`connect`."""
+        return None if self._node is None else self._node.run_dir
+
+    @property
     def node(self):
         """The live :class:`dgt.ddp.node.NodeLink`; connects when detached. Raises
         RuntimeError after :meth:`close`."""

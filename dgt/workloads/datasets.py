@@ -164,6 +164,13 @@ def _find(folder: str, base: str) -> str | None:
     return None
 
 
+def fashion_mnist_both_forms(folder: str = FASHION_MNIST_DIR) -> list[str]:
+    """The IDX files that ``folder`` holds both gzipped and plain (the gzipped one is
+    read: :func:`_find`), which may be two different versions."""
+    return [b for b in _FMNIST_FILES.values()
+            if all(os.path.isfile(os.path.join(folder, n)) for n in (b + ".gz", b))]
+
+
 def fashion_mnist_missing(folder: str = FASHION_MNIST_DIR) -> str | None:
     """None when the four IDX files are in ``folder``, else the one line that says what
     to do."""

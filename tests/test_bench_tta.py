@@ -250,6 +250,24 @@ def test_share_scenario_installs_its_htb_classes(tmp_path):
     assert prefix not in names
 
 
+def test_a_workload_passes_only_the_size_flag_its_model_uses():
+    """--hidden with a CNN is ignored and warned about (round 9): a cell's command must
+    not carry it, nor --width for the MLP."""
+    from dgt.config import JobConfig
+    from dgt.tools.bench_tta import parse_workloads
+    mlp, vgg = parse_workloads("mlp:64,vgg11:0.25")
+    assert mlp.argv() == ["--model", "mlp", "--hidden", "64", "--dataset", "digits"]
+    assert vgg.argv() == ["--model", "vgg11", "--width", "0.25", "--dataset",
+                          "fashion-mnist"]
+    for w in (mlp, vgg):   # the job those flags make
+        argv = w.argv()
+        given = {argv[i][2:]: argv[i + 1] for i in range(0, len(argv), 2)}
+        job = JobConfig(model=given["model"], dataset=given["dataset"],
+                        **({"hidden": int(given["hidden"])} if "hidden" in given else {}),
+                        **({"width": float(given["width"])} if "width" in given else {}))
+        assert [x for x in job.warnings() if "is ignored" in x] == [], job.warnings()
+
+
 def test_system_variants_pass_dgt_train_flags_through():
     """dgt:FLAGS keeps its flags as given, a comma inside a flag's value included."""
     from dgt.tools.bench_tta import parse_systems

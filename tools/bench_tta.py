@@ -120,8 +120,9 @@ class Workload:
         return f"mlp:{self.hidden}" if self.model == "mlp" else f"{self.model}:{self.width:g}"
 
     def argv(self) -> list[str]:
-        return ["--model", self.model, "--width", f"{self.width:g}", "--hidden",
-                str(self.hidden), "--dataset", self.dataset]
+        size = ["--hidden", str(self.hidden)] if self.model == "mlp" else \
+            ["--width", f"{self.width:g}"]   # the other is ignored (and warned about)
+        return ["--model", self.model, *size, "--dataset", self.dataset]
 
     def n_params(self) -> int:
         from dgt.workloads import models

@@ -74,6 +74,35 @@ def test_bench_loopback_writes_json_markdown_and_plot(tmp_path):
     assert "[4/4]" in p.stdout   # progress lines
 
 
+def test_an_interrupted_bench_keeps_the_cells_it_measured(tmp_path):
+    """Breaker round 10: Ctrl-C to 'dgt bench --loopback' in its second cell threw away
+    the first cell's figures (the outputs were written at the end only); 'dgt bench tta'
+    kept them. Now both write after every cell, marked partial until the last."""
+    out = tmp_path / "bench"
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "bench", "--loopback",
+                          "--systems", "gloo,tcp", "--workers", "2", "--hidden", "32",
+                          "--iterations", "200", "--out", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "loopback.json").exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGINT)   # as a terminal's Ctrl-C: to the whole group
+        so, se = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130, (so[-2000:], se[-2000:])
+    assert f"the cells measured so far are in {out / 'loopback.json'}" in se, se
+    doc = json.loads((out / "loopback.json").read_text())
+    assert [c["system"] for c in doc["cells"]] == ["gloo"] and doc["complete"] is False
+    assert doc["cells"][0]["error"] is None and doc["cells"][0]["iterations"] == 200
+    assert "**Partial: 1 cells written so far" in (out / "loopback.md").read_text()
+
+
 def _bench_as_nobody() -> tuple[int, str]:
     """Run `dgt bench` in a forked child that dropped to uid 65534 (modules imported
     first: the interpreter's own files may be unreadable to that user)."""

@@ -646,6 +646,11 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
                        + (" -- but the job failed at shutdown, see the table"
                           if row.get("shutdown_failure") else ""))
             bar.advance()
+            # after every cell: a run stopped half-way keeps what it measured
+            doc["elapsed_s"] = round(time.monotonic() - t0)
+            doc["host"]["load_after"] = _load_avg()
+            doc["complete"] = i + 1 == len(cells)
+            write_outputs(doc, cfg.out, loopback=cfg.loopback)
     finally:
         bar.stop()
         if not cfg.loopback:
@@ -655,9 +660,9 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
             log_fn(f"logs kept in {work_dir}")
         else:
             shutil.rmtree(work_dir, ignore_errors=True)
-    doc["elapsed_s"] = round(time.monotonic() - t0)
-    doc["host"]["load_after"] = _load_avg()
-    write_outputs(doc, cfg.out, loopback=cfg.loopback)
+    if not cells:
+        doc["elapsed_s"], doc["host"]["load_after"] = 0, _load_avg()
+        write_outputs(doc, cfg.out, loopback=cfg.loopback)
     return doc
 
 
@@ -704,7 +709,9 @@ def markdown(doc: dict, loopback: bool = False) -> str:
              f"{doc['host']['kernel']}; load average (1, 5, 15 min) before "
              f"{doc['host']['load_before']}, after {doc['host'].get('load_after')}. "
              f"Elapsed {doc.get('elapsed_s', 0) / 60:.1f} min (estimate "
-             f"{doc['estimate_s'] / 60:.1f} min). Source: `{doc.get('git') or '?'}`.", "",
+             f"{doc['estimate_s'] / 60:.1f} min). Source: `{doc.get('git') or '?'}`."
+             + ("" if doc.get("complete", True) else f" **Partial: {len(doc['cells'])} "
+                f"cells written so far; the run did not finish.**"), "",
              f"{cfg['workers']} workers, MLP hidden {cfg['hidden']} "
              f"({doc['cells'][0].get('gradient_bytes', 0) / 1e6:.1f} MB of fp32 gradient "
              f"per iteration) on the scikit-learn digits, batch 32 per worker, Adam; "
@@ -1184,6 +1191,18 @@ def check_loopback_args(a) -> None:
                              f"testbed (root)")
 
 
+def partial_outputs(a, since: float) -> str | None:
+    """The results file this run of ``dgt bench`` wrote (after its first cell) at or
+    after ``since`` (time.time()), or None."""
+    name = "tta.json" if a.what == "tta" else "goodput.json" if a.what == "goodput" \
+        else "loopback.json" if a.loopback else "results.json"
+    path = os.path.join(a.out, name)
+    try:
+        return path if os.stat(path).st_mtime >= since else None
+    except OSError:
+        return None
+
+
 def cmd_bench(a) -> int:
     """Entry point of ``dgt bench``: errors are one line on stderr, exit 2."""
     from dgt.tc_profiles.testbed import TestbedError
@@ -1192,6 +1211,7 @@ def cmd_bench(a) -> int:
     # SIGTERM and SIGHUP stop the bench as Ctrl-C does: every cell's job is stopped and
     # the testbed removed on the way out (the default action would leave them running)
     stop_on_signals()
+    started = time.time()
     try:
         if a.what == "tta":
             from dgt.tools.bench_tta import cmd_tta
@@ -1242,5 +1262,7 @@ def cmd_bench(a) -> int:
         print(f"dgt bench: error: {with_help_hint(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        kept = partial_outputs(a, started)
         return interrupted("dgt bench", "its jobs were stopped" + (
-            "" if a.loopback else ", its testbed removed"))
+            "" if a.loopback else ", its testbed removed") + (
+            f"; the cells measured so far are in {kept}" if kept else ""))

@@ -576,6 +576,21 @@ def discard(folder: str, rank: int) -> None:
     for path in (trainer_file(folder, rank), sidecar_file(folder, rank),
                  digest_file(folder, rank)):
         _remove(path)
+    try:   # the step folder, once no rank's file is left in it (breaker round 10 found
+        os.rmdir(folder)   # an empty step-<t> left on a full disk)
+    except OSError:
+        pass
+
+
+def none_written(root: str, world: int, warnings: list[str]) -> str | None:
+    """After a run that saved checkpoints under ``root``: one line when a file failed
+    (``warnings``: the report's, :func:`not_written`'s lines among them) and no step is
+    complete there, i.e. the run asked for checkpoints and has none; else None."""
+    failed = [w for w in warnings if w.startswith("checkpoint ") and " not written: " in w]
+    if not failed or complete_steps(root, world):
+        return None
+    return (f"no checkpoint was written to {root}: {len(failed)} file(s) could not be "
+            f"written, the first: {failed[0]}")
 
 
 def _remove(path: str) -> None:

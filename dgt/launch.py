@@ -781,7 +781,12 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
     differ = replicas_differ(report)
     if differ is not None:   # in the summary too; a script reads the status
         warn(f"dgt train: warning: {differ}; exit status 1")
-    return (1 if diverged(report) or differ is not None else 0), report
+    unsaved = checkpoint.none_written(j.checkpoint_dir, job.workers, report["warnings"]) \
+        if j.ckpt.checkpoint_every else None
+    if unsaved is not None:   # asked for checkpoints, has none: a restart would be from 0
+        warn(f"dgt train: error: {unsaved}; exit status 1")
+    return (1 if diverged(report) or differ is not None or unsaved is not None else 0), \
+        report
 
 
 def launch_failure(e: OSError, run_dir: str) -> str:

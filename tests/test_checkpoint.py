@@ -348,12 +348,18 @@ def test_a_checkpoint_file_that_cannot_be_written_is_a_warning_and_training_goes
 def test_digests_that_cannot_be_written_leave_the_step_incomplete(tmp_path):
     """Each rank's sha256-<r>.txt is written last (dgt.checkpoint.seal); when it cannot
     be (here a folder in its place) the step costs that rank's files, as any other
-    checkpoint file would: one warning, the run finishes, the step is not complete."""
+    checkpoint file would: one warning, the run finishes, the step is not complete.
+    It was the run's only step: the run has no checkpoint, which is an error at the end
+    (exit status 1; breaker round 10: exit 0 when every checkpoint had failed)."""
     from conftest import run_train
     ck = tmp_path / "ck"
     os.makedirs(ck / "step-00000010" / "sha256-1.txt")
     p, rep = run_train(tmp_path / "run", *SMALL, "--iterations", 10,
-                       "--checkpoint-every", 10, "--checkpoint-dir", ck)
+                       "--checkpoint-every", 10, "--checkpoint-dir", ck, check=False)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (f"dgt train: error: no checkpoint was written to {ck}: 1 file(s) could not "
+            f"be written, the first: checkpoint {ck}/step-00000010/sha256-1.txt not "
+            f"written: Is a directory; exit status 1") in p.stderr, p.stderr
     assert rep["iterations"] == 10 and rep["replicas_identical"]
     assert _warned(p, rep) == [
         f"checkpoint {ck}/step-00000010/sha256-1.txt not written: Is a directory"]

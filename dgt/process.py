@@ -24,6 +24,19 @@ def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
         os._exit(1)
 
 
+def parent_death_signal() -> int:
+    """The signal this process gets when its parent dies (prctl(2) PR_GET_PDEATHSIG;
+    :func:`die_with_parent` set it), 0 when none is set or it cannot be read."""
+    import ctypes
+    sig = ctypes.c_int(0)
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(sig)) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return sig.value
+
+
 def state(pid: int) -> str:
     """Process ``pid``'s state letter (proc(5) /proc/PID/stat: R, S, D, T stopped, t
     traced, Z zombie, ...), or "" when it is gone."""

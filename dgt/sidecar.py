@@ -45,10 +45,11 @@ from .registration import agree, barrier, check_model_size, exchange_endpoints, 
 from .rendezvous import LINGER_S, WATCH_S, Rendezvous, check_resolves
 from .scheduler.deadline import AdaptiveDeadline
 from .shard import ServerShard
-from .trainer_link import TrainerLink
+from .trainer_link import TrainerLink, ended_soon, trainer_ended
 from .transport import messages, wire
 from .transport.aio import FrameProtocol
 from .unixsock import private_dir
+from .process import parent_death_signal, running
 from .transport.channels import channel_dscp
 from .transport.control import (HELLO_TIMEOUT_S, MAX_PENDING_HELLO,  # noqa: F401
                                 CloseConnection, ConnectionRefused, ControlProtocol,
@@ -99,6 +100,10 @@ class Sidecar:
         self.metrics_cfg = metrics or MetricsConfig()
         self.endpoint = None   # dgt.metrics.Endpoint, when --metrics-port is set
         self.rank, self.world = node.rank, node.world
+        #: the process that started us, when it has us die with it (dgt.ddp: the
+        #: trainer; dgt train: the launcher), else None (started by hand)
+        self.parent_pid = os.getppid() if parent_death_signal() else None
+        self._signal_task: asyncio.Task | None = None   # _on_signal_with_parent
         self.key = cfg.secret.encode() if cfg.secret else None
         self.dscp = channel_dscp(cfg.channels)
         self.counters = Counters()
@@ -190,6 +195,38 @@ class Sidecar:
         named as its cause (``SIGNALLED``; before, rank 0's sidecar, which lingers for
         the store, was outlived by the processes it stopped, and the launcher named one
         of them)."""
+        if self.parent_pid is not None and not self.done.is_set() and \
+                failure.job_stop(self.node.run_dir) is None:   # none: not the launcher's
+            self._signal_task = asyncio.get_running_loop().create_task(
+                self._on_signal_with_parent())
+            return
+        self._stopped_by_signal()
+
+    async def _on_signal_with_parent(self) -> None:
+        """A stop signal to a sidecar whose parent has it die with it: it may be the
+        one the parent's death sends (PR_SET_PDEATHSIG). Under dgt.ddp the parent is our
+        trainer, which then ended without closing (breaker round 10: named "stopped by
+        signal"); under dgt train it is the launcher. The kernel sends it as the
+        forking thread exits, which may be before the process is seen to end: wait a
+        moment (trainer_link.ENDED_WAIT_S) for that."""
+        pid = self.parent_pid
+
+        def parent_gone() -> bool:
+            return os.getppid() != pid or not running(pid)
+
+        if await ended_soon(parent_gone):
+            if os.environ.get(LAUNCHED_ENV):
+                self.fail(f"dgt train (pid {pid}) ended without stopping this job", None,
+                          level=logging.WARNING, why=FailureReason.STOPPED)
+            else:
+                self.fail(trainer_ended(self.rank, pid), self.rank,
+                          level=logging.WARNING, why=FailureReason.OWN_TRAINER)
+            return
+        self._stopped_by_signal()
+
+    def _stopped_by_signal(self) -> None:
+        """A stop signal from the launcher (its reason in failure.json), a supervisor or
+        the user."""
         stop = failure.job_stop(self.node.run_dir)
         if stop is None and self.world > 1 and os.environ.get(LAUNCHED_ENV):
             self.fail("stopped by a signal from outside the job", self.rank,

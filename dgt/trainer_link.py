@@ -31,6 +31,7 @@ from typing import Awaitable, Callable
 from . import ipc, unixsock
 from .errors import PeerFailure
 from .failure import FailureReason
+from .process import running
 from .registration import check_model_size
 
 log = logging.getLogger("dgt.sidecar")
@@ -163,8 +164,38 @@ class TrainerLink:
         if clean:
             self.bye()
         elif not self.done.is_set():
-            self.fail(f"trainer of rank {self.rank} disconnected", self.rank,
-                      why=FailureReason.OWN_TRAINER)
+            try:
+                pid = unixsock.peer_creds(writer.get_extra_info("socket"))[0]
+            except (OSError, TypeError):
+                pid = 0
+            # its connection ends as its process does: say so when it has ended
+            ended = pid > 0 and await ended_soon(lambda: not running(pid))
+            if not self.done.is_set():
+                self.fail(trainer_ended(self.rank, pid) if ended else
+                          f"trainer of rank {self.rank} disconnected", self.rank,
+                          why=FailureReason.OWN_TRAINER)
+
+
+#: s: how long a sidecar waits for its trainer's process to be seen ended after its
+#: connection closed or its parent-death signal came
+ENDED_WAIT_S = 0.5
+
+
+def trainer_ended(rank: int, pid: int) -> str:
+    """The failure line of a trainer (process ``pid``) that ended without closing."""
+    return f"trainer of rank {rank} (pid {pid}) ended without closing (it exited or was killed)"
+
+
+async def ended_soon(gone: Callable[[], bool], wait_s: float = ENDED_WAIT_S) -> bool:
+    """Whether ``gone()`` holds within ``wait_s`` seconds (polled, without blocking the
+    event loop)."""
+    loop = asyncio.get_running_loop()
+    t_end = loop.time() + wait_s
+    while not gone():
+        if loop.time() >= t_end:
+            return False
+        await asyncio.sleep(0.02)
+    return True
 
 
 def not_a_register(msg: dict, rank: int) -> str:

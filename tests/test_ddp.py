@@ -287,12 +287,14 @@ def test_a_successful_run_leaves_no_default_run_dir():
         shutil.rmtree(xdg)
 
 
-def _signal_a_running_example(tmp_path, act, env=None) -> tuple[int, str, list[int]]:
+def _signal_a_running_example(tmp_path, act, env=None,
+                              wait_s: float = 0.0) -> tuple[int, str, list[int]]:
     """Run the example under torchrun (2 ranks, dgt, far more iterations than it will
     take) in a session of its own; once both sidecars are up and a second has passed,
     ``act(torchrun's pid, [sidecar pids])``; wait for torchrun to end. Returns (its exit
     status, its output, the sidecars' pids still alive then); every process is gone
-    after, whatever happened."""
+    after, whatever happened. ``wait_s``: how long after torchrun the sidecars may take
+    to end (one whose trainer torchrun did not have to wait for: a trainer killed)."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", "2", EXAMPLE, "--comm", "dgt", "--dataset", "digits",
@@ -311,6 +313,9 @@ def _signal_a_running_example(tmp_path, act, env=None) -> tuple[int, str, list[i
         time.sleep(1)   # a few steps in
         act(p.pid, pids)
         log, _ = p.communicate(timeout=200)
+        t_end = time.monotonic() + wait_s   # sidecars whose trainer torchrun did not wait
+        while any(alive(pid) for pid in pids) and time.monotonic() < t_end:   # for
+            time.sleep(0.05)
         return p.returncode, log, [pid for pid in pids if alive(pid)]
     finally:
         stop_procs(p)
@@ -331,6 +336,34 @@ def test_a_stopped_sidecar_does_not_outlive_its_torchrun_job(tmp_path):
         env={"DGT_PEER_TIMEOUT_S": "5"})
     assert rc != 0, log[-3000:]
     assert left == [], (left, log[-3000:])   # when torchrun has returned
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_trainer_that_ends_without_closing_is_named(tmp_path):
+    """Breaker round 10: a rank whose trainer ended without closing its DgtState
+    (os._exit(0) mid-run; SIGKILL alike) was reported as "rank 1 reports: stopped by
+    signal": its sidecar took the SIGTERM its trainer's death sends it
+    (PR_SET_PDEATHSIG) for a stop. Now it says its trainer ended."""
+    trainer = []
+
+    def kill_trainer_1(_, pids):
+        trainer.append(_ppid(pids[1]))
+        os.kill(trainer[0], signal.SIGKILL)
+
+    # its sidecar ends after the trainer torchrun saw end (bounded: a peer timeout)
+    rc, log, left = _signal_a_running_example(tmp_path, kill_trainer_1, wait_s=30)
+    assert rc != 0 and left == [], log[-3000:]
+    said = f"trainer of rank 1 (pid {trainer[0]}) ended without closing (it exited or " \
+        f"was killed)"
+    assert said in (tmp_path / "run" / "sidecar-1.log").read_text()
+    assert "stopped by signal" not in log, log[-3000:]
+    assert f"rank 1 reports: {said}" in log or "rank(s) [1]" in log, log[-3000:]
 
 
 @pytest.mark.slow

@@ -318,16 +318,32 @@ MAX_PEER_TIMEOUT_S = 3600.0
 #: the data and building the model, on a loaded machine tens of seconds apart), and a
 #: trainer that is still starting is not a dead peer (docs/architecture.md, "Processes and failure")
 START_SKEW_S = 40.0
+#: s: rendezvous waits allow --peer-timeout-s plus this for the others' start-up
+#: (imports, the dataset): NodeConfig.startup_grace_s's default
+STARTUP_GRACE_S = 10.0
+#: s of one CPU that starting one of dgt train's processes takes (importing torch and
+#: dgt: 2.3 s measured on this project's 2-core VM), doubled for a margin: dgt train's
+#: --startup-grace-s is this times its processes per CPU (:func:`startup_grace_s`)
+STARTUP_CPU_S = 5.0
 
 
-def trainer_timeout_s(peer_timeout_s: float) -> float:
+def startup_grace_s(processes: int, cpus: int) -> float:
+    """The start-up grace of a job that starts ``processes`` Python processes at once on
+    ``cpus`` CPUs of one machine: :data:`STARTUP_GRACE_S`, or more where they queue
+    for the CPUs (breaker round 10: 16 workers on 2 CPUs, 33 processes, took over 30 s
+    to start, and rank 0, alive, was named dead)."""
+    return max(STARTUP_GRACE_S, STARTUP_CPU_S * processes / max(1, cpus))
+
+
+def trainer_timeout_s(peer_timeout_s: float,
+                      startup_grace: float = STARTUP_GRACE_S) -> float:
     """Seconds a trainer waits for its sidecar's answer (a push-pull, its start), given
-    the sidecars' ``peer_timeout_s``: ``max(60, 3 * peer_timeout_s) + START_SKEW_S``,
-    longer than the sidecar's own wait on its first push (``peer_timeout_s +
-    START_SKEW_S``), so that a silent peer is named by the sidecar, not reported as a
-    sidecar that did not answer. ``dgt train``'s trainers and ``dgt.ddp.DgtState``'s
-    default use it."""
-    return max(60.0, 3.0 * float(peer_timeout_s)) + START_SKEW_S
+    the sidecars' ``peer_timeout_s`` and ``--startup-grace-s``: ``max(60, 3 *
+    peer_timeout_s) + max(START_SKEW_S, startup_grace)``, longer than the sidecar's own
+    wait on its first push (``peer_timeout_s + max(START_SKEW_S, startup_grace)``), so
+    that a silent peer is named by the sidecar, not reported as a sidecar that did not
+    answer. ``dgt train``'s trainers and ``dgt.ddp.DgtState``'s default use it."""
+    return max(60.0, 3.0 * float(peer_timeout_s)) + max(START_SKEW_S, startup_grace)
 
 
 #: training samples of the digits split (dgt.workloads.datasets.load_digits: 1,797
@@ -397,6 +413,10 @@ class NodeConfig:
                                    "rendezvous (0 = wait for ever: a trainer may start "
                                    "long after its sidecar; dgt train passes its own "
                                    "--register-timeout-s)")
+    startup_grace_s: float = _f(STARTUP_GRACE_S, "seconds beyond --peer-timeout-s that "
+                                "the others' start-up may take (rank 0's store to answer, "
+                                "the rendezvous); dgt train raises it with the processes "
+                                "per CPU it starts on this machine")
 
     def __post_init__(self):
         if not self.socket and self.rank >= 0:
@@ -420,6 +440,9 @@ class NodeConfig:
         if not 0.0 <= self.register_timeout_s <= MAX_PEER_TIMEOUT_S:
             raise ValueError(f"--register-timeout-s must be in 0..{MAX_PEER_TIMEOUT_S:g} s "
                              f"(0 = no bound), got {self.register_timeout_s:g}")
+        if not 0.0 <= self.startup_grace_s <= MAX_PEER_TIMEOUT_S:
+            raise ValueError(f"--startup-grace-s must be in 0..{MAX_PEER_TIMEOUT_S:g} s, "
+                             f"got {self.startup_grace_s:g}")
         if self.master_listen_fd != -1 and (self.master_listen_fd < 3 or self.rank != 0):
             raise ValueError(f"--master-listen-fd is for rank 0 only and must be an "
                              f"inherited descriptor >= 3 (or -1), got "

@@ -41,7 +41,7 @@ from .interrupt import exit_status, raise_keyboard_interrupt_on
 from .process import die_with_parent, running
 from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig,
                      JobConfig, TransmissionConfig, default_run_dir, to_argv,
-                     trainer_timeout_s)
+                     startup_grace_s, trainer_timeout_s)
 from .rendezvous import QUIET_TORCH_ENV
 from .report import build_report, diverged, print_summary, replicas_differ
 
@@ -95,6 +95,10 @@ class Job:
         #: errors and warnings: stderr beside the console's stdout, else the caller's log
         self.warn = warn or (say_error if log is say else log)
         self.ckpt = ckpt or CheckpointConfig()
+        #: each sidecar's --startup-grace-s: the job's 2 * workers + 1 processes (the
+        #: store's too) start at once on this machine's CPUs (loopback or testbed)
+        self.startup_grace_s = startup_grace_s(2 * job.workers + 1,
+                                               len(os.sched_getaffinity(0)))
         self.restarts = 0
         self.metrics = metrics   # dgt.metrics.MetricsConfig: rank r serves on port + r
         self.progress = None     # dgt.progress.TrainProgress, on a terminal
@@ -222,7 +226,9 @@ class Job:
                 "--host", host, "--base-port", str(j.base_port),
                 "--socket", sock, "--run-dir", self.run_dir,
                 "--seed", str(j.seed),
-                "--register-timeout-s", repr(j.register_timeout_s)] + tx_argv + \
+                "--register-timeout-s", repr(j.register_timeout_s),
+                "--startup-grace-s", repr(self.startup_grace_s)] + \
+                tx_argv + \
                 self._metrics_argv(r)
             fds = store_fd if r == 0 else []
             if fds:
@@ -241,7 +247,8 @@ class Job:
                 "--device", j.device,
                 "--target-accuracy", str(j.target_accuracy),
                 *workload_argv(j), *self._checkpoint_argv(resume),
-                "--timeout-s", str(trainer_timeout_s(self.tx.peer_timeout_s))]
+                "--timeout-s", str(trainer_timeout_s(self.tx.peer_timeout_s,
+                                                     self.startup_grace_s))]
             self._spawn("trainer", r, trainer, env,
                         to_terminal=(r == 0 and not self._progress_bar()))
         # atomic: a reader polling for the file never sees it empty

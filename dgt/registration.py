@@ -28,8 +28,6 @@ from .scheduler.pacing import flow_share
 
 log = logging.getLogger("dgt.sidecar")
 
-#: rendezvous waits allow --peer-timeout-s plus this for start-up (imports, the dataset)
-STARTUP_GRACE_S = 10.0
 
 
 def exchange_endpoints(node: NodeConfig, cfg: TransmissionConfig, me: dict,
@@ -42,7 +40,8 @@ def exchange_endpoints(node: NodeConfig, cfg: TransmissionConfig, me: dict,
     others' waits end with it, naming the rank). Values that fail their check are
     counted in ``rejected`` (``store_rejected``) and ignored. Raises PeerFailure."""
     rdv = Rendezvous(node.master_addr, node.master_port, node.world, node.rank,
-                     cfg.peer_timeout_s + STARTUP_GRACE_S, listen_fd=node.master_listen_fd,
+                     cfg.peer_timeout_s + node.startup_grace_s,
+                     listen_fd=node.master_listen_fd,
                      secret=cfg.secret, job=node.job, rejected=rejected,
                      answer_s=cfg.peer_timeout_s)
     on_store(rdv)

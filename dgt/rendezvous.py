@@ -85,6 +85,20 @@ def process_age_s() -> float:
         return 0.0
 
 
+def overloaded() -> str:
+    """``"; or ... overloaded ..."`` when this machine's 1-minute load average exceeds
+    twice its CPUs (start-up is then slow, not dead: breaker round 10 saw rank 0 named
+    dead under 33 starting processes on 2 CPUs), else ``""``."""
+    try:
+        load, cpus = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except OSError:
+        return ""
+    if load <= 2 * cpus:
+        return ""
+    return (f"; or it is slow: this machine is overloaded (load average {load:.1f} on "
+            f"{cpus} CPUs), so start fewer processes or raise --peer-timeout-s")
+
+
 def connected_to_itself(sock: socket.socket) -> bool:
     """True when ``sock``, a connected TCP socket, is connected to itself: on one host, a
     connect to a port with no listener in the ephemeral range can pick that very port
@@ -267,8 +281,8 @@ class Rendezvous:
         if "store" not in out:
             raise PeerFailure(f"rank 0 stopped answering (dead or frozen): its rendezvous "
                               f"store at {self.host}:{self.port} accepts connections but "
-                              f"did not answer within {self.timeout_s:.0f} s of start-up",
-                              0, FailureReason.PEER_SILENT, [0])
+                              f"did not answer within {self.timeout_s:.0f} s of start-up"
+                              + overloaded(), 0, FailureReason.PEER_SILENT, [0])
         return out["store"]
 
     def _connect_store(self, TCPStore):

@@ -383,8 +383,10 @@ class Sidecar:
             self.pushing = None
             self.pushes += 1
             send({"op": "pulled", "t": t, "k": k, "first_sent": self.agent.parts.first_sent})
-        # the first push also waits out the others' start-up (config.START_SKEW_S)
-        wait_s = self.cfg.peer_timeout_s + (START_SKEW_S if self.pushes == 0 else 0.0)
+        # the first push also waits out the others' start-up (config.START_SKEW_S, or
+        # --startup-grace-s where dgt train raised it)
+        wait_s = self.cfg.peer_timeout_s + (max(START_SKEW_S, self.node.startup_grace_s)
+                                            if self.pushes == 0 else 0.0)
         k = await self.agent.push(t, float(loss) if loss is not None else None,
                                   wait_s, pulled, on_range)
         self.trace.end(self.agent, k)

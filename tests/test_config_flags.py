@@ -140,3 +140,23 @@ def test_a_negative_zero_is_zero():
     from dgt.config import finite
     assert repr(finite(float)("-0.0")) == "0.0" and repr(finite(float)("-0")) == "0.0"
     assert finite(int)("-0") == 0 and finite(float)("-2.5") == -2.5
+
+
+def test_the_start_up_grace_grows_with_the_processes_per_cpu():
+    """Breaker round 10: 'dgt train --workers 16' on 2 CPUs (33 processes starting at
+    once) named rank 0, alive, dead: its store had not answered within --peer-timeout-s
+    + 10 s of start-up. dgt train now gives its sidecars a grace that grows with the
+    processes per CPU, and its trainers a timeout longer than the sidecars' first wait."""
+    import os
+    from dgt.config import (START_SKEW_S, STARTUP_GRACE_S, JobConfig, TransmissionConfig,
+                            startup_grace_s, trainer_timeout_s)
+    from dgt.launch import Job
+    assert startup_grace_s(3, 16) == STARTUP_GRACE_S
+    assert startup_grace_s(33, 2) == 82.5 and startup_grace_s(9, 2) == 22.5
+    job = Job(JobConfig(workers=16), TransmissionConfig())
+    cpus = len(os.sched_getaffinity(0))
+    assert job.startup_grace_s == startup_grace_s(33, cpus) >= STARTUP_GRACE_S
+    for peer in (1.0, 20.0, 200.0):
+        for grace in (STARTUP_GRACE_S, 82.5, 300.0):
+            assert trainer_timeout_s(peer, grace) > peer + max(START_SKEW_S, grace)
+    assert trainer_timeout_s(20.0) == 60.0 + START_SKEW_S   # the default: unchanged

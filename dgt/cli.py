@@ -27,7 +27,7 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if ns.local_steps is not None and job.algo != "fedavg":
         parser.error("--local-steps only applies with --algo fedavg; add --algo fedavg or "
                      "drop --local-steps")
-    for line in job.warnings() + ckpt.warnings():
+    for line in job.warnings() + tx.warnings() + metrics.warnings() + ckpt.warnings():
         print(f"{parser.prog}: warning: {line}", file=sys.stderr, flush=True)
     from .fdlimit import ensure
     try:   # before torch opens its files; the children inherit it

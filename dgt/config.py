@@ -159,6 +159,23 @@ class TransmissionConfig:
     check_conservation: bool = _f(False, "record the sums needed to check the "
                                   "conservation invariant (costs memory)")
 
+    def warnings(self) -> list[str]:
+        """Flags given that this configuration does not use, one line each (see
+        :meth:`JobConfig.warnings`)."""
+        out = []
+        if self.mode == "tcp":
+            out += ignored(self, ("k", "k_min", "adaptive_k", "channels", "epsilon",
+                                  "band_codec", "drop_udp"),
+                           "with --mode tcp (every block goes over the reliable channel)")
+        if self.pull_codec == "fp32":
+            out += ignored(self, ("pull_coded_fraction",),
+                           "with --pull-codec fp32 (no PULL block is coded)")
+        if not self.adaptive_deadline:
+            out += ignored(self, ("deadline_max_ms",),
+                           "with --no-adaptive-deadline (the wait after END is "
+                           "--deadline-ms)")
+        return out
+
     def validate(self) -> None:
         """Raise ValueError with a message that says what to do."""
         if self.mode not in MODES:
@@ -652,6 +669,18 @@ def given_flag(name: str, value) -> str:
     return f"{flag} {value}"
 
 
+def ignored(cfg, names: tuple[str, ...], why: str) -> list[str]:
+    """One warning line for the fields ``names`` of dataclass ``cfg`` given other than
+    their defaults (a flag or its DGT_* variable) where ``why`` makes them do nothing:
+    ``"--k 0.1, --channels 7 are ignored with --mode tcp (...)"``; [] when none was."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    given = [given_flag(n, getattr(cfg, n)) for n in names
+             if getattr(cfg, n) != defaults[n]]
+    if not given:
+        return []
+    return [f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} ignored {why}"]
+
+
 def _env(name: str) -> str:
     return "DGT_" + name.upper()
 
@@ -749,6 +778,14 @@ class MetricsConfig:
                                  "sidecar wrote its report, so a last scrape sees the "
                                  "final counters (0..600)")
 
+    def warnings(self) -> list[str]:
+        """Flags given that do nothing without --metrics-port (see
+        :meth:`JobConfig.warnings`)."""
+        if self.metrics_port:
+            return []
+        return ignored(self, ("metrics_host", "metrics_linger_s"),
+                       "without --metrics-port (no metrics endpoint)")
+
     def validate(self) -> None:
         """Raise ValueError naming the flag."""
         if not 0 <= self.metrics_port <= 65535:
@@ -792,10 +829,14 @@ class CheckpointConfig:
     def warnings(self) -> list[str]:
         """What is accepted but does less than it may seem, one line each (see
         :meth:`JobConfig.warnings`)."""
+        out = []
         if self.max_restarts and not self.checkpoint_every and not self.resume:
-            return [f"--max-restarts {self.max_restarts} without --checkpoint-every: a "
-                    f"restart starts the job again from iteration 0"]
-        return []
+            out.append(f"--max-restarts {self.max_restarts} without --checkpoint-every: "
+                       f"a restart starts the job again from iteration 0")
+        if not self.checkpoint_every:
+            out += ignored(self, ("checkpoint_dir",),
+                           "without --checkpoint-every (no checkpoint is saved)")
+        return out
 
     def validate(self) -> None:
         """Raise ValueError naming the flag."""

@@ -202,7 +202,8 @@ def test_bench_estimate_plans_a_loss_sweep():
 @pytest.mark.parametrize("args", [
     ["--loopback", "--scenarios", "tenant"], ["--loopback", "--rates", "1gbit"],
     ["--loopback", "--loss-pct", "3"], ["--loopback", "--profile", "htb-3band"],
-    ["tta", "--loopback", "--scenarios", "share"]])
+    ["tta", "--loopback", "--scenarios", "share"], ["--loopback", "--prefix", "b11"],
+    ["--loopback", "--tcp-congestion", "bbr"]])
 def test_bench_loopback_refuses_the_testbeds_flags_in_one_line(args):
     """Breaker round 9: 'dgt bench --loopback --scenarios tenant' ran the loopback cells
     and said nothing of the tenant it did not run."""
@@ -212,6 +213,19 @@ def test_bench_loopback_refuses_the_testbeds_flags_in_one_line(args):
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert f"{flag} does not apply with --loopback" in p.stderr, p.stderr
     assert p.stderr.strip().endswith("(see 'dgt bench --help')")
+    assert len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
+
+
+@pytest.mark.parametrize("args", [["--seconds", "3"], ["--mb", "5"],
+                                  ["tta", "--seconds", "3"], ["tta", "--mb", "5"]])
+def test_goodputs_own_flags_are_refused_elsewhere_in_one_line(args):
+    """Breaker round 10: --seconds and --mb (goodput's) were taken in silence by the
+    matrix and tta benches."""
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate", *args],
+                       capture_output=True, text=True, timeout=60)
+    flag = next(a for a in args if a.startswith("--"))
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert f"{flag} applies to 'dgt bench goodput' only" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
 
 

@@ -160,3 +160,44 @@ def test_the_start_up_grace_grows_with_the_processes_per_cpu():
         for grace in (STARTUP_GRACE_S, 82.5, 300.0):
             assert trainer_timeout_s(peer, grace) > peer + max(START_SKEW_S, grace)
     assert trainer_timeout_s(20.0) == 60.0 + START_SKEW_S   # the default: unchanged
+
+
+def test_flags_this_configuration_does_not_use_are_warnings():
+    """Breaker round 10: these were taken in silence; each changes nothing here."""
+    from dgt.config import CheckpointConfig, MetricsConfig, TransmissionConfig
+    assert TransmissionConfig(mode="tcp", k=0.1, channels=7, drop_udp=0.5).warnings() == [
+        "--k 0.1, --channels 7, --drop-udp 0.5 are ignored with --mode tcp (every block "
+        "goes over the reliable channel)"]
+    assert TransmissionConfig(mode="tcp").warnings() == []
+    assert TransmissionConfig(mode="dgt", k=0.1, channels=7).warnings() == []
+    assert TransmissionConfig(pull_codec="fp32", pull_coded_fraction=0.3).warnings() == [
+        "--pull-coded-fraction 0.3 is ignored with --pull-codec fp32 (no PULL block is "
+        "coded)"]
+    assert TransmissionConfig(adaptive_deadline=False, deadline_max_ms=500.0
+                              ).warnings() == [
+        "--deadline-max-ms 500.0 is ignored with --no-adaptive-deadline (the wait after "
+        "END is --deadline-ms)"]
+    assert MetricsConfig(metrics_host="::1").warnings() == [
+        "--metrics-host ::1 is ignored without --metrics-port (no metrics endpoint)"]
+    assert MetricsConfig(metrics_host="::1", metrics_port=9100).warnings() == []
+    assert CheckpointConfig(checkpoint_dir="/x").warnings() == [
+        "--checkpoint-dir /x is ignored without --checkpoint-every (no checkpoint is "
+        "saved)"]
+    assert CheckpointConfig(checkpoint_dir="/x", checkpoint_every=5).warnings() == []
+
+
+def test_dgt_train_prints_each_ignored_flag_once_at_the_start(tmp_path):
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                        "--hidden", "8", "--iterations", "1", "--eval-every", "0",
+                        "--mode", "tcp", "--k", "0.1", "--metrics-host", "::1",
+                        "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if "is ignored" in ln]
+    assert lines == [
+        "dgt train: warning: --k 0.1 is ignored with --mode tcp (every block goes over "
+        "the reliable channel)",
+        "dgt train: warning: --metrics-host ::1 is ignored without --metrics-port (no "
+        "metrics endpoint)"], p.stderr[-3000:]

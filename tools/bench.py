@@ -83,6 +83,10 @@ XFER_EFFICIENCY = 0.8
 
 
 
+#: dgt bench goodput's defaults: iperf3's seconds, MB over dgt's reliable channel
+GOODPUT_SECONDS, GOODPUT_MB = 5.0, 100.0
+
+
 class BenchError(RuntimeError):
     """The benchmark cannot run as asked; the message says what to do."""
 
@@ -1096,8 +1100,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cell-timeout-s", type=float, default=0.0,
                    help="kill a cell after this long (0: 4x its estimate, >= 120 s)")
     p.add_argument("--keep-runs", action="store_true", help="keep every cell's logs")
-    p.add_argument("--seconds", type=float, default=5.0, help="goodput: iperf3 seconds")
-    p.add_argument("--mb", type=float, default=100.0,
+    p.add_argument("--seconds", type=float, default=GOODPUT_SECONDS,
+                   help="goodput: iperf3 seconds")
+    p.add_argument("--mb", type=float, default=GOODPUT_MB,
                    help="goodput: MB pushed over the reliable channel (default 100)")
     p.add_argument("--estimate", "--dry-run", action="store_true",
                    help="print the plan and time estimate, run nothing")
@@ -1176,15 +1181,27 @@ def with_help_hint(message: str) -> str:
     return message + " (see 'dgt bench --help')" if "--" in message else message
 
 
+def check_not_goodput(a) -> None:
+    """``dgt bench`` (matrix) or ``tta`` given a flag that only ``goodput`` reads. Raises
+    BenchError."""
+    for flag, value, default in (("--seconds", a.seconds, GOODPUT_SECONDS),
+                                 ("--mb", a.mb, GOODPUT_MB)):
+        if value != default:
+            raise BenchError(f"{flag} applies to 'dgt bench goodput' only")
+
+
 def check_loopback_args(a) -> None:
     """``--loopback`` runs no testbed: the flags that shape one would be ignored. Raises
     BenchError naming the first one given."""
     if not a.loopback:
         return
+    d = BenchConfig()
     for flag, given in (("--scenarios", a.scenarios is not None),
                         ("--rates", bool(a.rates)),
-                        ("--loss-pct", a.loss_pct != BenchConfig().loss_pct),
-                        ("--profile", a.profile != BenchConfig().profile)):
+                        ("--loss-pct", a.loss_pct != d.loss_pct),
+                        ("--profile", a.profile != d.profile),
+                        ("--prefix", a.prefix != d.prefix),
+                        ("--tcp-congestion", a.tcp_congestion != d.tcp_congestion)):
         if given:
             raise BenchError(f"{flag} does not apply with --loopback (no testbed, no "
                              f"shaping); drop {flag}, or drop --loopback to run the "
@@ -1236,6 +1253,7 @@ def cmd_bench(a) -> int:
                               prefix=a.prefix, mb=a.mb)
             return 0 if res.get("ratio") is not None and "train_error" not in res else 1
         check_loopback_args(a)
+        check_not_goodput(a)
         cfg = config_from_args(a)
         cfg.validate()
         if a.estimate:

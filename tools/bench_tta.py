@@ -1017,6 +1017,7 @@ def cmd_tta(a, command: str) -> int:
     if a.iterations is not None:
         raise BenchError("tta trains to the target: use --max-iterations, not --iterations")
     bench.check_loopback_args(a)
+    bench.check_not_goodput(a)
     cfg = config_from_args(a)
     cfg.validate()
     if a.calibrate:

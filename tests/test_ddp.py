@@ -450,6 +450,23 @@ def test_hook_state_round_trips_and_single_rank_means_itself(group):
     assert not [n for n in os.listdir(group / "run") if n.endswith(".sock")]
 
 
+@pytest.mark.parametrize("var, value, says", [
+    ("DGT_RUN_DIR", "", "DGT_RUN_DIR is set but empty"),
+    ("DGT_HOST", " ", "DGT_HOST is set but empty"),
+    ("DGT_HOST", "192.0.2.1", "cannot listen on 192.0.2.1 (DGT_HOST)")])
+def test_a_bad_dgt_variable_of_the_hook_is_named(group, monkeypatch, var, value, says):
+    """Breaker round 10: DGT_RUN_DIR= (empty) ran in a temporary folder where dgt train
+    refuses an empty value, and DGT_HOST set to no address of this host gave only
+    "[Errno 99] Cannot assign requested address (while attempting to bind ...)"."""
+    from dgt.ddp import DgtState
+    monkeypatch.setenv(var, value)
+    with pytest.raises((ValueError, OSError)) as e:
+        DgtState().connect()   # connects at once under torchrun
+    assert says in str(e.value), str(e.value)
+    assert "while attempting" not in str(e.value)
+    assert not list(group.glob("run/sidecar-*"))   # no sidecar was started
+
+
 def test_a_sidecar_killed_by_sigkill_leaves_no_socket(group):
     # breaker round, stop 27: the sidecar cannot unlink its socket when SIGKILLed; the
     # trainer that spawned it now does at close(), and a later generation's reap does

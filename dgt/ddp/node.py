@@ -184,6 +184,9 @@ class NodeLink:
         import torch.distributed as dist
         from ..process import die_with_parent
         run_dir = os.environ.get("DGT_RUN_DIR")
+        if run_dir is not None and not run_dir.strip():   # as dgt train's empty values
+            raise ValueError("DGT_RUN_DIR is set but empty; give a folder, or unset it "
+                             "for the default (a private temporary folder)")
         if not run_dir:
             run_dir = os.path.join(private_dir(default_run_dir()), f"torchrun-{env.tag}")
         elif env.restart_count:   # a failed generation's sidecars may still be stopping
@@ -202,8 +205,12 @@ class NodeLink:
         sock = os.path.join(run_dir, f"sidecar-{rank}.sock")
         for folder in {run_dir, _previous_run_dir(env)} - {None}:
             reap_sidecar(folder, rank, env.run_id)
-        host = os.environ.get("DGT_HOST") or route_source(env.master_addr,
-                                                          env.master_port or 9)
+        given = os.environ.get("DGT_HOST")
+        if given is not None and not given.strip():
+            raise ValueError("DGT_HOST is set but empty; give this host's address, or "
+                             "unset it for the source address of the route to "
+                             "MASTER_ADDR")
+        host = given or route_source(env.master_addr, env.master_port or 9)
         store = dist.distributed_c10d._get_default_store()
         # a store of this generation's own (dgt.ddp.init_process_group) needs no restart
         # count in the key, which differs between hosts; torchrun's bare store does
@@ -214,9 +221,16 @@ class NodeLink:
         key += f"/{_spawned}" if _spawned > 1 else ""
         listener = None
         if rank == 0:   # rank 0's sidecar hosts the sidecars' store on a port bound here
-            listener = socket.create_server((host, 0), backlog=1024,
-                                            family=socket.AF_INET6 if ":" in host
-                                            else socket.AF_INET)
+            try:
+                listener = socket.create_server((host, 0), backlog=1024,
+                                                family=socket.AF_INET6 if ":" in host
+                                                else socket.AF_INET)
+            except OSError as e:   # breaker round 10: errno 99 that named no variable
+                where = "DGT_HOST" if given else (f"the source address of the route to "
+                                                  f"MASTER_ADDR {env.master_addr}")
+                why = os.strerror(e.errno) if e.errno else str(e)
+                raise OSError(e.errno, f"cannot listen on {host} ({where}): {why}; give "
+                              f"DGT_HOST an address of this host") from None
             store.set(key, json.dumps([host, listener.getsockname()[1]]))
         try:
             store.wait([key], timedelta(seconds=timeout_s))

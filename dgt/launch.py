@@ -594,7 +594,11 @@ def check_paths(job: JobConfig, ckpt: CheckpointConfig | None = None) -> None:
     (dgt.run_files.check_run_dir: the job's own --report and checkpoints of ``ckpt``
     may be in a new one). Raises ValueError with a
     message that names the flag."""
-    if job.report:
+    # a --report in the --run-dir it names: that folder is made first (breaker round
+    # 10: refused as a folder that does not exist, which dgt would have made)
+    in_run_dir = bool(job.report and job.run_dir) and os.path.dirname(
+        os.path.abspath(job.report)) == os.path.abspath(job.run_dir)
+    if job.report and not in_run_dir:
         _check_report(job.report)
     if job.run_dir:
         if os.path.exists(job.run_dir) and not os.path.isdir(job.run_dir):
@@ -604,6 +608,8 @@ def check_paths(job: JobConfig, ckpt: CheckpointConfig | None = None) -> None:
             os.makedirs(job.run_dir, exist_ok=True)
         except OSError as e:
             raise ValueError(f"--run-dir: cannot create {job.run_dir}: {e.strerror}") from None
+    if in_run_dir:
+        _check_report(job.report)
     if job.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
@@ -768,7 +774,9 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
     wall_s = time.monotonic() - t0
     if failure:
         warn(f"dgt train: failed: {failure}")
-        warn(f"dgt train: logs kept in {j.run_dir}")
+        warn(f"dgt train: logs kept in {j.run_dir}" if os.path.isdir(j.run_dir) else
+             f"dgt train: the run dir {j.run_dir} is gone (removed or renamed while the "
+             f"job ran), and its logs with it")
         return code, None
     report = build_report(j.run_dir, job, tx, wall_s, j.spill)
     report["restarts"] = j.restarts

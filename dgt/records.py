@@ -108,8 +108,10 @@ def load(run_dir: str, pattern: str, spill: str | None, world: int | None = None
         if name in found or not isinstance(wrapped, dict) or "record" not in wrapped:
             continue
         found[name] = wrapped["record"]
-        warnings.append(f"{wrapped.get('error', 'could not write ' + name)} (the run dir "
-                        f"is full or gone); its numbers are in this report")
+        # the writer's error says why (ENOSPC, ENOENT, EACCES...): no guess added
+        # (breaker round 10: "Permission denied (the run dir is full or gone)")
+        warnings.append(f"{wrapped.get('error', 'could not write ' + name + ' in the run dir')}"
+                        f"; its numbers are in this report")
     recs = [r for r in found.values() if isinstance(r, dict) and "rank" in r]
     return sorted(recs, key=lambda d: d["rank"]), warnings
 

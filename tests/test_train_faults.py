@@ -547,6 +547,59 @@ def test_the_killed_or_frozen_rank_is_the_one_the_headline_names(tmp_path, kind,
     assert not [x for x in pids if alive(x["pid"])]
 
 
+def test_a_failed_job_whose_run_dir_was_moved_says_so(tmp_path):
+    """Breaker round 10: the run dir renamed while the job ran, then the job failed:
+    'logs kept in <run dir>' named a folder that no longer existed."""
+    p, run_dir, pids = _started(tmp_path, "--workers", 2, "--epochs", 200)
+    os.rename(run_dir, tmp_path / "moved")
+    os.kill(next(x["pid"] for x in pids if (x["kind"], x["rank"]) == ("trainer", 1)),
+            signal.SIGKILL)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode != 0, out + err
+    assert f"dgt train: the run dir {run_dir} is gone (removed or renamed while the job " \
+        f"ran), and its logs with it" in err, err
+    assert f"logs kept in {run_dir}" not in err
+    assert not [x for x in pids if alive(x["pid"])]
+
+
+def test_a_spilled_record_says_why_it_was_spilled_and_guesses_nothing(tmp_path,
+                                                                      monkeypatch):
+    """Breaker round 10: a record that a chmod-ed run dir refused was reported as
+    "Permission denied (the run dir is full or gone)". The writer's own error is the
+    reason; nothing is added to it. (A folder in the file's place fails the write for
+    any user, root included.)"""
+    from dgt import records
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    monkeypatch.setenv(records.SPILL_ENV, str(spill))
+    run_dir = tmp_path / "run"
+    (run_dir / "sidecar-0.json").mkdir(parents=True)
+    said = records.write(str(run_dir / "sidecar-0.json"), {"rank": 0, "x": 1})
+    assert said == f"could not write {run_dir / 'sidecar-0.json'}: Is a directory"
+    recs, warnings = records.load(str(run_dir), "sidecar-*.json", str(spill), world=1)
+    assert recs == [{"rank": 0, "x": 1}]
+    assert warnings[-1] == f"{said}; its numbers are in this report", warnings
+    assert not [w for w in warnings if "full or gone" in w]
+
+
+def test_a_report_in_the_run_dir_it_makes_is_taken(tmp_path):
+    """Breaker round 10: '--run-dir X --report X/rep.json' with X new was refused (the
+    report's folder does not exist), though dgt makes X itself."""
+    from conftest import run_train
+    run_dir = tmp_path / "new"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                        "--hidden", "8", "--iterations", "1", "--eval-every", "0",
+                        "--run-dir", str(run_dir), "--report", str(run_dir / "rep.json")],
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((run_dir / "rep.json").read_text())["iterations"] == 1
+    # a report in a folder that is not the run dir still must exist (no tree of typos)
+    p, _ = run_train(tmp_path / "x", "--iterations", 1, "--report",
+                     tmp_path / "typo" / "rep.json", check=False)
+    assert p.returncode == 2 and "does not exist" in p.stderr, p.stderr
+    assert not (tmp_path / "typo").exists()
+
+
 def test_sigint_to_a_trainer_is_named_as_sigterm_is_and_leaves_no_traceback(tmp_path):
     """Breaker round 8: SIGINT to rank 1's trainer (kill -INT; the children run in
     sessions of their own, so a terminal's Ctrl-C reaches the launcher alone) ended it

@@ -344,12 +344,15 @@ STARTUP_GRACE_S = 10.0
 STARTUP_CPU_S = 5.0
 
 
-def startup_grace_s(processes: int, cpus: int) -> float:
+def startup_grace_s(processes: int, cpus: int, load: float = 0.0) -> float:
     """The start-up grace of a job that starts ``processes`` Python processes at once on
-    ``cpus`` CPUs of one machine: :data:`STARTUP_GRACE_S`, or more where they queue
-    for the CPUs (breaker round 10: 16 workers on 2 CPUs, 33 processes, took over 30 s
-    to start, and rank 0, alive, was named dead)."""
-    return max(STARTUP_GRACE_S, STARTUP_CPU_S * processes / max(1, cpus))
+    ``cpus`` CPUs of one machine whose 1-minute load average is ``load`` (the runnable
+    processes it already has): :data:`STARTUP_GRACE_S`, or more where they queue for
+    the CPUs. Breaker round 10: 16 workers on 2 CPUs, 33 processes, took over 30 s to
+    start, and rank 0, alive, was named dead; CI of ``d97866f`` saw the same of 2
+    workers under a load average of 21.8 on 2 CPUs."""
+    return min(MAX_PEER_TIMEOUT_S, max(
+        STARTUP_GRACE_S, STARTUP_CPU_S * (processes + max(0.0, load)) / max(1, cpus)))
 
 
 def trainer_timeout_s(peer_timeout_s: float,

@@ -96,9 +96,11 @@ class Job:
         self.warn = warn or (say_error if log is say else log)
         self.ckpt = ckpt or CheckpointConfig()
         #: each sidecar's --startup-grace-s: the job's 2 * workers + 1 processes (the
-        #: store's too) start at once on this machine's CPUs (loopback or testbed)
+        #: store's too) start at once on this machine's CPUs (loopback or testbed),
+        #: beside the load it already has
         self.startup_grace_s = startup_grace_s(2 * job.workers + 1,
-                                               len(os.sched_getaffinity(0)))
+                                               len(os.sched_getaffinity(0)),
+                                               os.getloadavg()[0])
         self.restarts = 0
         self.metrics = metrics   # dgt.metrics.MetricsConfig: rank r serves on port + r
         self.progress = None     # dgt.progress.TrainProgress, on a terminal

@@ -68,7 +68,8 @@ def test_tta_flags_outside_tta_are_refused(tmp_path):
                         "0.3", "--out", str(tmp_path)], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and p.stderr.strip() == \
-        "dgt bench: error: --share applies to 'dgt bench tta' only", p.stderr
+        "dgt bench: error: --share applies to 'dgt bench tta' only (see 'dgt bench " \
+        "--help')", p.stderr
 
 
 def test_calibrated_rate_gives_the_asked_ratio():

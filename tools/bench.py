@@ -1252,10 +1252,10 @@ def cmd_bench(a) -> int:
                               seconds=a.seconds, out=a.out, profile=a.profile,
                               prefix=a.prefix, mb=a.mb)
             return 0 if res.get("ratio") is not None and "train_error" not in res else 1
+        cfg = config_from_args(a)
+        cfg.validate()   # first: a bad value is named as such, given where it applies or not
         check_loopback_args(a)
         check_not_goodput(a)
-        cfg = config_from_args(a)
-        cfg.validate()
         if a.estimate:
             if not cfg.loopback:
                 check_tools(cfg.scenarios, estimate=True)

@@ -1016,10 +1016,10 @@ def cmd_tta(a, command: str) -> int:
     """``dgt bench tta``. Raises BenchError (one line, exit 2 in bench.cmd_bench)."""
     if a.iterations is not None:
         raise BenchError("tta trains to the target: use --max-iterations, not --iterations")
+    cfg = config_from_args(a)
+    cfg.validate()   # first: a bad value is named as such, given where it applies or not
     bench.check_loopback_args(a)
     bench.check_not_goodput(a)
-    cfg = config_from_args(a)
-    cfg.validate()
     if a.calibrate:
         cal = calibrate(cfg)
         bench.check_out_dir(cfg.out)

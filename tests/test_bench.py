@@ -234,6 +234,8 @@ def test_bench_errors_naming_a_flag_point_at_help_and_the_others_do_not():
     assert with_help_hint("--workers must be 2..64,\n got 1") == \
         "--workers must be 2..64, got 1 (see 'dgt bench --help')"
     assert with_help_hint("dgt bench needs root") == "dgt bench needs root"
+    # not_root's line names flags too (--loopback), and is the table's as it is
+    assert with_help_hint("needs root; or add --loopback") == "needs root; or add --loopback"
 
 
 @pytest.mark.parametrize("value, msg", [

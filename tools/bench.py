@@ -1175,10 +1175,11 @@ def check_tools(scenarios, estimate: bool, goodput: bool = False) -> None:
 
 
 def with_help_hint(message: str) -> str:
-    """An error that names a flag points at the flags' reference, as argparse's own
-    errors do (dgt.config.OneLineParser)."""
+    """An error about a flag (its message starts with the flag) points at the flags'
+    reference, as argparse's own errors do (dgt.config.OneLineParser); others (needs
+    root, a missing tool) say what to do themselves."""
     message = " ".join(message.split())
-    return message + " (see 'dgt bench --help')" if "--" in message else message
+    return message + " (see 'dgt bench --help')" if message.startswith("--") else message
 
 
 def check_not_goodput(a) -> None:

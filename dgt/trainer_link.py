@@ -95,7 +95,7 @@ class TrainerLink:
         uid."""
         try:
             pid, uid, _ = unixsock.peer_creds(writer.get_extra_info("socket"))
-        except (OSError, AttributeError, TypeError):
+        except (OSError, AttributeError, TypeError, ValueError):
             return False
         if uid == os.getuid():
             return False
@@ -115,6 +115,11 @@ class TrainerLink:
         """asyncio.start_unix_server's callback: serve one connection to its end."""
         if self._foreign(writer):
             return
+        try:   # now, while the connection is open (uvloop's socket of a closed one
+            # raises ValueError "negative file descriptor": CI of 74a875d)
+            trainer_pid = unixsock.peer_creds(writer.get_extra_info("socket"))[0]
+        except (OSError, ValueError, TypeError):
+            trainer_pid = 0
         try:
             line = await reader.readline()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
@@ -164,11 +169,8 @@ class TrainerLink:
         if clean:
             self.bye()
         elif not self.done.is_set():
-            try:
-                pid = unixsock.peer_creds(writer.get_extra_info("socket"))[0]
-            except (OSError, TypeError):
-                pid = 0
             # its connection ends as its process does: say so when it has ended
+            pid = trainer_pid
             ended = pid > 0 and await ended_soon(lambda: not running(pid))
             if not self.done.is_set():
                 self.fail(trainer_ended(self.rank, pid) if ended else

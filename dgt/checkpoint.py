@@ -562,9 +562,13 @@ def _os_error(e: BaseException) -> OSError | None:
     return None
 
 
+#: what :func:`not_written`'s lines hold, by which :func:`none_written` finds them
+NOT_WRITTEN = " not written: "
+
+
 def not_written(path: str, e: OSError) -> str:
     """The one-line warning for checkpoint file ``path`` that could not be written."""
-    return f"checkpoint {path} not written: {e.strerror or e}"
+    return f"checkpoint {path}{NOT_WRITTEN}{e.strerror or e}"
 
 
 def discard(folder: str, rank: int) -> None:
@@ -586,7 +590,7 @@ def none_written(root: str, world: int, warnings: list[str]) -> str | None:
     """After a run that saved checkpoints under ``root``: one line when a file failed
     (``warnings``: the report's, :func:`not_written`'s lines among them) and no step is
     complete there, i.e. the run asked for checkpoints and has none; else None."""
-    failed = [w for w in warnings if w.startswith("checkpoint ") and " not written: " in w]
+    failed = [w for w in warnings if w.startswith("checkpoint ") and NOT_WRITTEN in w]
     if not failed or complete_steps(root, world):
         return None
     return (f"no checkpoint was written to {root}: {len(failed)} file(s) could not be "

@@ -28,7 +28,7 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--local-steps only applies with --algo fedavg; add --algo fedavg or "
                      "drop --local-steps")
     for line in job.warnings() + tx.warnings() + metrics.warnings() + ckpt.warnings():
-        print(f"{parser.prog}: warning: {line}", file=sys.stderr, flush=True)
+        parser.warning(line)
     from .fdlimit import ensure
     try:   # before torch opens its files; the children inherit it
         ensure(job.workers)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 
 from .layout import DEFAULT_BLOCK_BYTES
@@ -645,6 +646,11 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         message = " ".join(str(message).split())   # foreign exception text may hold \n
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def warning(self, message: str) -> None:
+        """One line on stderr for what is accepted but does nothing (the configs'
+        ``warnings()``); the command goes on."""
+        print(f"{self.prog}: warning: {message}", file=sys.stderr, flush=True)
 
 
 def finite(typ):

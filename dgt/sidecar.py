@@ -660,7 +660,7 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not os.environ.get(LAUNCHED_ENV):   # dgt train said them once for the job
         for line in cfg.warnings() + mcfg.warnings():
-            print(f"{parser.prog}: warning: {line}", file=sys.stderr, flush=True)
+            parser.warning(line)
     if node.base_port < 0 or (node.base_port and
                               node.base_port + 10 * node.rank + cfg.channels > 65535):
         parser.error(f"--base-port {node.base_port} leaves no room for rank {node.rank}'s "

@@ -356,6 +356,36 @@ def startup_grace_s(processes: int, cpus: int, load: float = 0.0) -> float:
         STARTUP_GRACE_S, STARTUP_CPU_S * (processes + max(0.0, load)) / max(1, cpus)))
 
 
+def startup_grace_here(processes: int) -> float:
+    """:func:`startup_grace_s` of ``processes`` started now on this machine: the CPUs
+    this process may run on (its affinity) and the 1-minute load average."""
+    return startup_grace_s(processes, len(os.sched_getaffinity(0)), os.getloadavg()[0])
+
+
+def startup_grace_of(argv, environ=os.environ) -> float | None:
+    """The ``--startup-grace-s`` that ``argv`` (``dgt sidecar`` flags) gives, else
+    ``DGT_STARTUP_GRACE_S``, in seconds; None where neither does. Raises ValueError,
+    naming the flag or variable, for a value that is not a number in
+    0..MAX_PEER_TIMEOUT_S."""
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    p.add_argument("--startup-grace-s", type=finite(float), default=None)
+    try:
+        ns, _ = p.parse_known_args([str(a) for a in argv])
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
+    got, name = ns.startup_grace_s, "--startup-grace-s"
+    if got is None and _env("startup_grace_s") in environ:
+        name = _env("startup_grace_s")
+        raw = environ[name]
+        try:
+            got = finite(float)(raw)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise ValueError(f"{name}={raw!r}: {e}") from None
+    if got is not None and not 0.0 <= got <= MAX_PEER_TIMEOUT_S:
+        raise ValueError(f"{name} must be in 0..{MAX_PEER_TIMEOUT_S:g} s, got {got:g}")
+    return got
+
+
 def trainer_timeout_s(peer_timeout_s: float,
                       startup_grace: float = STARTUP_GRACE_S) -> float:
     """Seconds a trainer waits for its sidecar's answer (a push-pull, its start), given

@@ -41,7 +41,7 @@ from .interrupt import exit_status, raise_keyboard_interrupt_on
 from .process import die_with_parent, running
 from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig,
                      JobConfig, TransmissionConfig, default_run_dir, to_argv,
-                     startup_grace_s, trainer_timeout_s)
+                     startup_grace_here, trainer_timeout_s)
 from .rendezvous import QUIET_TORCH_ENV
 from .report import build_report, diverged, print_summary, replicas_differ
 
@@ -98,9 +98,7 @@ class Job:
         #: each sidecar's --startup-grace-s: the job's 2 * workers + 1 processes (the
         #: store's too) start at once on this machine's CPUs (loopback or testbed),
         #: beside the load it already has
-        self.startup_grace_s = startup_grace_s(2 * job.workers + 1,
-                                               len(os.sched_getaffinity(0)),
-                                               os.getloadavg()[0])
+        self.startup_grace_s = startup_grace_here(2 * job.workers + 1)
         self.restarts = 0
         self.metrics = metrics   # dgt.metrics.MetricsConfig: rank r serves on port + r
         self.progress = None     # dgt.progress.TrainProgress, on a terminal

@@ -434,6 +434,9 @@ def test_hook_state_round_trips_and_single_rank_means_itself(group):
     for p, q in zip(model.module.parameters(), ref.module.parameters()):
         assert torch.equal(p.grad, q.grad)
     assert state.iteration == 3 and len(state.timings) == 3
+    argv = state.node.proc.args   # the sidecar it started has its start-up grace
+    assert argv.count("--startup-grace-s") == 1
+    assert argv[argv.index("--startup-grace-s") + 1] == repr(state.startup_grace_s)
     sd = state.state_dict()
     assert sd["layout_numels"] == state.layout_numels and sum(sd["layout_numels"]) == 178
     blob = pickle.dumps(state)    # no socket, no process in it
@@ -701,6 +704,8 @@ def test_the_hook_waits_longer_than_the_sidecars_first_push(monkeypatch):
     from dgt.config import START_SKEW_S
     from dgt.ddp import DgtState
     monkeypatch.delenv("DGT_PEER_TIMEOUT_S", raising=False)
+    # a start-up grace given (below 40 s): the timeout is the peer timeout's alone
+    monkeypatch.setenv("DGT_STARTUP_GRACE_S", "10")
     for args, peer in (((), 20.0), (("--mode", "tcp", "--peer-timeout-s", "50"), 50.0),
                        (("--peer-timeout-s=200",), 200.0)):
         state = DgtState(sidecar_args=list(args), connect=False)
@@ -715,6 +720,47 @@ def test_the_hook_waits_longer_than_the_sidecars_first_push(monkeypatch):
                 ["--peer-timeout-s", "nan"]):
         with pytest.raises(ValueError, match="--peer-timeout-s"):
             DgtState(sidecar_args=bad, connect=False)
+
+
+def test_ddp_sidecars_get_a_start_up_grace_grown_with_the_local_ranks(monkeypatch):
+    """Stop 47's leftover: DDP's sidecars kept the default 10 s start-up grace where
+    dgt train's grow with the processes per CPU and the load (breaker round 10: 16
+    workers on 2 CPUs named rank 0, alive, dead). DgtState now computes it the same way
+    from LOCAL_WORLD_SIZE, gives it to the sidecar it starts, and waits longer than the
+    sidecar's first push; sidecar_args, then DGT_STARTUP_GRACE_S, set it by hand."""
+    import pickle
+    from dgt.config import START_SKEW_S, STARTUP_GRACE_S, startup_grace_s
+    from dgt.ddp import DgtState
+    monkeypatch.delenv("DGT_STARTUP_GRACE_S", raising=False)
+    monkeypatch.delenv("DGT_PEER_TIMEOUT_S", raising=False)
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    state = DgtState(connect=False)
+    # 16 sidecars and the store, beside the load (read between the two bounds)
+    assert startup_grace_s(17, cpus) <= state.startup_grace_s <= \
+        startup_grace_s(17, cpus, os.getloadavg()[0] + 5)
+    if cpus <= 4:   # 17 processes on this machine's CPUs: more than the default
+        assert state.startup_grace_s > STARTUP_GRACE_S
+    assert state.timeout_s > 20.0 + max(START_SKEW_S, state.startup_grace_s)
+    assert pickle.loads(pickle.dumps(state)).startup_grace_s == state.startup_grace_s
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert DgtState(connect=False).startup_grace_s <= \
+        startup_grace_s(2, cpus, os.getloadavg()[0] + 5)
+    # given by hand: the flag, then the variable
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    monkeypatch.setenv("DGT_STARTUP_GRACE_S", "300")
+    assert DgtState(connect=False).startup_grace_s == 300.0
+    assert DgtState(connect=False).timeout_s == 60.0 + 300.0
+    assert DgtState(sidecar_args=["--startup-grace-s", "7"],
+                    connect=False).startup_grace_s == 7.0
+    for bad, name in ((["--startup-grace-s", "soon"], "--startup-grace-s"),
+                      (["--startup-grace-s=-1"], "--startup-grace-s"),
+                      (["--startup-grace-s", "1e9"], "--startup-grace-s")):
+        with pytest.raises(ValueError, match=name):
+            DgtState(sidecar_args=bad, connect=False)
+    monkeypatch.setenv("DGT_STARTUP_GRACE_S", "nan")
+    with pytest.raises(ValueError, match="DGT_STARTUP_GRACE_S='nan'"):
+        DgtState(connect=False)
 
 
 @pytest.mark.parametrize("case", ["run dir other users can write", "run dir under a file",

@@ -6,7 +6,8 @@ import math
 import os
 import time
 
-from ..config import peer_timeout_of, trainer_timeout_s
+from ..config import (STARTUP_GRACE_S, peer_timeout_of, startup_grace_here,
+                      startup_grace_of, trainer_timeout_s)
 
 #: version of :meth:`DgtState.state_dict`'s layout; load_state_dict refuses others
 STATE_VERSION = 1
@@ -44,9 +45,12 @@ class DgtState:
     ``timeout_s``: every wait for the sidecar (its start, each push-pull), in seconds;
     on expiry :class:`dgt.PeerFailure` is raised rather than hanging. Default (None):
     ``dgt.config.trainer_timeout_s`` of the sidecar's ``--peer-timeout-s`` (from
-    ``sidecar_args``, else ``DGT_PEER_TIMEOUT_S``, else 20 s): 100 s, longer than the
-    sidecar's own wait on the first push (peer timeout + 40 s), so a peer that never
-    comes is named by the sidecar rather than reported as a sidecar that did not answer.
+    ``sidecar_args``, else ``DGT_PEER_TIMEOUT_S``, else 20 s) and of its
+    ``--startup-grace-s`` (from ``sidecar_args``, else ``DGT_STARTUP_GRACE_S``, else
+    grown with this node's ``LOCAL_WORLD_SIZE`` per CPU and its load average, as ``dgt
+    train``'s): 100 s on an idle machine, longer than the sidecar's own wait on the
+    first push (peer timeout + max(40 s, grace)), so a peer that never comes is named
+    by the sidecar rather than reported as a sidecar that did not answer.
 
     ``overlap``: push each bucket's blocks as DDP hands the bucket over, while backward
     goes on (wait-free backpropagation; the default). False: push the whole vector
@@ -57,7 +61,8 @@ class DgtState:
     included), ``socket_path`` that is not None, a str or an os.PathLike,
     ``overlap`` or ``connect`` that is not a bool, ``process_group`` that is not None or
     a ``torch.distributed.ProcessGroup``; ValueError for a ``timeout_s`` that is not a
-    finite number > 0, a bad ``--peer-timeout-s`` in ``sidecar_args``, or a flag there
+    finite number > 0, a bad ``--peer-timeout-s`` or ``--startup-grace-s`` in
+    ``sidecar_args`` (or ``DGT_STARTUP_GRACE_S``), or a flag there
     that DgtState sets itself (``--rank``, ``--world``, ``--host``: ``DGT_HOST``,
     ``--run-dir``: ``DGT_RUN_DIR``, ``--socket``, ``--job``, ``--master-*``). With
     ``connect``: what :meth:`connect` raises. After :meth:`close`, a backward through
@@ -89,8 +94,12 @@ class DgtState:
         self.process_group = _process_group(process_group)
         self.socket_path = _socket_path(socket_path)
         self.sidecar_args = _sidecar_args(sidecar_args)
+        #: the sidecar's --startup-grace-s (sidecar_args, else DGT_STARTUP_GRACE_S, else
+        #: grown with this node's processes per CPU and its load, as dgt train's)
+        self.startup_grace_s = _startup_grace(self.sidecar_args)
         if timeout_s is None:
-            timeout_s = trainer_timeout_s(peer_timeout_of(self.sidecar_args))
+            timeout_s = trainer_timeout_s(peer_timeout_of(self.sidecar_args),
+                                          self.startup_grace_s)
         try:
             self.timeout_s = float(timeout_s)
         except (TypeError, ValueError):
@@ -179,6 +188,7 @@ class DgtState:
     def __getstate__(self) -> dict:
         return {"process_group": None, "socket_path": self.socket_path,
                 "sidecar_args": self.sidecar_args, "timeout_s": self.timeout_s,
+                "startup_grace_s": self.startup_grace_s,
                 "overlap": self.overlap, "state": self.state_dict()}
 
     def __setstate__(self, d: dict) -> None:
@@ -186,6 +196,7 @@ class DgtState:
         self.socket_path = d["socket_path"]
         self.sidecar_args = list(d["sidecar_args"])
         self.timeout_s = d["timeout_s"]
+        self.startup_grace_s = d.get("startup_grace_s", STARTUP_GRACE_S)
         self.overlap = d.get("overlap", True)
         self.iteration, self.layout_numels, self.timings = 0, None, []
         self.sidecar_state = None
@@ -204,8 +215,11 @@ class DgtState:
             if _live_link is not None and not _live_link.closed:
                 raise RuntimeError(ONE_PER_PROCESS)
             from .node import NodeLink
-            self._node = NodeLink.start(self.socket_path, self.sidecar_args,
-                                        self.timeout_s, self.process_group)
+            args = self.sidecar_args
+            if startup_grace_of(args, {}) is None:   # ours, not the user's flag
+                args = args + ["--startup-grace-s", repr(self.startup_grace_s)]
+            self._node = NodeLink.start(self.socket_path, args, self.timeout_s,
+                                        self.process_group)
             _live_link = self._node
 
     @property
@@ -300,6 +314,22 @@ def _sidecar_args(args) -> list[str]:
             raise ValueError(f"DgtState(sidecar_args={args!r}): DgtState sets {flag} "
                              f"itself{_SET_BY_STATE[flag]}; leave it out")
     return out
+
+
+def _startup_grace(sidecar_args: list[str]) -> float:
+    """The --startup-grace-s for this rank's sidecar, in seconds: ``sidecar_args``'s,
+    else ``DGT_STARTUP_GRACE_S``, else :func:`dgt.config.startup_grace_here` of the
+    sidecars (``LOCAL_WORLD_SIZE``) and the store starting now on this node. Before,
+    DDP's sidecars kept 10 s where ``dgt train`` had raised it (breaker round 10).
+    Raises ValueError naming the flag or variable at fault."""
+    given = startup_grace_of(sidecar_args)
+    if given is not None:
+        return given
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:   # TorchrunEnv names it where it matters
+        local = 1
+    return startup_grace_here(local + 1)
 
 
 def _socket_path(path) -> str | None:

@@ -63,13 +63,36 @@ def test_a_bad_variant_value_stops_the_run_before_any_cell(variant, says, tmp_pa
     assert "[1/" not in p.stdout and list(tmp_path.iterdir()) == [], p.stdout
 
 
-def test_tta_flags_outside_tta_are_refused(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate", "--share",
-                        "0.3", "--out", str(tmp_path)], capture_output=True, text=True,
+@pytest.mark.parametrize("args", [
+    ["--share", "0.3"], ["--share", "0.5"], ["--models", "mlp:64"],
+    ["--batch-size", "32"], ["--max-iterations", "400"], ["--calibrate"],
+    ["goodput", "--eval-samples", "1000"], ["goodput", "--ddp-bucket-cap-mb", "1"]])
+def test_tta_flags_outside_tta_are_refused(tmp_path, args):
+    """Each tta flag is refused by the matrix and goodput benches, at its default value
+    too (stop 47's leftover: '--share 0.5' to the matrix was taken in silence)."""
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate", *args,
+                        "--out", str(tmp_path)], capture_output=True, text=True,
                        timeout=60)
+    flag = next(a for a in args if a.startswith("--"))
     assert p.returncode == 2 and p.stderr.strip() == \
-        "dgt bench: error: --share applies to 'dgt bench tta' only (see 'dgt bench " \
+        f"dgt bench: error: {flag} applies to 'dgt bench tta' only (see 'dgt bench " \
         "--help')", p.stderr
+
+
+def test_tta_takes_the_prefix_given_even_at_the_matrixs_default():
+    """tta's own namespaces' prefix (dgttta) unless --prefix is given, whatever its
+    value: before, '--prefix dgtbench' was taken for not given."""
+    from dgt.cli import build_parser
+    from dgt.tools import bench_tta
+    parse = build_parser().parse_args
+    cfg = bench_tta.config_from_args(parse(["bench", "tta"]))
+    assert cfg.prefix == bench_tta.TtaConfig.prefix == "dgttta"
+    cfg = bench_tta.config_from_args(parse(["bench", "tta", "--prefix", "dgtbench"]))
+    assert cfg.prefix == "dgtbench"
+    a = parse(["bench", "tta", "--share", "0.5"])
+    cfg = bench_tta.config_from_args(a)
+    assert cfg.share == 0.5 and cfg.batch_size == bench_tta.TtaConfig.batch_size
+    assert a.given == {"share"}
 
 
 def test_calibrated_rate_gives_the_asked_ratio():

@@ -1081,28 +1081,30 @@ def add_arguments(p) -> None:
                         f"{d.eval_every}; tta 10)")
     p.add_argument("--target-accuracy", type=float, default=None,
                    help=f"default {d.target_accuracy}; tta 0.85")
-    p.add_argument("--loss-pct", type=loss_list, default=d.loss_pct,
+    p.add_argument("--loss-pct", type=loss_list, default=None,
                    help="lossy scenarios: random drop, percent (lossy: on DSCP "
                         f"{','.join(map(str, UNRELIABLE_DSCP))}; "
                         "lossy-link: on every packet); a comma list (1,3,5) runs each "
                         "lossy scenario at each rate: a loss sweep (default 1)")
-    p.add_argument("--profile", default=d.profile, help="tc profile of every port")
-    p.add_argument("--tcp-congestion", default=d.tcp_congestion,
+    p.add_argument("--profile", default=None,
+                   help=f"tc profile of every port (default {d.profile})")
+    p.add_argument("--tcp-congestion", default=None,
                    help="the testbed's TCP congestion control, for every flow: the job's, "
                         "gloo's, the tenant's (default cubic, Linux's default; '' keeps "
                         "this machine's)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--prefix", default=d.prefix,
-                   help="name prefix of the bench's own testbed namespaces")
+    p.add_argument("--prefix", default=None,
+                   help=f"name prefix of the bench's own testbed namespaces (default "
+                        f"{d.prefix}; tta: dgttta)")
     p.add_argument("--out", default=d.out, help="results directory")
     p.add_argument("--loopback", action="store_true",
                    help="no testbed, no shaping, no root: the overhead check")
     p.add_argument("--cell-timeout-s", type=float, default=0.0,
                    help="kill a cell after this long (0: 4x its estimate, >= 120 s)")
     p.add_argument("--keep-runs", action="store_true", help="keep every cell's logs")
-    p.add_argument("--seconds", type=float, default=GOODPUT_SECONDS,
-                   help="goodput: iperf3 seconds")
-    p.add_argument("--mb", type=float, default=GOODPUT_MB,
+    p.add_argument("--seconds", type=float, default=None,
+                   help=f"goodput: iperf3 seconds (default {GOODPUT_SECONDS:g})")
+    p.add_argument("--mb", type=float, default=None,
                    help="goodput: MB pushed over the reliable channel (default 100)")
     p.add_argument("--estimate", "--dry-run", action="store_true",
                    help="print the plan and time estimate, run nothing")
@@ -1110,7 +1112,32 @@ def add_arguments(p) -> None:
     tta_arguments(p)
 
 
+#: the flags whose parser default is None, so that one given at its default value is
+#: told from one not given (a flag that does not apply is refused either way:
+#: check_loopback_args, check_not_goodput, bench_tta.check_not_tta); fill_defaults
+#: then puts in the default (breaker round 10: '--share 0.5' to the matrix was taken
+#: in silence)
+LATE_DEFAULTS = dict(loss_pct=BenchConfig.loss_pct, profile=BenchConfig.profile,
+                     tcp_congestion=BenchConfig.tcp_congestion, prefix=BenchConfig.prefix,
+                     seconds=GOODPUT_SECONDS, mb=GOODPUT_MB)
+
+
+def fill_defaults(a) -> set[str]:
+    """Put the default of every :data:`LATE_DEFAULTS` flag (and bench_tta's) not given
+    into ``a``, and note the ones given in ``a.given`` (set of dests). Idempotent:
+    returns ``a.given``."""
+    if not hasattr(a, "given"):
+        from dgt.tools.bench_tta import LATE_DEFAULTS as tta_defaults
+        late = {**LATE_DEFAULTS, **tta_defaults}
+        a.given = {k for k in late if getattr(a, k, None) is not None}
+        for k, v in late.items():
+            if getattr(a, k, None) is None:
+                setattr(a, k, v)
+    return a.given
+
+
 def config_from_args(a) -> BenchConfig:
+    fill_defaults(a)
     d = BenchConfig()
     return BenchConfig(systems=_csv(a.systems) if a.systems is not None else d.systems,
                        scenarios=_csv(a.scenarios) if a.scenarios is not None else d.scenarios,
@@ -1185,10 +1212,9 @@ def with_help_hint(message: str) -> str:
 def check_not_goodput(a) -> None:
     """``dgt bench`` (matrix) or ``tta`` given a flag that only ``goodput`` reads. Raises
     BenchError."""
-    for flag, value, default in (("--seconds", a.seconds, GOODPUT_SECONDS),
-                                 ("--mb", a.mb, GOODPUT_MB)):
-        if value != default:
-            raise BenchError(f"{flag} applies to 'dgt bench goodput' only")
+    for dest in ("seconds", "mb"):
+        if dest in fill_defaults(a):
+            raise BenchError(f"--{dest} applies to 'dgt bench goodput' only")
 
 
 def check_loopback_args(a) -> None:
@@ -1196,13 +1222,13 @@ def check_loopback_args(a) -> None:
     BenchError naming the first one given."""
     if not a.loopback:
         return
-    d = BenchConfig()
+    late = fill_defaults(a)
     for flag, given in (("--scenarios", a.scenarios is not None),
                         ("--rates", bool(a.rates)),
-                        ("--loss-pct", a.loss_pct != d.loss_pct),
-                        ("--profile", a.profile != d.profile),
-                        ("--prefix", a.prefix != d.prefix),
-                        ("--tcp-congestion", a.tcp_congestion != d.tcp_congestion)):
+                        ("--loss-pct", "loss_pct" in late),
+                        ("--profile", "profile" in late),
+                        ("--prefix", "prefix" in late),
+                        ("--tcp-congestion", "tcp_congestion" in late)):
         if given:
             raise BenchError(f"{flag} does not apply with --loopback (no testbed, no "
                              f"shaping); drop {flag}, or drop --loopback to run the "
@@ -1230,6 +1256,7 @@ def cmd_bench(a) -> int:
     # the testbed removed on the way out (the default action would leave them running)
     stop_on_signals()
     started = time.time()
+    fill_defaults(a)
     try:
         if a.what == "tta":
             from dgt.tools.bench_tta import cmd_tta

@@ -959,25 +959,36 @@ def write_outputs(doc: dict, out: str) -> list[str]:
 # ----------------------------------------------------------------------------------- CLI
 
 
+#: tta's flags whose parser default is None (dgt.tools.bench.LATE_DEFAULTS says why)
+LATE_DEFAULTS = dict(models=",".join(DEFAULT_MODELS), share=TtaConfig.share,
+                     comm_ratio=TtaConfig.comm_ratio,
+                     max_iterations=TtaConfig.max_iterations,
+                     eval_samples=TtaConfig.eval_samples, batch_size=TtaConfig.batch_size,
+                     ddp_bucket_cap_mb=TtaConfig.ddp_bucket_cap_mb)
+
+
 def add_arguments(p) -> None:
     """tta's own flags on ``dgt bench`` (the shared ones are bench's)."""
     g = p.add_argument_group("tta (dgt bench tta)")
-    g.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help="tta: workloads, MODEL[:WIDTH] (mlp:HIDDEN on digits, the others "
-                        "on fashion-mnist)")
-    g.add_argument("--share", type=float, default=TtaConfig.share,
-                   help="tta share scenario: the job's fraction of each port")
-    g.add_argument("--comm-ratio", type=float, default=TtaConfig.comm_ratio,
-                   help="tta: rate 'calibrated' makes ring all-reduce time this many times "
-                        "the measured compute per iteration")
-    g.add_argument("--max-iterations", type=int, default=TtaConfig.max_iterations,
-                   help="tta: a cell that has not reached the target by then is 'not reached'")
-    g.add_argument("--eval-samples", type=int, default=TtaConfig.eval_samples,
-                   help="tta: evaluate on the first this many test samples (0: all)")
-    g.add_argument("--batch-size", type=int, default=TtaConfig.batch_size)
-    g.add_argument("--ddp-bucket-cap-mb", type=float, default=TtaConfig.ddp_bucket_cap_mb,
-                   help="tta: the DDP bucket size of system dgt-ddp, MB (above the "
-                        "gradient's size: one bucket, the whole push after backward)")
+    for flag, typ, help_ in (
+            ("--models", str, "tta: workloads, MODEL[:WIDTH] (mlp:HIDDEN on digits, the "
+                              "others on fashion-mnist; default {})"),
+            ("--share", float, "tta share scenario: the job's fraction of each port "
+                               "(default {:g})"),
+            ("--comm-ratio", float, "tta: rate 'calibrated' makes ring all-reduce time "
+                                    "this many times the measured compute per iteration "
+                                    "(default {:g})"),
+            ("--max-iterations", int, "tta: a cell that has not reached the target by "
+                                      "then is 'not reached' (default {})"),
+            ("--eval-samples", int, "tta: evaluate on the first this many test samples "
+                                    "(0: all; default {})"),
+            ("--batch-size", int, "tta: samples per worker per iteration (default {})"),
+            ("--ddp-bucket-cap-mb", float, "tta: the DDP bucket size of system dgt-ddp, "
+                                           "MB (above the gradient's size: one bucket, the "
+                                           "whole push after backward; default {:g})")):
+        # None in the parser: see dgt.tools.bench.LATE_DEFAULTS
+        g.add_argument(flag, type=typ, default=None, help=help_.format(
+            LATE_DEFAULTS[flag[2:].replace("-", "_")]))
     g.add_argument("--calibrate", action="store_true",
                    help="tta: only measure compute per iteration per workload and print "
                         "the calibrated rates")
@@ -985,16 +996,14 @@ def add_arguments(p) -> None:
 
 def check_not_tta(a) -> None:
     """``dgt bench`` / ``goodput`` given a flag that only ``tta`` reads. Raises BenchError."""
-    d = dict(models=",".join(DEFAULT_MODELS), share=TtaConfig.share,
-             comm_ratio=TtaConfig.comm_ratio, max_iterations=TtaConfig.max_iterations,
-             eval_samples=TtaConfig.eval_samples, batch_size=TtaConfig.batch_size,
-             calibrate=False, ddp_bucket_cap_mb=TtaConfig.ddp_bucket_cap_mb)
-    for k, v in d.items():
-        if getattr(a, k) != v:
+    given = bench.fill_defaults(a)
+    for k in [*LATE_DEFAULTS, "calibrate"]:
+        if k in given or (k == "calibrate" and a.calibrate):
             raise BenchError(f"--{k.replace('_', '-')} applies to 'dgt bench tta' only")
 
 
 def config_from_args(a) -> TtaConfig:
+    given = bench.fill_defaults(a)
     d = TtaConfig()
     return TtaConfig(
         workloads=parse_workloads(a.models),
@@ -1007,8 +1016,8 @@ def config_from_args(a) -> TtaConfig:
         eval_samples=a.eval_samples,
         max_iterations=a.max_iterations, batch_size=a.batch_size, seed=a.seed,
         profile=a.profile, tcp_congestion=a.tcp_congestion,
-        prefix=a.prefix if a.prefix != bench.BenchConfig.prefix
-        else d.prefix, out=a.out, loopback=a.loopback, cell_timeout_s=a.cell_timeout_s,
+        prefix=a.prefix if "prefix" in given else d.prefix, out=a.out,
+        loopback=a.loopback, cell_timeout_s=a.cell_timeout_s,
         keep_runs=a.keep_runs, ddp_bucket_cap_mb=a.ddp_bucket_cap_mb)
 
 

@@ -580,10 +580,30 @@ def discard(folder: str, rank: int) -> None:
     for path in (trainer_file(folder, rank), sidecar_file(folder, rank),
                  digest_file(folder, rank)):
         _remove(path)
-    try:   # the step folder, once no rank's file is left in it (breaker round 10 found
-        os.rmdir(folder)   # an empty step-<t> left on a full disk)
+    # the folder stays: another rank may be writing its files there now (CI of
+    # c764589: a rank's rmdir made the other's write fail, ENOENT); the launcher
+    # removes it once the job has ended (remove_empty_steps)
+
+
+def remove_empty_steps(root: str) -> list[str]:
+    """After the job that wrote under ``root`` has ended: remove its ``step-<t>``
+    folders that are empty (failed writes leave them so: :func:`discard`; breaker round
+    10 found one on a full disk). Returns the folders removed. Never raises: a folder
+    that cannot be listed or removed is left."""
+    removed = []
+    try:
+        names = os.listdir(root)
     except OSError:
-        pass
+        return removed
+    for name in sorted(names):
+        folder = os.path.join(root, name)
+        if _STEP.match(name) and not os.path.islink(folder):
+            try:
+                os.rmdir(folder)   # fails, and leaves it, unless it is an empty folder
+            except OSError:
+                continue
+            removed.append(folder)
+    return removed
 
 
 def none_written(root: str, world: int, warnings: list[str]) -> str | None:

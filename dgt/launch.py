@@ -778,6 +778,8 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
              f"dgt train: the run dir {j.run_dir} is gone (removed or renamed while the "
              f"job ran), and its logs with it")
         return code, None
+    if j.ckpt.checkpoint_every:   # every trainer has ended: no rank writes there now
+        checkpoint.remove_empty_steps(j.checkpoint_dir)
     report = build_report(j.run_dir, job, tx, wall_s, j.spill)
     report["restarts"] = j.restarts
     print_summary(report, log)

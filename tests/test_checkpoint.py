@@ -404,9 +404,27 @@ def test_a_full_checkpoint_disk_is_a_warning_and_keeps_the_last_complete_step(
         failed.append((m[1], m[3]))
     assert sorted(failed) == [("20", "0"), ("20", "1"), ("30", "0"), ("30", "1")], failed
     assert checkpoint.complete_steps(str(ck), 2) == [(10, str(ck / "step-00000010"))]
+    # the failed steps' folders, empty once both ranks' files were discarded, are
+    # removed by the launcher after the job (not by a rank while the other still writes
+    # there: CI of c764589 saw rank 1's write fail with ENOENT, not ENOSPC)
+    assert [n for n in os.listdir(ck) if n.startswith("step-")] == ["step-00000010"]
     assert checkpoint.resolve(str(ck), 2) == str(ck / "step-00000010")
     left = [f for _, _, fs in os.walk(ck) for f in fs if f.endswith(".tmp")]
     assert not left, left
+
+
+def test_only_empty_step_folders_are_removed_after_the_job(tmp_path):
+    root = tmp_path / "ck"
+    for name in ("step-00000010", "step-00000020", "step-00000030", "notes"):
+        (root / name).mkdir(parents=True)
+    (root / "step-00000020" / "trainer-0.pt").write_bytes(b"x")
+    (root / "step-00000040").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir()
+    assert checkpoint.remove_empty_steps(str(root)) == [
+        str(root / "step-00000010"), str(root / "step-00000030")]
+    assert sorted(os.listdir(root)) == ["notes", "step-00000020", "step-00000040"]
+    assert (tmp_path / "elsewhere").is_dir()
+    assert checkpoint.remove_empty_steps(str(tmp_path / "none")) == []
 
 
 def _resume_past_a_damaged_step(tmp_path, ck, damage, iterations):

@@ -29,6 +29,7 @@ from .push_meter import PushMeter
 from .rank_list import rank_list
 from .scheduler.pacing import PortPacing
 from .transport.counters import Counters
+from .transport.reasons import Reason
 from .transport.sender import PushSender
 
 log = logging.getLogger("dgt.sidecar")
@@ -147,6 +148,18 @@ class WorkerAgent:
         lay = self.layout
         lo, hi = lay.shard_lo(shard) * lay.block_elems, lay.shard_hi(shard) * lay.block_elems
         self.aggregate[lo:hi] = aggregate
+        if hi > lay.n_params and self.aggregate[lay.n_params:hi].any():
+            # the padding after the last parameter is zeros (docs/wire.md); a PULL that
+            # says otherwise (NaN included) is applied without it: on CPU the trainer's
+            # gradient shares this memory, and the padding would come back in the next
+            # push, costing this rank its own last block (breaker round 11)
+            self.aggregate[lay.n_params:hi] = 0.0
+            self.counters.rejected[Reason.PULL_PADDING] += 1
+            if self.counters.rejected[Reason.PULL_PADDING] == 1:
+                log.warning("rank %d: shard %d's PULL for iteration %d held non-zero "
+                            "padding after the last parameter; applied without it "
+                            "(counted in rejected pull_padding)", self.rank, shard,
+                            iteration)
         self.planner.applied(lo, self.aggregate[lo:hi])
         self.pulls[shard] = received.copy()
         self.pull_at[shard] = time.time()

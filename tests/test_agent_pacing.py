@@ -90,3 +90,49 @@ def test_a_paced_push_with_a_partial_send_loses_nothing():
     lay, grad, tcp, udp, local, agent, _ = _run_push(100.0, refuse_first=True)
     _check(lay, grad, tcp, udp, local, agent)
     assert agent.counters.channels[1].blocks_dropped_local == 0
+
+
+def test_a_pull_with_padding_that_is_not_zeros_costs_no_block_of_the_next_push():
+    """Breaker round 11: a PULL whose padding after the last parameter held NaN was
+    copied into the aggregate as it came. On CPU the trainer's gradient shares that
+    memory, so the next push carried the NaN in its last block, which was then sent as
+    zeros and kept out of the residual: the rank lost its own gradient there, and the
+    warning blamed its trainer. The padding is now applied as zeros and counted."""
+    cfg = TransmissionConfig(block_bytes=64, mode="tcp")
+    lay = BlockLayout.from_bytes(3990, cfg.block_bytes, 3)
+    assert lay.padded > lay.n_params   # the last block has padding
+    last = lay.n_blocks - 1
+    buf = np.zeros(lay.padded, np.float32)   # gradient and aggregate: one buffer
+    rng = np.random.default_rng(0)
+    sent = {}   # iteration -> the last block as pushed
+    agent = None
+
+    def send_tcp(s, frame):
+        data = b"".join(bytes(p) for p in frame) if isinstance(frame, list) else frame
+        h, payload = wire.decode(data)
+        if h.type == wire.MsgType.BLOCKS:
+            idx, rows = wire.unpack_indexed_blocks(payload, h.count, lay.block_elems)
+            sent.update({h.iteration: r.copy() for i, r in zip(idx, rows) if i == last})
+        if h.type == wire.MsgType.END:
+            n = lay.shard_blocks(s)
+            agg = np.ones(n * lay.block_elems, np.float32)
+            if s == lay.n_shards - 1:
+                agg[lay.n_params - lay.shard_lo(s) * lay.block_elems:] = np.nan
+            agent.on_pull(s, h.iteration, agg, np.ones(n, bool))
+
+    def local_push(t, blocks, sent_, now):
+        n = lay.shard_blocks(0)
+        agent.on_pull(0, t, np.ones(n * lay.block_elems, np.float32), np.ones(n, bool))
+
+    agent = WorkerAgent(cfg, lay, 0, 1, None, buf, buf,
+                        Links(send_tcp=send_tcp, send_udp=lambda c, s, rows: len(rows),
+                              local_push=local_push), Counters())
+    for t in range(2):
+        buf[:lay.n_params] = rng.standard_normal(lay.n_params)   # the trainer's gradient
+        grad = buf.copy()
+        asyncio.run(asyncio.wait_for(agent.push(t, None, 30.0), 60))
+        np.testing.assert_array_equal(sent[t], grad[last * lay.block_elems:])
+        assert not buf[lay.n_params:].any()   # the padding applied as zeros
+        np.testing.assert_array_equal(buf[:lay.n_params], 1.0)   # the rest as it came
+    assert agent.counters.blocks_non_finite == 0
+    assert agent.counters.rejected["pull_padding"] == 2

@@ -254,6 +254,63 @@ def test_sidecar_alone_refuses_a_port_in_use(tmp_path):
     assert not (tmp_path / "s.sock").exists()
 
 
+def _endpoint(tmp_path):
+    """A one-rank sidecar's metrics endpoint, started on a free port: (endpoint, port)."""
+    from dgt.config import TransmissionConfig
+    from dgt.metrics import Endpoint
+    from dgt.sidecar import NodeConfig, Sidecar
+    sc = Sidecar(TransmissionConfig(), NodeConfig(rank=0, world=1, run_dir=str(tmp_path)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep = Endpoint(sc, "127.0.0.1", port)
+    ep.start()
+    return ep, port
+
+
+def test_silent_and_dripping_metrics_connections_are_cut_without_a_traceback(
+        tmp_path, monkeypatch, capfd):
+    """Breaker round 11: each connection silent past the read timeout printed
+    socketserver's 17-line traceback into the sidecar's log, and 16 connections that
+    each sent a byte every 4 s held every slot for as long as they went on (the
+    timeout was per read). Now such connections are counted (``dropped``) in one
+    warning line, and each has one deadline from accept to answer."""
+    import select
+    import urllib.request
+
+    from dgt import metrics_server
+    monkeypatch.setattr(metrics_server._Handler, "timeout", 1.0)
+    monkeypatch.setattr(metrics_server, "REQUEST_DEADLINE_S", 3.0)
+    ep, port = _endpoint(tmp_path)
+    try:
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=10)
+                  for _ in range(3)]
+        for c in silent:   # closed after the read timeout (a bounded wait)
+            assert select.select([c], [], [], 60)[0] and c.recv(1) == b""
+            c.close()
+        drip = socket.create_connection(("127.0.0.1", port), timeout=10)
+        closed, t_end = False, time.monotonic() + 60
+        while not closed and time.monotonic() < t_end:   # a byte every 0.5 s
+            try:
+                drip.sendall(b"G")
+                closed = bool(select.select([drip], [], [], 0.5)[0]) and \
+                    drip.recv(1) == b""
+            except OSError:   # reset: closed as well
+                closed = True
+        drip.close()
+        assert closed, "a connection sending a byte every 0.5 s was never closed"
+        t_end = time.monotonic() + 10
+        while ep.server.dropped < 3 and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert ep.server.dropped >= 3, ep.server.dropped
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+        assert b"dgt_" in body   # scrapes are still answered
+    finally:
+        ep.stop()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err[-3000:]
+
+
 def test_a_connection_flood_on_the_metrics_port_is_bounded(tmp_path):
     """Breaker round 8: 1,500 connections that each sent a request line and then
     nothing grew sidecar 0 from 8 threads to 511 (prometheus_client's server: a thread
@@ -264,16 +321,8 @@ def test_a_connection_flood_on_the_metrics_port_is_bounded(tmp_path):
     import threading
     import urllib.request
 
-    from dgt.config import TransmissionConfig
-    from dgt.metrics import Endpoint
     from dgt.metrics_server import MAX_CONNECTIONS
-    from dgt.sidecar import NodeConfig, Sidecar
-    sc = Sidecar(TransmissionConfig(), NodeConfig(rank=0, world=1, run_dir=str(tmp_path)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ep = Endpoint(sc, "127.0.0.1", port)
-    ep.start()
+    ep, port = _endpoint(tmp_path)
     base = threading.active_count()
     held = []
     try:

@@ -56,6 +56,7 @@ class Reason(str, enum.Enum):
     UNEXPECTED_TYPE = "unexpected_type"
     BAD_PULL = "bad_pull"
     NON_FINITE_PULL = "non_finite_pull"
+    PULL_PADDING = "pull_padding"
     # the rendezvous store (dgt.rendezvous)
     STORE_REJECTED = "store_rejected"
     STORE_REWRITTEN = "store_rewritten"

@@ -220,6 +220,32 @@ def test_bench_loopback_refuses_the_testbeds_flags_in_one_line(args):
     assert len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
 
 
+def test_flags_a_bench_mode_does_not_read_are_refused_in_one_line():
+    """Breaker round 11: 'dgt bench tta --loss-pct 1', 'tta --hidden 100', 'tta --epochs
+    3', 'goodput --loss-pct 3' and 'goodput --scenarios lossy' each printed a normal
+    estimate (tta --loss-pct 1 then started calibrating): flags of the matrix that tta
+    or goodput do not read. Each is now refused naming the flag and the mode, at any
+    value, and a flag that mode reads is still taken."""
+    cases = [("tta", "--loss-pct", "1"), ("tta", "--hidden", "100"),
+             ("tta", "--epochs", "3"), ("goodput", "--loss-pct", "3"),
+             ("goodput", "--scenarios", "lossy"), ("goodput", "--systems", "gloo"),
+             ("goodput", "--seed", "0"), ("goodput", "--tcp-congestion", "cubic"),
+             ("goodput", "--keep-runs"), ("goodput", "--workers", "2"),
+             ("goodput", "--target-accuracy", "0.8")]
+    for what, flag, *value in cases:
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", what, "--estimate",
+                            flag, *value], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2, (what, flag, p.stdout, p.stderr)
+        assert p.stderr.startswith(f"dgt bench: error: {flag} does not apply to 'dgt "
+                                   f"bench {what}'"), p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
+    for args in (["goodput", "--hidden", "64"],
+                 ["tta", "--seed", "3", "--models", "mlp:64", "--scenarios", "clean"]):
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate", *args],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and "estimate:" in p.stdout, (args, p.stdout, p.stderr)
+
+
 @pytest.mark.parametrize("args", [["--seconds", "3"], ["--mb", "5"],
                                   ["tta", "--seconds", "3"], ["tta", "--mb", "5"],
                                   ["--seconds", "5"], ["tta", "--mb", "100"]])

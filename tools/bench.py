@@ -1070,9 +1070,11 @@ def add_arguments(p) -> None:
                         f"the first, default 1gbit)")
     p.add_argument("--workers", type=int, default=None,
                    help=f"matrix: nodes (default {d.workers}; goodput always uses 2)")
-    p.add_argument("--hidden", type=int, default=d.hidden,
-                   help="MLP width (2500: 6.4M parameters, 25 MB of fp32 gradient)")
-    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--hidden", type=int, default=None,
+                   help=f"MLP width (default {d.hidden}: 6.4M parameters, 25 MB of fp32 "
+                        f"gradient; tta: the widths are in --models)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help=f"matrix: epochs per cell with --iterations 0 (default {d.epochs})")
     p.add_argument("--iterations", type=int, default=None,
                    help=f"iterations per cell, 0 = every epoch (default {d.iterations}; "
                         f"goodput: 4)")
@@ -1092,14 +1094,14 @@ def add_arguments(p) -> None:
                    help="the testbed's TCP congestion control, for every flow: the job's, "
                         "gloo's, the tenant's (default cubic, Linux's default; '' keeps "
                         "this machine's)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=None, help=f"default {d.seed}")
     p.add_argument("--prefix", default=None,
                    help=f"name prefix of the bench's own testbed namespaces (default "
                         f"{d.prefix}; tta: dgttta)")
     p.add_argument("--out", default=d.out, help="results directory")
     p.add_argument("--loopback", action="store_true",
                    help="no testbed, no shaping, no root: the overhead check")
-    p.add_argument("--cell-timeout-s", type=float, default=0.0,
+    p.add_argument("--cell-timeout-s", type=float, default=None,
                    help="kill a cell after this long (0: 4x its estimate, >= 120 s)")
     p.add_argument("--keep-runs", action="store_true", help="keep every cell's logs")
     p.add_argument("--seconds", type=float, default=None,
@@ -1119,7 +1121,15 @@ def add_arguments(p) -> None:
 #: in silence)
 LATE_DEFAULTS = dict(loss_pct=BenchConfig.loss_pct, profile=BenchConfig.profile,
                      tcp_congestion=BenchConfig.tcp_congestion, prefix=BenchConfig.prefix,
-                     seconds=GOODPUT_SECONDS, mb=GOODPUT_MB)
+                     seconds=GOODPUT_SECONDS, mb=GOODPUT_MB, hidden=BenchConfig.hidden,
+                     epochs=BenchConfig.epochs, seed=BenchConfig.seed, cell_timeout_s=0.0)
+#: the flags (dests) that each mode does not read: given, each is refused in one line
+#: (breaker round 11: 'dgt bench tta --loss-pct 1' and 'goodput --scenarios lossy'
+#: were taken in silence); the tta-only and goodput-only flags have their own checks
+NOT_READ = {"tta": ("loss_pct", "hidden", "epochs"),
+            "goodput": ("systems", "scenarios", "epochs", "eval_every", "target_accuracy",
+                        "loss_pct", "tcp_congestion", "seed", "cell_timeout_s",
+                        "keep_runs")}
 
 
 def fill_defaults(a) -> set[str]:
@@ -1129,11 +1139,28 @@ def fill_defaults(a) -> set[str]:
     if not hasattr(a, "given"):
         from dgt.tools.bench_tta import LATE_DEFAULTS as tta_defaults
         late = {**LATE_DEFAULTS, **tta_defaults}
-        a.given = {k for k in late if getattr(a, k, None) is not None}
+        # every flag whose default is None or False (store_true) is given when not so
+        a.given = {k for k, v in vars(a).items() if v is not None and v is not False
+                   and (k in late or k in _UNSET_DEFAULTS)}
         for k, v in late.items():
             if getattr(a, k, None) is None:
                 setattr(a, k, v)
     return a.given
+
+
+#: the flags other than LATE_DEFAULTS' whose parser default is None or False
+_UNSET_DEFAULTS = ("systems", "scenarios", "rates", "workers", "iterations", "eval_every",
+                   "target_accuracy", "keep_runs", "loopback", "calibrate")
+
+
+def check_read(a) -> None:
+    """Refuse, in one line (BenchError), a flag given that ``dgt bench <a.what>`` does
+    not read (:data:`NOT_READ`)."""
+    given = fill_defaults(a)
+    for dest in NOT_READ.get(a.what, ()):
+        if dest in given:
+            flag = "--" + dest.replace("_", "-")
+            raise BenchError(f"{flag} does not apply to 'dgt bench {a.what}'; drop it")
 
 
 def config_from_args(a) -> BenchConfig:
@@ -1168,8 +1195,9 @@ def check_goodput_args(a, iterations: int) -> None:
     if a.loopback:
         raise BenchError("goodput runs through one shaped testbed port; --loopback does "
                          "not apply (use 'dgt bench --loopback' for the overhead check)")
-    if a.workers is not None and a.workers != BenchConfig().workers:
-        raise BenchError("goodput always uses 2 testbed hosts; drop --workers")
+    if a.workers is not None:
+        raise BenchError("--workers does not apply to 'dgt bench goodput': it always uses "
+                         "2 testbed hosts; drop --workers")
     if len(_csv(a.rates) if a.rates else []) > 1:
         raise BenchError("goodput takes one --rates value (one port rate)")
     check_prefix(a.prefix)
@@ -1268,6 +1296,7 @@ def cmd_bench(a) -> int:
             rate_bits_per_s(rate)
             iterations = 4 if a.iterations is None else a.iterations
             check_goodput_args(a, iterations)
+            check_read(a)
             check_tools((), estimate=a.estimate, goodput=True)
             if a.estimate:
                 print(f"goodput: 2 testbed hosts at {rate}; {a.mb:g} MB over dgt's "

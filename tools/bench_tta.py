@@ -1027,6 +1027,7 @@ def cmd_tta(a, command: str) -> int:
         raise BenchError("tta trains to the target: use --max-iterations, not --iterations")
     cfg = config_from_args(a)
     cfg.validate()   # first: a bad value is named as such, given where it applies or not
+    bench.check_read(a)
     bench.check_loopback_args(a)
     bench.check_not_goodput(a)
     if a.calibrate:

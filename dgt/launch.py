@@ -630,8 +630,16 @@ def _check_report(report: str) -> None:
     through, dgt.atomic). Raises ValueError naming the flag."""
     folder = os.path.dirname(os.path.abspath(report))
     if not os.path.isdir(folder):   # a typo must not leave a tree of new folders
-        raise ValueError(f"--report {report}: folder {folder} does not exist; "
-                         f"create it first or give another path")
+        try:
+            os.stat(folder)
+        except FileNotFoundError:
+            raise ValueError(f"--report {report}: folder {folder} does not exist; "
+                             f"create it first or give another path") from None
+        except OSError as e:   # a symbolic link loop, a file where a folder should be
+            raise ValueError(f"--report {report}: folder {folder}: {e.strerror}; give "
+                             f"another path") from None
+        raise ValueError(f"--report {report}: {folder} is not a folder; give another "
+                         f"path")
     if os.path.isdir(report):
         raise ValueError(f"--report {report} is a directory; give a file path")
     why = outpath.refusal(report, "json")

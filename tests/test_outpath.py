@@ -102,6 +102,26 @@ def test_a_tool_output_flag_refuses_a_foreign_file(tmp_path):
     assert txt.read_text() == "keep me\n"
 
 
+def test_an_output_whose_folder_is_not_one_names_the_real_cause(tmp_path):
+    """Breaker round 11: --report under a regular file, or under a symbolic link loop,
+    said 'folder ... does not exist'; --json /proc/x.json said 'no folder /proc'."""
+    from dgt.config import JobConfig
+    from dgt.launch import check_paths
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for report, says in ((afile / "r.json", f"{afile} is not a folder"),
+                         (tmp_path / "loop" / "r.json", "Too many levels of symbolic links"),
+                         (tmp_path / "none" / "r.json", "does not exist")):
+        with pytest.raises(ValueError) as e:
+            check_paths(JobConfig(report=str(report)))
+        assert says in str(e.value), str(e.value)
+    p = _dgt("pcap", "summary", "/nonexistent.pcap", "--json", "/proc/x.json")
+    assert p.returncode == 2 and "no file can be made in /proc" in p.stderr, p.stderr
+    p = _dgt("pcap", "summary", "/nonexistent.pcap", "--json", str(tmp_path / "n" / "x.json"))
+    assert p.returncode == 2 and f"no folder {tmp_path / 'n'}" in p.stderr, p.stderr
+
+
 def _still_a_device(path: str) -> bool:
     return stat.S_ISCHR(os.stat(path).st_mode)
 

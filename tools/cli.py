@@ -112,8 +112,10 @@ def check_output(flag: str, path: str | None) -> None:
         raise bad(f"{parent} is not a folder")
     try:
         _probe_writable(p)
-    except FileNotFoundError as e:
-        raise bad(f"{e.strerror} (no folder {parent})") from None
+    except FileNotFoundError as e:   # in /proc, a file cannot be made where one is not
+        raise bad(f"{e.strerror} (" + (f"no file can be made in {parent}"
+                                        if parent.is_dir() else f"no folder {parent}")
+                  + ")") from None
     except NotADirectoryError as e:
         raise bad(f"{e.strerror} (a part of {parent} is not a folder)") from None
     except OSError as e:

@@ -43,6 +43,7 @@ class Links:
     send_udp: Callable[[int, int, np.ndarray], int]  # (channel, shard, rows) -> sent
     local_push: Callable[[int, np.ndarray, np.ndarray, float], None]
     waiting_for: Callable[[int], list[int]] = lambda t: []  # ranks shard me awaits in t
+    ends_refused: Callable[[int], dict] = lambda t: {}  # of those, END refused: why
     tcp_backlog: Callable[[int], int] = lambda s: 0  # bytes our TCP to that node has unsent
     push_sent: Callable[[], None] = lambda: None       # our push has left (END sent)
     udp_backlog: Callable[[], int] = lambda: 0       # bytes our UDP sockets have unsent
@@ -53,6 +54,23 @@ TCP_BACKLOG_SLACK = 128 * 1024
 #: per-node UDP bucket depth: two GSO batches, so a timer that fires late (the event
 #: loop's timers have 1 ms resolution) is made up by the next batch, not lost
 UDP_BURST_BYTES = 2 * 65536
+
+
+def stalled_text(me: int, t: int, stalled: list[int], refused: dict[int, str]) -> str:
+    """What shard ``me`` waits on in iteration ``t``: the ranks whose END did not come
+    (dead or frozen), and those whose END came and was refused (``refused``: rank ->
+    the reason counted; breaker round 11: a live peer whose END was refused was called
+    dead or frozen). "" when ``stalled`` is empty."""
+    if not stalled:
+        return ""
+    silent = [w for w in stalled if w not in refused]
+    lied = [w for w in stalled if w in refused]
+    parts = [f"rank(s) {rank_list(silent)} (dead or frozen)"] if silent else []
+    if lied:
+        reasons = ", ".join(sorted({refused[w] for w in lied}))
+        parts.append(f"rank(s) {rank_list(lied)}, whose END it refused ({reasons}: "
+                     f"a broken or forged END, see the report's rejected counters)")
+    return f"; shard {me} never got END({t}) from " + " nor from ".join(parts)
 
 
 class WorkerAgent:
@@ -123,12 +141,14 @@ class WorkerAgent:
             except asyncio.TimeoutError:
                 missing = sorted(set(range(lay.n_shards)) - set(self.pulls))
                 stalled = [w for w in links.waiting_for(t) if w != me]
-                why = (f"; shard {me} never got END({t}) from rank(s) {rank_list(stalled)} "
-                       f"(dead or frozen)" if stalled else "")
+                refused = links.ends_refused(t)
+                why = stalled_text(me, t, stalled, refused)
                 raise PeerFailure(f"no PULL for iteration {t} from shard(s) "
                                   f"{rank_list(missing, 'shards')} "
                                   f"within {timeout_s:.0f} s{why}",
                                   stalled[0] if stalled else missing[0],
+                                  FailureReason.PEER_REFUSED if stalled and
+                                  set(stalled) <= set(refused) else
                                   FailureReason.PEER_SILENT, stalled or missing) from None
         arrived = self._arrived()
         if pulled is not None:

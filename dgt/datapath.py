@@ -65,6 +65,7 @@ def build(cfg: TransmissionConfig, lay: BlockLayout, rank: int, session: int,
                         Links(send_tcp=links.send_tcp, send_udp=links.send_udp,
                               local_push=shard.local_push,
                               waiting_for=shard_session.waiting_for,
+                              ends_refused=shard_session.ends_refused,
                               tcp_backlog=links.tcp_backlog, push_sent=pulls.flush,
                               udp_backlog=links.udp_backlog),
                         counters, seed=seed)

@@ -34,6 +34,9 @@ class FailureReason(str, enum.Enum):
     PEER_SILENT = "peer_silent"
     #: a peer's connection closed or a send to it failed: it is gone
     PEER_GONE = "peer_gone"
+    #: a peer is alive, but what it sent was refused (its END did not add up): broken,
+    #: or forged by someone holding the session id
+    PEER_REFUSED = "peer_refused"
     #: a peer said the job failed (an ERROR frame on a verified connection, or the
     #: rendezvous store): the blamed ranks are the ones it named
     PEER_REPORTED = "peer_reported"
@@ -61,6 +64,8 @@ RELAYED = (FailureReason.PEER_REPORTED, FailureReason.STOPPED)
 #: what the launcher's headline says about the blamed ranks, per reason
 BLAME_TEXT = {FailureReason.PEER_SILENT: "stopped answering (dead or frozen)",
               FailureReason.PEER_GONE: "went away (connection closed)",
+              FailureReason.PEER_REFUSED: "sent an END that was refused (a broken or "
+                                          "forged peer)",
               FailureReason.MISMATCH: "disagree with the others",
               FailureReason.STORE_LOST: "(the rendezvous store's host) went away",
               FailureReason.OWN_TRAINER: "lost their trainer",

@@ -709,3 +709,30 @@ def test_a_displaced_coded_copy_takes_back_its_own_bytes():
     assert s.counters.channels[2].blocks_delivered == 0
     assert s.counters.channels[2].bytes_delivered == 0
     assert s.counters.channels[2].blocks_duplicate == 1
+
+
+def test_a_refused_end_is_told_from_a_missing_one():
+    """Breaker round 11: a live peer whose END was refused (a count over the shard's
+    blocks, another iteration) was reported as 'dead or frozen'. The session now says
+    whose END it refused, and the failure names those ranks as such."""
+    from dgt.agent import stalled_text
+    from dgt.failure import BLAME_TEXT, FailureReason, FailureRecord
+    s = session(n_workers=3)   # shard 1 holds 10 blocks
+    assert s.receive_frame(*end(0, [0, 10]), now=0) == []   # accepted: blocks due
+    assert s.receive_frame(*end(1, [11]), now=0) == [Rejected("bad_end")]   # too many
+    assert s.receive_frame(*end(2, [2], it=1), now=0) == [Rejected("bad_end")]   # t + 1
+    assert s.waiting_for(0) == [1, 2]
+    assert s.ends_refused(0) == {1: "bad_end", 2: "bad_end"} and s.ends_refused(1) == {}
+    text = stalled_text(1, 0, [1, 2], s.ends_refused(0))
+    assert "(dead or frozen)" not in text and "rank(s) [1, 2], whose END it refused " \
+        "(bad_end" in text, text
+    assert "rank(s) [0] (dead or frozen) nor from rank(s) [2], whose END" in \
+        stalled_text(1, 0, [0, 2], {2: "bad_end"})
+    assert stalled_text(1, 0, [], {}) == ""
+    rec = FailureRecord("sidecar", 0, FailureReason.PEER_REFUSED, "m", [1])
+    assert rec.headline_blame(0) == f"rank(s) [1] {BLAME_TEXT[FailureReason.PEER_REFUSED]}"
+    # its END accepted at last: no longer waited for, no longer refused
+    assert s.receive_frame(*end(1, [10]), now=0.01) is not None
+    assert 1 not in s.ends_refused(0)
+    s.advance()
+    assert s.ends_refused(1) == {}

@@ -121,6 +121,9 @@ class ShardSession:
         self.coding_of = np.zeros((n_workers, n), np.int8)   # and its coding (wire.Coding)
         self.per_channel = np.zeros((n_workers, wire.MAX_CHANNELS), np.int64)
         self.end_counts: list[np.ndarray | None] = [None] * n_workers
+        # worker -> why its last END of this iteration was refused (a live peer that
+        # is not dead nor frozen: the failure names it so)
+        self.end_refused: dict[int, str] = {}
         self.tail = np.full((n_workers, wire.MAX_CHANNELS), -1, np.int64)  # marker counts
         self.deadline: list[float | None] = [None] * n_workers
         self.finalised = np.zeros(n_workers, bool)
@@ -211,6 +214,15 @@ class ShardSession:
         self.received[sender] = mask
         return self._finalise(sender, "complete")
 
+    def ends_refused(self, iteration: int) -> dict[int, str]:
+        """Workers of :meth:`waiting_for` whose END of ``iteration`` came and was
+        refused (a count that is not the shard's, another iteration): worker -> the
+        reason counted. Empty unless ``iteration`` is the current one."""
+        if iteration != self.iteration:
+            return {}
+        return {w: why for w, why in self.end_refused.items()
+                if w in self.waiting_for(iteration)}
+
     def waiting_for(self, iteration: int) -> list[int]:
         """Workers whose END(iteration) has not arrived (nor been finalised): the ranks
         a stalled iteration is waiting on. Empty unless ``iteration`` is the current one."""
@@ -241,6 +253,7 @@ class ShardSession:
         self.received[:] = False
         self.per_channel[:] = 0
         self.end_counts = [None] * self.n_workers
+        self.end_refused = {}
         self.tail[:] = -1
         self.deadline = [None] * self.n_workers
         self.finalised[:] = False
@@ -606,9 +619,10 @@ class ShardSession:
             return [self._reject(bad)]
         w = h.sender
         if h.iteration != self.iteration or self.end_counts[w] is not None \
-                or self.finalised[w]:
-            return [self._reject("bad_end")]
-        if counts.sum() > self.hi - self.lo or int(counts.sum()) != h.count:
+                or self.finalised[w] or counts.sum() > self.hi - self.lo \
+                or int(counts.sum()) != h.count:
+            if self.end_counts[w] is None and not self.finalised[w]:
+                self.end_refused[w] = "bad_end"   # still waited for: say why
             return [self._reject("bad_end")]
         self.end_counts[w] = counts
         self.end_at[w] = now

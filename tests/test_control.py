@@ -63,6 +63,8 @@ def test_a_forged_hello_does_not_take_a_real_peers_place():
     assert hello(c, 3, sender=1, shard=2) == [CloseConnection(3, "bad_hello")]
     assert hello(c, 4, sender=0) == [CloseConnection(4, "bad_hello")]     # our own rank
     assert hello(c, 5, sender=7) == [CloseConnection(5, "bad_hello")]
+    # breaker round 11: a HELLO with a payload was taken (docs/wire.md: empty)
+    assert hello(c, 9, sender=1, payload=b"8 bytes!") == [CloseConnection(9, "bad_hello")]
     # a HELLO with the session (a host on the path) coexists; it takes nothing
     assert hello(c, 6, sender=1) == []
     blocks = frame(MsgType.END, sender=1, payload=wire.pack_end([0]))
@@ -152,6 +154,8 @@ def test_error_and_bye_count_on_the_connection_we_dialled():
     ev = c.receive_frame(7, *frame(MsgType.ERROR, sender=2, block=0xFFFFFFFF), 1.0)
     assert ev[0].rank is None
     # BYE's count: the iterations that rank pushed (a peer still pushing fails at once)
+    assert c.receive_frame(7, *frame(MsgType.BYE, sender=2, payload=b"x"), 1.0) == \
+        [Rejected("bad_length")]   # BYE's payload is empty (checked)
     assert c.receive_frame(7, *frame(MsgType.BYE, sender=2, count=44), 1.0) == \
         [PeerLeft(2, True, pushed=44)]
     assert c.lost(7, 2.0) == []   # it said BYE

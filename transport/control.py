@@ -307,6 +307,8 @@ class ControlProtocol:
             if not (c.outgoing or self.authenticated):
                 return [self._reject(Reason.UNVERIFIED_CONTROL)]
             if t == MsgType.BYE:
+                if h.length:   # BYE's payload is empty (checked)
+                    return [self._reject(Reason.BAD_LENGTH)]
                 self.left.add(c.rank)
                 return [PeerLeft(c.rank, clean=True, pushed=h.count)]
             text = bytes(payload[:4 * MAX_ERROR_TEXT]).decode("utf-8", "replace")
@@ -324,7 +326,7 @@ class ControlProtocol:
         return [self._reject(Reason.UNEXPECTED_TYPE)]
 
     def _hello(self, c: _Conn, h: wire.Header) -> list:
-        if h.type != MsgType.HELLO:
+        if h.type != MsgType.HELLO or h.length:   # HELLO's payload is empty (checked)
             return [self._close(c, Reason.BAD_HELLO)]
         if self.session is None:
             if c.held_hello is not None:

@@ -206,7 +206,11 @@ class Rendezvous:
         self._mine: dict[str, str] = {}   # logical key -> the sealed value this rank set
         self._healed: set[str] = set()    # keys whose rewrite was logged
         self.host_process = None   # rank 0: the store's process (dgt.store_host)
-        self.store = self._connect(is_master=rank == 0)
+        try:
+            self.store = self._connect(is_master=rank == 0)
+        except BaseException:   # no one holds this object to close() it: stop the store
+            self.close()
+            raise
 
     def _connect(self, is_master: bool):
         from torch.distributed import TCPStore

@@ -347,13 +347,46 @@ def test_a_rank_without_the_secret_is_named_as_such_not_as_silent():
         port = s.getsockname()[1]
     r0 = Rendezvous("127.0.0.1", port, 2, 0, 2.0, secret="only-rank-0", job="j",
                     rejected=Counter())
-    r1 = Rendezvous("127.0.0.1", port, 2, 1, 2.0, secret="", job="j", rejected=Counter())
-    r0.set("dgt/ep/0", _ep(0))
-    r1.set("dgt/ep/1", _ep(1))
-    with pytest.raises(PeerFailure) as e0:
-        r0.gather("dgt/ep", check_endpoint)
-    assert "rank(s) [1] reached rendezvous step 'dgt/ep' without --secret" in str(e0.value)
-    assert e0.value.rank is None and not e0.value.ranks
-    with pytest.raises(PeerFailure) as e1:
-        r1.gather("dgt/ep", check_endpoint)
-    assert "every rank needs the same one" in str(e1.value)
+    try:   # rank 0's store process is stopped, whatever fails (CI saw it outlive the
+        # test by the whole run)
+        r1 = Rendezvous("127.0.0.1", port, 2, 1, 2.0, secret="", job="j",
+                        rejected=Counter())
+        r0.set("dgt/ep/0", _ep(0))
+        r1.set("dgt/ep/1", _ep(1))
+        with pytest.raises(PeerFailure) as e0:
+            r0.gather("dgt/ep", check_endpoint)
+        assert "rank(s) [1] reached rendezvous step 'dgt/ep' without --secret" in \
+            str(e0.value)
+        assert e0.value.rank is None and not e0.value.ranks
+        with pytest.raises(PeerFailure) as e1:
+            r1.gather("dgt/ep", check_endpoint)
+        assert "every rank needs the same one" in str(e1.value)
+    finally:
+        r0.close()
+    assert r0.host_process.ended()
+
+
+def test_a_rank_0_whose_own_store_connection_fails_stops_its_store_process(monkeypatch):
+    """Rank 0 starts the store's process, then connects to it as a client; when that
+    connection fails, the constructor raises and no caller holds the object to close()
+    it. The store's process is stopped there, not left until the sidecar's exit (in a
+    long-lived process: for ever)."""
+    from dgt import store_host
+    started = []
+    real_start = store_host.start
+
+    def start(*args, **kw):
+        started.append(real_start(*args, **kw))
+        return started[-1]
+
+    def refuse(self, TCPStore):
+        raise PeerFailure("the store did not answer", 0)
+
+    monkeypatch.setattr(store_host, "start", start)
+    monkeypatch.setattr(Rendezvous, "_connect_store", refuse)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(PeerFailure, match="did not answer"):
+        Rendezvous("127.0.0.1", port, 2, 0, 20.0, job="j", rejected=Counter())
+    assert len(started) == 1 and started[0].ended(), "the store's process still runs"

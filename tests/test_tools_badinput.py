@@ -516,3 +516,28 @@ def test_replay_drops_a_connection_whose_receiver_stopped_reading(tmp_path):
     assert set(errors) == {"ETIMEDOUT"}, errors
     assert 0 < rep["totals"]["messages"] < 400 and \
         rep["totals"]["messages"] + errors["ETIMEDOUT"] == 400, rep["totals"]
+
+
+def test_pcap_summary_counts_a_pull_over_udp_as_no_receiver_takes_it(tmp_path):
+    """Breaker round 11: a PULL carried in a UDP datagram was counted as a PULL
+    ('PULLs 1 (1 unattributed)'), though every receiver drops it (bad_udp_message).
+    The summary now goes by the receivers' rule (wire.udp_shape_problem)."""
+    from dgt.tools import ports, summary
+    from dgt.transport import wire
+    block = wire.encode(wire.MsgType.BLOCKS, session=0x1234, sender=0, shard=1,
+                        channel=1, block=3, count=1, payload=b"\0" * 16)
+    pull = wire.encode(wire.MsgType.PULL, session=0x1234, sender=1, shard=1, block=2,
+                       count=1, payload=b"\0" * 17)
+    hello = wire.encode(wire.MsgType.HELLO, session=0x1234, sender=0, shard=1, channel=2)
+    pkts = []
+    for i, data in enumerate((block, pull, hello)):
+        p = (Ether() / IP(src="10.0.0.1", dst="10.0.0.2") / UDP(sport=40000, dport=47001)
+             / data)
+        p.time = 1000 + i * 0.01
+        pkts.append(p)
+    wrpcap(str(tmp_path / "u.pcap"), pkts)
+    s = summary.summarize(tmp_path / "u.pcap", ports.from_ports("47001"))
+    assert s["pulls"] == 0 and s["udp_refused"] == 2, s
+    assert s["types"] == {"BLOCKS": 1} and s["totals"]["blocks"] == 1
+    assert "datagrams no receiver takes (a PULL, HELLO, ERROR, BYE or TCP frame over " \
+        "UDP: bad_udp_message): 2" in summary.format_table(s)

@@ -70,12 +70,18 @@ class Summary:
         self.pulls_unattributed = 0
         self.bad_end = 0
         self.tail_markers = 0
+        self.udp_refused = 0   # datagrams of a shape no receiver takes
         self.iters: dict[int, _Iter] = defaultdict(_Iter)
 
     def add(self, m: Message) -> None:
         h = m.header
         if self.only_sessions is not None and h.session not in self.only_sessions:
             self.other_sessions[f"{h.session:016x}"] += 1
+            return
+        if m.proto == "udp" and wire.udp_shape_problem(h):
+            # a PULL, HELLO, ... in a datagram: every receiver drops it
+            # (bad_udp_message), so it is no message of its type (breaker round 11)
+            self.udp_refused += 1
             return
         self.types[wire.MsgType(h.type).name] += 1
         self.sessions.add(h.session)
@@ -194,7 +200,7 @@ class Summary:
                        "blocks_expected": sum(expected.values()),
                        "lost": sum(lost.values()), "late": sum(self.ch_late.values())},
             "ends": len(self.ends), "bad_ends": self.bad_end,
-            "tail_markers": self.tail_markers,
+            "tail_markers": self.tail_markers, "udp_refused": self.udp_refused,
             "pulls": self.pulls, "pulls_unattributed": self.pulls_unattributed,
             "iterations": iterations,
         }
@@ -275,6 +281,9 @@ def format_table(s: dict) -> str:
                  f"{s.get('tail_markers', 0)}), PULLs {s['pulls']}"
                  f" ({s['pulls_unattributed']} unattributed), duration {s['duration_s']:.3f} s,"
                  f" types {s['types']}")
+    if s.get("udp_refused"):
+        lines.append(f"datagrams no receiver takes (a PULL, HELLO, ERROR, BYE or TCP frame "
+                     f"over UDP: bad_udp_message): {s['udp_refused']}")
     for t in s.get("truncated", ()):
         lines.append(truncation_text(t) + "; totals cover the records before it")
     if s.get("other_sessions_ignored"):

@@ -169,11 +169,10 @@ class ShardSession:
                 return self._tail_marker(h, len(payload), checked)
         elif h.flags & _MAC:   # no secret here: a MAC-flagged datagram is no job's, as
             return [self._reject("bad_udp_message")]   # in a GRO run (_receive_run)
-        elif h.type == MsgType.END and h.channel != RELIABLE and not h.flags & _INDEXED:
-            return self._tail_marker(h, len(payload))
-        elif h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
-                or h.flags & _INDEXED:
+        elif wire.udp_shape_problem(h):
             return [self._reject("bad_udp_message")]
+        elif h.type == MsgType.END:   # a tail marker
+            return self._tail_marker(h, len(payload))
         coding = wire.coding_of(h.flags)
         if self.coded_payload[coding] < 0:
             return [self._reject("bad_coding")]
@@ -324,13 +323,10 @@ class ShardSession:
         """The checks of a datagram's kind and block that need no key, made before its
         MAC (so a forgery that fails one costs no keyed hash): a one-block BLOCKS on a
         UDP channel within the shard's range, or a tail marker (END on a UDP channel)."""
-        if h.channel == RELIABLE or h.flags & _INDEXED:
-            return "bad_udp_message"
-        if h.type == MsgType.BLOCKS:
-            if h.count != 1:
-                return "bad_udp_message"
-            return None if self.lo <= h.block < self.hi else "bad_block"
-        return None if h.type == MsgType.END else "bad_udp_message"
+        bad = wire.udp_shape_problem(h)
+        if bad or h.type != MsgType.BLOCKS:
+            return bad
+        return None if self.lo <= h.block < self.hi else "bad_block"
 
     def _receive_coalesced(self, buf, now: float, size: int) -> list:
         """Vectorised path for n datagrams of ``size`` bytes each (plus a possibly

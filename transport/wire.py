@@ -114,6 +114,18 @@ CODING_SHIFT = 2
 CODING_MASK = 0x07 << CODING_SHIFT
 
 
+def udp_shape_problem(h: "Header") -> str | None:
+    """What a receiver says of a UDP datagram with header ``h``, by its shape alone:
+    None for a one-block BLOCKS or a tail marker (END) on a UDP channel (1..7), without
+    INDEXED; else ``"bad_udp_message"`` (a PULL, HELLO, ERROR or BYE over UDP, a TCP
+    BLOCKS frame). ``transport.session`` and ``dgt pcap summary`` both go by it."""
+    if h.channel == 0 or h.flags & INDEXED_BIT:
+        return "bad_udp_message"
+    if h.type == MsgType.BLOCKS:
+        return None if h.count == 1 else "bad_udp_message"
+    return None if h.type == MsgType.END else "bad_udp_message"
+
+
 def coding_of(flags: int) -> int:
     """The coding number in header ``flags`` (0..7; not all are a :class:`Coding`)."""
     return (flags & CODING_MASK) >> CODING_SHIFT

@@ -350,3 +350,48 @@ def test_a_cells_queue_drops_are_the_difference_and_get_their_own_table():
     md = markdown(doc)
     assert ("| 8981kbit | share | googlenet:0.125 | dgt --mode tcp | DSCP 0: 3 "
             "| DSCP 46: 1,200 |") in md
+
+
+@pytest.mark.parametrize("args, says", [
+    (["tta", "--scenarios", "clean", "--share", "0.3"], "--share applies to the share "
+                                                        "scenario only"),
+    (["tta", "--loopback", "--share", "0.5"], "--share applies to the share scenario only"),
+    (["tta", "--loopback", "--comm-ratio", "1"], "--comm-ratio applies to the calibrated "
+                                                 "rate only"),
+    (["tta", "--rates", "1gbit", "--comm-ratio", "2"], "--comm-ratio applies to the "
+                                                       "calibrated rate only"),
+    (["tta", "--calibrate", "--share", "0.5"], "--share does not apply with --calibrate"),
+    (["tta", "--calibrate", "--max-iterations", "400"], "--max-iterations does not apply "
+                                                        "with --calibrate"),
+    (["--scenarios", "clean", "--loss-pct", "1"], "--loss-pct applies to the lossy "
+                                                  "scenarios only"),
+])
+def test_a_flag_this_combination_leaves_unread_is_refused(tmp_path, args, says):
+    """Breaker round 11 (re-check): each was taken in silence, the flag doing nothing
+    with the others given."""
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate", *args,
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and says in p.stderr, (p.stdout, p.stderr)
+    assert len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
+
+
+def test_calibrate_with_estimate_runs_nothing(tmp_path):
+    """Breaker round 11 (re-check): 'tta --calibrate --estimate' ran the calibration's
+    training jobs, where --estimate promises to run nothing. It now prints the jobs it
+    would run and their bound, and exits 0 with nothing written."""
+    out = tmp_path / "o"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "tta", "--calibrate",
+                        "--estimate", "--models", "mlp:64,alexnet:0.25", "--out", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines[:2]] == ["calibrate mlp", "calibrate alexnet"]
+    assert lines[-1].startswith("estimate: at most ") and "2 calibration jobs" in lines[-1]
+    assert not out.exists()
+    for args in (["--share", "0.3", "--scenarios", "share"], ["--comm-ratio", "2"],
+                 ["--scenarios", "lossy", "--loss-pct", "3"]):   # read: still taken
+        cmd = ["tta", *args] if "--share" in args or "--comm-ratio" in args else args
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate", *cmd,
+                            "--out", str(out)], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, (cmd, p.stderr)

@@ -1313,6 +1313,10 @@ def cmd_bench(a) -> int:
         cfg.validate()   # first: a bad value is named as such, given where it applies or not
         check_loopback_args(a)
         check_not_goodput(a)
+        if "loss_pct" in fill_defaults(a) and \
+                not any(sc.startswith("lossy") for sc in cfg.scenarios):
+            raise BenchError("--loss-pct applies to the lossy scenarios only; add lossy "
+                             "or lossy-link to --scenarios, or drop --loss-pct")
         if a.estimate:
             if not cfg.loopback:
                 check_tools(cfg.scenarios, estimate=True)

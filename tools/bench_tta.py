@@ -587,6 +587,11 @@ def cpu_budget(workers: int, cpu: dict, compute: list[float], comm: list[float])
 # --------------------------------------------------------------------------- calibration
 
 
+def calibration_bound_s(cfg: TtaConfig) -> float:
+    """Seconds one calibration job may take before it is killed."""
+    return max(180.0, 30.0 * cfg.calibrate_iterations)
+
+
 def calibrate(cfg: TtaConfig, log_fn=print) -> dict:
     """Per workload: a ``gloo`` job on loopback for ``calibrate_iterations`` iterations
     (no stop at target) with ``--workers`` ranks; its median compute time per iteration
@@ -601,7 +606,7 @@ def calibrate(cfg: TtaConfig, log_fn=print) -> dict:
             os.makedirs(run_dir)
             argv = cell_argv(cfg, cell, os.path.join(run_dir, "report.json"), run_dir,
                              iterations=cfg.calibrate_iterations, stop_at_target=False)
-            code, secs = bench.run_job(argv, run_dir, max(180.0, 30.0 * cfg.calibrate_iterations))
+            code, secs = bench.run_job(argv, run_dir, calibration_bound_s(cfg))
             t = _trainers(run_dir, 1)
             if code != 0 or not t:
                 raise BenchError(f"calibration of {w.name} failed ({secs:.0f} s): "
@@ -1002,6 +1007,32 @@ def check_not_tta(a) -> None:
             raise BenchError(f"--{k.replace('_', '-')} applies to 'dgt bench tta' only")
 
 
+#: flags that --calibrate does not read: it runs one gloo job per workload on loopback
+CALIBRATE_NOT_READ = ("share", "max_iterations", "scenarios", "systems", "rates",
+                      "ddp_bucket_cap_mb", "profile", "tcp_congestion", "prefix",
+                      "keep_runs", "cell_timeout_s")
+
+
+def check_combination(a, cfg: "TtaConfig") -> None:
+    """Refuse, in one line (BenchError), a tta flag that this combination leaves unread
+    (breaker round 11: '--scenarios clean --share 0.3', '--loopback --comm-ratio 1' and
+    '--calibrate --max-iterations 400' were taken in silence)."""
+    given = bench.fill_defaults(a)
+    if a.calibrate:
+        for dest in CALIBRATE_NOT_READ:
+            if dest in given:
+                flag = "--" + dest.replace("_", "-")
+                raise BenchError(f"{flag} does not apply with --calibrate (one gloo job "
+                                 f"per workload on loopback); drop {flag}")
+        return
+    if "share" in given and (cfg.loopback or "share" not in cfg.scenarios):
+        raise BenchError("--share applies to the share scenario only; add share to "
+                         "--scenarios (the testbed's), or drop --share")
+    if "comm_ratio" in given and (cfg.loopback or "calibrated" not in cfg.rates):
+        raise BenchError("--comm-ratio applies to the calibrated rate only; add "
+                         "calibrated to --rates (the testbed's), or drop --comm-ratio")
+
+
 def config_from_args(a) -> TtaConfig:
     given = bench.fill_defaults(a)
     d = TtaConfig()
@@ -1030,6 +1061,17 @@ def cmd_tta(a, command: str) -> int:
     bench.check_read(a)
     bench.check_loopback_args(a)
     bench.check_not_goodput(a)
+    check_combination(a, cfg)
+    if a.calibrate and a.estimate:   # breaker round 11: --estimate ran the jobs
+        bench.check_out_dir(cfg.out)
+        bound = calibration_bound_s(cfg)
+        for w in cfg.workloads:
+            print(f"calibrate {w.name}: gloo on loopback, {cfg.workers} workers, "
+                  f"{cfg.calibrate_iterations} iterations, at most {bound:.0f} s")
+        print(f"estimate: at most {len(cfg.workloads) * bound / 60:.1f} min for "
+              f"{len(cfg.workloads)} calibration jobs; writes "
+              f"{os.path.join(cfg.out, 'tta_calibration.json')}")
+        return 0
     if a.calibrate:
         cal = calibrate(cfg)
         bench.check_out_dir(cfg.out)

@@ -601,8 +601,10 @@ def check_paths(job: JobConfig, ckpt: CheckpointConfig | None = None) -> None:
     if job.report and not in_run_dir:
         _check_report(job.report)
     if job.run_dir:
-        if os.path.exists(job.run_dir) and not os.path.isdir(job.run_dir):
-            raise ValueError(f"--run-dir {job.run_dir} is a file; give a folder")
+        # a link that leads nowhere: run_files.check_run_dir names it (dangling, loop)
+        why = None if os.path.islink(job.run_dir) else outpath.folder_problem(job.run_dir)
+        if why is not None:   # breaker round 11: a file on the path read as errno text
+            raise ValueError(f"--run-dir {job.run_dir}: {why}; give another folder")
         run_files.check_run_dir(job.run_dir, keep=_own_paths(job, ckpt))
         try:
             os.makedirs(job.run_dir, exist_ok=True)
@@ -630,16 +632,11 @@ def _check_report(report: str) -> None:
     through, dgt.atomic). Raises ValueError naming the flag."""
     folder = os.path.dirname(os.path.abspath(report))
     if not os.path.isdir(folder):   # a typo must not leave a tree of new folders
-        try:
-            os.stat(folder)
-        except FileNotFoundError:
+        why = outpath.folder_problem(folder)
+        if why is None or why.startswith("no folder can be made"):
             raise ValueError(f"--report {report}: folder {folder} does not exist; "
-                             f"create it first or give another path") from None
-        except OSError as e:   # a symbolic link loop, a file where a folder should be
-            raise ValueError(f"--report {report}: folder {folder}: {e.strerror}; give "
-                             f"another path") from None
-        raise ValueError(f"--report {report}: {folder} is not a folder; give another "
-                         f"path")
+                             f"create it first or give another path")
+        raise ValueError(f"--report {report}: {why}; give another path")
     if os.path.isdir(report):
         raise ValueError(f"--report {report} is a directory; give a file path")
     why = outpath.refusal(report, "json")
@@ -654,8 +651,8 @@ def _check_report(report: str) -> None:
         with tempfile.TemporaryFile(dir=folder, prefix=".dgt-report-"):
             pass
     except OSError as e:
-        raise ValueError(f"--report: cannot create a file in {folder}: "
-                         f"{e.strerror or e}") from None
+        raise ValueError(f"--report {report}: no file can be made in {folder} "
+                         f"({e.strerror or e})") from None
 
 
 def resume_from(ckpt: CheckpointConfig, job: JobConfig, tx: TransmissionConfig) -> str:
@@ -672,6 +669,9 @@ def resume_from(ckpt: CheckpointConfig, job: JobConfig, tx: TransmissionConfig) 
 def check_checkpoint_dir(path: str) -> None:
     """--checkpoint-dir can be made and written, before anything starts. Raises
     ValueError naming the flag."""
+    why = outpath.folder_problem(path)
+    if why is not None:   # breaker round 11: a file there read as 'File exists'
+        raise ValueError(f"--checkpoint-dir {path}: {why}; give another folder")
     try:
         unixsock.owned_dir(path, "--checkpoint-dir")
         with tempfile.TemporaryFile(dir=path):

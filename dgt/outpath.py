@@ -87,3 +87,57 @@ def refusal(path: str, kind: str) -> str | None:
     """Why an output of ``kind`` must not replace ``path`` (:func:`foreign`, then
     :func:`unreplaceable`), or None: the one check every output writer makes."""
     return foreign(path, kind) or unreplaceable(path)
+
+
+def folder_problem(path: str) -> str | None:
+    """Why no folder can be at ``path`` or be made there by ``os.makedirs``, as one
+    phrase naming the part of the path at fault, or None when one is there or can be
+    made (checked without making it: a folder is made and removed in the nearest one
+    that exists, where the permission bits say nothing to root, e.g. in /proc).
+    ``X is not a folder``, ``X: Too many levels of symbolic links`` (a link loop),
+    ``X is a dangling symbolic link to T``, ``no folder can be made in X (why)``.
+    Breaker round 11: a regular file on the path read as ``File exists`` or ``Not a
+    directory``, a loop as a dangling link, /proc as a folder that does not exist."""
+    import errno
+    import tempfile
+    def loop(at: str) -> str:   # the shortest part of ``at`` that loops
+        while os.path.dirname(at) != at:
+            try:
+                os.stat(os.path.dirname(at))
+                break
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    break
+            at = os.path.dirname(at)
+        return f"{at}: {os.strerror(errno.ELOOP)} (a symbolic link loop)"
+    try:
+        return None if stat.S_ISDIR(os.stat(path).st_mode) else f"{path} is not a folder"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return loop(path)
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            return f"{path}: {e.strerror or e}"
+    if os.path.islink(path):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"{path} is a dangling symbolic link to {target}"
+    probe = os.path.dirname(os.path.abspath(path))
+    while True:   # the nearest part of the path that is there
+        try:
+            os.stat(probe)
+            break
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return loop(probe)
+            if os.path.islink(probe):
+                return f"{probe} is a dangling symbolic link"
+            probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".dgt-probe-"))
+    except OSError as e:
+        return f"no folder can be made in {probe} ({e.strerror or e})"
+    return None

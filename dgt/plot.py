@@ -304,6 +304,10 @@ def main(ns: argparse.Namespace) -> int:
         print(f"dgt plot: {note}", file=sys.stderr)
     out = ns.out or (ns.source if os.path.isdir(ns.source)
                      else os.path.dirname(os.path.abspath(ns.source)))
+    from .outpath import folder_problem
+    why = folder_problem(out)   # breaker round 11: a file on the path, /proc
+    if why is not None:
+        ns.parser.error(f"--out {out}: {why}; give another folder")
     try:
         paths = plot(data, out, ns.title + ": " if ns.title else "")
     except OSError as e:

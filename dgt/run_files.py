@@ -323,6 +323,10 @@ def check_run_dir(run_dir: str, flag: str = "--run-dir",
     ``pids.json``, there as a regular file), passes. Raises ValueError, one line naming
     ``flag``."""
     if os.path.islink(run_dir) and not os.path.exists(run_dir):
+        from .outpath import folder_problem
+        why = folder_problem(run_dir) or ""
+        if why.endswith("(a symbolic link loop)"):   # breaker round 11: read as dangling
+            raise ValueError(f"{flag} {why}; remove the link, or give another folder")
         try:
             target = os.readlink(run_dir)
         except OSError:

@@ -169,8 +169,8 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_anything_start
     assert p.returncode == 2 and "trainer-0.pt is not a dgt checkpoint file" in p.stderr
     (tmp_path / "file").write_text("x")
     p = _train(*base, "--checkpoint-every", 5, "--checkpoint-dir", tmp_path / "file" / "ck")
-    assert p.returncode == 2 and "--checkpoint-dir" in p.stderr and \
-        "Not a directory" in p.stderr, p.stderr
+    assert p.returncode == 2 and f"--checkpoint-dir {tmp_path / 'file' / 'ck'}: " \
+        f"{tmp_path / 'file'} is not a folder" in p.stderr, p.stderr
     assert not (tmp_path / "run1" / "pids.json").exists()   # nothing was started
 
 

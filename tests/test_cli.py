@@ -52,13 +52,15 @@ BAD = [
      "--mode tcp sends none over UDP; drop --band-codec or use --mode dgt"),
     (["sidecar", "--rank", "0", "--world", "1", "--mode", "topk", "--band-codec", "fp16"],
      "--mode topk sends none over UDP; drop --band-codec or use --mode dgt"),
-    (["train", "--report", "/proc/x.json"], "--report: cannot create a file in /proc"),
+    (["train", "--report", "/proc/x.json"], "--report /proc/x.json: no file can be made "
+                                            "in /proc"),
     # breaker round 7: '[Errno 2] No such file or directory', naming no path
     (["sidecar", "--rank", "0", "--world", "1", "--socket", "/proc/x.sock"],
      "--socket /proc/x.sock: cannot create a socket there (No such file or directory)"),
     (["train", "--workers", "64", "--batch-size", "8", "--hidden", "20000"],
      "GiB of memory"),
-    (["bench", "--out", "/proc/nope", "--estimate"], "--out /proc/nope: cannot write"),
+    (["bench", "--out", "/proc/nope", "--estimate"],
+     "--out /proc/nope: no folder can be made in /proc"),
     (["bench", "--eval-every", "-1", "--estimate"], "--eval-every >= 0"),
     (["bench", "--target-accuracy", "2", "--estimate"], "--target-accuracy must be in"),
     # breaker round 2, 2026-12-01: tracebacks, or accepted and wrong later

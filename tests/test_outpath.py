@@ -253,3 +253,45 @@ def test_another_users_file_in_a_sticky_folder_is_refused_before_the_work():
             assert f.read() == "{}"
     finally:
         shutil.rmtree(folder)
+
+
+def test_every_folder_flag_names_the_part_of_the_path_at_fault(tmp_path):
+    """Breaker round 11 (re-check): --run-dir, --checkpoint-dir, dgt plot --out and
+    dgt bench --out gave errno text for a folder path through a regular file ('File
+    exists', 'Not a directory'), called a link loop dangling or took it, and said 'No
+    such file or directory' for /proc. One rule (outpath.folder_problem) now names the
+    part of the path at fault, for each flag, before any work."""
+    from dgt.outpath import folder_problem
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert folder_problem(str(tmp_path / "new" / "sub")) is None   # makedirs can
+    assert folder_problem(str(afile)) == f"{afile} is not a folder"
+    assert folder_problem(str(afile / "x")) == f"{afile} is not a folder"
+    assert folder_problem(str(loop / "x" / "y")).startswith(
+        f"{loop}: Too many levels of symbolic links")
+    assert folder_problem("/proc/dgt-x/y") == \
+        "no folder can be made in /proc (No such file or directory)"
+    report = str(tmp_path / "r.json")
+    cases = [
+        (["train", "--run-dir", afile / "rd", "--report", report],
+         f"--run-dir {afile / 'rd'}: {afile} is not a folder"),
+        (["train", "--run-dir", "/proc/dgt-x", "--report", report],
+         "--run-dir /proc/dgt-x: no folder can be made in /proc"),
+        (["train", "--run-dir", loop], f"--run-dir {loop}: Too many levels of symbolic "
+                                       f"links (a symbolic link loop)"),
+        (["train", "--checkpoint-every", "1", "--checkpoint-dir", afile],
+         f"--checkpoint-dir {afile}: {afile} is not a folder"),
+        (["train", "--checkpoint-every", "1", "--checkpoint-dir", "/proc/dgt-ck"],
+         "--checkpoint-dir /proc/dgt-ck: no folder can be made in /proc"),
+        (["bench", "--loopback", "--estimate", "--out", loop / "x"],
+         f"--out {loop / 'x'}: {loop}: Too many levels of symbolic links"),
+        (["bench", "--loopback", "--estimate", "--out", afile / "x"],
+         f"--out {afile / 'x'}: {afile} is not a folder"),
+    ]
+    for args, says in cases:
+        p = _dgt(*map(str, args))
+        assert p.returncode == 2 and says in p.stderr, (args, p.stdout, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["afile", "loop"]   # nothing made

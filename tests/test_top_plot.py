@@ -94,6 +94,14 @@ def test_plot_writes_pngs_from_a_real_report(tmp_path):
                        text=True, timeout=120)
     assert p.returncode == 2 and "No such file or directory" in p.stderr, p.stderr
     assert not (tmp_path / "missing").exists()
+    # the part of the path at fault is named (breaker round 11: errno text only)
+    (tmp_path / "afile").write_text("x")
+    for out, says in ((tmp_path / "afile" / "png", f"{tmp_path / 'afile'} is not a folder"),
+                      ("/proc/dgt-png", "no folder can be made in /proc")):
+        p = subprocess.run([sys.executable, "-m", "dgt.cli", "plot",
+                            str(tmp_path / "report.json"), "--out", str(out)],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and f"--out {out}: {says}" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("out", ["", "  "])

@@ -193,11 +193,13 @@ def check_out_dir(out: str) -> None:
             check_owned(out, "--out")
         except NotOurs as e:   # (breaker round 9: a 0777 folder of uid 65534's)
             raise BenchError(str(e)) from None
+    from dgt.outpath import folder_problem
+    why = folder_problem(path)   # a file on the path, a link loop, /proc
+    if why is not None:
+        raise BenchError(f"--out {out}: {why}; give another folder")
     probe = path
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise BenchError(f"--out {out}: {probe} is a file, not a folder")
     try:   # root passes os.access everywhere; only creating a file tells (/proc, ro)
         with tempfile.TemporaryFile(dir=probe, prefix=".dgt-bench-"):
             pass

@@ -529,15 +529,19 @@ def test_pcap_summary_counts_a_pull_over_udp_as_no_receiver_takes_it(tmp_path):
     pull = wire.encode(wire.MsgType.PULL, session=0x1234, sender=1, shard=1, block=2,
                        count=1, payload=b"\0" * 17)
     hello = wire.encode(wire.MsgType.HELLO, session=0x1234, sender=0, shard=1, channel=2)
+    tail = wire.encode(wire.MsgType.END, session=0x1234, sender=0, shard=1, channel=1,
+                       count=1, payload=wire.pack_end([0, 1]))   # a tail marker has none
     pkts = []
-    for i, data in enumerate((block, pull, hello)):
+    for i, data in enumerate((block, pull, hello, tail)):
         p = (Ether() / IP(src="10.0.0.1", dst="10.0.0.2") / UDP(sport=40000, dport=47001)
              / data)
         p.time = 1000 + i * 0.01
         pkts.append(p)
     wrpcap(str(tmp_path / "u.pcap"), pkts)
     s = summary.summarize(tmp_path / "u.pcap", ports.from_ports("47001"))
-    assert s["pulls"] == 0 and s["udp_refused"] == 2, s
+    assert s["pulls"] == 0 and s["udp_refused"] == 3, s
     assert s["types"] == {"BLOCKS": 1} and s["totals"]["blocks"] == 1
+    assert s["tail_markers"] == 0
     assert "datagrams no receiver takes (a PULL, HELLO, ERROR, BYE or TCP frame over " \
-        "UDP: bad_udp_message): 2" in summary.format_table(s)
+        "UDP: bad_udp_message; a tail marker with a payload: bad_tail): 3" in \
+        summary.format_table(s)

@@ -78,9 +78,11 @@ class Summary:
         if self.only_sessions is not None and h.session not in self.only_sessions:
             self.other_sessions[f"{h.session:016x}"] += 1
             return
-        if m.proto == "udp" and wire.udp_shape_problem(h):
-            # a PULL, HELLO, ... in a datagram: every receiver drops it
-            # (bad_udp_message), so it is no message of its type (breaker round 11)
+        if m.proto == "udp" and (wire.udp_shape_problem(h) or (
+                h.type == wire.MsgType.END and len(m.payload))):
+            # a PULL, HELLO, ... in a datagram (bad_udp_message), or a tail marker with
+            # a payload (bad_tail): every receiver drops it, so it is no message of its
+            # type (breaker round 11)
             self.udp_refused += 1
             return
         self.types[wire.MsgType(h.type).name] += 1
@@ -283,7 +285,8 @@ def format_table(s: dict) -> str:
                  f" types {s['types']}")
     if s.get("udp_refused"):
         lines.append(f"datagrams no receiver takes (a PULL, HELLO, ERROR, BYE or TCP frame "
-                     f"over UDP: bad_udp_message): {s['udp_refused']}")
+                     f"over UDP: bad_udp_message; a tail marker with a payload: bad_tail): "
+                     f"{s['udp_refused']}")
     for t in s.get("truncated", ()):
         lines.append(truncation_text(t) + "; totals cover the records before it")
     if s.get("other_sessions_ignored"):

@@ -10,6 +10,7 @@ only ranks ``0..world-1`` (:func:`job_world`, :func:`in_job`).
 """
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import re
@@ -323,10 +324,13 @@ def check_run_dir(run_dir: str, flag: str = "--run-dir",
     ``pids.json``, there as a regular file), passes. Raises ValueError, one line naming
     ``flag``."""
     if os.path.islink(run_dir) and not os.path.exists(run_dir):
-        from .outpath import folder_problem
-        why = folder_problem(run_dir) or ""
-        if why.endswith("(a symbolic link loop)"):   # breaker round 11: read as dangling
-            raise ValueError(f"{flag} {why}; remove the link, or give another folder")
+        try:
+            os.stat(run_dir)
+        except OSError as e:   # breaker round 11: a link loop read as dangling
+            if e.errno == errno.ELOOP:
+                from .outpath import folder_problem
+                raise ValueError(f"{flag} {folder_problem(run_dir)}; remove the link, or "
+                                 f"give another folder") from None
         try:
             target = os.readlink(run_dir)
         except OSError:

@@ -1118,20 +1118,23 @@ def add_arguments(p) -> None:
 
 #: the flags whose parser default is None, so that one given at its default value is
 #: told from one not given (a flag that does not apply is refused either way:
-#: check_loopback_args, check_not_goodput, bench_tta.check_not_tta); fill_defaults
+#: check_loopback_args, check_read); fill_defaults
 #: then puts in the default (breaker round 10: '--share 0.5' to the matrix was taken
 #: in silence)
 LATE_DEFAULTS = dict(loss_pct=BenchConfig.loss_pct, profile=BenchConfig.profile,
                      tcp_congestion=BenchConfig.tcp_congestion, prefix=BenchConfig.prefix,
                      seconds=GOODPUT_SECONDS, mb=GOODPUT_MB, hidden=BenchConfig.hidden,
                      epochs=BenchConfig.epochs, seed=BenchConfig.seed, cell_timeout_s=0.0)
-#: the flags (dests) that each mode does not read: given, each is refused in one line
-#: (breaker round 11: 'dgt bench tta --loss-pct 1' and 'goodput --scenarios lossy'
-#: were taken in silence); the tta-only and goodput-only flags have their own checks
+#: the flags (dests) that each mode does not read, beyond those of :data:`ONLY`: given,
+#: each is refused in one line (breaker round 11: 'dgt bench tta --loss-pct 1' and
+#: 'goodput --scenarios lossy' were taken in silence)
 NOT_READ = {"tta": ("loss_pct", "hidden", "epochs"),
-            "goodput": ("systems", "scenarios", "epochs", "eval_every", "target_accuracy",
-                        "loss_pct", "tcp_congestion", "seed", "cell_timeout_s",
-                        "keep_runs")}
+            "goodput": ("systems", "scenarios", "workers", "epochs", "eval_every",
+                        "target_accuracy", "loss_pct", "tcp_congestion", "seed",
+                        "cell_timeout_s", "keep_runs")}
+#: the flags (dests) that one mode alone reads: given to another, each is refused as
+#: "applies to 'dgt bench MODE' only" (bench_tta.LATE_DEFAULTS: tta's own)
+GOODPUT_ONLY = ("seconds", "mb")
 
 
 def fill_defaults(a) -> set[str]:
@@ -1157,12 +1160,20 @@ _UNSET_DEFAULTS = ("systems", "scenarios", "rates", "workers", "iterations", "ev
 
 def check_read(a) -> None:
     """Refuse, in one line (BenchError), a flag given that ``dgt bench <a.what>`` does
-    not read (:data:`NOT_READ`)."""
+    not read: another mode's own (:data:`GOODPUT_ONLY`, tta's), or one of
+    :data:`NOT_READ`."""
+    from dgt.tools.bench_tta import LATE_DEFAULTS as tta_defaults
     given = fill_defaults(a)
+    only = {**{d: "goodput" for d in GOODPUT_ONLY},
+            **{d: "tta" for d in (*tta_defaults, "calibrate")}}
+    for dest, mode in only.items():
+        if dest in given and mode != a.what:
+            raise BenchError(f"--{dest.replace('_', '-')} applies to 'dgt bench {mode}' "
+                             f"only")
     for dest in NOT_READ.get(a.what, ()):
         if dest in given:
             flag = "--" + dest.replace("_", "-")
-            raise BenchError(f"{flag} does not apply to 'dgt bench {a.what}'; drop it")
+            raise BenchError(f"{flag} does not apply to 'dgt bench {a.what}'; drop {flag}")
 
 
 def config_from_args(a) -> BenchConfig:
@@ -1197,9 +1208,6 @@ def check_goodput_args(a, iterations: int) -> None:
     if a.loopback:
         raise BenchError("goodput runs through one shaped testbed port; --loopback does "
                          "not apply (use 'dgt bench --loopback' for the overhead check)")
-    if a.workers is not None:
-        raise BenchError("--workers does not apply to 'dgt bench goodput': it always uses "
-                         "2 testbed hosts; drop --workers")
     if len(_csv(a.rates) if a.rates else []) > 1:
         raise BenchError("goodput takes one --rates value (one port rate)")
     check_prefix(a.prefix)
@@ -1237,14 +1245,6 @@ def with_help_hint(message: str) -> str:
     root, a missing tool) say what to do themselves."""
     message = " ".join(message.split())
     return message + " (see 'dgt bench --help')" if message.startswith("--") else message
-
-
-def check_not_goodput(a) -> None:
-    """``dgt bench`` (matrix) or ``tta`` given a flag that only ``goodput`` reads. Raises
-    BenchError."""
-    for dest in ("seconds", "mb"):
-        if dest in fill_defaults(a):
-            raise BenchError(f"--{dest} applies to 'dgt bench goodput' only")
 
 
 def check_loopback_args(a) -> None:
@@ -1291,8 +1291,6 @@ def cmd_bench(a) -> int:
         if a.what == "tta":
             from dgt.tools.bench_tta import cmd_tta
             return cmd_tta(a, command)
-        from dgt.tools.bench_tta import check_not_tta
-        check_not_tta(a)
         if a.what == "goodput":
             rate = _csv(a.rates)[0] if a.rates else "1gbit"
             rate_bits_per_s(rate)
@@ -1314,7 +1312,7 @@ def cmd_bench(a) -> int:
         cfg = config_from_args(a)
         cfg.validate()   # first: a bad value is named as such, given where it applies or not
         check_loopback_args(a)
-        check_not_goodput(a)
+        check_read(a)
         if "loss_pct" in fill_defaults(a) and \
                 not any(sc.startswith("lossy") for sc in cfg.scenarios):
             raise BenchError("--loss-pct applies to the lossy scenarios only; add lossy "

@@ -999,14 +999,6 @@ def add_arguments(p) -> None:
                         "the calibrated rates")
 
 
-def check_not_tta(a) -> None:
-    """``dgt bench`` / ``goodput`` given a flag that only ``tta`` reads. Raises BenchError."""
-    given = bench.fill_defaults(a)
-    for k in [*LATE_DEFAULTS, "calibrate"]:
-        if k in given or (k == "calibrate" and a.calibrate):
-            raise BenchError(f"--{k.replace('_', '-')} applies to 'dgt bench tta' only")
-
-
 #: flags that --calibrate does not read: it runs one gloo job per workload on loopback
 CALIBRATE_NOT_READ = ("share", "max_iterations", "scenarios", "systems", "rates",
                       "ddp_bucket_cap_mb", "profile", "tcp_congestion", "prefix",
@@ -1060,7 +1052,6 @@ def cmd_tta(a, command: str) -> int:
     cfg.validate()   # first: a bad value is named as such, given where it applies or not
     bench.check_read(a)
     bench.check_loopback_args(a)
-    bench.check_not_goodput(a)
     check_combination(a, cfg)
     if a.calibrate and a.estimate:   # breaker round 11: --estimate ran the jobs
         bench.check_out_dir(cfg.out)

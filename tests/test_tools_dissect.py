@@ -250,3 +250,47 @@ def test_a_tail_marker_is_described_not_called_malformed():
                     channel=0, count=17)
     h, payload = wire.decode(t)
     assert dissect.describe_payload(h, payload)["malformed"]
+
+
+def _shard_session():
+    from dgt.transport.session import ShardSession
+    return ShardSession(session=SESSION, shard=1, lo=10, hi=20, block_elems=4,
+                        n_workers=1, deadline_s=0.05)
+
+
+def _block(b, elems=4):
+    return wire.encode(wire.MsgType.BLOCKS, session=SESSION, sender=0, shard=1, iteration=0,
+                       channel=1, block=b, count=1,
+                       payload=np.full(elems, 1.0, np.float32).tobytes())
+
+
+def _marker(ch=1, count=3):
+    return wire.encode(wire.MsgType.END, session=SESSION, sender=0, shard=1, iteration=0,
+                       channel=ch, count=count)
+
+
+@pytest.mark.parametrize("parts, blocks, markers", [
+    ([_marker(), _block(10)], 0, 0),              # unequal, not blocks first: refused whole
+    ([_block(10), bytes(len(_block(11))), _block(12)], 2, 0),   # one bad row of three
+    ([_block(10), _block(11), _block(12), _marker()], 3, 1),    # a GSO run and its marker
+    ([_marker(), _marker()], 0, 1),               # a marker and its copy
+    ([_block(10), _block(11, elems=8)], 1, 0),    # a longer second message
+    # rows of the first message's size: the third straddles both markers, the tail is short
+    ([_block(10), _block(11), _marker(), _marker(2, 0)], 2, 0),
+], ids=["marker+block", "bad-middle-row", "run+marker", "marker-copy", "longer-second",
+        "run+2-markers"])
+def test_a_coalesced_datagram_is_split_as_a_receiver_splits_it(parts, blocks, markers):
+    """``dgt pcap summary`` counts of a datagram holding several messages what a
+    receiving shard takes of it, no more (breaker round 11's leftover: a datagram whose
+    messages differ in size had its first message counted, which a receiver refuses)."""
+    buf = b"".join(parts)
+    s = _shard_session()
+    s.receive_datagram(buf, now=0.0)
+    took_blocks = sum(s.counters.channels[c].blocks_delivered for c in range(1, 4))
+    took_markers = int((s.tail >= 0).sum())
+    out = Dissector(None).feed(_udp(buf))
+    seen_blocks = sum(m.header.type == wire.MsgType.BLOCKS for m in out)
+    seen_markers = len({(m.header.sender, m.header.channel) for m in out
+                        if m.header.type == wire.MsgType.END})
+    assert (took_blocks, took_markers) == (blocks, markers)
+    assert (seen_blocks, seen_markers) == (blocks, markers)

@@ -680,24 +680,53 @@ class Dissector:
             return []
         size = wire.frame_size(h)
         if size == len(p):
-            return [Message(pkt.frame, pkt.ts_ns, "udp", pkt.src, pkt.sport, pkt.dst,
-                            pkt.dport, pkt.dscp, h, bytes(p))]
+            return [self._udp_message(pkt, h, p)]
         if size > len(p):
             self._bad("bad_length")
             return []
-        # A UDP GSO super-packet seen on the tap: equal-sized segments, last may be short.
+        return self._udp_run(pkt, p, h, size)
+
+    def _udp_message(self, pkt: L4, h: wire.Header, seg, gso: bool = False) -> Message:
+        return Message(pkt.frame, pkt.ts_ns, "udp", pkt.src, pkt.sport, pkt.dst,
+                       pkt.dport, pkt.dscp, h, bytes(seg), gso)
+
+    def _udp_run(self, pkt: L4, p, h: wire.Header, size: int) -> list[Message]:
+        """A datagram holding more than its first message, split as a receiver splits
+        it (``transport.session``, a UDP GRO run): after blocks, rows of the first
+        message's size, each taken or refused on its own, then the shorter tail as a
+        datagram of its own (a GSO super-packet seen on the tap, or its tail marker);
+        after any other first message, equal rows only, else the datagram is refused
+        whole (``bad_length``)."""
+        if h.type != wire.MsgType.BLOCKS or size <= wire.HEADER_BYTES:
+            if len(p) % size:
+                self._bad("bad_length")
+                return []
+            rows, tail = len(p) // size, None
+        else:
+            rows = len(p) // size
+            tail = p[rows * size:] if rows * size < len(p) else None
         out = []
-        off = 0
-        while off < len(p):
+        for off in range(0, rows * size, size):
             seg = p[off:off + size]
             try:
                 hs, _ = wire.decode(seg)
             except wire.WireError as e:
+                self._bad(e.reason)
+                continue
+            out.append(self._udp_message(pkt, hs, seg, True))
+        if tail is not None:
+            try:
+                ht = wire.decode_header(tail)
+            except wire.WireError as e:
                 self._bad("gso_tail" if e.reason == "short" else e.reason)
-                break
-            out.append(Message(pkt.frame, pkt.ts_ns, "udp", pkt.src, pkt.sport, pkt.dst,
-                               pkt.dport, pkt.dscp, hs, bytes(seg), True))
-            off += len(seg)
+                return out
+            ts = wire.frame_size(ht)
+            if ts == len(tail):
+                out.append(self._udp_message(pkt, ht, tail, True))
+            elif ts > len(tail):
+                self._bad("gso_tail")
+            else:
+                out += self._udp_run(pkt, tail, ht, ts)
         return out
 
     def _tcp(self, pkt: L4) -> list[Message]:

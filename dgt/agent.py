@@ -136,10 +136,14 @@ class WorkerAgent:
         if self.meter is not None:
             self.meter.end_sent()
         if len(self.pulls) < lay.n_shards:
-            try:
-                await asyncio.wait_for(asyncio.shield(self.pull_waiter), timeout_s)
-            except asyncio.TimeoutError:
-                missing = sorted(set(range(lay.n_shards)) - set(self.pulls))
+            # asyncio.wait, not wait_for: what fails the push is a PULL still missing
+            # once the time is up, never the timer itself. wait_for raised TimeoutError
+            # when the last PULL came in the same turn of the loop as its timer, and the
+            # message built from an empty list of missing shards raised IndexError: a
+            # peer thawed after a SIGSTOP of exactly --peer-timeout-s (breaker round 12)
+            await asyncio.wait([self.pull_waiter], timeout=timeout_s)
+            missing = sorted(set(range(lay.n_shards)) - set(self.pulls))
+            if missing:
                 stalled = [w for w in links.waiting_for(t) if w != me]
                 refused = links.ends_refused(t)
                 why = stalled_text(me, t, stalled, refused)

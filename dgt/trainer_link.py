@@ -164,7 +164,10 @@ class TrainerLink:
         except PeerFailure as e:
             self.fail(str(e), e.rank, why=e.reason, blamed=e.ranks)
         except Exception as e:  # a bug of ours: fail the job cleanly, never linger
-            log.debug("internal error", exc_info=True)
+            # its traceback goes to this sidecar's log, the evidence of a bug of ours
+            # (breaker round 12's IndexError left only its one-line repr)
+            log.error("rank %d: internal error; please report this traceback with dgt's "
+                      "version", self.rank, exc_info=True)
             self.fail(f"rank {self.rank}: internal error: {e!r}", self.rank)
         if clean:
             self.bye()

@@ -3,11 +3,14 @@
 blocks, and the push ends with END per shard and the PULLs applied. The sender's timing
 and refusal rules are tested with a fake clock in tests/test_sender.py."""
 import asyncio
+import time
 
 import numpy as np
 
 from dgt.agent import Links, WorkerAgent
 from dgt.config import TransmissionConfig
+from dgt.errors import PeerFailure
+from dgt.failure import FailureReason
 from dgt.layout import BlockLayout
 from dgt.transport import wire
 from dgt.transport.counters import Counters
@@ -136,3 +139,66 @@ def test_a_pull_with_padding_that_is_not_zeros_costs_no_block_of_the_next_push()
         np.testing.assert_array_equal(buf[:lay.n_params], 1.0)   # the rest as it came
     assert agent.counters.blocks_non_finite == 0
     assert agent.counters.rejected["pull_padding"] == 2
+
+
+def _two_shard_push(pull_after_s, timeout_s=0.2):
+    """Rank 0's push to two shards, mode tcp; shard 1's PULL comes ``pull_after_s`` after
+    the push's wait began, by a timer; None: never. The loop is then blocked past both
+    the wait's timer and the PULL's, so that both fire in one turn of the loop, the
+    wait's first. Returns what the push returned or raised, and the agent."""
+    cfg = TransmissionConfig(block_bytes=64, mode="tcp")
+    lay = BlockLayout.from_bytes(4000, cfg.block_bytes, 2)
+    ended = []
+    agent = None
+
+    def send_tcp(s, frame):
+        data = b"".join(bytes(p) for p in frame) if isinstance(frame, list) else frame
+        h, _ = wire.decode(data)
+        if h.type == wire.MsgType.END:
+            ended.append(h.iteration)
+
+    def local_push(t, blocks, sent, now):
+        n = lay.shard_blocks(0)
+        agent.on_pull(0, t, np.ones(n * lay.block_elems, np.float32), np.ones(n, bool))
+
+    def pull():
+        n = lay.shard_blocks(1)
+        agent.on_pull(1, 0, np.full(n * lay.block_elems, 2.0, np.float32), np.ones(n, bool))
+
+    agent = WorkerAgent(cfg, lay, 0, 1, None, np.ones(lay.padded, np.float32),
+                        np.zeros(lay.padded, np.float32),
+                        Links(send_tcp=send_tcp, send_udp=lambda c, s, rows: len(rows),
+                              local_push=local_push), Counters())
+
+    async def main():
+        task = asyncio.ensure_future(agent.push(0, None, timeout_s))
+        while not ended:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)   # the push is in its wait for shard 1's PULL
+        if pull_after_s is not None:
+            asyncio.get_running_loop().call_later(pull_after_s, pull)
+        time.sleep(timeout_s + 0.2)   # both timers are due when the loop runs again
+        try:
+            return await asyncio.wait_for(task, 30)
+        except PeerFailure as e:
+            return e
+
+    return asyncio.run(main()), agent, lay
+
+
+def test_a_pull_that_comes_in_the_same_turn_as_the_timeout_is_taken():
+    """Breaker round 12: a peer thawed after a SIGSTOP of exactly --peer-timeout-s sent
+    its PULL in the same turn of the event loop as the push's timer fired. The wait
+    raised TimeoutError although every PULL was in, and the failure message, built from
+    an empty list of missing shards, raised IndexError: the job failed with 'internal
+    error'. The push now ends as a PULL that came in time."""
+    got, agent, lay = _two_shard_push(0.2)
+    assert got == 1.0, got   # mode tcp: every block reliable
+    np.testing.assert_array_equal(agent.aggregate[lay.shard_lo(1) * lay.block_elems:], 2.0)
+
+
+def test_a_pull_that_never_comes_names_its_shard():
+    got, agent, lay = _two_shard_push(None)
+    assert isinstance(got, PeerFailure), got
+    assert "no PULL for iteration 0 from shard(s) [1] within 0 s" in str(got), str(got)
+    assert got.reason is FailureReason.PEER_SILENT and got.ranks == [1]

@@ -92,6 +92,36 @@ def test_a_constructor_argument_of_the_wrong_kind_is_one_line(kwargs, exc, says)
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("var, value, says", [
+    ("DGT_WORLD", "3", "DGT_WORLD='3' is not torch.distributed's world size (1): under "
+                       "DDP, dgt's world size is the process group's; unset DGT_WORLD"),
+    ("DGT_RANK", "5", "DGT_RANK='5' is not torch.distributed's rank (0)"),
+    ("DGT_RANK", "", "DGT_RANK='' is not torch.distributed's rank (0)"),
+])
+def test_a_dgt_rank_or_world_that_contradicts_torch_is_one_line(group, monkeypatch, var,
+                                                                 value, says):
+    """Breaker round 12: DGT_WORLD=3 (or DGT_RANK=5) under a torchrun job of 2 was read by
+    nobody and said nothing, where the README's precedence reads as if it counted."""
+    from dgt.ddp import DgtState
+    monkeypatch.setenv(var, value)
+    try:
+        state = DgtState()
+    except ValueError as e:
+        text = str(e)
+    else:   # a live state would make the next test's a second one
+        state.close()
+        pytest.fail(f"{var}={value!r} was taken")
+    assert says in text and "\n" not in text, text
+
+
+def test_a_dgt_rank_and_world_that_agree_with_torch_are_taken(group, monkeypatch):
+    from dgt.ddp import DgtState
+    monkeypatch.setenv("DGT_RANK", "0")
+    monkeypatch.setenv("DGT_WORLD", " 1")
+    state = DgtState()
+    state.close()
+
+
 def test_good_constructor_arguments_are_taken():
     from dgt.ddp import DgtState
     s = DgtState(socket_path=pathlib.Path("/run/s.sock"), sidecar_args=("--mode", "tcp"),

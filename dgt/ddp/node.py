@@ -126,6 +126,27 @@ def hello(path: str, timeout_s: float = 5.0) -> dict:
     return msg
 
 
+#: ``dgt sidecar``'s variables of what DgtState takes from torch.distributed, and what
+#: it takes: set, they must say the same
+_FROM_TORCH = {"DGT_RANK": "rank", "DGT_WORLD": "world size"}
+
+
+def check_node_variables(rank: int, world: int) -> None:
+    """Refuse ``DGT_RANK`` or ``DGT_WORLD`` that contradicts torch.distributed's
+    ``rank`` or ``world`` (ValueError, one line). Under DDP the dgt rank and world are
+    the process group's; such a variable, left from a ``dgt sidecar`` set-up, was read
+    by nobody and said nothing (breaker round 12). Equal values are taken."""
+    for var, what in _FROM_TORCH.items():
+        given = os.environ.get(var)
+        if given is None:
+            continue
+        want = rank if var == "DGT_RANK" else world
+        if given.strip() != str(want):
+            raise ValueError(f"{var}={given!r} is not torch.distributed's {what} "
+                             f"({want}): under DDP, dgt's {what} is the process group's; "
+                             f"unset {var}")
+
+
 def check_attach(info: dict, path: str, env: TorchrunEnv, world: int, rank: int) -> None:
     """Refuse a sidecar of another job, another world size or another rank, in one line
     (PeerFailure)."""
@@ -164,6 +185,7 @@ class NodeLink:
             raise RuntimeError("call torch.distributed.init_process_group() before "
                                "DgtState(): dgt's sidecars find each other through its store")
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        check_node_variables(rank, world)
         try:
             env = TorchrunEnv.from_environ()
         except ValueError:   # init_process_group without torchrun (tcp:// or file://)

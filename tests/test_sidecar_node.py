@@ -43,10 +43,14 @@ def _ready(p, run_dir, rank=0, timeout_s=60):
 
 def _ready_sidecars(n, tmp_path, timeout_s=60, peer_timeout_s=60):
     """(sockets, processes) of an n-node job's sidecars, each rendezvoused. The caller
-    stops them (``stop_procs``); on a start-up failure here they are stopped already."""
+    stops them (``stop_procs``); on a start-up failure here they are stopped already.
+    Their start-up grace is 60 s, not the default 10: these tests are not about
+    start-up, and with --peer-timeout-s 2 the rendezvous allowed 12 s, which a sidecar
+    started beside another on a CI machine at load 4 did not make (CI of 8edbe69)."""
     port = _free_port()
     socks = [tmp_path / f"s{r}.sock" for r in range(n)]
-    procs = [_sidecar(r, n, port, socks[r], tmp_path, "--peer-timeout-s", peer_timeout_s)
+    procs = [_sidecar(r, n, port, socks[r], tmp_path, "--peer-timeout-s", peer_timeout_s,
+                      "--startup-grace-s", 60)
              for r in range(n)]
     try:
         for r, p in enumerate(procs):

@@ -73,6 +73,11 @@ def stalled_text(me: int, t: int, stalled: list[int], refused: dict[int, str]) -
     return f"; shard {me} never got END({t}) from " + " nor from ".join(parts)
 
 
+#: s: how long a push whose PULL wait ran out still reads what its sockets hold before
+#: it fails, naming the shards still missing
+QUEUED_GRACE_S = 0.5
+
+
 class WorkerAgent:
     """One node's worker side. ``grad`` and ``aggregate``: (padded,) float32 arrays over
     the trainer's shared memory."""
@@ -121,7 +126,8 @@ class WorkerAgent:
                    on_range: Callable[[int, int], None] | None = None) -> float:
         """Run iteration ``t`` to the applied aggregate: what its parts (dgt.parts) did
         not send yet, then the PULLs. Returns k. Raises PeerFailure when a shard's PULL
-        does not come within ``timeout_s``.
+        does not come within ``timeout_s`` (and :data:`QUEUED_GRACE_S` more, in which
+        what is queued in the sockets is read).
 
         ``on_range(lo, hi)``: called as each shard's PULL is in the aggregate, with its
         element range [lo, hi) of the padded vector, so the trainer can apply that
@@ -142,6 +148,13 @@ class WorkerAgent:
             # message built from an empty list of missing shards raised IndexError: a
             # peer thawed after a SIGSTOP of exactly --peer-timeout-s (breaker round 12)
             await asyncio.wait([self.pull_waiter], timeout=timeout_s)
+            if len(self.pulls) < lay.n_shards:
+                # before blaming anyone, read what is queued: a sidecar that was itself
+                # stopped (SIGSTOP) or starved past its deadline runs its expired timer
+                # before it reads its sockets (uvloop: timers, then I/O), where its
+                # peers' PULLs, or the ERROR of the one that timed out on it, wait
+                # (re-check of breaker round 12: a thawed rank blamed the healthy one)
+                await asyncio.wait([self.pull_waiter], timeout=QUEUED_GRACE_S)
             missing = sorted(set(range(lay.n_shards)) - set(self.pulls))
             if missing:
                 stalled = [w for w in links.waiting_for(t) if w != me]

@@ -141,11 +141,12 @@ def test_a_pull_with_padding_that_is_not_zeros_costs_no_block_of_the_next_push()
     assert agent.counters.rejected["pull_padding"] == 2
 
 
-def _two_shard_push(pull_after_s, timeout_s=0.2):
+def _two_shard_push(pull_after_s, timeout_s=0.2, blocked_s=None):
     """Rank 0's push to two shards, mode tcp; shard 1's PULL comes ``pull_after_s`` after
-    the push's wait began, by a timer; None: never. The loop is then blocked past both
-    the wait's timer and the PULL's, so that both fire in one turn of the loop, the
-    wait's first. Returns what the push returned or raised, and the agent."""
+    the push's wait began, by a timer; None: never. The loop is then blocked for
+    ``blocked_s`` (default: past both the wait's timer and the PULL's, so that both fire
+    in one turn of the loop, the wait's first), as a stopped or starved sidecar's is.
+    Returns what the push returned or raised, and the agent."""
     cfg = TransmissionConfig(block_bytes=64, mode="tcp")
     lay = BlockLayout.from_bytes(4000, cfg.block_bytes, 2)
     ended = []
@@ -177,7 +178,7 @@ def _two_shard_push(pull_after_s, timeout_s=0.2):
         await asyncio.sleep(0.05)   # the push is in its wait for shard 1's PULL
         if pull_after_s is not None:
             asyncio.get_running_loop().call_later(pull_after_s, pull)
-        time.sleep(timeout_s + 0.2)   # both timers are due when the loop runs again
+        time.sleep(timeout_s + 0.2 if blocked_s is None else blocked_s)
         try:
             return await asyncio.wait_for(task, 30)
         except PeerFailure as e:
@@ -202,3 +203,16 @@ def test_a_pull_that_never_comes_names_its_shard():
     assert isinstance(got, PeerFailure), got
     assert "no PULL for iteration 0 from shard(s) [1] within 0 s" in str(got), str(got)
     assert got.reason is FailureReason.PEER_SILENT and got.ranks == [1]
+
+
+def test_a_push_whose_own_loop_was_stopped_reads_what_came_before_it_blames():
+    """Re-check of breaker round 12: a sidecar thawed after a SIGSTOP a little longer
+    than --peer-timeout-s ran its expired timer before it read its sockets, and blamed
+    the healthy rank whose PULL (or ERROR) was waiting there. Here the loop is blocked
+    past the wait's deadline and the PULL comes 0.1 s after it runs again, after the
+    timer has woken the push: the push takes it (within QUEUED_GRACE_S)."""
+    got, agent, lay = _two_shard_push(0.3 + 0.1, timeout_s=0.2, blocked_s=0.3)
+    assert got == 1.0, got
+    np.testing.assert_array_equal(agent.aggregate[lay.shard_lo(1) * lay.block_elems:], 2.0)
+    from dgt.agent import QUEUED_GRACE_S
+    assert 0.1 < QUEUED_GRACE_S   # the PULL came within the grace, not by chance

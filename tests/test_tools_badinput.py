@@ -518,6 +518,18 @@ def test_replay_drops_a_connection_whose_receiver_stopped_reading(tmp_path):
         rep["totals"]["messages"] + errors["ETIMEDOUT"] == 400, rep["totals"]
 
 
+def _scapy_udp_pcap(path, datagrams) -> None:
+    """A pcap of ``datagrams`` (bytes each) from 10.0.0.1:40000 to 10.0.0.2:47001,
+    10 ms apart, written by scapy."""
+    pkts = []
+    for i, data in enumerate(datagrams):
+        p = (Ether() / IP(src="10.0.0.1", dst="10.0.0.2") / UDP(sport=40000, dport=47001)
+             / data)
+        p.time = 1000 + i * 0.01
+        pkts.append(p)
+    wrpcap(str(path), pkts)
+
+
 def test_pcap_summary_counts_a_pull_over_udp_as_no_receiver_takes_it(tmp_path):
     """Breaker round 11: a PULL carried in a UDP datagram was counted as a PULL
     ('PULLs 1 (1 unattributed)'), though every receiver drops it (bad_udp_message).
@@ -531,17 +543,57 @@ def test_pcap_summary_counts_a_pull_over_udp_as_no_receiver_takes_it(tmp_path):
     hello = wire.encode(wire.MsgType.HELLO, session=0x1234, sender=0, shard=1, channel=2)
     tail = wire.encode(wire.MsgType.END, session=0x1234, sender=0, shard=1, channel=1,
                        count=1, payload=wire.pack_end([0, 1]))   # a tail marker has none
-    pkts = []
-    for i, data in enumerate((block, pull, hello, tail)):
-        p = (Ether() / IP(src="10.0.0.1", dst="10.0.0.2") / UDP(sport=40000, dport=47001)
-             / data)
-        p.time = 1000 + i * 0.01
-        pkts.append(p)
-    wrpcap(str(tmp_path / "u.pcap"), pkts)
+    _scapy_udp_pcap(tmp_path / "u.pcap", (block, pull, hello, tail))
     s = summary.summarize(tmp_path / "u.pcap", ports.from_ports("47001"))
     assert s["pulls"] == 0 and s["udp_refused"] == 3, s
     assert s["types"] == {"BLOCKS": 1} and s["totals"]["blocks"] == 1
     assert s["tail_markers"] == 0
     assert "datagrams no receiver takes (a PULL, HELLO, ERROR, BYE or TCP frame over " \
-        "UDP: bad_udp_message; a tail marker with a payload: bad_tail): 3" in \
+        "UDP: bad_udp_message; a tail marker with a payload: bad_tail; a block of an " \
+        "undefined coding or of a length no block has: bad_coding, bad_length): 3" in \
         summary.format_table(s)
+
+
+def _raw_block(coding, length):
+    """A one-block BLOCKS datagram, shard 1, channel 1, block 10, iteration 0, of
+    ``coding`` (flags bits 2-4) and payload ``length`` zero bytes, built by hand."""
+    import struct
+    from dgt.transport import wire
+    return struct.pack("!HBBBBQHHIIII", wire.MAGIC, wire.VERSION, wire.MsgType.BLOCKS, 1,
+                       coding << wire.CODING_SHIFT, 0x1234, 0, 1, 0, 10, 1, length) \
+        + b"\0" * length
+
+
+@pytest.mark.parametrize("coding, length, reason", [
+    (5, 1408, "bad_coding"), (7, 16, "bad_coding"),     # codings 5-7 are not defined
+    (0, 0, "bad_length"), (0, 6, "bad_length"),          # no fp32 block has 0 or 6 bytes
+    (1, 3, "bad_length"), (3, 4, "bad_length"),          # fp16: odd; int8: under 5
+])
+def test_pcap_summary_counts_a_block_no_receiver_takes_as_refused(tmp_path, coding, length,
+                                                                  reason):
+    """Re-check of breaker round 12: a block of an undefined coding, or of a length that
+    no block has in its coding, was counted as an arrived block (blocks, bytes, loss),
+    where every receiver drops it. The summary counts it under udp_refused; a real shard
+    session refuses the same bytes for the same reason."""
+    from dgt.tools import ports, summary
+    from dgt.transport.session import ShardSession
+    good, bad = _raw_block(0, 16), _raw_block(coding, length)
+    shard = ShardSession(session=0x1234, shard=1, lo=10, hi=20, block_elems=4,
+                         n_workers=1, deadline_s=0.05)
+    shard.receive_datagram(bad, now=0.0)
+    assert dict(shard.counters.rejected) == {reason: 1}
+    _scapy_udp_pcap(tmp_path / "b.pcap", (good, bad, good))
+    s = summary.summarize(tmp_path / "b.pcap", ports.from_ports("47001"))
+    assert s["totals"]["blocks"] == 2 and s["types"] == {"BLOCKS": 2}, s
+    assert s["udp_refused"] == 1 and s["channels"]["udp1"]["bytes"] == 2 * len(good), s
+
+
+def test_every_block_a_sender_codes_passes_the_summarys_payload_check():
+    """wire.block_payload_problem refuses no block that wire.coded_payload_bytes gives,
+    for any coding and block size: the summary never drops an honest block."""
+    from dgt.transport import wire
+    for coding in wire.Coding:
+        for elems in range(1, 400):
+            h = wire.decode_header(_raw_block(int(coding),
+                                              wire.coded_payload_bytes(coding, elems)))
+            assert wire.block_payload_problem(h) is None, (coding, elems)

@@ -79,10 +79,12 @@ class Summary:
             self.other_sessions[f"{h.session:016x}"] += 1
             return
         if m.proto == "udp" and (wire.udp_shape_problem(h) or (
-                h.type == wire.MsgType.END and len(m.payload))):
-            # a PULL, HELLO, ... in a datagram (bad_udp_message), or a tail marker with
-            # a payload (bad_tail): every receiver drops it, so it is no message of its
-            # type (breaker round 11)
+                h.type == wire.MsgType.END and len(m.payload)) or (
+                h.type == wire.MsgType.BLOCKS and wire.block_payload_problem(h))):
+            # a PULL, HELLO, ... in a datagram (bad_udp_message), a tail marker with a
+            # payload (bad_tail), or a block of an unknown coding or of a length no
+            # block has in its coding: every receiver drops it, so it is no message of
+            # its type (breaker round 11 and round 12's re-check)
             self.udp_refused += 1
             return
         self.types[wire.MsgType(h.type).name] += 1
@@ -285,8 +287,9 @@ def format_table(s: dict) -> str:
                  f" types {s['types']}")
     if s.get("udp_refused"):
         lines.append(f"datagrams no receiver takes (a PULL, HELLO, ERROR, BYE or TCP frame "
-                     f"over UDP: bad_udp_message; a tail marker with a payload: bad_tail): "
-                     f"{s['udp_refused']}")
+                     f"over UDP: bad_udp_message; a tail marker with a payload: bad_tail; "
+                     f"a block of an undefined coding or of a length no block has: "
+                     f"bad_coding, bad_length): {s['udp_refused']}")
     for t in s.get("truncated", ()):
         lines.append(truncation_text(t) + "; totals cover the records before it")
     if s.get("other_sessions_ignored"):

@@ -145,6 +145,24 @@ def coded_payload_bytes(coding: int, block_elems: int) -> int | None:
     return None
 
 
+def block_payload_problem(h: "Header") -> str | None:
+    """What every receiver says of a one-block BLOCKS datagram with header ``h`` by its
+    coding and ``length``, whatever the job's block size: ``"bad_coding"`` for a coding
+    this version does not know, ``"bad_length"`` for a length that no block of one or
+    more values has in that coding (:func:`coded_payload_bytes`); else None. A receiver
+    also checks the length against its own block size; ``dgt pcap summary``, which does
+    not know it, goes by this alone (re-check of breaker round 12)."""
+    coding = coding_of(h.flags)
+    if coded_payload_bytes(coding, 1) is None:
+        return "bad_coding"
+    n = h.length
+    if coding == Coding.FP32:
+        return None if n >= 4 and n % 4 == 0 else "bad_length"
+    if coding in (Coding.FP16, Coding.BF16):
+        return None if n >= 2 and n % 2 == 0 else "bad_length"
+    return None if n >= coded_payload_bytes(coding, 1) else "bad_length"
+
+
 def block_datagram_bytes(coding: int, block_elems: int, mac: bool) -> int:
     """Bytes of one UDP block datagram: header, the block's payload coded as ``coding``
     (:func:`coded_payload_bytes`), and the MAC when ``mac``. Raises ValueError for an

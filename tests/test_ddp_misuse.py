@@ -96,7 +96,8 @@ def test_a_constructor_argument_of_the_wrong_kind_is_one_line(kwargs, exc, says)
     ("DGT_WORLD", "3", "DGT_WORLD='3' is not torch.distributed's world size (1): under "
                        "DDP, dgt's world size is the process group's; unset DGT_WORLD"),
     ("DGT_RANK", "5", "DGT_RANK='5' is not torch.distributed's rank (0)"),
-    ("DGT_RANK", "", "DGT_RANK='' is not torch.distributed's rank (0)"),
+    ("DGT_RANK", "", "DGT_RANK is set but empty; unset it"),
+    ("DGT_WORLD", "one", "DGT_WORLD='one' is not torch.distributed's world size (1)"),
 ])
 def test_a_dgt_rank_or_world_that_contradicts_torch_is_one_line(group, monkeypatch, var,
                                                                  value, says):
@@ -117,7 +118,7 @@ def test_a_dgt_rank_or_world_that_contradicts_torch_is_one_line(group, monkeypat
 def test_a_dgt_rank_and_world_that_agree_with_torch_are_taken(group, monkeypatch):
     from dgt.ddp import DgtState
     monkeypatch.setenv("DGT_RANK", "0")
-    monkeypatch.setenv("DGT_WORLD", " 1")
+    monkeypatch.setenv("DGT_WORLD", "01")   # as dgt sidecar reads it (round 12's re-check)
     state = DgtState()
     state.close()
 

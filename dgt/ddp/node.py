@@ -141,7 +141,14 @@ def check_node_variables(rank: int, world: int) -> None:
         if given is None:
             continue
         want = rank if var == "DGT_RANK" else world
-        if given.strip() != str(want):
+        if not given.strip():   # as dgt train and dgt sidecar refuse an empty value
+            raise ValueError(f"{var} is set but empty; unset it (under DDP, dgt's {what} "
+                             f"is torch.distributed's, {want})")
+        try:
+            got = int(given)   # the forms dgt sidecar takes: ' 2', '02'
+        except ValueError:
+            got = None
+        if got != want:
             raise ValueError(f"{var}={given!r} is not torch.distributed's {what} "
                              f"({want}): under DDP, dgt's {what} is the process group's; "
                              f"unset {var}")

@@ -36,14 +36,8 @@ def _one_line_error(r, *needles):
 
 
 def _udp_pcap(path, n=3, dport=47001):
-    pkts = []
-    for i in range(n):
-        p = (Ether() / IP(src="10.0.0.1", dst="10.0.0.2") / UDP(sport=40000, dport=dport)
-             / DGT(type=2, channel=1, session=0x1234, iteration=i, block=i, count=1,
-                   data=b"x" * 32))
-        p.time = 1000 + i * 0.01
-        pkts.append(p)
-    wrpcap(str(path), pkts)
+    _scapy_udp_pcap(path, [DGT(type=2, channel=1, session=0x1234, iteration=i, block=i,
+                               count=1, data=b"x" * 32) for i in range(n)], dport)
     return path
 
 
@@ -518,12 +512,12 @@ def test_replay_drops_a_connection_whose_receiver_stopped_reading(tmp_path):
         rep["totals"]["messages"] + errors["ETIMEDOUT"] == 400, rep["totals"]
 
 
-def _scapy_udp_pcap(path, datagrams) -> None:
-    """A pcap of ``datagrams`` (bytes each) from 10.0.0.1:40000 to 10.0.0.2:47001,
-    10 ms apart, written by scapy."""
+def _scapy_udp_pcap(path, datagrams, dport=47001) -> None:
+    """A pcap of ``datagrams`` (bytes or scapy layers) from 10.0.0.1:40000 to
+    10.0.0.2:``dport``, 10 ms apart, written by scapy."""
     pkts = []
     for i, data in enumerate(datagrams):
-        p = (Ether() / IP(src="10.0.0.1", dst="10.0.0.2") / UDP(sport=40000, dport=47001)
+        p = (Ether() / IP(src="10.0.0.1", dst="10.0.0.2") / UDP(sport=40000, dport=dport)
              / data)
         p.time = 1000 + i * 0.01
         pkts.append(p)

@@ -673,16 +673,22 @@ class Dissector:
         if pkt.truncated:
             self._bad("truncated")
             return []
+        return self._udp_datagram(pkt, p)
+
+    def _udp_datagram(self, pkt: L4, p, tail: bool = False) -> list[Message]:
+        """The messages of one datagram's payload ``p``; ``tail``: the short last piece
+        of a payload that held several messages, read as a datagram of its own (a piece
+        too short is ``gso_tail``)."""
         try:
             h = wire.decode_header(p)
         except wire.WireError as e:
-            self._bad(e.reason)
+            self._bad("gso_tail" if tail and e.reason == "short" else e.reason)
             return []
         size = wire.frame_size(h)
         if size == len(p):
-            return [self._udp_message(pkt, h, p)]
+            return [self._udp_message(pkt, h, p, tail)]
         if size > len(p):
-            self._bad("bad_length")
+            self._bad("gso_tail" if tail else "bad_length")
             return []
         return self._udp_run(pkt, p, h, size)
 
@@ -715,18 +721,7 @@ class Dissector:
                 continue
             out.append(self._udp_message(pkt, hs, seg, True))
         if tail is not None:
-            try:
-                ht = wire.decode_header(tail)
-            except wire.WireError as e:
-                self._bad("gso_tail" if e.reason == "short" else e.reason)
-                return out
-            ts = wire.frame_size(ht)
-            if ts == len(tail):
-                out.append(self._udp_message(pkt, ht, tail, True))
-            elif ts > len(tail):
-                self._bad("gso_tail")
-            else:
-                out += self._udp_run(pkt, tail, ht, ts)
+            out += self._udp_datagram(pkt, tail, tail=True)
         return out
 
     def _tcp(self, pkt: L4) -> list[Message]:

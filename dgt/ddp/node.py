@@ -126,21 +126,15 @@ def hello(path: str, timeout_s: float = 5.0) -> dict:
     return msg
 
 
-#: ``dgt sidecar``'s variables of what DgtState takes from torch.distributed, and what
-#: it takes: set, they must say the same
-_FROM_TORCH = {"DGT_RANK": "rank", "DGT_WORLD": "world size"}
-
-
 def check_node_variables(rank: int, world: int) -> None:
     """Refuse ``DGT_RANK`` or ``DGT_WORLD`` that contradicts torch.distributed's
     ``rank`` or ``world`` (ValueError, one line). Under DDP the dgt rank and world are
     the process group's; such a variable, left from a ``dgt sidecar`` set-up, was read
     by nobody and said nothing (breaker round 12). Equal values are taken."""
-    for var, what in _FROM_TORCH.items():
+    for var, what, want in (("DGT_RANK", "rank", rank), ("DGT_WORLD", "world size", world)):
         given = os.environ.get(var)
         if given is None:
             continue
-        want = rank if var == "DGT_RANK" else world
         if not given.strip():   # as dgt train and dgt sidecar refuse an empty value
             raise ValueError(f"{var} is set but empty; unset it (under DDP, dgt's {what} "
                              f"is torch.distributed's, {want})")

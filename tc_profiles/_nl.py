@@ -9,9 +9,7 @@ import signal
 
 from pyroute2 import IPRoute, netns as _netns
 
-#: the signals a command stops on (dgt.interrupt.STOP_SIGNALS; this layer may not
-#: import it)
-_STOP = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+from .stopping import STOP_SIGNALS
 
 
 def create_netns(name: str) -> None:
@@ -24,7 +22,7 @@ def create_netns(name: str) -> None:
     not lost) until the namespace is made; one that came meanwhile arrives then.
     Raises OSError.
     """
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         _netns.create(name)
     finally:

@@ -39,6 +39,16 @@ class MissingQdiscError(TcError):
     """The profile needs a qdisc this kernel lacks. Raised before anything changes."""
 
 
+class ForeignQdiscError(TcError):
+    """The device's root qdisc is someone else's (neither dgt's nor the kernel's
+    default); apply keeps it unless forced. Raised before anything changes."""
+
+
+#: root qdiscs the kernel gives a device of its own (net.core.default_qdisc and the
+#: multiqueue mq): replacing one loses no one's configuration
+KERNEL_DEFAULT_KINDS = frozenset({"noqueue", "pfifo_fast", "mq", "fq_codel"})
+
+
 def _profile(profile: Profile | str) -> Profile:
     return profile if isinstance(profile, Profile) else load_profile(profile)
 
@@ -133,15 +143,22 @@ def _delete_root(ipr, ifindex: int) -> bool:
 
 
 def apply(profile: Profile | str, dev: str, netns: str | None = None,
-          rate: str | int | None = None) -> Profile:
+          rate: str | int | None = None, force: bool = False,
+          before_commit=None) -> Profile:
     """Install ``profile`` as the root qdisc tree of ``dev`` (in ``netns``), idempotently.
 
-    Whatever root qdisc ``dev`` had is deleted first, then the profile's qdiscs, classes
+    The root qdisc ``dev`` had is deleted first (dgt's, or the kernel's default; any
+    other only with ``force``, as :func:`clear`), then the profile's qdiscs, classes
     and u32 DSCP filters are created; applying twice gives the same state. ``rate``
     ("1gbit", bits/s as int) overrides the profile's link rate (HTB profiles only).
+    ``before_commit``: called with no arguments just before the last netlink message,
+    inside the transaction (an exception it raises, KeyboardInterrupt included, rolls
+    back as any other); the CLI blocks the stop signals there, so that from then on
+    the apply completes.
 
     Raises ProfileError (bad profile), MissingQdiscError (the kernel lacks a qdisc the
-    profile needs; raised before anything changes), TcError (no such device or netns,
+    profile needs), ForeignQdiscError (``dev``'s root qdisc is someone else's and not
+    ``force``): both before anything changes; TcError (no such device or netns,
     netlink failure; the device is left with its default root qdisc).
     """
     p = _profile(profile)
@@ -151,12 +168,16 @@ def apply(profile: Profile | str, dev: str, netns: str | None = None,
     with _open(netns) as ipr:
         ifindex = _ifindex(ipr, dev, netns)
         msgs = _prebuild(ops, ifindex)
+        if not force:
+            _refuse_foreign_root(ipr, ifindex, dev)
         done = 0
         changed = False
         try:
             changed = True
             _delete_root(ipr, ifindex)
             for t, f, m in msgs:
+                if done == len(msgs) - 1 and before_commit is not None:
+                    before_commit()
                 request(ipr, m, t, f)
                 done += 1
         except BaseException as e:
@@ -185,6 +206,27 @@ def apply(profile: Profile | str, dev: str, netns: str | None = None,
     return p
 
 
+def _root_qdisc(ipr, ifindex: int):
+    """The root qdisc message of ``ifindex``, or None (a device with none listed)."""
+    root = [q for q in _dump(ipr, RTM_GETQDISC, ifindex) if q["parent"] == TC_H_ROOT]
+    return root[0] if root else None
+
+
+def _refuse_foreign_root(ipr, ifindex: int, dev: str) -> None:
+    """Raise ForeignQdiscError when ``dev``'s root qdisc is neither dgt's (handle
+    ``d6:``) nor the kernel's default (handle ``0:``, which only the kernel gives, or a
+    kind in KERNEL_DEFAULT_KINDS): the rule :func:`clear` follows."""
+    q = _root_qdisc(ipr, ifindex)
+    if q is None or (q["handle"] >> 16) in (ROOT_MAJOR, 0):
+        return
+    kind = q.get_attr("TCA_KIND")
+    if kind in KERNEL_DEFAULT_KINDS:
+        return
+    raise ForeignQdiscError(f"the root qdisc of {dev} is {kind} "
+                            f"{fmt_handle(q['handle'], True)}, not dgt's; nothing was "
+                            f"changed (--force replaces it)")
+
+
 def clear(dev: str, netns: str | None = None, force: bool = False) -> bool:
     """Delete our root qdisc (handle ``d6:``) from ``dev``; the kernel's default returns.
 
@@ -193,10 +235,10 @@ def clear(dev: str, netns: str | None = None, force: bool = False) -> bool:
     """
     with _open(netns) as ipr:
         ifindex = _ifindex(ipr, dev, netns)
-        root = [q for q in _dump(ipr, RTM_GETQDISC, ifindex) if q["parent"] == TC_H_ROOT]
-        if not root:
+        root = _root_qdisc(ipr, ifindex)
+        if root is None:
             return False
-        if not force and (root[0]["handle"] >> 16) != ROOT_MAJOR:
+        if not force and (root["handle"] >> 16) != ROOT_MAJOR:
             return False
         try:
             return _delete_root(ipr, ifindex)
@@ -393,5 +435,5 @@ def render_table(state: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MissingQdiscError", "ProfileError", "TcError", "apply", "check_kernel",
+__all__ = ["ForeignQdiscError", "MissingQdiscError", "ProfileError", "TcError", "apply", "check_kernel",
            "class_counters", "clear", "dry_run", "render_table", "show", "strip_counters"]

@@ -12,6 +12,9 @@ cleanup ran, e.g. testbed.up) and exits 128 + the signal. The subcommands that b
 state (``tc apply``, ``testbed up``, ``load``, ``priority``) set ``owns_cleanup``:
 ``dgt.cli`` then turns SIGTERM and SIGHUP into Ctrl-C for them too (dgt.interrupt, which
 this layer may not import), so a killed ``testbed up`` removes its half-built testbed.
+From a command's commit point on (:func:`.stopping.hold_stop_signals`: ``tc apply``'s
+last netlink message, ``up`` once it has said what it built, ``load`` once measured)
+the stop signals are blocked: it completes and exits 0, never "applied" and 130.
 ``testbed exec`` becomes its command (``ip netns exec``): a signal is the command's.
 
 Every ``dgt testbed`` subcommand that takes ``--prefix`` checks it before anything else
@@ -37,9 +40,11 @@ import sys
 import time
 
 from . import names
+from .bounds import MAX_LOAD_SECONDS, seconds_problem
 from .lazy import OnFirstUse
 from .needs_root import not_root
 from .schema import ProfileError, list_profiles, load_profile
+from .stopping import hold_stop_signals
 
 applier = OnFirstUse(".applier")   # pyroute2: loaded by the commands that use it
 testbed = OnFirstUse(".testbed")
@@ -88,7 +93,10 @@ def tc_apply(args) -> int:
         return 0
     if (rc := _root(args)) is not None:
         return rc
-    p = applier.apply(args.profile, args.dev, args.netns, args.rate)
+    # interrupted before the last netlink message: rolled back, 128 + the signal;
+    # after it: applied, exit 0 (hold_stop_signals)
+    p = applier.apply(args.profile, args.dev, args.netns, args.rate, force=args.force,
+                      before_commit=hold_stop_signals)
     print(f"applied profile '{p.name}' on {args.dev}"
           + (f" (netns {args.netns})" if args.netns else ""))
     for warning in p.tcp_queue_warnings():
@@ -153,6 +161,10 @@ def host_pairs(text: str) -> list[tuple[int, int]]:
     if not all(len(p) == 2 and _index(p[0]) and _index(p[1]) for p in pairs):
         raise argparse.ArgumentTypeError(f"give src:dst host indexes, comma-separated "
                                          f"(e.g. 0:1,1:0), got {text!r}")
+    same = [f"{a}:{b}" for a, b in pairs if int(a) == int(b)]
+    if same:   # its traffic never leaves the host: it crosses no shaped port
+        raise argparse.ArgumentTypeError(f"pair {same[0]} is a host to itself; give "
+                                         f"two hosts, src:dst (e.g. 0:1)")
     return [(int(a), int(b)) for a, b in pairs]
 
 
@@ -187,6 +199,7 @@ def tb_up(args) -> int:
         for i in range(tb.hosts):
             print(f"  host {i}: netns {tb.host_netns(i)}  addr {tb.host_addr(i)}")
         sys.stdout.flush()   # here, where a stop signal still removes the testbed
+        hold_stop_signals()  # one that came meanwhile raises here; later ones: exit 0
     except KeyboardInterrupt as e:
         # stopped after the testbed was built (while it was said, or a blocked stdout):
         # an interrupted 'up' leaves nothing, as one stopped half-way does (breaker 7:
@@ -220,13 +233,55 @@ def tb_status(args) -> int:
     return 0
 
 
+EXEC_USAGE = "dgt testbed exec HOST [--prefix P] -- CMD ..."
+
+
+def exec_split(rest: list[str]) -> tuple[dict, list[str]]:
+    """What follows HOST in ``dgt testbed exec HOST ...`` -> (options, command).
+
+    The first word decides: one that starts with '-' begins options (``--prefix P``,
+    ``--prefix=P``, ``-h``), which run to the first ``--``, and the command is what
+    follows that; any other word begins the command, which runs to the end (``exec 0
+    ping -c1 10.77.1.2``, as before). Before, ``exec 0 --prefix P -- CMD`` ran
+    ``--prefix P -- CMD`` in the default testbed's host 0 (an outside tester). Returns
+    options as {"prefix": P} and/or {"help": True}. Raises ValueError, one line, for
+    any other option, or options with no ``--`` after them."""
+    if not rest[:1] or not rest[0].startswith("-"):
+        return {}, rest
+    end = rest.index("--") if "--" in rest else len(rest)
+    words, cmd = rest[:end], rest[end + 1:]
+    opts, it = {}, iter(words)
+    for w in it:
+        if w in ("-h", "--help"):
+            opts["help"] = True
+        elif w == "--prefix":
+            opts["prefix"] = next(it, None)
+            if opts["prefix"] is None:
+                raise ValueError(f"--prefix after HOST needs a value: {EXEC_USAGE}")
+        elif w.startswith("--prefix="):
+            opts["prefix"] = w[len("--prefix="):]
+        elif end == len(rest) and not w.startswith("-"):
+            raise ValueError(f"no `--` before the command {w!r}: {EXEC_USAGE}")
+        else:
+            raise ValueError(f"{w!r} after HOST: only --prefix P goes between HOST and "
+                             f"`--`, the command after it: {EXEC_USAGE}")
+    if end == len(rest) and not opts.get("help"):
+        raise ValueError(f"no `--` and no command after the options: {EXEC_USAGE}")
+    return opts, cmd
+
+
 @_guard
 def tb_exec(args) -> int:
+    opts, cmd = exec_split(args.cmd)
+    if opts.get("help"):
+        args.parser.print_help()
+        return 0
+    if "prefix" in opts:   # after HOST, as before it: checked before anything else
+        args.prefix = names.check_prefix(opts["prefix"], "--prefix")
     if (rc := _root(args)) is not None:
         return rc
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
-        return _fail(args, "give a command: dgt testbed exec HOST -- CMD ...")
+        return _fail(args, f"give a command: {EXEC_USAGE}")
     if not _index(args.host):   # a namespace's name says its testbed
         named = names.prefix_of(args.host)
         if named is None:
@@ -252,8 +307,9 @@ def tb_exec(args) -> int:
 
 @_guard
 def tb_load(args) -> int:
-    if not (math.isfinite(args.seconds) and args.seconds > 0):
-        return _fail(args, f"--seconds must be a finite number > 0, got {args.seconds}")
+    why = seconds_problem(args.seconds, MAX_LOAD_SECONDS)
+    if why:
+        return _fail(args, why)
     if (rc := _root(args)) is not None:
         return rc
     tb = testbed.current(args.prefix)
@@ -262,6 +318,7 @@ def tb_load(args) -> int:
                            f"`dgt testbed up`")
     try:
         loads = tb.load(args.seconds, args.pairs)
+        hold_stop_signals()   # measured: from here it is said in full, exit 0
     except KeyboardInterrupt:   # bulk_tcp stopped its senders and receivers
         raise KeyboardInterrupt("the bulk TCP was stopped") from None
     for r in loads:
@@ -285,6 +342,8 @@ def register(subparsers) -> None:
     p.add_argument("--netns", default=None)
     p.add_argument("--rate", default=None, help="link rate override, e.g. 950mbit")
     p.add_argument("--dry-run", action="store_true", help="print the tc commands only")
+    p.add_argument("--force", action="store_true",
+                   help="replace a root qdisc that is not dgt's nor the kernel's default")
     p.set_defaults(func=tc_apply, parser=p, owns_cleanup=True)
     p = tcs.add_parser("show", help="qdiscs, classes, filters and counters of a device")
     p.add_argument("--dev", required=True)
@@ -331,12 +390,14 @@ def register(subparsers) -> None:
     sub("down", "remove the testbed (found by name, also after a crash)", tb_down)
     p = sub("status", "per-port class counters", tb_status)
     p.add_argument("--json", action="store_true")
-    p = sub("exec", "run a command in a host: exec HOST -- CMD ...", tb_exec)
+    p = sub("exec", f"run a command in a host: {EXEC_USAGE[12:]}", tb_exec)
     p.add_argument("host", help="host index, or a namespace's name (<prefix>-h<i>, "
                                 "<prefix>-sw), which names its testbed: no --prefix needed")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     p = sub("load", "bulk best-effort TCP between hosts", tb_load, owns_cleanup=True)
-    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--seconds", type=float, default=10.0,
+                   help=f"how long, 0 < S <= {MAX_LOAD_SECONDS} (iperf3's limit); iperf3 "
+                        f"runs whole seconds (rounded up)")
     p.add_argument("--pairs", type=host_pairs, default=None, metavar="SRC:DST,...",
                    help="host index pairs (default i -> i+1)")
     # its own testbed, named dgtpc<pid>, built and removed: a --prefix could name the

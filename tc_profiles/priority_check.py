@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import time
 
 from typing import TYPE_CHECKING
 
+from .bounds import MAX_OFFER_MBIT, MAX_PRIORITY_SECONDS, seconds_problem
 from .lazy import OnFirstUse
 from .needs_root import not_root
 from .schema import load_profile, parse_rate
@@ -369,8 +369,9 @@ def parse_cases(text: str) -> tuple:
         except ValueError:
             raise ValueError(f"bad case '{item}': use NAME:DSCP:MBIT, "
                              f"e.g. EF:46:600") from None
-        if not 0 <= out[-1][1] <= 63 or out[-1][2] <= 0:
-            raise ValueError(f"bad case '{item}': DSCP 0..63, Mbit/s > 0")
+        if not (0 <= out[-1][1] <= 63 and 0 < out[-1][2] <= MAX_OFFER_MBIT):
+            raise ValueError(f"bad case '{item}': DSCP 0..63, 0 < Mbit/s <= "
+                             f"{MAX_OFFER_MBIT}")
     return tuple(out)
 
 
@@ -415,7 +416,8 @@ def main(argv=None) -> int:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rate", default="1gbit", help="port rate (default 1gbit)")
     ap.add_argument("--profile", default="htb-prio")
-    ap.add_argument("--seconds", type=float, default=3.0, help="probe duration per case")
+    ap.add_argument("--seconds", type=float, default=3.0,
+                    help=f"probe duration per case, 0 < S <= {MAX_PRIORITY_SECONDS}")
     ap.add_argument("--queue-bytes", type=int, default=None)
     ap.add_argument("--no-bulk", action="store_true", help="no bulk TCP (baseline)")
     ap.add_argument("--no-gso", action="store_true",
@@ -436,8 +438,9 @@ def _cases(text: str) -> tuple:
 def check_flags(args) -> str:
     """Why the flags of a run cannot work ("" when they can): checked before root and
     before a testbed is built."""
-    if not (math.isfinite(args.seconds) and args.seconds > 0):
-        return f"--seconds must be a finite number > 0, got {args.seconds}"
+    why = seconds_problem(args.seconds, MAX_PRIORITY_SECONDS)
+    if why:
+        return why
     if args.queue_bytes is not None and args.queue_bytes < 1500:
         return f"--queue-bytes must be >= 1500 (one packet), got {args.queue_bytes}"
     try:

@@ -32,6 +32,7 @@ import dataclasses
 import fcntl
 import json
 import logging
+import math
 import multiprocessing
 import os
 import re
@@ -44,6 +45,7 @@ from pathlib import Path
 from pyroute2 import netns as _netns
 
 from . import applier, system
+from .bounds import MAX_LOAD_SECONDS, seconds_problem
 from ._nl import create_netns, is_root, open_ipr
 from .needs_root import not_root
 from .plan import compile_profile
@@ -86,7 +88,13 @@ def _exclusive(prefix: str):
     the same namespaces at once (breaker round 7: two ``dgt testbed up --prefix P`` at
     once ended in tracebacks, ``LookupError: netns 'P-sw' does not exist``, ``[Errno
     17] File exists``, and a testbed of either size). Raises TestbedError naming the
-    other process's pid; re-entrant within this process."""
+    other process's pid; re-entrant within this process.
+
+    The lock file goes when nothing of the prefix is left at the end (taken down, a
+    build that failed, or a ``down`` of a prefix never built): it is unlinked while
+    still locked, and a process that locked the unlinked file meanwhile sees that
+    (:func:`_lock`) and locks the new one. An outside tester found 482 lock files,
+    one per prefix ever used."""
     if prefix in _held:
         _held[prefix][1] += 1
         try:
@@ -95,16 +103,8 @@ def _exclusive(prefix: str):
             _held[prefix][1] -= 1
         return
     STATE_DIR.mkdir(parents=True, exist_ok=True)
-    f = open(_lock_path(prefix), "a+")
+    f = _lock(prefix)
     try:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read(20).strip() or "?"
-            raise TestbedError(f"testbed {prefix} is being built or removed by another "
-                               f"process (pid {pid}); wait for it to finish, or give "
-                               f"another --prefix") from None
         f.seek(0)
         f.truncate()
         f.write(str(os.getpid()))
@@ -114,8 +114,47 @@ def _exclusive(prefix: str):
             yield
         finally:
             del _held[prefix]
+            if not _our_netns(prefix):   # before the lock goes: no one else holds it
+                with contextlib.suppress(FileNotFoundError):
+                    _lock_path(prefix).unlink()
     finally:
-        f.close()   # the lock goes with it; the file stays (another may hold it now)
+        f.close()   # the lock goes with it
+
+
+def _lock(prefix: str):
+    """The prefix's lock file, open and locked (LOCK_EX), the one at its path now.
+
+    flock(2) locks the open file, not the name: a holder that unlinks the file before
+    it releases it (:func:`_exclusive`) lets a process that opened it before the unlink
+    lock a file no one else will see. So after the lock, the file must still be the one
+    at the path (same device and inode), else it is closed and the path opened again.
+    Raises TestbedError (another process holds it, naming its pid)."""
+    path = _lock_path(prefix)
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read(20).strip() or "?"
+            f.close()
+            raise TestbedError(f"testbed {prefix} is being built or removed by another "
+                               f"process (pid {pid}); wait for it to finish, or give "
+                               f"another --prefix") from None
+        if _same_file(f, path):
+            return f
+        f.close()
+
+
+def _same_file(f, path: Path) -> bool:
+    """Whether the open file ``f`` is the file at ``path`` now (not unlinked, not
+    replaced)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(f.fileno())
+    return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
 
 
 def _lock_path(prefix: str) -> Path:
@@ -128,10 +167,13 @@ def taken_down(prefix: str, hosts: int) -> bool:
     lock held: ``dgt testbed down`` stops the processes in its namespaces before it
     removes them). Never raises."""
     try:
-        tb = current(prefix)
-        if tb is None or tb.hosts < hosts:
+        if _short(prefix, hosts):
             return True
-        with open(_lock_path(prefix)) as f:
+        try:
+            f = open(_lock_path(prefix))   # read-only: never makes one
+        except FileNotFoundError:   # it goes with its testbed: a 'down' just ended?
+            return _short(prefix, hosts)
+        with f:
             try:
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -139,6 +181,12 @@ def taken_down(prefix: str, hosts: int) -> bool:
         return False
     except (OSError, ValueError):
         return False
+
+
+def _short(prefix: str, hosts: int) -> bool:
+    """Whether testbed ``prefix`` has fewer than ``hosts`` hosts now (none: not up)."""
+    tb = current(prefix)
+    return tb is None or tb.hosts < hosts
 
 
 def _our_netns(prefix: str) -> list[str]:
@@ -237,14 +285,24 @@ class Testbed:
              port_base: int = 5301) -> list[dict]:
         """Best-effort bulk TCP (DSCP 0) from src to dst for each pair, for ``seconds``.
 
-        Default pairs: i -> (i+1) mod N. Uses iperf3 when installed, else a Python
-        socket blaster. Returns [{src, dst, mbit_s}] (receiver goodput in Mbit/s).
+        Default pairs: i -> (i+1) mod N. Uses iperf3 when installed (whole seconds:
+        ``seconds`` is rounded up, as iperf3's ``-t`` takes an integer and runs for
+        ever at 0), else a Python socket blaster. Returns [{src, dst, mbit_s}]
+        (receiver goodput in Mbit/s). Raises TestbedError for ``seconds`` not in
+        (0, MAX_LOAD_SECONDS] or a pair from a host to itself (its traffic never
+        leaves the host, so crosses no shaped port), IndexError for a host not here.
         """
+        why = seconds_problem(seconds, MAX_LOAD_SECONDS, "seconds")
+        if why:
+            raise TestbedError(why)
         if pairs is None:
             pairs = [(i, (i + 1) % self.hosts) for i in range(self.hosts)] \
                 if self.hosts > 1 else []
         for s, d in pairs:
             self._check(s), self._check(d)
+            if int(s) == int(d):
+                raise TestbedError(f"pair {s}:{d} is a host to itself; give two hosts, "
+                                   f"src:dst (its traffic would cross no shaped port)")
         return bulk_tcp(self, pairs, seconds, port_base)
 
     def down(self) -> None:
@@ -625,7 +683,8 @@ def _have_iperf3() -> bool:
 
 
 def bulk_tcp(tb: Testbed, pairs, seconds: float, port_base: int = 5301) -> list[dict]:
-    """Bulk TCP for each (src, dst) pair for ``seconds``; receiver goodput in Mbit/s."""
+    """Bulk TCP for each (src, dst) pair for ``seconds`` (s, checked by
+    :meth:`Testbed.load`); receiver goodput in Mbit/s."""
     if not pairs:
         return []
     if not _have_iperf3():
@@ -639,15 +698,16 @@ def bulk_tcp(tb: Testbed, pairs, seconds: float, port_base: int = 5301) -> list[
                                            "-B", host_addr(d)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait_listen(tb, pairs, port_base)
+        whole = math.ceil(seconds)   # iperf3 -t: an integer; -t 0 runs for ever
         for k, (s, d) in enumerate(pairs):
             clients.append(tb.popen_in(s, ["iperf3", "-c", host_addr(d), "-p",
-                                           str(port_base + k), "-t", f"{seconds:g}", "-J"],
+                                           str(port_base + k), "-t", str(whole), "-J"],
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                        text=True))
         out = []
         for (s, d), c in zip(pairs, clients):
             try:
-                text, _ = c.communicate(timeout=seconds + 15)
+                text, _ = c.communicate(timeout=whole + 15)
                 j = json.loads(text)
                 bits_per_s = j["end"]["sum_received"]["bits_per_second"]
             except (subprocess.TimeoutExpired, ValueError, KeyError):

@@ -148,3 +148,113 @@ def test_a_probe_removes_the_scratch_namespace_a_killed_probe_left():
         for n in (stale, live):
             if n in netns.listnetns():
                 netns.remove(n)
+
+
+# ------------------------------------------------------- outside tester's round (fx)
+
+@pytest.fixture
+def fxveth():
+    """(netns, dev): veth 'fxv0'/'fxv1' up in a fresh netns 'fxtc-...' (names of this
+    file's own, never dgt*), made with ip(8); removed even on failure."""
+    import uuid
+    ns = f"fxtc-{uuid.uuid4().hex[:8]}"
+    ip = lambda *a: subprocess.run(["ip", *a], check=True, capture_output=True)
+    ip("netns", "add", ns)
+    try:
+        ip("-n", ns, "link", "add", "fxv0", "type", "veth", "peer", "name", "fxv1")
+        ip("-n", ns, "link", "set", "fxv0", "up")
+        ip("-n", ns, "link", "set", "fxv1", "up")
+        yield ns, "fxv0"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _root_qdisc(ns: str, dev: str) -> dict:
+    return [q for q in applier.show(dev, ns)["qdiscs"] if q["parent"] == "root"][0]
+
+
+#: dgt tc apply through dgt.cli, a SIGTERM sent to itself at one point (argv[3]):
+#: "before" apply, at its "commit" step (before_commit, before the signals are held),
+#: "after" apply returned. The hooks wrap the project's own functions only.
+SIGNAL_AT = """
+import os, signal, sys
+from dgt import cli
+from dgt.tc_profiles import applier
+ns, dev, where = sys.argv[1:4]
+real = applier.apply
+def term():
+    os.kill(os.getpid(), signal.SIGTERM)
+def apply(*a, **kw):
+    if where == "before":
+        term()
+    if where == "commit" and kw.get("before_commit"):
+        hold = kw["before_commit"]
+        kw["before_commit"] = lambda: (term(), hold())
+    p = real(*a, **kw)
+    if where == "after":
+        term()
+    return p
+applier.apply = apply
+sys.exit(cli.main(["tc", "apply", "htb-prio", "--dev", dev, "--netns", ns]))
+"""
+
+
+@root_only
+@pytest.mark.parametrize("where, applied", [("before", False), ("commit", False),
+                                            ("after", True)])
+def test_a_stop_signal_rolls_back_or_the_apply_completes(fxveth, where, applied):
+    """Outside tester: SIGINT/SIGTERM just after `dgt tc apply` finished gave "applied
+    profile 'htb-prio' on DEV" and exit 130/143 with the profile in place (2 of 60).
+    Either the signal rolls back (root qdisc reset, "interrupted", 143), or the apply
+    completes and exits 0; never both. The signal is sent at a fixed point, not a time."""
+    ns, dev = fxveth
+    r = subprocess.run([sys.executable, "-c", SIGNAL_AT, ns, dev, where],
+                       capture_output=True, text=True, timeout=120)
+    root = _root_qdisc(ns, dev)
+    if applied:
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert r.stdout == f"applied profile 'htb-prio' on {dev} (netns {ns})\n"
+        assert r.stderr == "" and root["handle"] == "d6:", root
+    else:
+        assert r.returncode == 128 + 15, (r.stdout, r.stderr)
+        assert r.stdout == "" and r.stderr.startswith("dgt tc apply: interrupted")
+        assert r.stderr.count("\n") == 1, r.stderr
+        assert root["handle"] == "0:" and root["kind"] == "noqueue", root
+    if where == "commit":   # changes had begun: it says what it undid
+        assert r.stderr == f"dgt tc apply: interrupted; root qdisc of {dev} reset\n"
+
+
+@root_only
+@requires_tool("tc")
+def test_apply_keeps_a_root_qdisc_not_ours_unless_forced(fxveth):
+    """Outside tester: apply silently replaced a root qdisc that was not dgt's, where
+    clear keeps one ("nothing of ours"). Apply follows clear's rule: one that is
+    neither dgt's nor the kernel's default is refused in one line naming it, nothing
+    changed; --force replaces it; a kernel default kind is replaced without it."""
+    ns, dev = fxveth
+    tc = lambda *a: subprocess.run(["tc", "-n", ns, "qdisc", *a, "dev", dev, "root",
+                                    *(["handle", "1:", "htb", "default", "1"]
+                                      if a[0] == "add" else ["pfifo_fast"])],
+                                   check=True, capture_output=True)
+    tc("add")
+    argv = [sys.executable, "-m", "dgt.cli", "tc", "apply", "htb-prio", "--dev", dev,
+            "--netns", ns]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr == (f"dgt tc apply: error: the root qdisc of {dev} is htb 1:, not "
+                        f"dgt's; nothing was changed (--force replaces it)\n")
+    assert _root_qdisc(ns, dev)["handle"] == "1:"
+    with pytest.raises(applier.ForeignQdiscError, match=(
+            f"the root qdisc of {dev} is htb 1:, not dgt's; nothing was changed "
+            r"\(--force replaces it\)")):
+        applier.apply("htb-prio", dev, ns)
+    assert _root_qdisc(ns, dev)["handle"] == "1:"
+    r = subprocess.run(argv + ["--force"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _root_qdisc(ns, dev)["handle"] == "d6:"
+    applier.apply("htb-prio", dev, ns)      # dgt's own: replaced, as before
+    assert applier.clear(dev, ns) is True
+    tc("replace")                           # a kernel default kind, added by hand
+    assert _root_qdisc(ns, dev)["kind"] == "pfifo_fast"
+    applier.apply("htb-prio", dev, ns)
+    assert _root_qdisc(ns, dev)["handle"] == "d6:"

@@ -193,6 +193,11 @@ def test_longest_prefix_passes_the_check(tmp_path):
     (["up", "--hosts", "2", "--queue-bytes", "10"],
      "--queue-bytes must be >= 1500 (one packet), got 10"),
     (["load", "--seconds", "0"], "--seconds must be a finite number > 0, got 0.0"),
+    # outside tester: 1e9 ended in 'OverflowError: timeout is too large' (a traceback)
+    (["load", "--seconds", "1e9"], "--seconds must be at most 86400 s, got 1000000000.0"),
+    (["load", "--seconds", "inf"], "--seconds must be a finite number > 0, got inf"),
+    (["priority", "--seconds", "1e9"],
+     "--seconds must be at most 3600 s, got 1000000000.0"),
 ])
 def test_testbed_errors_name_the_subcommand(argv, message):
     """Testbed errors have the one-line `prog: error: message` form of every other
@@ -237,8 +242,16 @@ def test_testbed_runtime_errors_name_the_subcommand():
     (["priority", "--queue-bytes", "10"],
      "--queue-bytes must be >= 1500 (one packet), got 10"),
     (["priority", "--rate", "fast"], "--rate: rate 'fast' is not a rate like '1gbit'"),
+    # outside tester: a host to itself measured 48753.2 Mbit/s, crossing no shaped port
+    (["load", "--pairs", "0:1,0:0"], "argument --pairs: pair 0:0 is a host to itself; "
+                                     "give two hosts, src:dst (e.g. 0:1)"),
+    (["priority", "--cases", "EF:46:nan"],
+     "argument --cases: bad case 'EF:46:nan': DSCP 0..63, 0 < Mbit/s <= 1000000"),
+    (["priority", "--cases", "EF:46:1e9"],
+     "argument --cases: bad case 'EF:46:1e9': DSCP 0..63, 0 < Mbit/s <= 1000000"),
 ], ids=["loss-dscp-word", "loss-dscp-64", "pairs-word", "pairs-half", "priority-cases",
-        "priority-seconds", "priority-queue-bytes", "priority-rate"])
+        "priority-seconds", "priority-queue-bytes", "priority-rate", "pairs-same-host",
+        "priority-cases-nan", "priority-cases-huge"])
 def test_a_flag_value_that_does_not_parse_is_named(argv, message):
     """breaker: '--loss-dscp abc' and '--pairs abc' said only "invalid literal for int()
     with base 10: 'abc'"; priority's values were read after the root check, or never.
@@ -270,3 +283,76 @@ def test_a_host_in_other_digits_is_not_an_index():
     assert tb._ns("1") == "fixtest-h1"
     with pytest.raises(TestbedError, match="'²' is not a namespace of this testbed"):
         tb._ns("²")
+
+
+@pytest.mark.parametrize("rest, opts, cmd", [
+    (["--", "ip", "addr"], {}, ["ip", "addr"]),
+    (["--prefix", "fxa", "--", "ip", "-br", "addr"], {"prefix": "fxa"},
+     ["ip", "-br", "addr"]),
+    (["--prefix=fxa", "--", "true", "--", "x"], {"prefix": "fxa"}, ["true", "--", "x"]),
+    (["ping", "-c1", "--prefix", "x"], {}, ["ping", "-c1", "--prefix", "x"]),  # as before
+    (["sh", "-c", "true", "--", "x"], {}, ["sh", "-c", "true", "--", "x"]),
+    ([], {}, []),
+    (["-h"], {"help": True}, []),
+])
+def test_exec_reads_options_between_host_and_the_double_dash(rest, opts, cmd):
+    """Outside tester: 'exec 0 --prefix fxa -- ip -br addr' ran '--prefix fxa -- ip
+    ...' in testbed 'dgt'. What follows HOST: a first word starting with '-' begins
+    options, up to '--'; any other first word begins the command (as before)."""
+    assert cli.exec_split(rest) == (opts, cmd)
+
+
+@pytest.mark.parametrize("rest, message", [
+    (["--prefix", "fxa", "--bogus", "--", "true"], "'--bogus' after HOST: only --prefix P"),
+    (["--prefix", "fxzz", "true"], "no `--` before the command 'true'"),
+    (["--prefix", "fxa"], "no `--` and no command after the options"),
+    (["--prefix"], "--prefix after HOST needs a value"),
+])
+def test_exec_refuses_anything_else_before_the_command(rest, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        cli.exec_split(rest)
+    assert "\n" not in str(e.value) and str(e.value).endswith(cli.EXEC_USAGE)
+
+
+def test_exec_option_errors_are_one_line_before_anything():
+    """Through the CLI, root or not: one line, exit 2, nothing run (the bad word was
+    run as the command: 'exec of "--prefix" failed: No such file or directory')."""
+    for argv, message in (
+            (["fxa-h0", "--prefix", "fxzz", "--bogus", "--", "true"], "'--bogus' after HOST"),
+            (["0", "--prefix", "fx/zz", "--", "true"], "bad --prefix 'fx/zz'")):
+        r = dgt_main("testbed", "exec", *argv)
+        assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+        assert r.stderr.startswith("dgt testbed exec: error: ") and message in r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+
+
+def _synopsis() -> list[list[str]]:
+    """The `dgt tc` / `dgt testbed` lines of docs/tc_profiles.md's CLI synopsis, as
+    words, continuation lines joined to their command."""
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "tc_profiles.md").read_text()
+    block = doc.split("`dgt.tc_profiles.cli.register(subparsers)` adds:")[1]
+    lines = []
+    for ln in block.split("\n\n")[1].splitlines():
+        if ln.strip().startswith("dgt "):
+            lines.append(ln.split())
+        else:
+            lines[-1] += ln.split()
+    return lines
+
+
+def test_the_doc_synopsis_shows_only_current_flags():
+    """Outside tester: the synopsis showed `dgt testbed up ... [--loss PCT]`, which the
+    tool calls deprecated ("use --loss-pct"). Every flag the synopsis shows is one its
+    subcommand takes and shows in --help (a deprecated one is hidden there)."""
+    ap = parser()
+    lines = _synopsis()
+    assert len(lines) >= 10, lines
+    for words in lines:
+        sp = ap._subparsers._group_actions[0].choices[words[1]]
+        sp = sp._subparsers._group_actions[0].choices[words[2]]
+        shown = {o for a in sp._actions if a.help != argparse.SUPPRESS
+                 for o in a.option_strings}
+        flags = {w.strip("[]").split("=")[0] for w in words[3:]
+                 if w.strip("[]").startswith("--") and w.strip("[]") != "--"}
+        assert flags <= shown, (" ".join(words[:3]), flags - shown)

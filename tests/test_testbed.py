@@ -424,3 +424,179 @@ def test_a_second_command_on_a_prefix_being_built_is_refused_in_one_line():
     finally:
         testbed.down(prefix)
     assert testbed.current(prefix) is None
+
+
+# ------------------------------------------------------- outside tester's round (fx)
+
+@pytest.fixture
+def fxbed():
+    """A 2-host testbed with a prefix of this file's own ('fx...'); removed even when
+    the test fails."""
+    prefix = f"fxt{uuid.uuid4().hex[:6]}"
+    try:
+        yield testbed.up(2, prefix=prefix)
+    finally:
+        testbed.down(prefix)
+
+
+def _dgt(*argv):
+    import sys
+    return subprocess.run([sys.executable, "-m", "dgt.cli", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+@root_only
+def test_exec_takes_prefix_after_the_host(fxbed):
+    """Outside tester: 'exec 0 --prefix P -- CMD' ran '--prefix P -- CMD' in the
+    default testbed ("no testbed with prefix 'dgt' is up"); 'exec P-h0 --prefix Q --
+    true' tried to run '--prefix'. Options between HOST and '--' are options now,
+    anything else there is one line, exit 2."""
+    p = fxbed.prefix
+    r = _dgt("testbed", "exec", "0", "--prefix", p, "--", "ip", "-o", "-4", "addr")
+    assert r.returncode == 0 and "10.77.0.2/24" in r.stdout, r.stderr
+    r = _dgt("testbed", "exec", "1", f"--prefix={p}", "--", "ip", "-o", "-4", "addr")
+    assert r.returncode == 0 and "10.77.1.2/24" in r.stdout, r.stderr
+    r = _dgt("testbed", "exec", "--prefix", p, "0", "ip", "-o", "-4", "addr")  # as before
+    assert r.returncode == 0 and "10.77.0.2/24" in r.stdout, r.stderr
+    for argv, says in (
+            ([f"{p}-h0", "--prefix", "fxzz", "--", "true"],
+             f"is a namespace of testbed '{p}', not of --prefix fxzz"),
+            (["0", "--prefix", p, "--bogus", "--", "true"], "'--bogus' after HOST"),
+            (["0", "--prefix", p, "ip", "addr"], "no `--` before the command 'ip'"),
+            (["0", "--prefix", "fx/zz", "--", "true"], "bad --prefix 'fx/zz'")):
+        r = _dgt("testbed", "exec", *argv)
+        assert r.returncode == 2 and r.stdout == "", (argv, r.stdout, r.stderr)
+        assert r.stderr.startswith("dgt testbed exec: error: ") and says in r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+
+
+@root_only
+@requires_tool("iperf3")
+def test_load_of_a_fraction_of_a_second_measures(fxbed):
+    """'load --seconds 0.5' handed iperf3 '-t 0.5', which it reads as 0 and runs for
+    ever: cut after 15 s, 0.0 Mbit/s. iperf3 gets whole seconds (rounded up)."""
+    r = _dgt("testbed", "load", "--prefix", fxbed.prefix, "--pairs", "0:1",
+             "--seconds", "0.5")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("h0 -> h1: ") and r.stdout.split()[3] != "0.0", r.stdout
+
+
+def test_load_refuses_what_cannot_run_before_anything_starts():
+    """Outside tester: '--seconds 1e9' ended in 'OverflowError: timeout is too large'
+    (a traceback), '--pairs 0:0' measured a host to itself (48753.2 Mbit/s, no shaped
+    port crossed). Testbed.load refuses both, naming why, before anything starts (this
+    testbed is not even up)."""
+    tb = testbed.Testbed(2, prefix="fxnotup")
+    for seconds in (1e9, 86400.5, float("inf"), float("nan"), 0, -1):
+        with pytest.raises(testbed.TestbedError, match="seconds must be"):
+            tb.load(seconds, [(0, 1)])
+    with pytest.raises(testbed.TestbedError, match="pair 1:1 is a host to itself"):
+        tb.load(1, [(0, 1), (1, 1)])
+
+
+def _lock_exists(prefix: str) -> bool:
+    return testbed._lock_path(prefix).exists()
+
+
+@root_only
+def test_a_lock_file_goes_with_its_testbed():
+    """Outside tester: every prefix ever used left /run/dgt/testbed-<prefix>.lock (482
+    of them), a 'down' of one never built too. The lock file is removed when nothing of
+    its testbed is left, by the holder before it lets the lock go; it stays while the
+    testbed is up, and the read-only look (taken_down, LOCK_SH) works throughout."""
+    prefix = f"fxl{uuid.uuid4().hex[:6]}"
+    try:
+        assert testbed.down(prefix) == [] and not _lock_exists(prefix)   # never built
+        with pytest.raises(testbed.TestbedError):   # a failed up builds nothing
+            testbed.up(2, prefix=prefix, profile="no-such-profile")
+        assert not _lock_exists(prefix)
+        testbed.up(2, prefix=prefix)
+        assert _lock_exists(prefix)          # up: the lock stays with the testbed
+        assert testbed.taken_down(prefix, 2) is False
+        assert testbed.taken_down(prefix, 3) is True
+        testbed.down(prefix)
+        assert not _lock_exists(prefix)
+        assert testbed.taken_down(prefix, 2) is True
+    finally:
+        testbed.down(prefix)
+    assert not _lock_exists(prefix)
+
+
+@root_only
+def test_a_lock_file_unlinked_under_a_waiter_is_not_taken_for_the_lock():
+    """The race of unlinking a lock file: a process that opened it before the holder
+    unlinked it can lock it after the holder let it go, and then holds a file no one
+    else sees. It must see that (same device and inode as the path's: _same_file) and
+    lock the file at the path instead; and while another holds that one, it is
+    refused as before."""
+    import fcntl
+    import sys
+    prefix = f"fxr{uuid.uuid4().hex[:6]}"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, prefix],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        path = testbed._lock_path(prefix)
+        early = open(path)                     # opened while the holder holds it
+        holder.stdin.close()
+        assert holder.wait(30) == 0
+        assert not path.exists()               # nothing built: it went, unlinked first
+        fcntl.flock(early, fcntl.LOCK_EX | fcntl.LOCK_NB)   # the orphan locks fine...
+        assert not testbed._same_file(early, path)          # ...and is seen as one
+        with testbed._exclusive(prefix):       # takes the file at the path
+            held = testbed._held[prefix][0]
+            assert testbed._same_file(held, path)
+            p = subprocess.run([sys.executable, "-c", HOLD_LOCK, prefix],
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=60)
+            assert p.returncode != 0 and "is being built or removed by another process " \
+                f"(pid {os.getpid()})" in p.stderr, p.stderr
+        early.close()
+        assert not path.exists()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        testbed.down(prefix)
+    assert not testbed._lock_path(prefix).exists()
+
+
+#: dgt testbed up through dgt.cli, a SIGTERM sent to itself at up's commit point
+#: (argv[2]): "before" the stop signals are held there, or "after"
+UP_SIGNAL_AT = """
+import os, signal, sys
+from dgt import cli
+from dgt.tc_profiles import cli as tc_cli
+prefix, where = sys.argv[1:3]
+real = tc_cli.hold_stop_signals
+term = lambda: os.kill(os.getpid(), signal.SIGTERM)
+tc_cli.hold_stop_signals = ((lambda: (term(), real())) if where == "before"
+                            else (lambda: (real(), term())))
+sys.exit(cli.main(["testbed", "up", "--hosts", "1", "--prefix", prefix]))
+"""
+
+
+@root_only
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_up_is_either_undone_or_complete_around_its_commit_point(where):
+    """The tc apply fault's kind in `testbed up`: a signal after it had said "testbed
+    up" and flushed (at its `return 0`) gave exit 143 with the testbed up. A signal
+    before its commit point removes the testbed (143, one line); after it, up
+    completes: exit 0, the testbed up. Sent at a fixed point, not a time."""
+    import sys
+    prefix = f"fxu{uuid.uuid4().hex[:6]}"
+    try:
+        r = subprocess.run([sys.executable, "-c", UP_SIGNAL_AT, prefix, where],
+                           capture_output=True, text=True, timeout=300)
+        if where == "after":
+            assert r.returncode == 0 and r.stderr == "", (r.stdout, r.stderr)
+            assert r.stdout.startswith("testbed up: 1 hosts")
+            assert testbed.current(prefix).hosts == 1
+        else:
+            assert r.returncode == 143, (r.stdout, r.stderr)
+            assert r.stderr == (f"dgt testbed up: interrupted; the testbed '{prefix}' "
+                                f"was removed\n"), r.stderr
+            assert testbed.current(prefix) is None
+    finally:
+        testbed.down(prefix)
+    assert not testbed._lock_path(prefix).exists()

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(t, TransmissionConfig)
     add_arguments(t, MetricsConfig)
     add_arguments(t, CheckpointConfig)
-    t.set_defaults(func=lambda ns: _train(ns, t), parser=t)
+    t.set_defaults(func=lambda ns: _train(ns, t), parser=t, owns_cleanup=True)
 
     s = sub.add_parser("sidecar", help="run one node's sidecar",
                        description="Run one node's sidecar (worker agent + server shard).")
@@ -127,13 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     """``dgt``: parse ``argv`` and run the subcommand. Ctrl-C (or a signal a command
     turns into it, dgt.interrupt) at any point, even while the parser is built and the
     subcommands import numpy and torch, is one line and the shell's status (130)."""
-    from .interrupt import keep_lost_interrupts
+    from .interrupt import defer_stop_signals, keep_lost_interrupts, release_stop_signals
+    defer_stop_signals()     # a stop signal before the command takes them: kept for it
     keep_lost_interrupts()   # a Ctrl-C inside an import's callback: not swallowed
     try:
         return _main(argv)
     except KeyboardInterrupt:
         from .interrupt import interrupted
         return interrupted("dgt")
+    finally:   # a return before the command took them (bad cwd or environment):
+        release_stop_signals(deliver=False)   # the status says what happened
 
 
 def _main(argv: list[str] | None) -> int:
@@ -155,10 +158,12 @@ def _main(argv: list[str] | None) -> int:
         getattr(ns, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     from .console import survive_closed_stdout
     survive_closed_stdout()   # 'dgt train | head' must not stop the job
-    from .interrupt import interrupted, stop_on_signals
-    if getattr(ns, "owns_cleanup", False):   # a plugin's command that builds state:
-        stop_on_signals()                    # SIGTERM and SIGHUP stop it as Ctrl-C does
+    from .interrupt import interrupted, release_stop_signals, stop_on_signals
     try:
+        if getattr(ns, "owns_cleanup", False):   # a command that builds state: SIGTERM,
+            stop_on_signals()   # SIGHUP (and SIGINT, even if ignored) stop it as Ctrl-C
+        else:                   # does, also one that came during start-up; the others
+            release_stop_signals()   # get what the process inherited
         return int(ns.func(ns) or 0)
     except KeyboardInterrupt as e:   # a command that left it to us: one line, 128 + sig
         undone = e.args[0] if e.args and isinstance(e.args[0], str) else ""

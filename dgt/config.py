@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -675,12 +676,29 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         message = " ".join(str(message).split())   # foreign exception text may hold \n
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        self.exit(2, f"{self.prog}: error: {message}{dash_value_hint(message)} "
+                     f"(see '{self.prog} --help')\n")
 
     def warning(self, message: str) -> None:
         """One line on stderr for what is accepted but does nothing (the configs'
         ``warnings()``); the command goes on."""
         print(f"{self.prog}: warning: {message}", file=sys.stderr, flush=True)
+
+
+#: argparse's message for a flag that got no value, e.g. 'argument --rate: expected one
+#: argument' (also when the value starts with '-' and is not a plain negative number:
+#: argparse takes '-5mbit' for a flag)
+_NO_VALUE = re.compile(r"^argument (?:\S+/)*(--?[\w-]+): expected (?:one argument|\d+ arguments?)$")
+
+
+def dash_value_hint(message: str) -> str:
+    """What to add to argparse's error ``message`` when it may be a value that starts
+    with '-' (breaker round 14: '--rate -5mbit' got only 'expected one argument',
+    '--rate -1' a line on the rate): how to give such a value. '' otherwise."""
+    m = _NO_VALUE.match(message)
+    if m is None:
+        return ""
+    return f": give it one (a value that starts with '-' is written {m.group(1)}=VALUE)"
 
 
 def finite(typ):

@@ -61,14 +61,12 @@ def raise_keyboard_interrupt_on(*signums: int, ignore_repeats: bool = False) -> 
     has its default action (the child dies of it). Main thread only (``signal.signal``
     raises ValueError elsewhere).
     """
-    global _owner_pid, _fork_hook_registered
+    global _owner_pid
     _owner_pid = os.getpid()
     _installed.update(signums)
 
     def handler(signum, frame):
-        if os.getpid() != _owner_pid:    # a forked copy: die as the default action would
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if _forked_copy_dies(signum):
             return
         global _received
         _received = signum
@@ -79,9 +77,82 @@ def raise_keyboard_interrupt_on(*signums: int, ignore_repeats: bool = False) -> 
 
     for s in signums:
         signal.signal(s, handler)
+        _deferred.pop(s, None)
+    _register_fork_hook()
+    global _pending
+    if _pending in signums:   # came during start-up (defer_stop_signals): acted on now
+        signum, _pending = _pending, None
+        handler(signum, None)
+
+
+def _forked_copy_dies(signum: int) -> bool:
+    """In a forked copy of the process that installed a handler: die of ``signum`` as
+    its default action would (True, if the action returns at all); False in that
+    process itself."""
+    if os.getpid() == _owner_pid:
+        return False
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return True
+
+
+def _register_fork_hook() -> None:
+    global _fork_hook_registered
     if not _fork_hook_registered:
         os.register_at_fork(after_in_child=_defaults_in_child)
         _fork_hook_registered = True
+
+
+#: signum -> its disposition before :func:`defer_stop_signals` (until the command takes
+#: it: :func:`raise_keyboard_interrupt_on` or :func:`release_stop_signals`)
+_deferred: dict[int, object] = {}
+_pending: int | None = None   # the first stop signal that came while deferred
+
+
+def defer_stop_signals() -> None:
+    """From the start of ``dgt`` until the command says how it takes them: a stop
+    signal (:data:`STOP_SIGNALS`) is recorded, not acted on, whatever the process
+    inherited, and acted on when the command does (:func:`raise_keyboard_interrupt_on`
+    raises it; :func:`release_stop_signals` gives it the inherited disposition).
+
+    Before, a command that turns them into KeyboardInterrupt only did so once its
+    imports were done: a SIGINT in that window went to what the process inherited, and a
+    job started in the background by a script (``dgt capture ... &``: a shell without
+    job control sets SIGINT to SIG_IGN there) lost it and ran on (breaker round 14:
+    ``dgt capture`` went on capturing after 39 of 42 early SIGINTs). Idempotent. Main
+    thread only."""
+    global _owner_pid
+    if _deferred:
+        return
+    _owner_pid = os.getpid()
+
+    def record(signum, frame):
+        if _forked_copy_dies(signum):
+            return
+        global _pending
+        if _pending is None:
+            _pending = signum
+
+    for s in STOP_SIGNALS:
+        _deferred[s] = signal.getsignal(s)
+        signal.signal(s, record)
+        _installed.add(s)
+    _register_fork_hook()
+
+
+def release_stop_signals(deliver: bool = True) -> None:
+    """Give each signal still deferred (:func:`defer_stop_signals`) the disposition it
+    had before and, with ``deliver``, deliver a stop signal that came meanwhile to it
+    (SIG_IGN drops it, SIG_DFL ends the process, Python's SIGINT handler raises
+    KeyboardInterrupt). Nothing when none is deferred."""
+    global _pending
+    signum, _pending = _pending, None
+    restored = dict(_deferred)
+    _deferred.clear()
+    for s, disposition in restored.items():
+        signal.signal(s, disposition if disposition is not None else signal.SIG_DFL)
+    if deliver and signum in restored and restored[signum] is not signal.SIG_IGN:
+        os.kill(os.getpid(), signum)
 
 
 def stop_on_signals() -> None:

@@ -314,7 +314,8 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
                     evaluated_at // eval_every:
                 acc = evaluate(epoch, losses)
                 if ns.rank == 0:   # long epochs show progress at every evaluation
-                    print(f"           iter {step:5d}  loss {np.mean(losses):.4f}  test acc "
+                    print(f"           iter {_count(step, max_iterations)}  loss "
+                          f"{np.mean(losses):.4f}  test acc "
                           f"{acc:.4f}  {history[-1]['seconds']:.1f} s", flush=True)
                 if stop_at_target and acc >= ns.target_accuracy:
                     stop = True
@@ -327,7 +328,7 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
             stop = stop_at_target and acc >= ns.target_accuracy
         if ns.rank == 0:
             recent = comm_s[-max(1, iters_per_epoch // local_steps):]
-            print(f"epoch {epoch + 1:3d}/{ns.epochs}  iter {step:5d}  loss "
+            print(f"epoch {epoch + 1:3d}/{ns.epochs}  iter {_count(step, max_iterations)}  loss "
                   f"{np.mean(losses):.4f}  test acc {history[-1]['test_accuracy']:.4f}  "
                   f"comm median {1e3 * float(np.median(recent)):.1f} ms  "
                   f"k {_fmt_k(client.last_k)}  {history[-1]['seconds']:.1f} s", flush=True)
@@ -356,6 +357,12 @@ def train(ns: argparse.Namespace, comm=None) -> dict:
 
 def _fmt_k(k) -> str:
     return "-" if k is None else f"{k:.2f}"
+
+
+def _count(step: int, max_iterations: int) -> str:
+    """The progress lines' iteration count: ``12/12`` when ``--iterations`` caps the
+    job (so 'epoch 1/10' that ends the job reads as the cap, not an early stop)."""
+    return f"{step:5d}/{max_iterations}" if max_iterations else f"{step:5d}"
 
 
 def add_loop_arguments(p: argparse.ArgumentParser) -> None:

@@ -176,7 +176,8 @@ def build_report(run_dir: str, job, tx, wall_s: float, spill: str | None = None)
         "config": {"job": asdict(job),
                    "transmission": {k: v for k, v in asdict(tx).items() if k != "secret"}},
     }
-    for bad in (divergence(r), replicas_differ(r), non_finite_pushed(r)):
+    for bad in (divergence(r), replicas_differ(r), non_finite_pushed(r),
+                conservation_broken(r)):
         if bad is not None:   # the report carries what the summary warns about
             r["warnings"].append(bad)
     r["warnings"] += strangers_accepted(r["channels"])
@@ -278,7 +279,8 @@ def print_summary(r: dict, log=print) -> None:
             f"node, {cpu['cores']} cores here")
     log(f"{'replicas identical':<22}{r['replicas_identical']}  ({r['param_sha256'][0][:16]}…)")
     if r["conservation_rel_error"] is not None:
-        log(f"{'conservation error':<22}{r['conservation_rel_error']:.2e}")
+        log(f"{'conservation error':<22}{r['conservation_rel_error']:.2e} "
+            f"({conservation_verdict(r)})")
     log("")
     log(f"{'channel':<8}{'share':>7}{'blocks sent':>13}{'MB sent':>9}{'delivered':>11}"
         f"{'late':>7}{'lost':>7}{'dropped here':>14}")
@@ -329,6 +331,39 @@ def describe_workload(w: dict) -> str:
     return (f"{w['model']} ({size}, {w['params'] / 1e6:.2f}M params, "
             f"{w['gradient_bytes'] / 1e6:.2f} MB per push) on {w['dataset']} "
             f"({w['train_samples']} train / {w['test_samples']} test), {w['partition']}, {algo}")
+
+
+#: the relative error under which the conservation invariant holds
+#: (docs/architecture.md, "Conservation invariant"): float32 rounding stays far below
+CONSERVATION_TOLERANCE = 1e-4
+
+
+def _error_feedback(r: dict) -> bool:
+    return bool(r.get("config", {}).get("transmission", {}).get("error_feedback", True))
+
+
+def conservation_verdict(r: dict) -> str:
+    """What the report's ``conservation_rel_error`` means, for the summary line: the
+    invariant holds (at most :data:`CONSERVATION_TOLERANCE`), does not, or does not
+    apply (``--no-error-feedback``: what was lost or rounded away is dropped, not
+    kept, so the error is the mass dropped)."""
+    if not _error_feedback(r):
+        return "error feedback off: lost and rounded mass is dropped, not kept"
+    if r["conservation_rel_error"] <= CONSERVATION_TOLERANCE:
+        return f"holds: <= {CONSERVATION_TOLERANCE:g}"
+    return f"DOES NOT HOLD: > {CONSERVATION_TOLERANCE:g}"
+
+
+def conservation_broken(r: dict) -> str | None:
+    """The warning for a run with error feedback on whose conservation check
+    (``--check-conservation``) found more than :data:`CONSERVATION_TOLERANCE` of
+    relative error, or None (no check, within it, or error feedback off)."""
+    err = r.get("conservation_rel_error")
+    if err is None or not _error_feedback(r) or err <= CONSERVATION_TOLERANCE:
+        return None
+    return (f"the conservation invariant does not hold: relative error {err:.2e} > "
+            f"{CONSERVATION_TOLERANCE:g} with error feedback on, so gradient mass was "
+            f"lost that the residuals should have kept (a fault: keep the run dir)")
 
 
 def divergence(r: dict) -> str | None:

@@ -3,7 +3,7 @@
 It follows the sidecars' per-iteration traces (``trace-<rank>.jsonl``, ``dgt.trace``) in
 the job's run directory (``dgt train --run-dir``), or scrapes their Prometheus
 endpoints (``--endpoints HOST:PORT,...``, ``dgt.metrics``), and shows per rank: the
-iteration, iterations per second, comm time (last and median of the window), k, this
+iterations done, iterations per second, comm time (last and median of the window), k, this
 worker's lost blocks, and per channel the blocks per second sent and the share of blocks
 its shard lost; the test accuracy when the trainer has printed one. ``q`` quits (also
 Ctrl-C). Without a terminal (``--once``) it prints the table once and exits; a rate
@@ -101,7 +101,7 @@ class TraceFollower:
                 continue
             last = its[-1]
             span = last["apply_s"] - its[0]["push_start_s"]
-            row = {"iteration": last["t"], "comm_ms": last["comm_s"] * 1e3,
+            row = {"iterations": last["t"] + 1, "comm_ms": last["comm_s"] * 1e3,
                    "comm_ms_median": sorted(x["comm_s"] for x in its)[len(its) // 2] * 1e3,
                    "k": last["k"], "lost": sum(x["lost"] for x in its),
                    "rate": len(its) / span if span > 0 else 0.0, "channels": {}}
@@ -236,7 +236,7 @@ class EndpointPoller:
         n = d(("dgt_comm_seconds_count", ""))
         chans = sorted({k[1] for k in s if k[0] == "dgt_channel_blocks_sent_total"},
                        key=lambda c: (c != "tcp", c))
-        row = {"iteration": int(s.get(("dgt_iteration", ""), -1)),
+        row = {"iterations": int(s.get(("dgt_iteration", ""), -1)) + 1,
                "comm_ms": d(("dgt_comm_seconds_sum", "")) / n * 1e3 if n else
                self.last.get(rank, {}).get("comm_ms"),
                "comm_ms_median": None, "k": s.get(("dgt_reliable_fraction", ""), 0.0),
@@ -343,7 +343,7 @@ def render(rows: dict[int, dict], source: str, acc: float | None,
     for c in chans:
         t.add_column(f"{c}\nblk/s\nloss", justify="right", no_wrap=True)
     for r, row in rows.items():
-        cells = [str(r), str(row["iteration"]), _cell(row["rate"], ".1f"),
+        cells = [str(r), str(row["iterations"]), _cell(row["rate"], ".1f"),
                  _cell(row["comm_ms"], ".1f"), _cell(row["comm_ms_median"], ".1f"),
                  f"{row['k']:.2f}", str(row["lost"])]
         for c in chans:

@@ -1,6 +1,7 @@
 """'dgt bench tta' (time to accuracy) and its DDP baselines: real processes, tiny models,
 a few iterations; no timing is asserted."""
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -395,3 +396,17 @@ def test_calibrate_with_estimate_runs_nothing(tmp_path):
         p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--estimate", *cmd,
                             "--out", str(out)], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, (cmd, p.stderr)
+
+
+def test_the_help_states_each_bench_s_own_cell_time_cap():
+    """Breaker round 14: 'dgt bench tta --help' gave the matrix's cap (4x, >= 120 s)
+    where tta caps at 2x its estimate, >= 180 s (tools/bench_tta.py, docs/tools.md)."""
+    from dgt.tools.bench import CELL_TIMEOUT, cell_timeout_s
+    assert CELL_TIMEOUT == {"matrix": (4.0, 120.0), "tta": (2.0, 180.0)}
+    assert cell_timeout_s(10.0, *CELL_TIMEOUT["tta"]) == 180.0
+    assert cell_timeout_s(100.0, *CELL_TIMEOUT["tta"]) == 200.0
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "tta", "--help"],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, COLUMNS="200"))
+    assert p.returncode == 0, p.stderr
+    assert "matrix 4x, >= 120 s; tta 2x, >= 180 s" in p.stdout, p.stdout

@@ -119,6 +119,15 @@ BAD = [
      "--master-addr (or DGT_MASTER_ADDR) is empty"),
     (["sidecar", "--rank", "0", "--world", "1", "--host", ""], "--host (or DGT_HOST) is empty"),
     (["bench", "--loopback", "--out", ""], "--out is empty: give the results folder"),
+    # breaker round 14: a value that starts with '-' got argparse's bare 'expected one
+    # argument'
+    (["tc", "apply", "htb-prio", "--dev", "lo", "--rate", "-5mbit"],
+     "argument --rate: expected one argument: give it one (a value that starts with '-' "
+     "is written --rate=VALUE)"),
+    (["capture", "-w", "-x"], "argument -w/--write: expected one argument: give it one (a "
+                              "value that starts with '-' is written --write=VALUE)"),
+    (["tc", "apply", "htb-prio", "--dev", "lo", "--dry-run", "--rate=-5mbit"],
+     "rate '-5mbit' is not a rate like '1gbit'"),
     # workloads (docs/workloads.md)
     (["train", "--model", "lenet"], "argument --model: invalid choice: 'lenet'"),
     (["train", "--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),

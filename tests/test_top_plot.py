@@ -345,13 +345,22 @@ def test_top_once_on_a_folder_that_is_not_a_run_dir_says_so(tmp_path):
     assert f"{tmp_path} is not a run dir" in p.stderr and "waiting" not in p.stdout
 
 
+def test_top_once_counts_the_iterations_each_rank_has_done(clean_run):
+    # breaker round 14: a 12-iteration job showed 'iter 11' (the trace's t, from 0)
+    # where the job's own epoch line says 'iter 12'
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "top", str(clean_run), "--once"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert rows(p.stdout) == {0: 12, 1: 12}, p.stdout
+
+
 def test_top_keeps_every_number_whole_on_an_80_column_terminal():
     # CI-like quiet machine, 2026-12-02: a fast job passed iteration 9999 and on an 80-
     # column terminal rich shrank 'iter' to its header, showing '140…' for 14045
     from rich.console import Console
     from dgt.top import render
     ch = {"blocks_per_s": 12530.0, "loss": 0.25}
-    rows_ = {r: {"iteration": 140450 + r, "rate": 1138.2, "comm_ms": 7.5,
+    rows_ = {r: {"iterations": 140450 + r, "rate": 1138.2, "comm_ms": 7.5,
                  "comm_ms_median": 5.6, "k": 0.5, "lost": 123456,
                  "channels": {c: ch for c in ("tcp", "udp1", "udp2", "udp3")}}
              for r in range(4)}

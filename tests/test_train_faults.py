@@ -297,8 +297,11 @@ def test_our_failure_record_is_chosen_over_what_a_library_printed(tmp_path):
 
 def test_a_second_job_on_the_same_run_dir_is_refused_and_the_first_is_untouched(tmp_path):
     run_dir = tmp_path / "run"
-    first = start_train(run_dir, "--workers", 2, "--epochs", 2,
-                        "--report", tmp_path / "first.json")
+    # the first job must outlive two command start-ups (the second job's and the
+    # sidecar's, each importing numpy and torch): with 2 epochs it ended first on CI
+    # at load 4 (CI of 257f037), and the sidecar found the run dir free
+    first = start_train(run_dir, "--workers", 2, "--epochs", 200, "--hidden", 32,
+                        "--eval-every", 0, "--report", tmp_path / "first.json")
     wait_for(run_dir / "pids.json", first)
     second = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--run-dir",
                              str(run_dir), "--workers", "2", "--epochs", "1"],

@@ -87,6 +87,16 @@ XFER_EFFICIENCY = 0.8
 GOODPUT_SECONDS, GOODPUT_MB = 5.0, 100.0
 
 
+#: a cell's time cap without --cell-timeout-s: (times its upper-bound estimate, at least
+#: this many s), for the matrix and for ``dgt bench tta``
+CELL_TIMEOUT = {"matrix": (4.0, 120.0), "tta": (2.0, 180.0)}
+
+
+def cell_timeout_s(estimate_s: float, times: float, floor_s: float) -> float:
+    """A cell's time cap, s: ``times`` × its estimate, at least ``floor_s``."""
+    return max(floor_s, times * estimate_s)
+
+
 class BenchError(RuntimeError):
     """The benchmark cannot run as asked; the message says what to do."""
 
@@ -464,7 +474,7 @@ def run_cell(cfg: BenchConfig, cell: dict, tb, work_dir: str, log_fn=print) -> d
     report_path = os.path.join(run_dir, "report.json")
     argv = cell_argv(cfg, system, rate, report_path, run_dir)
     est = estimate_cell_s(cfg, rate)
-    timeout_s = cfg.cell_timeout_s or max(120.0, 4 * est)
+    timeout_s = cfg.cell_timeout_s or cell_timeout_s(est, *CELL_TIMEOUT["matrix"])
     row = dict(cell, label=SYSTEM_LABEL[system], command=shlex.join(typed_command(argv)),
                error=None)
     tenant = None
@@ -1104,7 +1114,9 @@ def add_arguments(p) -> None:
     p.add_argument("--loopback", action="store_true",
                    help="no testbed, no shaping, no root: the overhead check")
     p.add_argument("--cell-timeout-s", type=float, default=None,
-                   help="kill a cell after this long (0: 4x its estimate, >= 120 s)")
+                   help="kill a cell after this long, s (0: from its estimate: " + "; ".join(
+                       f"{kind} {k:g}x, >= {floor:g} s"
+                       for kind, (k, floor) in CELL_TIMEOUT.items()) + ")")
     p.add_argument("--keep-runs", action="store_true", help="keep every cell's logs")
     p.add_argument("--seconds", type=float, default=None,
                    help=f"goodput: iperf3 seconds (default {GOODPUT_SECONDS:g})")

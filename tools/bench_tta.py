@@ -467,7 +467,8 @@ def run_cell(cfg: TtaConfig, cell: dict, tb, work_dir: str) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     report_path = os.path.join(run_dir, "report.json")
     argv = cell_argv(cfg, cell, report_path, run_dir)
-    timeout_s = cfg.cell_timeout_s or max(180.0, 2 * estimate_cell_s(cfg, cell))
+    timeout_s = cfg.cell_timeout_s or bench.cell_timeout_s(estimate_cell_s(cfg, cell),
+                                                           *bench.CELL_TIMEOUT["tta"])
     row = dict(rate=cell["rate"], rate_spec=cell.get("rate_spec"),
                scenario=cell["scenario"], workload=w.name, model=w.model,
                dataset=w.dataset, system=s.name, base=s.base, label=s.label,

@@ -395,7 +395,7 @@ def register(subparsers) -> None:
                     "testbed, no root (the overhead check).")
     from dgt.tools.bench import add_arguments as _bench_args
     _bench_args(p)
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, owns_cleanup=True)
 
     p = subparsers.add_parser(
         "capture", formatter_class=fmt,
@@ -416,7 +416,7 @@ def register(subparsers) -> None:
                    help="keep only the newest N files (needs --file-mb)")
     p.add_argument("--json", metavar="OUT.json", help="write the capture stats as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
-    p.set_defaults(func=cmd_capture)
+    p.set_defaults(func=cmd_capture, owns_cleanup=True)
 
     p = subparsers.add_parser("pcap", help="analyse dgt captures",
                               description="Analyse dgt captures.")

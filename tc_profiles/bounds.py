@@ -28,3 +28,10 @@ def seconds_problem(seconds: float, most: float, flag: str = "--seconds") -> str
     if seconds > most:
         return f"{flag} must be at most {most:g} s, got {seconds}"
     return ""
+
+
+def iperf_seconds(seconds: float) -> int:
+    """``iperf3 -t``'s value for a run of ``seconds`` (s, > 0): whole seconds, rounded
+    up. iperf3 reads ``-t`` as an integer, so ``-t 0.5`` was 0, which it runs for ever,
+    and ``-t 5.5`` ran 5 s."""
+    return max(1, math.ceil(seconds))

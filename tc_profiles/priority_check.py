@@ -33,7 +33,7 @@ import time
 
 from typing import TYPE_CHECKING
 
-from .bounds import MAX_OFFER_MBIT, MAX_PRIORITY_SECONDS, seconds_problem
+from .bounds import MAX_OFFER_MBIT, MAX_PRIORITY_SECONDS, iperf_seconds, seconds_problem
 from .lazy import OnFirstUse
 from .needs_root import not_root
 from .schema import load_profile, parse_rate
@@ -255,7 +255,7 @@ def run_case(tb: Testbed, name: str, dscp: int, offered_mbit: float, seconds: fl
         if bulk:
             _wait_port(tb, RX, [5201])
             bulk_cli = tb.popen_in(BULK_SRC, ["iperf3", "-c", testbed.host_addr(RX), "-p", "5201",
-                                              "-P", "2", "-t", f"{seconds + warmup_s + 1:g}",
+                                              "-P", "2", "-t", str(iperf_seconds(seconds + warmup_s + 1)),
                                               "-J"],
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                    text=True)

@@ -32,7 +32,6 @@ import dataclasses
 import fcntl
 import json
 import logging
-import math
 import multiprocessing
 import os
 import re
@@ -45,7 +44,7 @@ from pathlib import Path
 from pyroute2 import netns as _netns
 
 from . import applier, system
-from .bounds import MAX_LOAD_SECONDS, seconds_problem
+from .bounds import MAX_LOAD_SECONDS, iperf_seconds, seconds_problem
 from ._nl import create_netns, is_root, open_ipr
 from .needs_root import not_root
 from .plan import compile_profile
@@ -698,7 +697,7 @@ def bulk_tcp(tb: Testbed, pairs, seconds: float, port_base: int = 5301) -> list[
                                            "-B", host_addr(d)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait_listen(tb, pairs, port_base)
-        whole = math.ceil(seconds)   # iperf3 -t: an integer; -t 0 runs for ever
+        whole = iperf_seconds(seconds)
         for k, (s, d) in enumerate(pairs):
             clients.append(tb.popen_in(s, ["iperf3", "-c", host_addr(d), "-p",
                                            str(port_base + k), "-t", str(whole), "-J"],

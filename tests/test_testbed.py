@@ -1,6 +1,5 @@
 """The netns star testbed: build/teardown, DSCP classification, priority (root only)."""
 import os
-import shutil
 import subprocess
 import uuid
 
@@ -479,6 +478,13 @@ def test_load_of_a_fraction_of_a_second_measures(fxbed):
              "--seconds", "0.5")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("h0 -> h1: ") and r.stdout.split()[3] != "0.0", r.stdout
+
+
+def test_iperf3_gets_whole_seconds_rounded_up():
+    """iperf3 reads -t as an integer: -t 0.5 was 0 (for ever), and 'testbed priority''s
+    bulk flow (-t seconds + 2, e.g. 4.5) ran up to a second short of its probe's window."""
+    from dgt.tc_profiles.bounds import iperf_seconds
+    assert [iperf_seconds(s) for s in (0.5, 1, 1.01, 5.5, 86400)] == [1, 1, 2, 6, 86400]
 
 
 def test_load_refuses_what_cannot_run_before_anything_starts():

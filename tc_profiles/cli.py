@@ -8,13 +8,14 @@ subcommand offers instead.
 
 Ctrl-C is not caught here: the ``KeyboardInterrupt`` reaches ``dgt.cli``, which prints
 ``<prog>: interrupted[; what was undone]`` (the exception's argument, given where the
-cleanup ran, e.g. testbed.up) and exits 128 + the signal. The subcommands that build
-state (``tc apply``, ``testbed up``, ``load``, ``priority``) set ``owns_cleanup``:
-``dgt.cli`` then turns SIGTERM and SIGHUP into Ctrl-C for them too (dgt.interrupt, which
-this layer may not import), so a killed ``testbed up`` removes its half-built testbed.
-From a command's commit point on (:func:`.stopping.hold_stop_signals`: ``tc apply``'s
-last netlink message, ``up`` once it has said what it built, ``load`` once measured)
-the stop signals are blocked: it completes and exits 0, never "applied" and 130.
+cleanup ran, e.g. testbed.up) and exits 128 + the signal. The subcommands that change
+state (``tc apply``, ``tc clear``, ``testbed up``, ``down``, ``load``, ``priority``) set
+``owns_cleanup``: ``dgt.cli`` then turns SIGTERM and SIGHUP into Ctrl-C for them too
+(dgt.interrupt, which this layer may not import), so a killed ``testbed up`` removes its
+half-built testbed. From a command's commit point on (:func:`.stopping.hold_stop_signals`:
+``tc apply``'s last netlink message, ``up`` once it has said what it built, ``clear``'s
+and ``down``'s start, ``load`` once measured) the stop signals are blocked: it
+completes and exits 0, never "applied" and 130.
 ``testbed exec`` becomes its command (``ip netns exec``): a signal is the command's.
 
 Every ``dgt testbed`` subcommand that takes ``--prefix`` checks it before anything else
@@ -117,6 +118,11 @@ def tc_show(args) -> int:
 def tc_clear(args) -> int:
     if (rc := _root(args)) is not None:
         return rc
+    # its commit point is its start, as down's: a stop signal before it, nothing
+    # cleared (128 + the signal); once it clears, it says so and exits 0 (a signal
+    # meanwhile gave 130 after "cleared DEV", or SIGTERM killed it without a word:
+    # re-check of breaker round 14)
+    hold_stop_signals()
     done = applier.clear(args.dev, args.netns, force=args.force)
     print(f"cleared {args.dev}" if done else f"nothing of ours on {args.dev}")
     return 0
@@ -216,6 +222,11 @@ def tb_up(args) -> int:
 def tb_down(args) -> int:
     if (rc := _root(args)) is not None:
         return rc
+    # its commit point is its start: a stop signal before it, nothing removed (128 +
+    # the signal); once it removes, it removes it all, says so and exits 0 (a signal
+    # meanwhile gave 130 or 143 after "removed 3 namespaces", or killed it half-way
+    # without a word: breaker round 14's re-check)
+    hold_stop_signals()
     gone = testbed.down(args.prefix)
     print(f"removed {len(gone)} namespaces" + (f": {' '.join(gone)}" if gone else ""))
     return 0
@@ -354,7 +365,7 @@ def register(subparsers) -> None:
     p.add_argument("--dev", required=True)
     p.add_argument("--netns", default=None)
     p.add_argument("--force", action="store_true", help="delete any root qdisc")
-    p.set_defaults(func=tc_clear, parser=p)
+    p.set_defaults(func=tc_clear, parser=p, owns_cleanup=True)   # SIGTERM: one line
     p = tcs.add_parser("list", help="shipped profiles")
     p.set_defaults(func=tc_list, parser=p)
 
@@ -387,7 +398,8 @@ def register(subparsers) -> None:
                    help=argparse.SUPPRESS)
     p.add_argument("--loss-dscp", type=dscp_list, default=None, metavar="DSCP,...",
                    help="only these DSCPs, e.g. 34,18,10 (dgt's default UDP channels)")
-    sub("down", "remove the testbed (found by name, also after a crash)", tb_down)
+    sub("down", "remove the testbed (found by name, also after a crash)", tb_down,
+        owns_cleanup=True)
     p = sub("status", "per-port class counters", tb_status)
     p.add_argument("--json", action="store_true")
     p = sub("exec", f"run a command in a host: {EXEC_USAGE[12:]}", tb_exec)

@@ -15,16 +15,16 @@ STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 def hold_stop_signals() -> None:
     """A command's commit point: from here it completes, says so and exits 0.
 
-    Blocks (sigprocmask(2)) STOP_SIGNALS for the rest of the process: one that comes
-    later stays pending and is discarded when the process exits. One that came before
-    is raised here as KeyboardInterrupt (``signal.pthread_sigmask`` runs the pending
-    handlers), with the mask as it was, so the caller still undoes its work. Without
-    it, a signal just after ``dgt tc apply`` finished gave "applied profile ..." on
-    stdout and exit 130/143 (an outside tester, 2 tries in 60). A child started after
-    it inherits the mask. Main thread only."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())   # reads the mask
-    try:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    except KeyboardInterrupt:   # came before: the cleanup may start children
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-        raise
+    A stop signal that came before is raised here as KeyboardInterrupt (its handler
+    runs: ``signal.pthread_sigmask`` runs the pending handlers), so the caller still
+    undoes its work; from here on STOP_SIGNALS are ignored (SIG_IGN) for the rest of
+    the process. Without it, a signal just after ``dgt tc apply`` finished gave
+    "applied profile ..." on stdout and exit 130/143 (an outside tester, 2 tries in
+    60). Ignored, not blocked: a mask is one thread's, and the kernel hands a signal
+    that the main thread blocks to any thread that does not, such as the OpenBLAS
+    threads that importing numpy starts, where Python's handler still ran (a
+    re-check of the commit point in ``dgt testbed down``). A child started after it
+    inherits SIG_IGN. Main thread only."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, ())   # runs a handler still pending
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)

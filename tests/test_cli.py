@@ -128,6 +128,12 @@ BAD = [
                               "value that starts with '-' is written --write=VALUE)"),
     (["tc", "apply", "htb-prio", "--dev", "lo", "--dry-run", "--rate=-5mbit"],
      "rate '-5mbit' is not a rate like '1gbit'"),
+    # breaker round 14's re-check: finite but huge, then a sidecar's or the capture's
+    # int() of it failed ('cannot convert float infinity to integer')
+    (["train", "--pace-mbit", "1e308"], "argument --pace-mbit: expected 'auto' or Mbit/s "
+                                        "in 0..1000000, got '1e308'"),
+    (["capture", "-i", "lo", "--ports", "1-2", "-w", "/tmp/dgt-test-x.pcap", "--file-mb",
+      "1e308"], "--file-mb must be a number in (0, 1000000], got 1e+308"),
     # workloads (docs/workloads.md)
     (["train", "--model", "lenet"], "argument --model: invalid choice: 'lenet'"),
     (["train", "--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),

@@ -95,6 +95,12 @@ def test_pacing_rate_is_set_on_a_real_tcp_socket():
         assert s.getsockopt(socket.SOL_SOCKET, sockopts.SO_MAX_PACING_RATE) == 12_345_678
         assert sockopts.set_pacing_rate(s, 0)   # 0: uncapped again
         assert s.getsockopt(socket.SOL_SOCKET, sockopts.SO_MAX_PACING_RATE) in (-1, 0xFFFFFFFF)
+        # past what the option holds, inf included: the highest cap, never an error
+        # (--pace-mbit 1e308 made a sidecar fail: 'cannot convert float infinity')
+        for rate in (float("inf"), 1e300, 2.0 ** 64):
+            assert sockopts.set_pacing_rate(s, rate)
+            assert s.getsockopt(socket.SOL_SOCKET, sockopts.SO_MAX_PACING_RATE) in \
+                (-2, 0xFFFFFFFE)
 
 
 def test_token_bucket_hold_saves_no_tokens_for_time_that_was_not_its_own():

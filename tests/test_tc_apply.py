@@ -258,3 +258,39 @@ def test_apply_keeps_a_root_qdisc_not_ours_unless_forced(fxveth):
     assert _root_qdisc(ns, dev)["kind"] == "pfifo_fast"
     applier.apply("htb-prio", dev, ns)
     assert _root_qdisc(ns, dev)["handle"] == "d6:"
+
+
+#: dgt tc clear through dgt.cli, a SIGTERM sent to itself "before" it clears (as it
+#: checks root) or "after" it deleted (inside applier.clear)
+CLEAR_SIGNAL_AT = """
+import os, signal, sys
+from dgt import cli
+from dgt.tc_profiles import applier, cli as tc_cli
+ns, dev, where = sys.argv[1:4]
+term = lambda: os.kill(os.getpid(), signal.SIGTERM)
+real_root, real_clear = tc_cli._root, applier.clear
+tc_cli._root = lambda args: (term() if where == "before" else None, real_root(args))[1]
+applier.clear = lambda *a, **kw: (real_clear(*a, **kw), term() if where == "after"
+                                  else None)[0]
+sys.exit(cli.main(["tc", "clear", "--dev", dev, "--netns", ns]))
+"""
+
+
+@root_only
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_stop_signal_to_clear_is_one_line_or_the_clear_completes(fxveth, where):
+    """Re-check of breaker round 14: 'dgt tc clear' printed "cleared DEV" and exited 130
+    (2 of 12 SIGINTs), and SIGTERM killed it without a word (6 of 10). A signal before
+    it deletes is one line and 143, the profile kept; after it, exit 0 and "cleared"."""
+    ns, dev = fxveth
+    applier.apply("htb-prio", dev, ns)
+    r = subprocess.run([sys.executable, "-c", CLEAR_SIGNAL_AT, ns, dev, where],
+                       capture_output=True, text=True, timeout=120)
+    root = _root_qdisc(ns, dev)
+    if where == "after":
+        assert r.returncode == 0 and r.stderr == "", (r.returncode, r.stdout, r.stderr)
+        assert r.stdout == f"cleared {dev}\n" and root["handle"] == "0:", (r.stdout, root)
+    else:
+        assert r.returncode == 143, (r.returncode, r.stdout, r.stderr)
+        assert r.stdout == "" and r.stderr == "dgt tc clear: interrupted\n", r.stderr
+        assert root["handle"] == "d6:", root

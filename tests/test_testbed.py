@@ -606,3 +606,46 @@ def test_up_is_either_undone_or_complete_around_its_commit_point(where):
     finally:
         testbed.down(prefix)
     assert not testbed._lock_path(prefix).exists()
+
+
+#: dgt testbed down through dgt.cli, a SIGTERM sent to itself "before" the removal
+#: (as it checks root) or "during" it (inside testbed.down, once it removed)
+DOWN_SIGNAL_AT = """
+import os, signal, sys
+from dgt import cli
+from dgt.tc_profiles import cli as tc_cli, testbed
+prefix, where = sys.argv[1:3]
+term = lambda: os.kill(os.getpid(), signal.SIGTERM)
+real_root, real_down = tc_cli._root, testbed.down
+tc_cli._root = lambda args: (term() if where == "before" else None, real_root(args))[1]
+testbed.down = lambda p: (real_down(p), term() if where == "during" else None)[0]
+sys.exit(cli.main(["testbed", "down", "--prefix", prefix]))
+"""
+
+
+@root_only
+@pytest.mark.parametrize("where", ["before", "during"])
+def test_a_stop_signal_to_down_is_one_line_or_the_down_completes(where):
+    """Re-check of breaker round 14: 'dgt testbed down' printed "removed 3 namespaces"
+    and exited 130 (2 of 12 SIGINTs), and SIGTERM killed it without a word, half-way
+    or not (7 of 10). Before it removes: one line and 143, the testbed kept; once it
+    removes: all of it, "removed", exit 0. Sent at a fixed point, not a time."""
+    import sys
+    prefix = f"fxd{uuid.uuid4().hex[:6]}"
+    testbed.up(1, prefix=prefix)
+    try:
+        r = subprocess.run([sys.executable, "-c", DOWN_SIGNAL_AT, prefix, where],
+                           capture_output=True, text=True, timeout=120)
+        if where == "during":
+            assert r.returncode == 0 and r.stderr == "", (r.returncode, r.stdout, r.stderr)
+            assert r.stdout.startswith("removed 2 namespaces: "), r.stdout
+            assert testbed.current(prefix) is None
+        else:
+            assert r.returncode == 143, (r.returncode, r.stdout, r.stderr)
+            assert r.stdout == "" and r.stderr == "dgt testbed down: interrupted\n", \
+                r.stderr
+            assert testbed.current(prefix).hosts == 1
+    finally:
+        testbed.down(prefix)
+    assert not testbed._lock_path(prefix).exists()
+

@@ -142,12 +142,18 @@ def _attach_bpf(sock: socket.socket, expr: str, dlt: int) -> None:
         free_filter(bp)
 
 
+#: MB: the largest --file-mb (1 TB a file; its size in bytes is an int: 1e308 MB was a
+#: traceback, 'cannot convert float infinity to integer', breaker round 14's re-check)
+MAX_FILE_MB = 1e6
+
+
 def validate_config(cfg: CaptureConfig) -> None:
     """Raise :class:`CaptureError` (one line) for a bound or ring setting that makes no
-    sense: ``--ring`` >= 1 (with ``--file-mb``), ``--file-mb`` finite and > 0,
+    sense: ``--ring`` >= 1 (with ``--file-mb``), ``--file-mb`` in (0, MAX_FILE_MB],
     ``--seconds`` finite and > 0, ``--count`` >= 1."""
-    if cfg.file_mb is not None and not (math.isfinite(cfg.file_mb) and cfg.file_mb > 0):
-        raise CaptureError(f"--file-mb must be a finite number > 0, got {cfg.file_mb}")
+    if cfg.file_mb is not None and not 0 < cfg.file_mb <= MAX_FILE_MB:   # nan fails it
+        raise CaptureError(f"--file-mb must be a number in (0, {MAX_FILE_MB:.0f}], got "
+                           f"{cfg.file_mb}")
     if cfg.file_mb is not None and cfg.file_mb * 1e6 < 25:
         raise CaptureError(f"--file-mb {cfg.file_mb} is smaller than a pcap header")
     if cfg.ring is not None and cfg.ring < 1:

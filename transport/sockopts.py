@@ -150,8 +150,10 @@ def set_pacing_rate(sock, bytes_per_s: float) -> bool:
     """Cap ``sock``'s send rate at ``bytes_per_s`` (socket(7) SO_MAX_PACING_RATE). On a
     TCP socket this turns on the kernel's internal TCP pacing (Linux 4.13+; no fq qdisc
     needed), so a flow leaves at a steady rate instead of in cwnd bursts. ``<= 0``
-    removes the cap. Returns False where the kernel refuses (logged, not raised)."""
-    v = 0xFFFFFFFF if bytes_per_s <= 0 else max(1, min(int(bytes_per_s), 0xFFFFFFFE))
+    removes the cap; above 2^32 - 2 (inf included) it is that. Returns False where the
+    kernel refuses (logged, not raised)."""
+    # min() before int(): a rate of inf (or past 2^63) is the highest cap, not an error
+    v = 0xFFFFFFFF if bytes_per_s <= 0 else max(1, int(min(bytes_per_s, 0xFFFFFFFE)))
     try:
         sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=I", v))
         return True

@@ -223,3 +223,17 @@ def small_tmpfs(tmp_path):
     yield mount
     for mnt in mounted:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def doc_names(path: str, heading: str) -> set[str]:
+    """The names in backticks (`` `name` ``, a word) in the section of ``path`` (from
+    the repository root) under ``heading``, to the next heading of its level: what a
+    test checks the keys a tool writes against."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / path).read_text()
+    start = text.index(heading + "\n")
+    level = heading.split(" ")[0] + " "
+    end = text.find("\n" + level, start + len(heading))
+    return set(re.findall(r"`(\w+)`", text[start:end if end >= 0 else None]))
+

@@ -3,14 +3,13 @@ real HTTP scrapes, parsed with prometheus_client's own parser."""
 import http.client
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from conftest import doc_names
 from prometheus_client.parser import text_string_to_metric_families
 
 from dgt.metrics import CHANNEL_METRICS
@@ -191,21 +190,10 @@ def test_traces_recompute_the_report(tmp_path):
             assert len(ln["pull_s"]) == WORKERS and 0 <= ln["k"] <= 1
     # every key a trace line holds is named in docs/metrics.md's section on the trace
     # (breaker round 14: first_sent_s and the final line's time_s were not)
-    documented = set(re.findall(r"`(\w+)`", _doc_section("docs/metrics.md",
-                                                        "## The per-iteration trace")))
+    documented = doc_names("docs/metrics.md", "## The per-iteration trace")
     keys = {k for lines in traces.values() for ln in lines for k in ln}
     assert {ln["kind"] for lines in traces.values() for ln in lines} == {"iteration", "final"}
     assert keys - documented == set()
-
-
-def _doc_section(path: str, heading: str) -> str:
-    """The text of ``path`` (from the repository root) from ``heading`` to the next
-    heading of its level."""
-    text = (Path(__file__).resolve().parent.parent / path).read_text()
-    start = text.index(heading + "\n")
-    level = heading.split(" ")[0] + " "
-    end = text.find("\n" + level, start + len(heading))
-    return text[start:end if end >= 0 else None]
 
 
 @pytest.mark.parametrize("case", ["in_use", "bad_host", "not_local"])

@@ -459,3 +459,14 @@ def test_a_new_file_whose_header_does_not_fit_is_removed(small_tmpfs):
                             f"(0 bytes) were written completely before that; {out} is "
                             f"removed (not even its pcap header fit)")
     assert not out.exists() and writer.files == []
+
+
+def test_every_key_of_capture_s_json_is_documented():
+    """Re-check of breaker round 14: 'dgt capture --json' writes the stats' fields
+    (CaptureStats.as_dict), and filtered_out, deleted_files and stopped_by were in no
+    doc."""
+    from conftest import doc_names
+    keys = set(capture.CaptureStats().as_dict())
+    assert {"packets", "stopped_by", "filtered_out"} <= keys
+    assert keys - doc_names("docs/tools.md", "## dgt capture (root)") == set()
+

@@ -85,6 +85,10 @@ def test_cli_summary_json_and_plot(run, tmp_path):
     assert "DIFFER" not in r.stdout and "match" in r.stdout
     doc = json.loads((tmp_path / "s.json").read_text())
     assert all(v["match"] for v in doc["report_comparison"].values())
+    # every top-level key is named in docs/tools.md (re-check of breaker round 14:
+    # duration_s, bad_ends and report_comparison were not)
+    from conftest import doc_names
+    assert set(doc) - doc_names("docs/tools.md", "## dgt pcap summary") == set()
     assert (tmp_path / "s.png").stat().st_size > 10_000
 
 

@@ -114,7 +114,8 @@ def test_the_good_endpoints_are_shown_and_the_bad_ones_named(serve):
     closed.close()
     p = top(good, html, dead)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert [m[:2] for m in ROW.findall(p.stdout)] == [("1", "41")], p.stdout
+    # dgt_iteration 41 (the last applied, from 0): 42 iterations done
+    assert [m[:2] for m in ROW.findall(p.stdout)] == [("1", "42")], p.stdout
     text = " ".join(p.stdout.split())   # the caption wraps
     assert f"127.0.0.1:{html} is not a dgt metrics endpoint (" in text, p.stdout
     assert f"127.0.0.1:{dead} does not answer (" in text, p.stdout
@@ -126,7 +127,7 @@ def test_one_scrape_shows_no_rate_and_no_quit_hint(serve):
     p = top(serve(PAGE))
     assert p.returncode == 0, p.stdout + p.stderr
     lines = [ln.split() for ln in p.stdout.splitlines()]
-    at = lines.index(["1", "41", "-", "-", "-", "0.50", "7", "-", "-"])   # tcp, udp1 blk/s
+    at = lines.index(["1", "42", "-", "-", "-", "0.50", "7", "-", "-"])   # tcp, udp1 blk/s
     assert lines[at + 1] == ["-", "-"], p.stdout                          # and their loss
     assert "q quits" not in p.stdout, p.stdout
 
@@ -137,7 +138,8 @@ def test_values_that_are_not_finite_are_left_out(serve):
         'dgt_reliable_fraction{rank="x"} 1e400\n'
     p = top(serve(page))
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
-    assert [r[:2] + r[6:] for r in ROW.findall(p.stdout)] == [("1", "-1", "0")], p.stdout
+    # the iteration left out: none done (0)
+    assert [r[:2] + r[6:] for r in ROW.findall(p.stdout)] == [("1", "0", "0")], p.stdout
 
 
 def _trickle(lsock: socket.socket, head: bytes, drip: bytes, stop: threading.Event) -> None:

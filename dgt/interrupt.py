@@ -29,15 +29,14 @@ import os
 import signal
 import sys
 
+# what stops a command that owns cleanup as Ctrl-C does: defined beside the tc layer's
+# commit point, which may not import this module
+from .tc_profiles.stopping import STOP_SIGNALS
+
 _owner_pid: int | None = None
 _installed: set[int] = set()
 _fork_hook_registered = False
 _received: int | None = None   # the signal that raised, for exit_status()
-
-#: what stops a command that owns cleanup as Ctrl-C does: SIGTERM (kill, a CI runner,
-#: systemd), SIGINT (Ctrl-C; also for a job started in the background, whose SIGINT the
-#: shell ignores) and SIGHUP (its terminal went away)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def exit_status() -> int:

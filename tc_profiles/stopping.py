@@ -1,15 +1,17 @@
 """The stop signals as this layer sees them, and a command's commit point.
 
 ``dgt.cli`` turns SIGTERM and SIGHUP into Ctrl-C (KeyboardInterrupt) for a command that
-sets ``owns_cleanup`` (dgt.interrupt.STOP_SIGNALS, which this layer may not import), so
-its cleanup runs. No pyroute2 here: the CLI loads this for every command.
+sets ``owns_cleanup``, so its cleanup runs (dgt.interrupt, which this layer may not
+import, takes :data:`STOP_SIGNALS` from here). No pyroute2 here: the CLI loads this for every command.
 """
 from __future__ import annotations
 
 import signal
 
-#: what stops a command as Ctrl-C does (dgt.interrupt.STOP_SIGNALS)
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+#: what stops a command as Ctrl-C does: SIGTERM (kill, a CI runner, systemd), SIGINT
+#: (Ctrl-C; also for a job started in the background, whose SIGINT the shell ignores)
+#: and SIGHUP (its terminal went away). The one definition: dgt.interrupt takes it
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def hold_stop_signals() -> None:

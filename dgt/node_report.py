@@ -4,7 +4,7 @@ exposition ``metrics-<rank>.prom`` when --metrics-port is set, and with
 --check-conservation ``conservation-<rank>.npz`` (float64 running sums: raw gradient,
 applied aggregate x N, final residual, the shard's final residual (--pull-codec) placed
 in its range, and N) for the conservation check of
-docs/architecture.md. Report keys are documented in docs/metrics.md."""
+docs/architecture.md. Every key is documented in docs/reports.md."""
 from __future__ import annotations
 
 import logging

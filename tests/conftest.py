@@ -227,13 +227,25 @@ def small_tmpfs(tmp_path):
 
 def doc_names(path: str, heading: str) -> set[str]:
     """The names in backticks (`` `name` ``, a word) in the section of ``path`` (from
-    the repository root) under ``heading``, to the next heading of its level: what a
-    test checks the keys a tool writes against."""
+    the repository root) under ``heading``, to the next heading of its level or
+    higher: what a test checks the keys a tool writes against."""
     import re
     from pathlib import Path
     text = (Path(__file__).resolve().parent.parent / path).read_text()
-    start = text.index(heading + "\n")
-    level = heading.split(" ")[0] + " "
-    end = text.find("\n" + level, start + len(heading))
-    return set(re.findall(r"`(\w+)`", text[start:end if end >= 0 else None]))
+    start = text.index(heading + "\n") + len(heading)
+    level = len(heading.split(" ")[0])
+    end = re.compile(r"^#{1,%d} " % level, re.M).search(text, start)
+    return set(re.findall(r"`(\w+)`", text[start:end.start() if end else None]))
+
+
+def doc_table_keys(path: str, heading: str) -> list[str]:
+    """The first column's names (`` | `name` | ``) of the table rows in the section of
+    ``path`` under ``heading``, to the next heading of any level: the keys a page
+    documents one per row, which a test compares with the keys a tool writes."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / path).read_text()
+    start = text.index(heading + "\n") + len(heading)
+    end = text.find("\n#", start)
+    return re.findall(r"^\| `(\w+)` \|", text[start:end if end >= 0 else None], re.M)
 

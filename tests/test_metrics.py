@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import doc_names
+from conftest import doc_names, doc_table_keys
 from prometheus_client.parser import text_string_to_metric_families
 
 from dgt.metrics import CHANNEL_METRICS
@@ -194,6 +194,42 @@ def test_traces_recompute_the_report(tmp_path):
     keys = {k for lines in traces.values() for ln in lines for k in ln}
     assert {ln["kind"] for lines in traces.values() for ln in lines} == {"iteration", "final"}
     assert keys - documented == set()
+    check_records_match_the_docs(report, tmp_path / "run")
+
+
+def check_records_match_the_docs(report: dict, run) -> None:
+    """Every key of the report, of each sidecar-<rank>.json and of each
+    trainer-<rank>.json of a real run is in a table row of docs/reports.md, and every
+    row there is a key the run wrote (breaker round 17 found keys no doc named)."""
+    page = "docs/reports.md"
+
+    def rows(heading):
+        keys = doc_table_keys(page, heading)
+        assert len(keys) == len(set(keys)), f"a key twice under {heading}"
+        return set(keys)
+
+    assert set(report) == rows("## `report.json`")
+    assert set(report["workload"]) == rows("### `workload`")
+    assert {k for h in report["history"] for k in h} == rows("### `history`")
+    assert {k for s in report["sidecars"] for k in s} == \
+        doc_names(page, "### `sidecars`")
+    named = doc_names(page, "## `report.json`")
+    assert set(report["cpu_per_iteration"]) - named == set()
+    assert {k for ch in report["channels"].values() for k in ch} - named == set()
+    for r in range(WORKERS):
+        sidecar = json.loads((run / f"sidecar-{r}.json").read_text())
+        assert set(sidecar) == rows("## `sidecar-<rank>.json`")
+        assert set(sidecar["config"]) == set(report["config"]["transmission"])
+        trainer = json.loads((run / f"trainer-{r}.json").read_text())
+        assert set(trainer) == rows("## `trainer-<rank>.json`")
+    # config: one key per dgt train option (--no-<key> for a switch that is on by
+    # default), as the page says
+    options = subprocess.run([sys.executable, "-m", "dgt.cli", "train", "--help"],
+                             capture_output=True, text=True, check=True).stdout
+    for part in ("job", "transmission"):
+        for key in report["config"][part]:
+            flag = key.replace("_", "-")
+            assert f"--{flag}" in options or f"--no-{flag}" in options, key
 
 
 @pytest.mark.parametrize("case", ["in_use", "bad_host", "not_local"])

@@ -682,10 +682,16 @@ class JobConfig:
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag gets one line: what is wrong and where to look."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        # the words this parser saw (a subparser: what is left for it), for error()
+        self._words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message):
         message = " ".join(str(message).split())   # foreign exception text may hold \n
-        self.exit(2, f"{self.prog}: error: {message}{dash_value_hint(message)} "
-                     f"(see '{self.prog} --help')\n")
+        hint = dash_value_hint(message) or dash_positional_hint(
+            self, message, getattr(self, "_words", []))
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see '{self.prog} --help')\n")
 
     def warning(self, message: str) -> None:
         """One line on stderr for what is accepted but does nothing (the configs'
@@ -707,6 +713,36 @@ def dash_value_hint(message: str) -> str:
     if m is None:
         return ""
     return f": give it one (a value that starts with '-' is written {m.group(1)}=VALUE)"
+
+
+def dash_positional_hint(parser: argparse.ArgumentParser, message: str,
+                         words: list[str]) -> str:
+    """What to add to argparse's error ``message`` when a path or name given to
+    ``parser`` may start with '-' (re-check of breaker round 14: 'dgt plot -r.json' got
+    only "the following arguments are required", 'dgt top -run' "unrecognized
+    arguments"): how to give it, after '--'. ``words``: what the parser was given. ''
+    when the parser takes no positional argument or no word looks like one."""
+    if not message.startswith(("the following arguments are required",
+                               "unrecognized arguments")):
+        return ""
+    positionals = [a for a in parser._actions if not a.option_strings
+                   and not isinstance(a, argparse._SubParsersAction)]
+    if not positionals:
+        return ""
+    known = {o for a in parser._actions for o in a.option_strings}
+    words = words[:words.index("--")] if "--" in words else words
+    odd = [w for w in words if len(w) > 1 and w.startswith("-") and not
+           w.startswith("--") and w.split("=")[0] not in known and
+           not _NEGATIVE.match(w)]
+    if not odd:
+        return ""
+    name = positionals[0].metavar or positionals[0].dest
+    return (f"; if {odd[0]} is a {name}, give it after '--', options first: "
+            f"{parser.prog} [OPTIONS] -- {odd[0]}")
+
+
+#: a word argparse reads as a negative number, not a flag
+_NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
 def finite(typ):

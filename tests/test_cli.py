@@ -126,6 +126,17 @@ BAD = [
      "is written --rate=VALUE)"),
     (["capture", "-w", "-x"], "argument -w/--write: expected one argument: give it one (a "
                               "value that starts with '-' is written --write=VALUE)"),
+    # re-check of breaker round 14: a path that starts with '-' got argparse's bare
+    # 'required' or 'unrecognized' line; a mistyped long flag gets no such hint
+    (["plot", "-r.json"], "the following arguments are required: REPORT|RUN_DIR; if "
+                          "-r.json is a REPORT|RUN_DIR, give it after '--', options "
+                          "first: dgt plot [OPTIONS] -- -r.json"),
+    (["top", "-run"], "unrecognized arguments: -run; if -run is a RUN_DIR, give it after "
+                      "'--', options first: dgt top [OPTIONS] -- -run"),
+    (["pcap", "summary", "-x.pcap"], "if -x.pcap is a FILE, give it after '--', options "
+                                     "first: dgt pcap summary [OPTIONS] -- -x.pcap"),
+    (["plot", "r.json", "--outt", "x"], "unrecognized arguments: --outt x (see"),
+    (["train", "-x"], "unrecognized arguments: -x (see 'dgt train --help')"),
     (["tc", "apply", "htb-prio", "--dev", "lo", "--dry-run", "--rate=-5mbit"],
      "rate '-5mbit' is not a rate like '1gbit'"),
     # breaker round 14's re-check: finite but huge, then a sidecar's or the capture's

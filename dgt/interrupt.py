@@ -186,6 +186,41 @@ def held(signums=STOP_SIGNALS):
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
+@contextlib.contextmanager
+def deferred(signums=STOP_SIGNALS):
+    """Record ``signums`` while the body runs and act on the first one that came as the
+    body ends, with the handler they had before (``stop_on_signals``'s raises
+    KeyboardInterrupt there; SIG_DFL ends the process; SIG_IGN drops it): for a set of
+    output files that must be written whole, together (``dgt bench`` after each cell:
+    a Ctrl-C between its JSON and its Markdown left the JSON alone, CI of e96b01b).
+    Unlike :func:`held` it defers the Python handler, so a signal the kernel hands to
+    another thread (a plotting or progress thread) waits too. Main thread only."""
+    came: list[int] = []
+    owner = os.getpid()
+
+    def record(signum, frame):
+        if os.getpid() != owner:   # a forked copy: dies of it, as by default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        elif not came:
+            came.append(signum)
+
+    before = {s: signal.getsignal(s) for s in signums}
+    for s in signums:
+        signal.signal(s, record)
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if came:
+            handler = before[came[0]]
+            if callable(handler):
+                handler(came[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), came[0])
+
+
 def import_torch() -> None:
     """``import torch`` with the stop signals :func:`held` (see there). An import that
     fails (too little address space under ``ulimit -v``: a SystemError or MemoryError

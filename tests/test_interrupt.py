@@ -229,3 +229,48 @@ def test_a_signal_held_around_an_import_comes_after_it():
     p = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True,
                        timeout=60)
     assert p.stdout == "body done\ninterrupted after the body\n", (p.stdout, p.stderr)
+
+
+DEFERRED = textwrap.dedent("""
+    import os, signal, sys, threading
+    from dgt.interrupt import deferred, stop_on_signals
+    if sys.argv[1] == "owned":
+        stop_on_signals()
+    else:
+        signal.signal(signal.SIGTERM, getattr(signal, sys.argv[1]))
+    got = threading.Event()
+    try:
+        with deferred():
+            if sys.argv[2] == "thread":   # as the kernel may: to another thread
+                t = threading.Thread(target=lambda: signal.pthread_kill(
+                    threading.get_ident(), signal.SIGTERM))
+                t.start()
+                t.join()
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100000):        # bytecode runs: a handler would raise here
+                pass
+            print("body whole", flush=True)
+        print("after the body", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted after the body", flush=True)
+        sys.exit(130)
+""")
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+@pytest.mark.parametrize("disposition,code,tail", [
+    ("owned", 130, "interrupted after the body"),   # stop_on_signals: raised at the end
+    ("SIG_IGN", 0, "after the body"),               # dropped, as before the body
+    ("SIG_DFL", -signal.SIGTERM, "body whole"),     # the process dies of it at the end
+])
+def test_a_stop_signal_in_a_deferred_body_acts_when_the_body_ends(disposition, code, tail,
+                                                                  where):
+    """CI of e96b01b: a Ctrl-C between the JSON and the Markdown that 'dgt bench' writes
+    after each cell left the JSON alone (dgt.interrupt.deferred around the outputs)."""
+    p = subprocess.run([sys.executable, "-c", DEFERRED, disposition, where],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == code, (p.stdout, p.stderr)
+    assert p.stdout.startswith("body whole\n"), p.stdout
+    assert p.stdout.strip().splitlines()[-1] == tail, p.stdout
+    assert "Traceback" not in p.stderr, p.stderr

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dgt.child_argv import module_argv, typed_command
-from dgt.interrupt import interrupted, stop_on_signals
+from dgt.interrupt import deferred, interrupted, stop_on_signals
 from dgt.progress import CellProgress
 from dgt.tc_profiles.needs_root import not_root
 from dgt.transport.channels import DEFAULT_UDP_CHANNELS, channel_dscp
@@ -925,16 +925,23 @@ def plot_accuracy(doc: dict, path: str) -> None:
 
 
 def write_outputs(doc: dict, out: str, loopback: bool = False) -> list[str]:
+    """Write the matrix's results, Markdown and figures in ``out``; each file whole
+    (dgt.atomic), and the set whole: a stop signal meanwhile acts once it is written
+    (dgt.interrupt.deferred). Returns their paths. Raises OSError."""
+    with deferred():
+        return _write_outputs(doc, out, loopback)
+
+
+def _write_outputs(doc: dict, out: str, loopback: bool) -> list[str]:
+    from dgt.atomic import write_atomic, write_json
     os.makedirs(out, exist_ok=True)
     stem = "loopback" if loopback else "results"
     paths = [os.path.join(out, f"{stem}.json"),
              os.path.join(out, "loopback.md" if loopback else "README.md"),
              os.path.join(out, "loopback_comm_time.png" if loopback else "comm_time.png")]
-    with open(paths[0], "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    with open(paths[1], "w") as f:
-        f.write(markdown(doc, loopback))
+    write_json(paths[0], doc, indent=1)
+    text = markdown(doc, loopback).encode()
+    write_atomic(paths[1], lambda f: f.write(text), fsync=False)
     plot_comm(doc, paths[2])
     if not loopback:
         paths.append(os.path.join(out, "time_to_accuracy.png"))

@@ -952,13 +952,18 @@ def plot_accuracy(doc: dict, path: str) -> None:
 
 
 def write_outputs(doc: dict, out: str) -> list[str]:
-    from dgt.atomic import write_json
-    os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, n) for n in ("tta.json", "tta.md", "tta_accuracy.png")]
-    write_json(paths[0], doc, indent=1)
-    with open(paths[1], "w") as f:
-        f.write(markdown(doc))
-    plot_accuracy(doc, paths[2])
+    """Write tta's results, Markdown and figure in ``out``, each file whole and the set
+    whole (dgt.tools.bench.write_outputs says how). Returns their paths. Raises
+    OSError."""
+    from dgt.atomic import write_atomic, write_json
+    from dgt.interrupt import deferred
+    with deferred():
+        os.makedirs(out, exist_ok=True)
+        paths = [os.path.join(out, n) for n in ("tta.json", "tta.md", "tta_accuracy.png")]
+        write_json(paths[0], doc, indent=1)
+        text = markdown(doc).encode()
+        write_atomic(paths[1], lambda f: f.write(text), fsync=False)
+        plot_accuracy(doc, paths[2])
     return paths
 
 

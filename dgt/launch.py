@@ -38,6 +38,7 @@ from .transport import udpmac
 from .atomic import write_json, writes_through
 from .child_argv import module_argv
 from .interrupt import exit_status, raise_keyboard_interrupt_on
+from .tc_profiles.stopping import hold_stop_signals
 from .process import die_with_parent, running
 from .config import (DIGITS_TRAIN_SAMPLES, LAUNCHED_ENV, CheckpointConfig,
                      JobConfig, TransmissionConfig, default_run_dir, to_argv,
@@ -689,7 +690,9 @@ def run_job(job: JobConfig, tx: TransmissionConfig, log=say, metrics=None,
     resume and restarts (None = none).
 
     SIGTERM, SIGINT and SIGHUP stop every child process and clean up (even when the
-    launcher was started in the background with SIGINT ignored)."""
+    launcher was started in the background with SIGINT ignored), until every rank has
+    ended well: from there (the commit point) they are ignored, and the report, the
+    summary and the cleanup complete."""
     t0 = time.monotonic()
     raise_keyboard_interrupt_on(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     j = Job(job, tx, log, metrics, ckpt)
@@ -780,6 +783,8 @@ def _run(j: Job, t0: float) -> tuple[int, dict | None]:
         j.kill()
         raise
     wall_s = time.monotonic() - t0
+    if not failure:   # the commit point: every rank ended well; the report, the summary
+        hold_stop_signals()   # and the cleanup complete, exit 0 (a signal before: 130)
     if failure:
         warn(f"dgt train: failed: {failure}")
         warn(f"dgt train: logs kept in {j.run_dir}" if os.path.isdir(j.run_dir) else

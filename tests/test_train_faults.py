@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -873,3 +874,42 @@ def test_the_advice_after_a_sigkill_names_the_model_s_own_size_flag(tmp_path, mo
     text, blamed = j._describe_failure("trainer", 1, -signal.SIGKILL)
     assert blamed == 1
     assert text.endswith(f"try fewer --workers or a smaller {flag})"), text
+
+
+def test_a_stop_signal_after_every_rank_ended_lets_the_report_and_cleanup_complete(
+        tmp_path):
+    """Leftover of stop 50: dgt train had no commit point after its ranks ended. A
+    SIGINT while the report was being written (here: to a FIFO nobody reads yet, which
+    dgt waits for) gave exit 130, no report, and the temporary run dir left behind."""
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "train", "--workers", "2",
+                          "--hidden", "16", "--iterations", "6", "--eval-every", "0",
+                          "--report", str(fifo)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in p.stdout:   # the summary is printed before the report is written
+            lines.append(line)
+            if line.startswith("replicas"):
+                break
+        assert lines and lines[-1].startswith("replicas"), "".join(lines)
+        run_dir = re.search(r"logs in (\S+)", "".join(lines)).group(1)
+        p.send_signal(signal.SIGINT)   # dgt now waits up to 10 s for a reader
+        time.sleep(0.5)
+        got: dict = {}
+        reader = threading.Thread(target=lambda: got.update(text=fifo.read_text()),
+                                  daemon=True)
+        reader.start()
+        out, err = p.communicate(timeout=60)
+        reader.join(timeout=30)
+        if reader.is_alive():   # no writer came: let the reader's open return
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(timeout=30)
+    finally:
+        stop_procs(p)
+    assert p.returncode == 0, (out, err)
+    report = json.loads(got.get("text") or "{}")
+    assert report.get("replicas_identical") is True and report["iterations"] == 6, got
+    assert "interrupted" not in err, err
+    assert not os.path.exists(run_dir), "the temporary run dir was left"

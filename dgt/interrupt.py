@@ -24,14 +24,13 @@ The ``dgt.tc_profiles`` commands may not import this module (the layer rule): th
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
 
 # what stops a command that owns cleanup as Ctrl-C does: defined beside the tc layer's
 # commit point, which may not import this module
-from .tc_profiles.stopping import STOP_SIGNALS
+from .tc_profiles.stopping import STOP_SIGNALS, deferred  # noqa: F401 (dgt.tools.bench)
 
 _owner_pid: int | None = None
 _installed: set[int] = set()
@@ -168,65 +167,13 @@ def interrupted(prog: str, undone: str = "") -> int:
     return exit_status()
 
 
-@contextlib.contextmanager
-def held(signums=STOP_SIGNALS):
-    """Hold (block, sigprocmask(2)) ``signums`` in this thread while the body runs; one
-    that came meanwhile is delivered as the body ends, where Python raises it safely.
-
-    For imports that call back into Python from C++: torch's (pybind11). A
-    KeyboardInterrupt raised inside such a callback cannot cross the C++ frames, and the
-    process aborts (``terminate called after throwing an instance of
-    'pybind11::error_already_set'``, SIGABRT): 2 to 3 times in 100 Ctrl-C's in the
-    first second of ``dgt train``. A child started inside the body inherits the mask:
-    start none there."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
-@contextlib.contextmanager
-def deferred(signums=STOP_SIGNALS):
-    """Record ``signums`` while the body runs and act on the first one that came as the
-    body ends, with the handler they had before (``stop_on_signals``'s raises
-    KeyboardInterrupt there; SIG_DFL ends the process; SIG_IGN drops it): for a set of
-    output files that must be written whole, together (``dgt bench`` after each cell:
-    a Ctrl-C between its JSON and its Markdown left the JSON alone, CI of e96b01b).
-    Unlike :func:`held` it defers the Python handler, so a signal the kernel hands to
-    another thread (a plotting or progress thread) waits too. Main thread only."""
-    came: list[int] = []
-    owner = os.getpid()
-
-    def record(signum, frame):
-        if os.getpid() != owner:   # a forked copy: dies of it, as by default
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        elif not came:
-            came.append(signum)
-
-    before = {s: signal.getsignal(s) for s in signums}
-    for s in signums:
-        signal.signal(s, record)
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        if came:
-            handler = before[came[0]]
-            if callable(handler):
-                handler(came[0], None)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), came[0])
-
-
 def import_torch() -> None:
-    """``import torch`` with the stop signals :func:`held` (see there). An import that
+    """``import torch`` with the stop signals ``deferred`` (tc_profiles.stopping: a
+    KeyboardInterrupt raised inside torch's C++ callbacks aborts the process). An import that
     fails (too little address space under ``ulimit -v``: a SystemError or MemoryError
     from torch's C++ start-up; a broken installation) ends the process with one line on
     stderr and status 2, not a traceback."""
-    with held():
+    with deferred():
         try:
             import torch  # noqa: F401
         except Exception as e:   # noqa: BLE001 - said in one line, whatever it is

@@ -5,11 +5,10 @@ All synchronous: pyroute2 netlink must not run inside a uvloop loop (docs/archit
 from __future__ import annotations
 
 import os
-import signal
 
 from pyroute2 import IPRoute, netns as _netns
 
-from .stopping import STOP_SIGNALS
+from .stopping import deferred
 
 
 def create_netns(name: str) -> None:
@@ -18,15 +17,12 @@ def create_netns(name: str) -> None:
     pyroute2 makes it in a forked child and waits for it. A parent interrupted while it
     waited (Ctrl-C, or SIGTERM turned into it) went on to its cleanup, which listed the
     namespaces before the child had bound the new one: it was left behind (a killed
-    ``dgt testbed up`` left ``<prefix>-h0``). So the stop signals are held (blocked,
-    not lost) until the namespace is made; one that came meanwhile arrives then.
+    ``dgt testbed up`` left ``<prefix>-h0``). So the stop signals wait (``deferred``,
+    not lost) until the namespace is made; one that came meanwhile acts then.
     Raises OSError.
     """
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
+    with deferred():
         _netns.create(name)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def open_ipr(netns: str | None = None) -> IPRoute:

@@ -207,10 +207,10 @@ def test_a_ctrl_c_inside_a_weakref_callback_is_neither_printed_nor_lost():
 
 HELD = """
 import os, signal
-from dgt.interrupt import held
+from dgt.interrupt import deferred
 signal.signal(signal.SIGINT, signal.default_int_handler)
 try:
-    with held():
+    with deferred():
         os.kill(os.getpid(), signal.SIGINT)
         for _ in range(100000):   # no KeyboardInterrupt in here
             pass
@@ -224,8 +224,9 @@ except KeyboardInterrupt:
 def test_a_signal_held_around_an_import_comes_after_it():
     """Ctrl-C's in the first second of dgt train aborted the launcher 2 to 3 times in 100
     (a KeyboardInterrupt raised inside torch's import, in Python called from C++:
-    pybind11's std::terminate, SIGABRT). The import runs with the stop signals held
-    (dgt.interrupt.held): a signal that comes meanwhile is raised when it ends."""
+    pybind11's std::terminate, SIGABRT). The import runs with the stop signals
+    deferred (tc_profiles.stopping.deferred): a signal that comes meanwhile is raised
+    when it ends."""
     p = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True,
                        timeout=60)
     assert p.stdout == "body done\ninterrupted after the body\n", (p.stdout, p.stderr)

@@ -9,7 +9,10 @@ that closes before its first line is a probe (another sidecar checking whether t
 socket is live: dgt.unixsock); ``{"op": "hello"}`` is answered with who this sidecar is;
 anything else (not JSON, not an object, another op, a ``register`` with a missing or bad
 field) and a second trainer get one ``error`` line (``rank`` null) and are closed, so a
-local process that connects before the trainer cannot take its place with garbage. Once
+local process that connects before the trainer cannot take its place with garbage. A
+first line ``bye`` or ``failed`` from this user's process, though, is a trainer that gave
+up before registering (its ``register()`` raised on its own side): that fails the job
+naming it, as a registered trainer's would, rather than leave the sidecar waiting. Once
 a trainer has registered it is ours: its own bad line, or a disconnect without ``bye``,
 fails the job, and so does a bug of ours while serving it: the job fails cleanly, it
 never lingers.
@@ -60,6 +63,27 @@ class TrainerLink:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+    def _gave_up(self, line: bytes) -> str | None:
+        """The failure line when a first ``line`` is ``bye`` or ``failed`` from our own
+        user's process while no trainer is attached and the sidecar runs: its trainer
+        gave up before registering (dgt.Client.close after a register() that raised on
+        the trainer's side, e.g. a float64 model). Else None. Before, such a line was
+        refused as "not a trainer", and a hand-started sidecar waited for ever (breaker
+        round 17)."""
+        if self.writer is not None or self.done.is_set():
+            return None
+        try:
+            msg = ipc.decode_msg(line)
+        except ValueError:
+            return None
+        if msg["op"] == "bye":
+            return (f"trainer of rank {self.rank} closed before it registered (its own "
+                    f"output says why)")
+        if msg["op"] == "failed":
+            what = " ".join(str(msg.get("error") or "an error").split())[:300]
+            return f"trainer of rank {self.rank} failed before it registered ({what})"
+        return None
 
     def _refuse(self, line: bytes, writer: asyncio.StreamWriter) -> bool:
         """Answer and close a connection whose first ``line`` does not make it the
@@ -130,6 +154,11 @@ class TrainerLink:
             line = b""
         if not line:
             writer.close()
+            return
+        gave_up = self._gave_up(line)
+        if gave_up is not None:
+            writer.close()
+            self.fail(gave_up, self.rank, why=FailureReason.OWN_TRAINER)
             return
         if self._refuse(line, writer):
             return

@@ -177,3 +177,24 @@ def test_a_trainer_registering_while_rank_0_is_frozen_gets_its_sidecars_error(pa
     assert e.value.rank == 0, e.value
     out = _stopped(p1, dir1)
     assert re.search(rf"rank 1: {_frozen_line(port)}", out), out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("failed,line", [
+    (None, "trainer of rank 0 closed before it registered (its own output says why)"),
+    ("TypeError: dgt moves float32 gradients",
+     "trainer of rank 0 failed before it registered (TypeError: dgt moves float32 "
+     "gradients)")])
+def test_a_trainer_that_gives_up_before_registering_ends_the_job(pair, failed, line):
+    """Breaker round 17: a trainer whose register() raised on its own side (a float64
+    model) and that then closed its Client left its hand-started sidecar waiting for
+    ever: the first line, bye (or failed), was refused as "not a trainer"."""
+    _, procs = pair
+    (p0, run0), (p1, run1) = procs
+    client = dgt.Client(os.path.join(run0, "s.sock"), timeout_s=20, connect_timeout_s=30)
+    with pytest.raises(TypeError, match="float32"):
+        client.register(nn.Linear(3, 3).double())
+    client.close(failed)
+    assert line in _stopped(p0, run0)
+    assert _record(run0, 0)["reason"] == "own_trainer"
+    _stopped(p1, run1)   # the job failed: the other rank stops too

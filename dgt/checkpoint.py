@@ -718,8 +718,8 @@ def sidecar_state_dict(sidecar) -> dict:
     CPU."""
     plan, lay = sidecar.agent.planner, sidecar.layout
     return {"format": FORMAT, "rank": sidecar.rank, "world": sidecar.world,
-            "n_blocks": lay.n_blocks, "block_elems": lay.block_elems,
-            "mode": sidecar.cfg.mode, "iterations": sidecar.pushes,
+            "n_params": lay.n_params, "n_blocks": lay.n_blocks,
+            "block_elems": lay.block_elems, "mode": sidecar.cfg.mode, "iterations": sidecar.pushes,
             "residual": plan.residual.state_dict(), "scores": plan.scores.state_dict(),
             "adaptive_k": plan.adaptive.state_dict() if plan.adaptive else None,
             "generator": plan.gen.get_state(), "k_history": list(plan.k_history),
@@ -732,12 +732,17 @@ def sidecar_state_dict(sidecar) -> dict:
 def load_sidecar_state(sidecar, state: dict) -> None:
     """Put :func:`sidecar_state_dict`'s output back into a sidecar that has registered
     and pushed nothing yet: its next push is iteration ``state["iterations"]``. Raises
-    ValueError when the checkpoint is of another rank, world or block layout."""
+    ValueError when the checkpoint is of another rank, world, model size (gradient
+    elements, ``n_params``; a checkpoint written before it was recorded is checked by
+    its blocks only) or block layout."""
     agent, plan, lay = sidecar.agent, sidecar.agent.planner, sidecar.layout
     if sidecar.pushes:
         raise ValueError("resume after the first push: load the state before training")
     for key, have in (("rank", sidecar.rank), ("world", sidecar.world),
-                      ("n_blocks", lay.n_blocks), ("block_elems", lay.block_elems)):
+                      ("n_params", lay.n_params), ("n_blocks", lay.n_blocks),
+                      ("block_elems", lay.block_elems)):
+        if key == "n_params" and key not in state:
+            continue
         if state[key] != have:
             raise ValueError(f"the checkpoint is of {key} {state[key]}, this sidecar's is "
                              f"{have}; resume with the same --workers, model and "

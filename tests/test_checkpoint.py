@@ -633,3 +633,55 @@ def test_a_checkpoint_dir_in_use_by_another_job_is_refused(tmp_path):
                "--checkpoint-dir", ck, "--run-dir", tmp_path / "run")
     assert p.returncode == 0, p.stderr
     assert checkpoint.latest(str(ck), 2) is not None
+
+
+def _sidecar_of_one(tmp_path, name: str):
+    """A hand-started sidecar of a one-worker job; (process, its socket)."""
+    import socket as _socket
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / name
+    run.mkdir(mode=0o700)
+    sock = str(run / "s.sock")
+    out = open(tmp_path / f"{name}.out", "wb")
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                          "--world", "1", "--master-port", str(port), "--socket", sock,
+                          "--run-dir", str(run), "--peer-timeout-s", "5"],
+                         stdout=out, stderr=subprocess.STDOUT)
+    out.close()
+    return p, sock
+
+
+def test_a_sidecar_state_of_another_model_of_as_many_blocks_is_refused(tmp_path):
+    """Breaker round 17: the sidecar's checkpoint held its blocks' count and size only,
+    so a state saved for a Linear(10, 2) (22 gradient elements) resumed a Linear(10, 3)
+    (33: one block either way) and ran on."""
+    from dgt import Client
+    from dgt.errors import PeerFailure
+    state = str(tmp_path / "other.pt")
+    procs = []
+    try:
+        p, sock = _sidecar_of_one(tmp_path, "a")
+        procs.append(p)
+        torch.manual_seed(0)
+        small = torch.nn.Linear(10, 2)
+        c = Client(sock, timeout_s=30, connect_timeout_s=60)
+        c.register(small)
+        for q in small.parameters():
+            q.grad = torch.ones_like(q)
+        c.push_pull(0)
+        c.save_state(state)
+        c.close()
+        assert p.wait(timeout=60) == 0
+        p, sock = _sidecar_of_one(tmp_path, "b")
+        procs.append(p)
+        c = Client(sock, timeout_s=30, connect_timeout_s=60)
+        with pytest.raises(PeerFailure, match="n_params 22, this sidecar's is 33"):
+            c.register(torch.nn.Linear(10, 3), resume=state)
+        c.close()
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+            q.wait(timeout=30)

@@ -112,14 +112,16 @@ class SidecarCollector:
         sc = self.sc
         ctr = sc.counters
         n_ch = sc.cfg.channels
-        # job: a digest of the session id, never the id itself (it is what a HELLO must
-        # carry; an unauthenticated endpoint must not hand it out)
+        # a digest of the session id, never the id itself (it is what a HELLO must
+        # carry; an unauthenticated endpoint must not hand it out). Not named "job":
+        # Prometheus sets that label on every sample (the scrape job), and renamed ours
+        # exported_job (breaker round 17)
         import hashlib
-        job = hashlib.sha256(sc.session_id.to_bytes(8, "big")).hexdigest()[:12]
+        digest = hashlib.sha256(sc.session_id.to_bytes(8, "big")).hexdigest()[:12]
         info = GaugeMetricFamily("dgt_sidecar_info", "This sidecar: rank, world size, mode "
-                                 "and a job id (a digest of the session; value 1)",
-                                 labels=["rank", "world", "mode", "job"])
-        info.add_metric([str(sc.rank), str(sc.world), sc.cfg.mode, job], 1)
+                                 "and its job's session digest (value 1)",
+                                 labels=["rank", "world", "mode", "session_digest"])
+        info.add_metric([str(sc.rank), str(sc.world), sc.cfg.mode, digest], 1)
         yield info
         for fld, name, help_ in CHANNEL_METRICS:
             m = CounterMetricFamily(name, help_, labels=["channel"])
@@ -158,7 +160,8 @@ class SidecarCollector:
         tr = sc.trace
         for name, hist, help_ in (
                 ("dgt_comm_seconds", tr.comm_hist, "Communication time per iteration: "
-                 "the trainer's push arriving to the aggregate applied"),
+                 "the trainer's push (its push_pull call) arriving at this sidecar to "
+                 "the aggregate applied"),
                 ("dgt_pull_wait_seconds", tr.pull_wait_hist,
                  "Wait per iteration from END sent to the last shard's PULL")):
             yield HistogramMetricFamily(name, help_, buckets=hist.buckets(),

@@ -131,7 +131,7 @@ def test_endpoints_rise_and_final_scrape_equals_report(tmp_path):
         # the endpoint names the job by a digest, never by the session id a HELLO needs
         prom = (run / f"metrics-{r}.prom").read_text()
         assert side["session"] not in prom and str(int(side["session"], 16)) not in prom
-        assert 'job="' in prom
+        assert 'session_digest="' in prom
         got = counters_of(final[r])
         assert got == {name: {k: float(v) for k, v in ch.items()}
                        for name, ch in side["channels"].items()}

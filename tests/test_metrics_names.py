@@ -79,3 +79,16 @@ def test_help_loads_no_metrics_or_drawing_library():
                          timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
+
+
+def test_no_label_is_one_prometheus_sets_on_every_sample(tmp_path):
+    """Breaker round 17: dgt_sidecar_info had a label 'job', the label Prometheus gives
+    every sample it scrapes (the scrape job's name, which the dashboard filters on), so
+    a default scrape kept ours as 'exported_job'."""
+    sc = Sidecar(TransmissionConfig(), NodeConfig(rank=0, world=1, run_dir=str(tmp_path)))
+    sc.counters.rejected["stray"] += 1
+    text = generate_latest(make_registry(sc)).decode()
+    labels = {k for f in text_string_to_metric_families(text) for s in f.samples
+              for k in s.labels}
+    assert labels & {"job", "instance"} == set()
+    assert "session_digest" in labels

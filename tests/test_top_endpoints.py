@@ -11,7 +11,7 @@ import threading
 import pytest
 
 #: a dgt sidecar's page, the metrics dgt top reads (dgt.metrics.SidecarCollector)
-PAGE = ('dgt_sidecar_info{rank="1",world="2",mode="dgt",job="0123456789ab"} 1.0\n'
+PAGE = ('dgt_sidecar_info{rank="1",world="2",mode="dgt",session_digest="0123456789ab"} 1.0\n'
         'dgt_iteration 41.0\n'
         'dgt_comm_seconds_count 42.0\n'
         'dgt_comm_seconds_sum 0.42\n'

@@ -79,7 +79,9 @@ def _sidecar(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .interrupt import import_torch
     import_torch()   # a Ctrl-C meanwhile comes after it, not inside torch's C++
     from .sidecar import run_from_args
-    return run_from_args(ns, parser)
+    code = run_from_args(ns, parser)
+    from .process import exit_now
+    exit_now(int(code or 0))   # a TCPStore thread left must not abort the exit (there)
 
 
 #: entry-point group through which the tc/testbed and tools layers add their

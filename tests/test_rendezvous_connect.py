@@ -135,3 +135,57 @@ def test_a_taken_port_is_one_line_when_the_store_binds_every_interface():
             Rendezvous("192.0.2.1", port, 2, 0, 20.0)   # TEST-NET-1: no host's address
     assert str(e.value).startswith(f"--master-port {port} is in use on this host"), e.value
     assert "pick another port" in str(e.value) and "\n" not in str(e.value)
+
+
+#: a rendezvous store (rank 0's: torch's TCPStore in a process of its own) that says
+#: "up" and then waits to be frozen and thawed
+SLOW_STORE = """
+import datetime, sys, time
+import torch.distributed as d
+s = d.TCPStore('127.0.0.1', int(sys.argv[1]), 2, True,
+               timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+print('up', flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("late_s", [12.2])
+def test_a_store_that_answers_as_rank_1_gives_up_never_aborts_its_exit(tmp_path, late_s):
+    """CI of e96b01b, at load average 6 on 2 cores: five sidecars whose rank 0 answered
+    just as they gave up on it ('did not answer within 12 s of start-up') died of
+    SIGABRT ('terminate called without an active exception'), not with status 3: the
+    connect's thread completed inside torch's TCPStore during the interpreter's exit.
+    Here rank 0's store is frozen (SIGSTOP) and thawed ``late_s`` after rank 1's
+    sidecar started, at its 12 s deadline (--peer-timeout-s 2); before the fix 5 of 5
+    such sidecars aborted."""
+    import signal
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = subprocess.Popen([sys.executable, "-c", SLOW_STORE, str(port)],
+                             stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, **QUIET_TORCH_ENV})
+    run = tmp_path / "r1"
+    run.mkdir(mode=0o700)
+    side = None
+    try:
+        assert store.stdout.readline() == "up\n"
+        os.kill(store.pid, signal.SIGSTOP)
+        side = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "1",
+                                 "--world", "2", "--master-port", str(port), "--run-dir",
+                                 str(run), "--socket", str(run / "s.sock"),
+                                 "--peer-timeout-s", "2"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(late_s)
+        os.kill(store.pid, signal.SIGCONT)
+        out, err = side.communicate(timeout=120)
+    finally:
+        for p in (side, store):
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait()
+    assert side.returncode == 3, (side.returncode, err[-2000:])
+    assert "terminate called" not in err and "Fatal Python error" not in err, err[-2000:]
+    assert "rank 1:" in err, err[-2000:]

@@ -1,8 +1,9 @@
 """Thin asyncio adapters (run on uvloop) around the sans-IO pieces.
 
-``FrameProtocol``: one TCP connection; bytes -> :func:`~.framing.split_frames` -> callback
+``FrameProtocol``: one TCP connection; bytes -> :func:`~.framing.parse_frames` -> callback
 per frame. A malformed frame closes the connection (a TCP stream cannot resynchronise) and
-is counted by the owner's ``on_bad`` callback. While a large frame is incomplete, the
+is counted by the owner's ``on_bad`` callback, after the good frames before it were
+handed on: the same ones whatever the TCP segmentation. While a large frame is incomplete, the
 socket's SO_RCVLOWAT (:func:`~.framing.wake_bytes`) lets the kernel gather its rest
 before waking us, and a read that still leaves the frame short is not parsed again.
 
@@ -21,8 +22,7 @@ import time
 from typing import Callable
 
 from . import sockopts, wire
-from .framing import split_frames, wake_bytes
-from .wire import WireError
+from .framing import parse_frames, wake_bytes
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     once it knows its peer (``peer_rank``, set from HELLO): a stranger's idle
     connection costs 64 KiB, not 1 MiB.
 
+    Raises ValueError for an empty ``key`` (None is no key).
+
     ``reads`` counts the reads (``buffer_updated``), ``parses`` those that had a whole
     message or header to look at; ``lowat`` is the socket's SO_RCVLOWAT as last set
     (1, the kernel's default, or None where the socket refused it).
@@ -51,6 +53,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                  key: bytes | None = None, dscp: int | None = None,
                  rto_min_ms: float = 0.0):
         self.on_frame, self.on_lost, self.on_bad = on_frame, on_lost, on_bad
+        wire.check_key(key)   # ValueError for an empty key (docs/wire.md)
         self.key = key
         self.buf = bytearray(self.UNAUTHENTICATED_MAX)
         self.have = 0           # bytes in buf
@@ -102,18 +105,17 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return
         self.parses += 1
         view = memoryview(self.buf)[: self.have]
-        try:
-            frames, used, need = split_frames(view, self.key)
-        except WireError as e:
-            self.on_bad(self, e.reason)
-            self.transport.abort()
-            return
+        frames, used, need, error = parse_frames(view, self.key)
         now = time.monotonic()
-        for h, payload in frames:
+        for h, payload in frames:   # the good frames before a malformed one, if any
             self.on_frame(self, h, payload, now)
             if self.transport.is_closing():
                 return
         del frames, view
+        if error is not None:
+            self.on_bad(self, error.reason)
+            self.transport.abort()
+            return
         rest = self.have - used
         if used and rest:
             self.buf[:rest] = self.buf[used:self.have]  # same-size move: no resize

@@ -26,6 +26,8 @@ Rules (docs/architecture.md, "One BSP iteration"):
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +45,15 @@ _FLAGS_OFFSET = wire.HEADER_DTYPE.fields["flags"][1]
 _LENGTH_OFFSET = wire.HEADER_DTYPE.fields["length"][1]   # the header's last field
 _NOT_BLOCK = np.ones(wire.HEADER_BYTES, bool)   # header bytes every datagram of a run shares
 _NOT_BLOCK[_BLOCK_OFFSET:_BLOCK_OFFSET + 4] = False
+#: a GRO run's per-datagram outcome (ShardSession._settle): 0 passed the header checks,
+#: then late, duplicate, delivered, then the rejection reasons
+_REASONS = ("", "late", "duplicate", "", "bad_magic", "bad_version", "bad_channel",
+            "too_long", "bad_length", "bad_coding", "bad_udp_message", "stray",
+            "wrong_shard", "bad_sender", "stale", "future", "bad_block", "no_mac",
+            "bad_mac")
+_LATE, _DUP, _NEW = 1, 2, 3
+_BLOCKS = int(MsgType.BLOCKS)
+_CODE = {r: i for i, r in enumerate(_REASONS) if i > _NEW}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +98,23 @@ class ShardSession:
     optional object with ``observe(spread_s, late)`` and ``deadline_s()`` (e.g.
     ``dgt.scheduler.deadline.AdaptiveDeadline``): the session feeds it each worker's
     arrival spread (END to last block; END to a late block) and takes each deadline
-    from it instead of ``deadline_s``. ``key``: the job's MAC key, or None. Counters are in ``self.counters`` (per channel, plus
-    ``rejected[reason]``).
+    from it instead of ``deadline_s``. ``key``: the job's MAC key (1 to 64 bytes), or
+    None. Counters are in ``self.counters`` (per channel, plus ``rejected[reason]``).
+
+    Raises ValueError, naming the argument, for ``n_workers`` < 1 or over 65536 (a
+    sender is a u16), ``shard`` outside a u16, ``lo`` < 0 or
+    ``hi`` < ``lo`` or ``hi`` over 2**32 (a block index is a u32), ``block_elems`` < 1,
+    ``deadline_s`` that is not a finite number >= 0 (NaN would never finalise a worker),
+    ``session`` outside a u64, or an empty ``key``; TypeError for an integer argument
+    that is not an integer.
     """
 
     def __init__(self, *, session: int, shard: int, lo: int, hi: int, block_elems: int,
                  n_workers: int, deadline_s: float, key: bytes | None = None,
                  counters: Counters | None = None, deadline_policy=None):
+        _check_args(session=session, shard=shard, lo=lo, hi=hi, block_elems=block_elems,
+                    n_workers=n_workers, deadline_s=deadline_s)
+        wire.check_key(key)
         self.session, self.shard, self.lo, self.hi = session, shard, lo, hi
         self.block_elems = block_elems
         self.block_payload = block_elems * 4
@@ -146,7 +167,7 @@ class ShardSession:
                 buf[_LENGTH_OFFSET:_LENGTH_OFFSET + 4], "big") + (
                 wire.MAC_BYTES if buf[_FLAGS_OFFSET] & _MAC else 0)
             if wire.HEADER_BYTES < size < len(buf):   # the hot path: vectorised reader
-                return self._receive_coalesced(buf, now, size)
+                return self._receive_coalesced(buf, now, size, True)
         elif len(buf) > size and size:
             run = self._receive_small_run(buf, now)
             return run if run is not None else self._receive_coalesced(buf, now, size)
@@ -155,8 +176,18 @@ class ShardSession:
         except WireError as e:
             run = self._receive_small_run(buf, now)
             return run if run is not None else [self._reject(e.reason)]
-        checked = self._mac is not None
-        if checked:   # every cheap check first: a forgery that fails one costs no hash
+        if h.type == MsgType.BLOCKS:   # the checks in the order a GRO run's are made
+            pre, post = self._header_problems(h, len(buf))
+            if pre:
+                return [self._reject(pre)]
+            if not self.lo <= h.block < self.hi:
+                return [self._reject("bad_block")]
+            if post:
+                return [self._reject(post)]
+            if self._mac is not None and not udpmac.match_one(self._mac, buf):
+                return [self._reject("bad_mac")]   # decode checked len(buf)
+            return self._block(h, payload, len(buf), wire.coding_of(h.flags), True)
+        if self._mac is not None:   # every cheap check first: a forgery costs no hash
             bad = self._check_addressing(h) or self._outside_window(h) \
                 or self._check_udp_shape(h)
             if bad:
@@ -165,20 +196,34 @@ class ShardSession:
                 return [self._reject("no_mac")]
             if not udpmac.match_one(self._mac, buf):   # decode checked len(buf)
                 return [self._reject("bad_mac")]
-            if h.type != MsgType.BLOCKS:   # _check_udp_shape: a tail marker
-                return self._tail_marker(h, len(payload), checked)
-        elif h.flags & _MAC:   # no secret here: a MAC-flagged datagram is no job's, as
+            return self._tail_marker(h, len(payload), True)   # _check_udp_shape: END
+        if h.flags & _MAC:   # no secret here: a MAC-flagged datagram is no job's, as
             return [self._reject("bad_udp_message")]   # in a GRO run (_receive_run)
-        elif wire.udp_shape_problem(h):
+        if wire.udp_shape_problem(h):
             return [self._reject("bad_udp_message")]
-        elif h.type == MsgType.END:   # a tail marker
-            return self._tail_marker(h, len(payload))
-        coding = wire.coding_of(h.flags)
-        if self.coded_payload[coding] < 0:
-            return [self._reject("bad_coding")]
-        if len(payload) != self.coded_payload[coding]:
-            return [self._reject("bad_length")]
-        return self._block(h, payload, len(buf), coding, checked)
+        return self._tail_marker(h, len(payload))   # END on a UDP channel
+
+    def _header_problems(self, h: wire.Header, nbytes: int) -> tuple[str | None, str | None]:
+        """A BLOCKS datagram of ``nbytes`` with the decoded header ``h``: the first check
+        it fails before its block's range is checked, and the first after it (before
+        the MAC), each None when it passes. One datagram and a GRO run (vectorised in
+        ``_run_prefix``) make the checks in this order (docs/wire.md, "What a shard
+        accepts"): without a key, the kind (a MAC flag, a TCP or multi-block kind:
+        ``bad_udp_message``), the coding and its length, session, shard, sender | the
+        block | the window (``stale``, ``future``); with a key, the coding and its
+        length, session, shard, sender, the window, the kind | the block | ``no_mac``,
+        then the MAC."""
+        if wire.frame_size(h) != nbytes:
+            return "bad_length", None
+        payload = self.coded_payload[wire.coding_of(h.flags)]
+        coded = "bad_coding" if payload < 0 else \
+            "bad_length" if h.length != payload else None
+        if self._mac is None:
+            if h.flags & _MAC or wire.udp_shape_problem(h):
+                return "bad_udp_message", None
+            return coded or self._check_addressing(h), self._outside_window(h)
+        return (coded or self._check_addressing(h) or self._outside_window(h)
+                or wire.udp_shape_problem(h)), None if h.flags & _MAC else "no_mac"
 
     def receive_frame(self, h: wire.Header, payload: memoryview, now: float) -> list:
         """One TCP frame already split by :class:`~dgt.transport.framing.Deframer`
@@ -328,13 +373,15 @@ class ShardSession:
             return bad
         return None if self.lo <= h.block < self.hi else "bad_block"
 
-    def _receive_coalesced(self, buf, now: float, size: int) -> list:
+    def _receive_coalesced(self, buf, now: float, size: int, block_first: bool = False
+                           ) -> list:
         """Vectorised path for n datagrams of ``size`` bytes each (plus a possibly
         shorter tail, handled alone): one numpy pass over all headers, no per-block
-        Python work unless a MAC must be checked."""
+        Python work unless a MAC must be checked. ``block_first``: the first datagram
+        is a BLOCKS message of ``size`` bytes by its header."""
         n = len(buf) // size
         rows = np.frombuffer(buf, np.uint8, n * size).reshape(n, size)
-        events = self._receive_run(rows, now)
+        events = self._receive_run(rows, now, block_first)
         if n * size < len(buf):   # last on the wire, so last here (a tail marker, often)
             events += self.receive_datagram(memoryview(buf)[n * size:], now)
         return events
@@ -352,168 +399,250 @@ class ShardSession:
         return [e for off in range(0, len(buf), size)
                 for e in self.receive_datagram(mv[off:off + size], now)]
 
-    def _receive_run(self, rows: np.ndarray, now: float) -> list:
-        """``rows``: (n, size) uint8, n datagrams of one GRO run."""
-        n, size = rows.shape
+    def _receive_run(self, rows: np.ndarray, now: float, block_first: bool = False) -> list:
+        """``rows``: (n, size) uint8, n datagrams of one GRO run. Gives the events that
+        the same datagrams give one by one, in their order (consecutive datagrams with
+        one outcome share an event): a prefix at a time, cut after a datagram that
+        finalises its worker, since those after it see the new state."""
         events: list = []
-        head = rows[:, :wire.HEADER_BYTES]
-        if not (head != head[0]).any(axis=0)[_NOT_BLOCK].any():
-            return events + self._receive_uniform(rows, now)
-        hdr = head.copy().view(wire.HEADER_DTYPE).reshape(n)
-        mac = _MAC if self.key else 0
-        coding = (hdr["flags"] & wire.CODING_MASK) >> wire.CODING_SHIFT
-        payload = self.coded_payload[coding]
-        checks = (
-            ("bad_magic", hdr["magic"] != wire.MAGIC),
-            ("bad_version", hdr["version"] != wire.VERSION),
-            ("bad_udp_message", (hdr["type"] != MsgType.BLOCKS) | (hdr["channel"] == RELIABLE)
-             | (hdr["channel"] >= wire.MAX_CHANNELS) | (hdr["count"] != 1)
-             | ((hdr["flags"] & (_INDEXED | _MAC)) != mac)),
-            ("bad_coding", payload < 0),
-            ("bad_length", (hdr["length"] != payload)
-             | (wire.HEADER_BYTES + payload + (wire.MAC_BYTES if mac else 0) != size)),
-            ("stray", hdr["session"] != self.session),
-            ("wrong_shard", hdr["shard"] != self.shard),
-            ("bad_sender", hdr["sender"] >= self.n_workers),
-            ("bad_block", (hdr["block"] < self.lo) | (hdr["block"] >= self.hi)),
-        )
-        ok = np.ones(n, bool)
-        for reason, bad in checks:
-            bad &= ok
-            if bad.any():
-                self.counters.rejected[reason] += int(bad.sum())
-                events.append(Rejected(reason))
-                ok &= ~bad
-        w_all = hdr["sender"].astype(np.int64)
-        it = hdr["iteration"].astype(np.int64)
-        ch_all = hdr["channel"].astype(np.int64)
-        # the iteration window before the MAC: a forged run costs no keyed hash
-        for reason, bad in (("future", ok & (it > self.iteration)),
-                            ("stale", ok & (it < self.iteration - 1))):
-            if bad.any():
-                self.counters.rejected[reason] += int(bad.sum())
-                events.append(Rejected(reason))
-                ok &= ~bad
-        if self._mac is not None and ok.any():
-            # the run's MACs in one native call (transport.udpmac)
-            idx = None if ok.all() else np.flatnonzero(ok)
-            good = udpmac.match(self._mac, rows, idx)
-            if not good.all():
-                self.counters.rejected["bad_mac"] += int((~good).sum())
-                events.append(Rejected("bad_mac"))
-                if idx is None:
-                    ok &= good
-                else:
-                    ok[idx[~good]] = False
-        w_safe = np.where(ok, w_all, 0)
-        late = ok & ((it < self.iteration) | ((it == self.iteration) & self.finalised[w_safe]))
-        row_all = hdr["block"].astype(np.int64) - self.lo
-        if late.any():   # a late copy of a block that arrived in its iteration: duplicate
-            again = np.zeros(n, bool)
-            again[late] = self._already(w_all[late], it[late], row_all[late])
-            if again.any():
-                for c, k in zip(*np.unique(ch_all[again], return_counts=True)):
-                    self.counters.channels[c].blocks_duplicate += int(k)
-                events.append(Rejected("duplicate"))
-                ok &= ~again
-                late &= ~again
-        if late.any():
-            for c, k in zip(*np.unique(ch_all[late], return_counts=True)):
-                self.counters.channels[c].blocks_late += int(k)
-            for wk, itk in np.unique(np.stack([w_all[late], it[late]]), axis=1).T:
-                self._observe_late(int(wk), int(itk))   # once per (worker, iteration)
-            events.append(Rejected("late"))
-        cur = ok & ~late   # future and stale left ``ok`` before the MAC
-        idx = np.flatnonzero(cur)
-        # one coding per run in practice (one band, one socket); a mix is split
-        for wk, ck in (np.unique(np.stack([w_all[idx], coding[idx]]), axis=1).T
-                       if idx.size else ()):
-            sel = idx[(w_all[idx] == wk) & (coding[idx] == ck)]
-            events += self._deliver(int(wk), row_all[sel], ch_all[sel], rows[sel],
-                                    int(ck))
+        while rows.shape[0]:
+            ev, used = self._run_prefix(rows, now, block_first)
+            events += ev
+            rows, block_first = rows[used:], False
         return events
 
-    def _receive_uniform(self, rows: np.ndarray, now: float) -> list:
+    def _run_prefix(self, rows: np.ndarray, now: float, block_first: bool = False
+                    ) -> tuple[list, int]:
+        """Take or refuse the first datagrams of ``rows``; (events, how many).
+        ``block_first``: the first is a BLOCKS message of the rows' size (checked)."""
+        n, size = rows.shape
+        first = rows[0]
+        if not block_first:
+            rsize = wire.HEADER_BYTES + int.from_bytes(
+                first[_LENGTH_OFFSET:_LENGTH_OFFSET + 4].tobytes(), "big") + (
+                wire.MAC_BYTES if first[_FLAGS_OFFSET] & _MAC else 0)
+            block_first = int(first[_TYPE_OFFSET]) == _BLOCKS and rsize >= size
+        if not block_first:
+            # not a block datagram of this run's size: read alone, exactly as it would
+            # be if it came alone (its own header may cut it further)
+            return self.receive_datagram(memoryview(first), now), 1
+        head = rows[:, :wire.HEADER_BYTES]
+        if not (head != head[0]).any(axis=0)[_NOT_BLOCK].any():
+            return self._receive_uniform(rows, now)
+        hdr = head.copy().view(wire.HEADER_DTYPE).reshape(n)
+        length = hdr["length"].astype(np.int64)
+        flags = hdr["flags"]
+        rsizes = wire.HEADER_BYTES + length + np.where(flags & _MAC, wire.MAC_BYTES, 0)
+        odd = (hdr["type"] != MsgType.BLOCKS) | (rsizes < size)
+        if odd.any():   # the datagrams before the first odd one, vectorised
+            k = int(np.argmax(odd))
+            rows, hdr, length, flags, rsizes, n = (rows[:k], hdr[:k], length[:k],
+                                                   flags[:k], rsizes[:k], k)
+        coding = ((flags & wire.CODING_MASK) >> wire.CODING_SHIFT).astype(np.int64)
+        payload = self.coded_payload[coding]
+        channel = hdr["channel"].astype(np.int64)
+        w = hdr["sender"].astype(np.int64)
+        it = hdr["iteration"].astype(np.int64)
+        block = hdr["block"].astype(np.int64)
+        shape = (channel == RELIABLE) | ((flags & _INDEXED) != 0) | (hdr["count"] != 1)
+        addressing = (("stray", hdr["session"] != self.session),
+                      ("wrong_shard", hdr["shard"] != self.shard),
+                      ("bad_sender", w >= self.n_workers))
+        window = (("stale", it < self.iteration - 1), ("future", it > self.iteration))
+        coded = (("bad_coding", payload < 0), ("bad_length", length != payload))
+        bad_block = (("bad_block", (block < self.lo) | (block >= self.hi)),)
+        # the order of one datagram's checks (receive_datagram, _header_problems)
+        checks = [("bad_magic", hdr["magic"] != wire.MAGIC),
+                  ("bad_version", hdr["version"] != wire.VERSION),
+                  ("bad_channel", channel >= wire.MAX_CHANNELS),
+                  ("too_long", length > wire.MAX_FRAME_PAYLOAD),
+                  ("bad_length", rsizes != size)]
+        if self._mac is None:
+            checks += [("bad_udp_message", shape | ((flags & _MAC) != 0)), *coded,
+                       *addressing, *bad_block, *window]
+        else:
+            checks += [*coded, *addressing, *window, ("bad_udp_message", shape),
+                       *bad_block, ("no_mac", (flags & _MAC) == 0)]
+        code = np.zeros(n, np.int64)
+        for reason, bad in checks:
+            code[(code == 0) & bad] = _CODE[reason]
+        if self._mac is not None:
+            idx = np.flatnonzero(code == 0)
+            if idx.size:   # the run's MACs in one native call (transport.udpmac)
+                good = udpmac.match(self._mac, rows, None if idx.size == n else idx)
+                code[idx[~good]] = _CODE["bad_mac"]
+        return self._settle(rows, code, w, it, channel, block - self.lo, coding)
+
+    def _receive_uniform(self, rows: np.ndarray, now: float) -> tuple[list, int]:
         """Fast path for a GRO run whose headers are equal but for ``block`` (one sender,
-        iteration and channel: what one GSO send produces): the header is checked once,
-        as a scalar, and only the block column is vectorised. With a key the MACs are
-        checked after the window and before anything is counted as late or delivered."""
-        n = rows.shape[0]
+        iteration and channel: what one GSO send produces), its first datagram a block
+        of the run's size: the header is checked once, as a scalar, in the order of one
+        datagram (:meth:`_header_problems`), and only the block column and the MACs are
+        vectorised. Returns (events, datagrams used)."""
+        n, size = rows.shape
         try:
             h = wire.decode_header(rows[0])
         except WireError as e:
-            return [self._reject(e.reason, n)]
-        bad = self._check_addressing(h)
-        if h.type != MsgType.BLOCKS or h.channel == RELIABLE or h.count != 1 \
-                or h.flags & (_INDEXED | _MAC) != (_MAC if self._mac else 0):
-            bad = "bad_udp_message"
-        elif self.coded_payload[wire.coding_of(h.flags)] < 0:
-            bad = "bad_coding"
-        elif h.length != self.coded_payload[wire.coding_of(h.flags)] \
-                or wire.frame_size(h) != rows.shape[1]:
-            bad = "bad_length"
-        if bad:
-            return [self._reject(bad, n)]
-        off = _BLOCK_OFFSET   # same order of checks as one datagram (_block)
+            return [self._reject(e.reason, n)], n
+        pre, post = self._header_problems(h, size)
+        if pre:
+            return [self._reject(pre, n)], n
+        off = _BLOCK_OFFSET
         r = rows[:, off:off + 4].copy().view(">u4").reshape(n).astype(np.int64) - self.lo
-        events: list = []
         inside = (r >= 0) & (r < self.hi - self.lo)
-        if not inside.all():
-            events.append(self._reject("bad_block", int(n - inside.sum())))
-            rows, r = rows[inside], r[inside]
-            if not r.size:
-                return events
-        w, ch = h.sender, h.channel
-        if self._mac is not None:   # the window, then the MACs, before any counter moves
-            bad = self._outside_window(h)
-            if bad:
-                return events + [self._reject(bad, r.size)]
-            good = udpmac.match(self._mac, rows)
-            if not good.all():
-                events.append(self._reject("bad_mac", int((~good).sum())))
-                rows, r = rows[good], r[good]
-                if not r.size:
-                    return events
-        untimely = self._untimely(h, r.size, r.size, r)
-        if untimely is not None:
-            return events + [untimely]
-        return events + self._deliver(w, r, np.full(r.size, ch, np.int64), rows,
-                                      wire.coding_of(h.flags))
+        if not post and inside.all() and (self._mac is None
+                                          or udpmac.match(self._mac, rows).all()):
+            events = self._uniform_news(rows, r, h)   # the hot path: all new blocks
+            if events is not None:
+                return events, n
+        code = np.where(inside, _CODE[post] if post else 0, _CODE["bad_block"])
+        if self._mac is not None and not post:
+            idx = None if inside.all() else np.flatnonzero(inside)
+            if idx is None or idx.size:
+                good = udpmac.match(self._mac, rows, idx)
+                if not good.all():
+                    code[(np.arange(n) if idx is None else idx)[~good]] = _CODE["bad_mac"]
+        return self._settle(rows, code, np.full(n, h.sender, np.int64),
+                            np.full(n, h.iteration, np.int64),
+                            np.full(n, h.channel, np.int64), r,
+                            np.full(n, wire.coding_of(h.flags), np.int64), h.sender)
 
-    def _deliver(self, w: int, r: np.ndarray, chs: np.ndarray, rows: np.ndarray,
-                 coding: int = 0) -> list:
-        """Accept worker ``w``'s datagrams ``rows`` ((m, size) uint8, coded as
-        ``coding``) for shard rows ``r`` on channels ``chs`` (both (m,) int64): drop
-        duplicates (already received, or twice in this run), count, and emit the
-        blocks."""
-        if not r.size:
-            return []
-        first, order = self._scratch, np.arange(r.size)
-        first[r[::-1]] = order[::-1]   # the first copy of a row wins, as one by one
-        fresh = (first[r] == order) & ~self.received[w, r]
-        if not fresh.all():
-            dup = np.bincount(chs[~fresh], minlength=wire.MAX_CHANNELS)
-            for c in np.flatnonzero(dup):
-                self.counters.channels[c].blocks_duplicate += int(dup[c])
-            r, chs, rows = r[fresh], chs[fresh], rows[fresh]
-            if not r.size:
-                return [Rejected("duplicate")]
-        size = rows.shape[1]
-        self.received[w, r] = True
-        self.channel_of[w, r] = chs
-        self.coding_of[w, r] = coding
-        per = np.bincount(chs, minlength=wire.MAX_CHANNELS)
-        self.per_channel[w] += per
-        for c in np.flatnonzero(per):
-            cc = self.counters.channels[c]
-            cc.blocks_delivered += int(per[c])
-            cc.bytes_delivered += int(per[c]) * size
-        data = rows[:, wire.HEADER_BYTES:wire.HEADER_BYTES + self.coded_payload[coding]]
-        events: list = [BlocksArrived(w, self.iteration, int(chs[0]), r,
-                                      data if coding else data.view("<f4"), coding)]
-        if self.end_counts[w] is not None and not self.finalised[w] and self._complete(w):
+    def _uniform_news(self, rows: np.ndarray, r: np.ndarray, h: wire.Header
+                      ) -> list | None:
+        """Events for a uniform run (header ``h``, shard rows ``r``) that passed every
+        header check, when each of its blocks is new for the current iteration and
+        only its last one (if any) completes the worker: one BlocksArrived (then the
+        finalisation). None when that is not so (:meth:`_settle` then takes it)."""
+        w = h.sender
+        if h.iteration != self.iteration or self.finalised[w]:
+            return None
+        n = r.size
+        first, order = self._scratch, np.arange(n)
+        first[r[::-1]] = order[::-1]
+        if not (first[r] == order).all() or self.received[w, r].any():
+            return None
+        if self.end_counts[w] is not None:
+            j = self._completes_at(w, order, np.full(n, h.channel, np.int64))
+            if j is not None and j != n - 1:
+                return None
+        coding = wire.coding_of(h.flags)
+        events: list = [self._accept(w, r, h.channel, rows, coding)]
+        if self.end_counts[w] is not None and self._complete(w):
             events += self._finalise(w, "complete")
         return events
+
+    def _settle(self, rows: np.ndarray, code: np.ndarray, w: np.ndarray, it: np.ndarray,
+                ch: np.ndarray, r: np.ndarray, coding: np.ndarray,
+                one_worker: int | None = None) -> tuple[list, int]:
+        """The state part of a run's datagrams ``rows`` ((m, size) uint8) whose header
+        checks gave ``code`` ((m,) int64: 0 passed, else ``_CODE[reason]``); ``w``,
+        ``it``, ``ch``, ``r`` (shard row), ``coding``: (m,) int64 per datagram;
+        ``one_worker``: the sender of them all, when known. Late, duplicate (already
+        received, or an earlier copy in the run) or delivered, in row order, each
+        counted as one by one; the events follow the rows' order, one per stretch of
+        rows with one outcome. Stops after the datagram that completes its worker
+        (the rest see it finalised). Returns (events, datagrams used)."""
+        m = code.size
+        pend = code == 0
+        stop = m
+        done_by: int | None = None
+        if pend.any():
+            ws = np.where(pend, w, 0)
+            late = pend & ((it < self.iteration) | self.finalised[ws])
+            if late.any():
+                li = np.flatnonzero(late)
+                code[li] = np.where(self._already(w[li], it[li], r[li]), _DUP, _LATE)
+            cur = np.flatnonzero(pend & ~late)
+            if cur.size:
+                wc, rc = w[cur], r[cur]
+                order = np.arange(cur.size)
+                if one_worker is not None or (wc == wc[0]).all():
+                    first = self._scratch
+                    first[rc[::-1]] = order[::-1]   # the first copy of a row wins
+                    firsts = first[rc] == order
+                else:
+                    _, at = np.unique(wc * (self.hi - self.lo) + rc, return_index=True)
+                    firsts = np.zeros(cur.size, bool)
+                    firsts[at] = True
+                fresh = firsts & ~self.received[wc, rc]
+                code[cur] = np.where(fresh, _NEW, _DUP)
+                news = cur[fresh]
+                workers = (one_worker,) if one_worker is not None else \
+                    set(w[news].tolist())
+                for wk in workers:
+                    if not news.size or self.end_counts[wk] is None or self.finalised[wk]:
+                        continue
+                    j = self._completes_at(wk, news if one_worker is not None
+                                           else news[w[news] == wk], ch)
+                    if j is not None and (done_by is None or j + 1 < stop):
+                        stop, done_by = j + 1, wk
+        if stop < m:
+            code = code[:stop]
+        events: list = []
+        brk = code[1:] != code[:-1]
+        new = code[1:] == _NEW
+        if new.any():
+            brk |= new & ((w[1:stop] != w[:stop - 1]) | (ch[1:stop] != ch[:stop - 1])
+                          | (coding[1:stop] != coding[:stop - 1]))
+        bounds = [0, *(np.flatnonzero(brk) + 1).tolist(), stop]
+        lates = None
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            k = int(code[a])
+            if k == _NEW:
+                events.append(self._accept(int(w[a]), r[a:b], int(ch[a]), rows[a:b],
+                                           int(coding[a])))
+            elif k == _DUP or k == _LATE:
+                per = np.bincount(ch[a:b], minlength=wire.MAX_CHANNELS)
+                for c in np.flatnonzero(per):
+                    cc = self.counters.channels[c]
+                    if k == _DUP:
+                        cc.blocks_duplicate += int(per[c])
+                    else:
+                        cc.blocks_late += int(per[c])
+                if k == _LATE:
+                    lates = (lates or set()) | set(zip(w[a:b].tolist(), it[a:b].tolist()))
+                events.append(Rejected("duplicate" if k == _DUP else "late"))
+            else:
+                events.append(self._reject(_REASONS[k], b - a))
+        for wk, itk in sorted(lates or ()):
+            self._observe_late(wk, itk)   # once per (worker, iteration) of the run
+        if done_by is not None and self._complete(done_by):
+            events += self._finalise(done_by, "complete")
+        return events, stop
+
+    def _completes_at(self, w: int, pos: np.ndarray, ch: np.ndarray) -> int | None:
+        """The first of the run positions ``pos`` (ascending: ``w``'s new blocks in the
+        run, on channels ``ch[pos]``) after which ``w`` is complete (:meth:`_complete`);
+        None if it is not complete after all of them."""
+        counts = self.end_counts[w]
+        per = self.per_channel[w]
+        done = (per >= counts) | (self.tail[w] == counts)
+        done[RELIABLE] = True
+        j = int(pos[0])
+        chp = ch[pos]
+        for c in np.flatnonzero(~done):
+            pc = pos[chp == c]
+            k = int(counts[c] - per[c])
+            if pc.size < k:
+                return None
+            j = max(j, int(pc[k - 1]))
+        return j
+
+    def _accept(self, w: int, r: np.ndarray, c: int, rows: np.ndarray,
+                coding: int) -> BlocksArrived:
+        """Deliver worker ``w``'s new blocks ``rows`` ((m, size) uint8 datagrams coded as
+        ``coding``) for shard rows ``r`` on channel ``c``: count them, emit them."""
+        size = rows.shape[1]
+        self.received[w, r] = True
+        self.channel_of[w, r] = c
+        self.coding_of[w, r] = coding
+        self.per_channel[w, c] += r.size
+        cc = self.counters.channels[c]
+        cc.blocks_delivered += r.size
+        cc.bytes_delivered += r.size * size
+        data = rows[:, wire.HEADER_BYTES:wire.HEADER_BYTES + self.coded_payload[coding]]
+        return BlocksArrived(w, self.iteration, c, r, data if coding else data.view("<f4"),
+                             coding)
 
     def _block(self, h: wire.Header, payload: memoryview, nbytes: int,
                coding: int = 0, checked: bool = False) -> list:
@@ -697,6 +826,36 @@ class ShardSession:
         if self.finalised.all():
             events.append(IterationComplete(self.iteration))
         return events
+
+
+def _check_args(*, session, shard, lo, hi, block_elems, n_workers, deadline_s) -> None:
+    """ShardSession's argument checks (its docstring says which)."""
+    ints = {}
+    for name, v in (("session", session), ("shard", shard), ("lo", lo), ("hi", hi),
+                    ("block_elems", block_elems), ("n_workers", n_workers)):
+        try:
+            ints[name] = operator.index(v)
+        except TypeError:
+            raise TypeError(f"{name} must be an integer, got {type(v).__name__} "
+                            f"{v!r}") from None
+    if not 0 <= ints["session"] < 1 << 64:
+        raise ValueError(f"session {session} is outside a u64 (0..2**64-1)")
+    if not 1 <= ints["n_workers"] <= 1 << 16:
+        raise ValueError(f"n_workers {n_workers} must be 1..65536 (a sender is a u16)")
+    if not 0 <= ints["shard"] < 1 << 16:
+        raise ValueError(f"shard {shard} must be 0..65535 (a u16 header field)")
+    if ints["lo"] < 0 or ints["hi"] < ints["lo"] or ints["hi"] > 1 << 32:
+        raise ValueError(f"lo {lo}, hi {hi}: the shard's blocks [lo, hi) need "
+                         "0 <= lo <= hi <= 2**32 (a block index is a u32)")
+    if ints["block_elems"] < 1:
+        raise ValueError(f"block_elems {block_elems} must be >= 1 (values per block)")
+    try:
+        d = float(deadline_s)
+    except (TypeError, ValueError):
+        raise TypeError(f"deadline_s must be a number, got {deadline_s!r}") from None
+    if not (math.isfinite(d) and d >= 0):
+        raise ValueError(f"deadline_s {deadline_s!r} must be a finite number of seconds "
+                         ">= 0 (NaN or inf would never finalise a worker)")
 
 
 def _distinct(rows: np.ndarray) -> bool:

@@ -34,6 +34,7 @@ import enum
 import functools
 import hashlib
 import hmac
+import operator
 import struct
 from dataclasses import dataclass
 
@@ -202,6 +203,91 @@ class WireError(ValueError):
         self.reason = reason
 
 
+#: the range of each header field an encoder takes (docs/wire.md, "Header"): its bits
+_FIELD_BITS = {"session": 64, "sender": 16, "shard": 16, "iteration": 32, "block": 32,
+               "count": 32, "flags": 8}
+
+
+def _field(name: str, value, bits: int) -> int:
+    """``value`` as an int in 0 .. 2**bits - 1. Raises TypeError for a value that is not
+    an integer, ValueError (naming the field and its range) for one outside it: an
+    encoder never wraps a value nor writes one a decoder refuses."""
+    if type(value) is not int:
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must be an integer, got "
+                            f"{type(value).__name__} {value!r}") from None
+    if not 0 <= value < 1 << bits:
+        raise ValueError(f"{name} {value} is out of range: a u{bits} header field "
+                         f"holds 0..{(1 << bits) - 1} (docs/wire.md, Header)")
+    return value
+
+
+def check_key(key) -> None:
+    """Refuse a MAC key that no job has: ``None`` (no key) or 1 to 64 bytes (the UTF-8
+    bytes of ``--secret``, docs/wire.md "Session id and key"). Raises ValueError for an
+    empty or longer key (an empty key is refused, never read as "no key"), TypeError for
+    one that is not bytes."""
+    if key is None:
+        return
+    if not isinstance(key, (bytes, bytearray)):
+        raise TypeError(f"key must be bytes or None, got {type(key).__name__}")
+    if not 1 <= len(key) <= 64:
+        raise ValueError(f"key must be 1 to 64 bytes (None for no key), got "
+                         f"{len(key)} B")
+
+
+def _check_header(msg_type, channel, flags, session, sender, shard, iteration, block,
+                  count) -> None:
+    """The O(1) checks of :func:`encode_parts`'s header fields (see :func:`_field`)."""
+    if (type(channel) is type(flags) is type(session) is type(sender) is type(shard)
+            is type(iteration) is type(block) is type(count) is int
+            and isinstance(msg_type, int) and msg_type in _TYPES
+            and 0 <= channel < MAX_CHANNELS and 0 <= flags <= 0xFF
+            and 0 <= session <= 0xFFFFFFFFFFFFFFFF and 0 <= sender <= 0xFFFF
+            and 0 <= shard <= 0xFFFF and 0 <= iteration <= 0xFFFFFFFF
+            and 0 <= block <= 0xFFFFFFFF and 0 <= count <= 0xFFFFFFFF):
+        return   # the common case in one expression; else find the field to name
+    if _field("type", msg_type, 8) not in _TYPES:
+        raise ValueError(f"type {msg_type!r} is not a MsgType "
+                         f"({min(_TYPES)}..{max(_TYPES)}; decoders refuse it: bad_type)")
+    if _field("channel", channel, 8) >= MAX_CHANNELS:
+        raise ValueError(f"channel {channel} is out of range: 0..{MAX_CHANNELS - 1} "
+                         f"(decoders refuse it: bad_channel)")
+    _field("flags", flags, 8)
+    _field("session", session, 64)
+    _field("sender", sender, 16)
+    _field("shard", shard, 16)
+    _field("iteration", iteration, 32)
+    _field("block", block, 32)
+    _field("count", count, 32)
+
+
+def _check_indices(indices, n: int | None = None) -> np.ndarray:
+    """``indices`` as a 1-D integer array of block indices, each a u32 (0..2**32-1),
+    ``n`` of them when given; one vectorised check. Raises TypeError / ValueError."""
+    indices = np.asarray(indices)
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers, got dtype {indices.dtype}")
+    if indices.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {indices.shape}")
+    if n is not None and indices.size != n:
+        raise ValueError(f"{indices.size} indices for {n} blocks: one index per block")
+    if indices.size and (   # one pass: a negative int64 viewed as u64 is >= 2**63
+            int(indices.view(np.uint64).max()) > 0xFFFFFFFF if indices.itemsize == 8
+            else indices.dtype.kind == "i" and int(indices.min()) < 0):
+        raise ValueError("indices out of range: a block index is a u32, 0..4294967295 "
+                         f"(got {int(indices.min())}..{int(indices.max())})")
+    return indices
+
+
+def _check_rows(name: str, a) -> None:
+    if getattr(a, "ndim", None) != 2:
+        raise ValueError(f"{name} must be a 2-D numpy array (one row per block), got "
+                         f"{getattr(a, 'shape', type(a).__name__)}")
+
+
 def mac_tag(key: bytes, data) -> bytes:
     """Keyed BLAKE2b-128 of ``data`` (RFC 7693). ``key``: up to 64 bytes."""
     h = keyed_state(key).copy()   # the key block is hashed once per key, not per message
@@ -224,9 +310,20 @@ def encode_parts(msg_type: int, *, session: int, sender: int, shard: int = 0,
     not copied. The caller must not modify them until the transport has sent them.
 
     ``parts``: bytes-like objects (numpy arrays included) whose concatenation is the
-    payload. With ``key`` the MAC flag is set and a tag is appended. Raises
-    :class:`WireError` (``too_long``) for a payload over ``MAX_FRAME_PAYLOAD``.
+    payload. With ``key`` (1 to 64 bytes) the MAC flag is set and a tag is appended.
+    ``flags`` is the header's flags byte as given (a forger's MAC flag without a key
+    included: the caller then appends its own 16 bytes).
+
+    Raises :class:`WireError` (``too_long``) for a payload over ``MAX_FRAME_PAYLOAD``;
+    ValueError, naming the field and its range (docs/wire.md, "Header"), for a
+    ``msg_type`` that is not a :class:`MsgType`, a ``channel`` over 7, or a ``session``
+    (u64), ``sender``, ``shard`` (u16), ``iteration``, ``block``, ``count`` (u32) or
+    ``flags`` (u8) out of its field's range, and for an empty ``key``; TypeError for a
+    field that is not an integer.
     """
+    _check_header(msg_type, channel, flags, session, sender, shard, iteration, block,
+                  count)
+    check_key(key)
     views = [memoryview(p).cast("B") for p in parts]
     n = sum(v.nbytes for v in views)
     if n > MAX_FRAME_PAYLOAD:
@@ -252,8 +349,9 @@ def encode(msg_type: int, *, session: int, sender: int, shard: int = 0, iteratio
     """Encode one message (header + payload [+ MAC]) to bytes.
 
     ``payload`` is any bytes-like object. With ``key`` the MAC flag is set and a tag is
-    appended. Raises :class:`WireError` (``too_long``) for a payload over
-    ``MAX_FRAME_PAYLOAD``.
+    appended. Raises as :func:`encode_parts`: :class:`WireError` (``too_long``) for a
+    payload over ``MAX_FRAME_PAYLOAD``, ValueError or TypeError for a field out of its
+    range or of the wrong type, or an empty ``key``.
     """
     return b"".join(encode_parts(msg_type, session=session, sender=sender, shard=shard,
                                  iteration=iteration, channel=channel, block=block,
@@ -285,6 +383,7 @@ def decode_header(buf) -> Header:
 
 
 _TYPES = frozenset(int(t) for t in MsgType)
+_CODINGS = frozenset(int(c) for c in Coding)
 
 
 def frame_size(h: Header) -> int:
@@ -295,9 +394,9 @@ def frame_size(h: Header) -> int:
 def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
     """Decode one whole message; return (header, payload view). Never copies the payload.
 
-    ``buf`` must hold exactly one message. With ``key`` a valid MAC is required.
-    Raises :class:`WireError` (header reasons, plus ``bad_length``, ``no_mac``,
-    ``bad_mac``).
+    ``buf`` must hold exactly one message. With ``key`` (1 to 64 bytes) a valid MAC is
+    required. Raises :class:`WireError` (header reasons, plus ``bad_length``,
+    ``no_mac``, ``bad_mac``); ValueError for an empty ``key`` (never read as no key).
     """
     mv = memoryview(buf).cast("B")
     h = decode_header(mv)
@@ -305,6 +404,8 @@ def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
         raise WireError("bad_length", f"have {len(mv)} B, header says {frame_size(h)} B")
     end = HEADER_BYTES + h.length
     if key is not None:
+        if not key:
+            check_key(key)
         check_mac(mv, h, key)
     return h, mv[HEADER_BYTES:end]
 
@@ -312,9 +413,12 @@ def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
 def check_mac(mv: memoryview, h: Header, key: bytes) -> None:
     """Verify the MAC of the one whole message ``mv`` (header ``h``, length checked).
 
-    Raises :class:`WireError` (``no_mac``, ``bad_mac``). Receivers call it after the
+    Raises :class:`WireError` (``no_mac``, ``bad_mac``), ValueError for an empty
+    ``key``. Receivers call it after the
     cheap checks (session, shard, sender, iteration window), so a stranger's message
     costs a header decode, not a keyed hash."""
+    if not key:
+        check_key(key)
     if not h.flags & MAC_BIT:
         raise WireError("no_mac")
     end = HEADER_BYTES + h.length
@@ -332,7 +436,8 @@ def check_mac(mv: memoryview, h: Header, key: bytes) -> None:
 def pack_indexed_blocks(indices: np.ndarray, blocks: np.ndarray) -> bytes:
     """INDEXED BLOCKS payload: ``count`` big-endian u32 indices, then the blocks.
 
-    ``indices``: (count,) integer; ``blocks``: (count, block_elems) float32.
+    ``indices``: (count,) integer numpy array; ``blocks``: (count, block_elems) float32.
+    Raises as :func:`indexed_blocks_parts`.
     """
     return b"".join(indexed_blocks_parts(indices, blocks))
 
@@ -340,7 +445,11 @@ def pack_indexed_blocks(indices: np.ndarray, blocks: np.ndarray) -> bytes:
 def indexed_blocks_parts(indices: np.ndarray, blocks: np.ndarray) -> tuple:
     """:func:`pack_indexed_blocks` as (indices bytes, blocks array) for
     :func:`encode_parts`: the blocks are not copied when already C-contiguous
-    little-endian float32."""
+    little-endian float32. Raises TypeError for ``indices`` that are not an integer
+    numpy array; ValueError when ``blocks`` is not 2-D, when there is not one index per
+    block, or for an index outside a u32 (0..2**32-1)."""
+    _check_rows("blocks", blocks)
+    indices = _check_indices(indices, blocks.shape[0])
     return indices.astype(">u4").tobytes(), np.ascontiguousarray(blocks, "<f4")
 
 
@@ -349,7 +458,10 @@ def coded_indexed_blocks_parts(indices: np.ndarray, payloads: np.ndarray) -> tup
     flags name the coding) as parts for :func:`encode_parts`: ``count`` big-endian u32
     indices, then the ``count`` coded blocks, ``payloads`` ((count, P) uint8, P =
     :func:`coded_payload_bytes`), not copied when C-contiguous. (A flat view: a
-    memoryview cannot cast an empty 2-D array.)"""
+    memoryview cannot cast an empty 2-D array.) Raises as
+    :func:`indexed_blocks_parts`."""
+    _check_rows("payloads", payloads)
+    indices = _check_indices(indices, payloads.shape[0])
     return (indices.astype(">u4").tobytes(),
             np.ascontiguousarray(payloads, np.uint8).reshape(-1))
 
@@ -379,9 +491,17 @@ def unpack_indexed_blocks(payload: memoryview, count: int, block_elems: int,
 
 
 def pack_end(counts) -> bytes:
-    """END payload: MAX_CHANNELS big-endian u32 block counts, channel 0 first."""
+    """END payload: MAX_CHANNELS big-endian u32 block counts, channel 0 first (the
+    channels not given are 0).
+
+    Raises TypeError for a count that is not an integer (1.5 is not truncated),
+    ValueError for more than ``MAX_CHANNELS`` counts or a count outside a u32."""
+    counts = list(counts)
+    if len(counts) > MAX_CHANNELS:
+        raise ValueError(f"{len(counts)} END counts: at most {MAX_CHANNELS}, one per channel")
     c = np.zeros(MAX_CHANNELS, ">u4")
-    c[: len(counts)] = counts
+    c[: len(counts)] = [_field(f"END count of channel {i}", v, 32)
+                        for i, v in enumerate(counts)]
     return c.tobytes()
 
 
@@ -468,8 +588,34 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     ``indices``: (n,) int; ``blocks``: (n, block_elems) float32, or with a ``coding``
     other than FP32 the coded payloads, (n, coded_payload_bytes) uint8 (dgt.codec).
     Returns a (n, size) uint8 array; row i is the datagram for block ``indices[i]``. All
-    rows have one size, which is what UDP GSO needs.
+    rows have one size, which is what UDP GSO needs. With ``key`` (1 to 64 bytes) every
+    row carries the UDP MAC.
+
+    Raises (O(1) checks and one vectorised pass over ``indices``, before any byte is
+    written) ValueError, naming the field and its range: ``channel`` over 7 (a shard
+    takes 1..7), ``coding`` not a :class:`Coding`, ``session``, ``sender``, ``shard`` or
+    ``iteration`` out of its header field's range, an index outside a u32, not one
+    index per block, ``blocks`` not 2-D or with no value (a coded row of a size no
+    block has in that coding), or an empty ``key``; TypeError for a field or
+    ``indices`` that is not an integer (array).
     """
+    if not (type(channel) is type(session) is type(sender) is type(shard)
+            is type(iteration) is int and 0 <= channel < MAX_CHANNELS
+            and 0 <= session <= 0xFFFFFFFFFFFFFFFF and 0 <= sender <= 0xFFFF
+            and 0 <= shard <= 0xFFFF and 0 <= iteration <= 0xFFFFFFFF):
+        if _field("channel", channel, 8) >= MAX_CHANNELS:   # name the field
+            raise ValueError(f"channel {channel} is out of range: 0..{MAX_CHANNELS - 1} "
+                             "(decoders refuse it: bad_channel; a shard takes 1..7 only)")
+        _field("session", session, 64)
+        _field("sender", sender, 16)
+        _field("shard", shard, 16)
+        _field("iteration", iteration, 32)
+    if coding not in _CODINGS:
+        raise ValueError(f"coding {coding!r} is not a Coding (0..{max(_CODINGS)}; "
+                         "receivers refuse it: bad_coding)")
+    check_key(key)
+    _check_rows("blocks", blocks)
+    indices = _check_indices(indices, blocks.shape[0])
     if coding == Coding.FP32:
         n, elems = blocks.shape
         plen = elems * 4
@@ -477,14 +623,18 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     else:
         n, plen = blocks.shape
         payload = blocks
-    size = HEADER_BYTES + plen + (MAC_BYTES if key else 0)
+    if plen < coded_payload_bytes(coding, 1) or (
+            coding in (Coding.FP16, Coding.BF16) and plen % 2):   # block_payload_problem
+        raise ValueError(f"blocks: a row of {plen} B is no block coded as "
+                         f"{Coding(coding).name} (docs/wire.md, Block codings)")
+    size = HEADER_BYTES + plen + (MAC_BYTES if key is not None else 0)
     out = np.empty((n, size), np.uint8)
     hdr = np.empty(n, HEADER_DTYPE)
     hdr["magic"] = MAGIC
     hdr["version"] = VERSION
     hdr["type"] = MsgType.BLOCKS
     hdr["channel"] = channel
-    hdr["flags"] = (MAC_BIT if key else 0) | (int(coding) << CODING_SHIFT)
+    hdr["flags"] = (MAC_BIT if key is not None else 0) | (int(coding) << CODING_SHIFT)
     hdr["session"] = session
     hdr["sender"] = sender
     hdr["shard"] = shard
@@ -494,6 +644,6 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     hdr["length"] = plen
     out[:, :HEADER_BYTES] = hdr.view(np.uint8).reshape(n, HEADER_BYTES)
     out[:, HEADER_BYTES:HEADER_BYTES + plen] = payload
-    if key:
+    if key is not None:
         udpmac.sign_rows(udpmac.derive_keys(key), out)   # the whole batch in one call (docs/wire.md, "UDP MAC")
     return out

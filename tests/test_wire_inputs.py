@@ -1,0 +1,433 @@
+"""Inputs an outside tester found mishandled in the sans-IO wire layer: encoders that
+took values out of their field's range, parsers whose output depended on how the bytes
+were split, and a shard session that took arguments it cannot work with."""
+import random
+
+import numpy as np
+import pytest
+
+from dgt.transport import wire
+from dgt.transport import session as S
+from dgt.transport import framing
+from dgt.transport.framing import Deframer, split_frames
+from dgt.transport.session import BlocksArrived, Rejected, ShardSession, WorkerFinalised
+from dgt.transport.wire import MsgType, WireError
+
+SESS = 0x1234
+ELEMS = 4
+
+
+# -- 1. encoders refuse what a decoder refuses, or what would wrap ---------------------
+
+def _enc(**kw):
+    args = dict(session=1, sender=0)
+    args.update(kw)
+    return wire.encode(kw.pop("t", MsgType.BLOCKS), **{k: v for k, v in args.items()
+                                                       if k != "t"})
+
+
+@pytest.mark.parametrize("field,value,phrase", [
+    ("t", 99, "not a MsgType"),
+    ("t", 0, "not a MsgType"),
+    ("channel", 99, "channel 99"),
+    ("channel", 8, "channel 8"),
+    ("sender", 70000, "sender 70000"),
+    ("sender", -1, "sender -1"),
+    ("shard", 1 << 16, "shard 65536"),
+    ("iteration", 1 << 32, "iteration 4294967296"),
+    ("iteration", -1, "iteration -1"),
+    ("block", 1 << 32, "block 4294967296"),
+    ("count", -5, "count -5"),
+    ("session", 1 << 64, "session"),
+    ("flags", 256, "flags 256"),
+])
+def test_encode_refuses_a_field_out_of_its_range(field, value, phrase):
+    with pytest.raises(ValueError, match=phrase) as e:
+        _enc(**{field: value})
+    assert not isinstance(e.value, WireError)
+    assert "struct" not in str(e.value)
+
+
+@pytest.mark.parametrize("field", ["sender", "iteration", "channel", "block"])
+def test_encode_refuses_a_field_that_is_not_an_integer(field):
+    with pytest.raises(TypeError, match=field):
+        _enc(**{field: 1.5})
+
+
+def test_encode_takes_the_largest_values_of_each_field():
+    buf = _enc(session=(1 << 64) - 1, sender=65535, shard=65535, iteration=(1 << 32) - 1,
+               block=(1 << 32) - 1, count=(1 << 32) - 1, channel=7, flags=0x1C,
+               t=MsgType.BYE)
+    h, _ = wire.decode(buf)
+    assert (h.sender, h.iteration, h.channel) == (65535, (1 << 32) - 1, 7)
+
+
+def _dgrams(**kw):
+    args = dict(session=1, sender=1, shard=0, iteration=0, channel=1,
+                indices=np.array([3]), blocks=np.ones((1, 4), np.float32))
+    args.update(kw)
+    return wire.encode_block_datagrams(**args)
+
+
+@pytest.mark.parametrize("kw,phrase", [
+    (dict(indices=np.array([2 ** 33])), "u32"),
+    (dict(indices=np.array([-1])), "u32"),
+    (dict(indices=np.array([1, 2])), "2 indices for 1 blocks"),
+    (dict(channel=99), "channel 99"),
+    (dict(sender=70000), "sender 70000"),
+    (dict(iteration=-1), "iteration -1"),
+    (dict(shard=1 << 16), "shard 65536"),
+    (dict(session=-1), "session"),
+    (dict(coding=6), "not a Coding"),
+    (dict(blocks=np.ones(4, np.float32)), "2-D"),
+    (dict(blocks=np.ones((1, 0), np.float32)), "no block"),
+])
+def test_encode_block_datagrams_refuses_what_would_wrap_or_be_refused(kw, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        _dgrams(**kw)
+
+
+def test_encode_block_datagrams_refuses_float_indices():
+    with pytest.raises(TypeError, match="indices"):
+        _dgrams(indices=np.array([1.5]))
+
+
+def test_pack_indexed_blocks_needs_one_index_per_block():
+    with pytest.raises(ValueError, match="3 indices for 2 blocks"):
+        wire.pack_indexed_blocks(np.arange(3), np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="u32"):
+        wire.pack_indexed_blocks(np.array([2 ** 32]), np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="u32"):
+        wire.coded_indexed_blocks_parts(np.array([-1]), np.zeros((1, 8), np.uint8))
+    assert len(wire.pack_indexed_blocks(np.arange(2), np.zeros((2, 4), np.float32))) == 40
+
+
+def test_pack_end_refuses_fractions_negatives_and_too_many_channels():
+    with pytest.raises(TypeError, match="integer"):
+        wire.pack_end([1.5, 2])
+    with pytest.raises(ValueError, match="END count of channel 1"):
+        wire.pack_end([1, -2])
+    with pytest.raises(ValueError, match="END count of channel 0"):
+        wire.pack_end([1 << 32])
+    with pytest.raises(ValueError, match="at most 8"):
+        wire.pack_end([0] * 9)
+    assert wire.unpack_end(memoryview(wire.pack_end([4, 3]))).tolist() == [4, 3] + [0] * 6
+
+
+def test_an_empty_key_is_refused_by_every_encoder_and_decoder():
+    """One rule: b"" is no key a job can have (1 to 64 bytes), never "no key"."""
+    calls = [
+        lambda: wire.encode(MsgType.HELLO, session=1, sender=0, key=b""),
+        lambda: wire.encode_parts(MsgType.HELLO, session=1, sender=0, key=b""),
+        lambda: _dgrams(key=b""),
+        lambda: wire.decode(wire.encode(MsgType.HELLO, session=1, sender=0), key=b""),
+        lambda: Deframer(key=b""),
+        lambda: ShardSession(session=1, shard=0, lo=0, hi=4, block_elems=4, n_workers=2,
+                             deadline_s=0.05, key=b""),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="1 to 64 bytes"):
+            call()
+    # None is no key: no MAC, in both encoders alike
+    assert not wire.decode(wire.encode(MsgType.HELLO, session=1, sender=0))[0].flags
+    assert not _dgrams(key=None)[0][5]
+
+
+# -- 2. the same output however the bytes are split ------------------------------------
+
+def _good_frames(n=8):
+    return [wire.encode(MsgType.BLOCKS, session=9, sender=1, iteration=i,
+                        payload=bytes([i]) * (3 * i)) for i in range(n)]
+
+
+def _deframe(stream: bytes, cuts: list[int]):
+    """Frames (iteration, payload) and the error reason, feeding ``stream`` cut at
+    ``cuts``; every feed after the error must raise it again."""
+    d = Deframer()
+    got, err = [], None
+    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])] + [b""]
+    for p in pieces:
+        try:
+            got += [(h.iteration, bytes(x)) for h, x in d.feed(p)]
+        except WireError as e:
+            err = e.reason
+            with pytest.raises(WireError):
+                d.feed(b"more")
+            break
+    return got, err
+
+
+@pytest.mark.parametrize("garbage", [b"\x00" * 40, b"XY" + b"\x00" * 60,
+                                     wire.encode(MsgType.END, session=9, sender=1)[:3]
+                                     + b"\x63" + b"\x00" * 40])
+def test_deframer_output_does_not_depend_on_the_split(garbage):
+    frames = _good_frames()
+    stream = b"".join(frames) + garbage
+    want = [(i, bytes([i]) * (3 * i)) for i in range(8)]
+    whole = _deframe(stream, [])
+    assert whole[0] == want and whole[1] in ("bad_magic", "bad_type")
+    assert _deframe(stream, list(range(1, len(stream)))) == whole   # byte by byte
+    rng = random.Random(7)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(1, 12)))
+        assert _deframe(stream, cuts) == whole
+
+
+def test_split_frames_returns_the_good_frames_before_the_error():
+    stream = b"".join(_good_frames()) + b"\x00" * 40
+    frames, used, need, err = framing.parse_frames(memoryview(stream))
+    assert [h.iteration for h, _ in frames] == list(range(8))
+    assert used == len(stream) - 40 and err.reason == "bad_magic"
+    frames, used, need = split_frames(memoryview(stream))
+    assert [h.iteration for h, _ in frames] == list(range(8))
+    with pytest.raises(WireError, match="bad_magic"):
+        split_frames(memoryview(stream)[used:])
+    frames, used, need, err = framing.parse_frames(memoryview(b"".join(_good_frames(3))[:-1]))
+    assert len(frames) == 2 and err is None and need > 0
+
+
+def test_frame_protocol_acts_on_the_good_frames_then_aborts():
+    """transport.aio: one read holding good frames and then garbage hands the good
+    frames on, then counts the bad one and aborts, as byte-by-byte reads would."""
+    from dgt.transport.aio import FrameProtocol
+
+    class Transport:
+        closing = False
+
+        def is_closing(self):
+            return self.closing
+
+        def abort(self):
+            log.append("abort")
+            self.closing = True
+
+        def get_extra_info(self, name):
+            return None
+
+    def run(stream, chunk):
+        global log
+        log = []
+        p = FrameProtocol(on_frame=lambda pr, h, pl, now: log.append(h.iteration),
+                          on_lost=lambda pr, e: None,
+                          on_bad=lambda pr, why: log.append(why))
+        p.connection_made(Transport())
+        for i in range(0, len(stream), chunk):
+            if p.transport.closing:
+                break
+            data = stream[i:i + chunk]
+            buf = p.get_buffer(len(data))
+            buf[:len(data)] = data
+            p.buffer_updated(len(data))
+        return log
+
+    stream = b"".join(_good_frames()) + b"\x00" * 40
+    want = list(range(8)) + ["bad_magic", "abort"]
+    assert run(stream, len(stream)) == want
+    assert run(stream, 1) == want
+    assert run(stream, 50) == want
+
+
+log: list = []
+
+
+def _norm(events):
+    """Events one block and one outcome each; consecutive equal rejections as one (a
+    run's stretch of datagrams refused for one reason is one event)."""
+    out = []
+    for e in events:
+        if isinstance(e, BlocksArrived):
+            rows = np.atleast_1d(e.rows)
+            data = np.asarray(e.data).reshape(rows.size, -1)
+            out += [("block", e.sender, e.iteration, e.channel, int(r), d.tobytes(),
+                     e.coding) for r, d in zip(rows, data)]
+        elif isinstance(e, Rejected):
+            if out and out[-1] == ("rejected", e.reason):
+                continue
+            out.append(("rejected", e.reason))
+        elif isinstance(e, WorkerFinalised):
+            out.append(("final", e.sender, e.iteration, e.received.tobytes(), e.reason))
+        else:
+            out.append((type(e).__name__, e.iteration))
+    return out
+
+
+def _mk(key=None):
+    return ShardSession(session=SESS, shard=1, lo=10, hi=20, block_elems=ELEMS,
+                        n_workers=3, deadline_s=0.05, key=key)
+
+
+def test_a_duplicate_within_one_gro_run_is_reported_as_alone():
+    """The tester's reproduction: block 3 twice, alone and as one GRO buffer."""
+    d = wire.encode_block_datagrams(session=1, sender=1, shard=0, iteration=0, channel=1,
+                                    indices=np.array([3, 3]),
+                                    blocks=np.ones((2, 4), np.float32))
+
+    def mk():
+        return ShardSession(session=1, shard=0, lo=0, hi=10, block_elems=4, n_workers=2,
+                            deadline_s=0.05)
+    a, b = mk(), mk()
+    one = a.receive_datagram(bytes(d[0]), 0) + a.receive_datagram(bytes(d[1]), 0)
+    run = b.receive_datagram(bytes(d[0]) + bytes(d[1]), 0)
+    assert [type(e).__name__ for e in one] == ["BlocksArrived", "Rejected"]
+    assert _norm(run) == _norm(one)
+    assert a.counters.channels[1] == b.counters.channels[1]
+
+
+def test_in_a_run_a_rejection_comes_where_its_datagram_is():
+    good = wire.encode_block_datagrams(session=SESS, sender=0, shard=1, iteration=0,
+                                       channel=1, indices=np.array([10, 11]),
+                                       blocks=np.ones((2, ELEMS), np.float32))
+    bad = wire.encode_block_datagrams(session=SESS, sender=0, shard=1, iteration=0,
+                                      channel=1, indices=np.array([25]),
+                                      blocks=np.ones((1, ELEMS), np.float32))
+    buf = good[0].tobytes() + bad[0].tobytes() + good[1].tobytes()
+    ev = _mk().receive_datagram(buf, 0)
+    assert [(type(e).__name__, getattr(e, "reason", None)) for e in ev] == \
+        [("BlocksArrived", None), ("Rejected", "bad_block"), ("BlocksArrived", None)]
+
+
+def _state(s):
+    return (s.received.tobytes(), s.per_channel.tobytes(), s.finalised.tobytes(),
+            dict(s.counters.rejected),
+            [(c.blocks_delivered, c.bytes_delivered, c.blocks_duplicate, c.blocks_late,
+              c.blocks_lost) for c in s.counters.channels])
+
+
+def _prepared(key):
+    """A shard in iteration 2 with iteration 1's blocks 10-12 of worker 0 in, worker 2
+    final, worker 1's END waiting for 2 blocks on channel 1."""
+    s = _mk(key)
+    s.advance()
+    s.receive_datagram(wire.encode_block_datagrams(
+        session=SESS, sender=0, shard=1, iteration=1, channel=1,
+        indices=np.array([10, 11, 12]), blocks=np.ones((3, ELEMS), np.float32),
+        key=key).tobytes(), 0)
+    s.advance()
+    for w, counts in ((2, [0, 0]), (1, [0, 2])):
+        s.receive_frame(*wire.decode(wire.encode(
+            MsgType.END, session=SESS, sender=w, shard=1, iteration=2, count=sum(counts),
+            payload=wire.pack_end(counts), key=key), key), 0)
+    return s
+
+
+_MUTANTS = ["magic", "version", "type_end", "type_hello", "type_99", "channel9",
+            "indexed", "coding5", "coding1", "count2", "longer", "shorter", "nomac"]
+
+
+def _datagram(rng, key, mutant=None):
+    """One 50-byte (66 with a key) BLOCKS datagram, random fields, maybe a mutant."""
+    k = key
+    if key is not None and rng.random() < 0.1:
+        k = b"wrong"
+    payload = np.full(ELEMS, rng.random(), np.float32).tobytes()
+    if mutant == "nomac":   # no MAC flag, a payload as long as a MAC-ed block's datagram
+        k, payload = None, payload + bytes(16)
+    d = bytearray(wire.encode(
+        MsgType.BLOCKS, session=SESS if rng.random() < 0.9 else SESS + 1,
+        sender=rng.choice([0, 0, 1, 1, 1, 2, 3]),
+        shard=1 if rng.random() < 0.9 else 2,
+        iteration=rng.choice([0, 1, 1, 2, 2, 2, 2, 3]),
+        channel=rng.choice([0, 1, 1, 1, 2, 3]), block=rng.randint(8, 21), count=1,
+        payload=payload, key=k))
+    if mutant == "magic":
+        d[0] = 0
+    elif mutant == "version":
+        d[2] = 9
+    elif mutant == "type_end":
+        d[3] = MsgType.END
+    elif mutant == "type_hello":
+        d[3] = MsgType.HELLO
+    elif mutant == "type_99":
+        d[3] = 99
+    elif mutant == "channel9":
+        d[4] = 9
+    elif mutant == "indexed":
+        d[5] |= wire.INDEXED_BIT
+    elif mutant == "coding5":
+        d[5] |= 5 << wire.CODING_SHIFT
+    elif mutant == "coding1":
+        d[5] |= 1 << wire.CODING_SHIFT
+    elif mutant == "count2":
+        d[29] = 2
+    elif mutant == "longer":
+        d[33] += 4
+    elif mutant == "shorter":
+        d[33] -= 4
+    return bytes(d)
+
+
+@pytest.mark.parametrize("key", [None, b"k"])
+def test_a_gro_run_gives_the_events_of_its_datagrams_one_by_one(key):
+    """Datagrams cut into GRO runs at random (each run starting with an intact BLOCKS
+    datagram, as the kernel's runs do, possibly a tail marker last) give the same
+    events in the same order, the same counters and state, as one by one: strays,
+    bad blocks and MACs, stale, late, future, duplicates within and across runs, a
+    worker finalised in the middle of a run, and malformed datagrams."""
+    rng = random.Random(11 if key else 5)
+    for trial in range(150):
+        n = rng.randint(1, 30)
+        mutant_p = rng.choice([0.0, 0.1, 0.3])
+        dgs, anchors = [], []
+        for i in range(n):
+            m = rng.choice(_MUTANTS) if rng.random() < mutant_p else None
+            if m == "nomac" and key is None:
+                m = None
+            dgs.append(_datagram(rng, key, m))
+            if m in (None, "magic", "version", "channel9", "indexed", "coding5",
+                     "coding1", "count2"):
+                anchors.append(i)   # header keeps its BLOCKS type and its size
+        starts = sorted({0} | {i for i in anchors if rng.random() < 0.3}) \
+            if anchors and anchors[0] == 0 else None
+        if starts is None:
+            continue
+        runs = [dgs[a:b] for a, b in zip(starts, [*starts[1:], n])]
+        if rng.random() < 0.3:   # a tail marker appended to the last run, as GRO does
+            marker = wire.encode(MsgType.END, session=SESS, sender=rng.choice([0, 1]),
+                                 shard=1, iteration=2, channel=1, count=rng.randint(0, 3),
+                                 key=key)
+            runs[-1] = runs[-1] + [marker]
+        a, b = _prepared(key), _prepared(key)
+        one = [e for run in runs for d in run for e in b.receive_datagram(d, 0.01)]
+        whole = [e for run in runs for e in a.receive_datagram(b"".join(run), 0.01)]
+        assert _norm(whole) == _norm(one), (trial, runs)
+        assert _state(a) == _state(b), trial
+
+
+# -- 3. a session refuses arguments it cannot work with --------------------------------
+
+@pytest.mark.parametrize("kw,phrase", [
+    (dict(deadline_s=float("nan")), "deadline_s"),
+    (dict(deadline_s=float("inf")), "deadline_s"),
+    (dict(deadline_s=-1.0), "deadline_s"),
+    (dict(n_workers=0), "n_workers"),
+    (dict(block_elems=0), "block_elems"),
+    (dict(block_elems=-4), "block_elems"),
+    (dict(lo=5, hi=4), "hi"),
+    (dict(lo=-1), "lo"),
+    (dict(shard=1 << 16), "shard"),
+    (dict(session=-1), "session"),
+])
+def test_shard_session_refuses_arguments_it_cannot_work_with(kw, phrase):
+    args = dict(session=1, shard=0, lo=0, hi=10, block_elems=4, n_workers=2,
+                deadline_s=0.05)
+    args.update(kw)
+    with pytest.raises(ValueError, match=phrase):
+        ShardSession(**args)
+
+
+def test_shard_session_refuses_a_fractional_count():
+    with pytest.raises(TypeError, match="n_workers"):
+        ShardSession(session=1, shard=0, lo=0, hi=10, block_elems=4, n_workers=2.5,
+                     deadline_s=0.05)
+
+
+def test_a_zero_deadline_still_finalises_after_end():
+    s = ShardSession(session=1, shard=0, lo=0, hi=10, block_elems=4, n_workers=2,
+                     deadline_s=0.0)
+    s.receive_frame(*wire.decode(wire.encode(MsgType.END, session=1, sender=1, shard=0,
+                                             count=1, payload=wire.pack_end([0, 1]))), 0)
+    assert s.next_deadline() == 0.0
+    assert [type(e).__name__ for e in s.poll(0.0)] == ["WorkerFinalised"]
+
+
+assert S.ShardSession is ShardSession

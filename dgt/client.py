@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
+import numbers
 import os
 import re
 import socket
@@ -33,6 +35,7 @@ from .config import LAUNCHED_ENV, default_socket, peer_timeout_of, trainer_timeo
 from .errors import PeerFailure
 from .failure import FailureReason
 from .process import ended
+from .scheduler.assign import loss_value
 
 
 #: s: how long a trainer whose sidecar closed the connection waits for that process to
@@ -56,6 +59,18 @@ def no_sidecar(path: str, waited_s: float, why: str) -> str:
                 f"it is not ready (still waiting at the rendezvous, frozen or dead); see "
                 f"its log sidecar-<rank>.log in the run dir")
     return f"no sidecar at {path} after {waited_s:.0f} s ({why}); start 'dgt sidecar' first"
+
+
+def _seconds(name: str, value, what: str) -> float:
+    """``value`` of the Client argument ``name`` as float seconds. Raises ValueError,
+    naming the argument and ``what`` the seconds are for, unless it is a finite number
+    > 0 (not a bool or a str)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    v = float(value) if ok else math.nan
+    if not 0.0 < v < math.inf:   # NaN too
+        raise ValueError(f"Client({name}={value!r}): give the seconds {what}, a finite "
+                         f"number > 0")
+    return v
 
 
 def sidecar_log_of(path: str) -> str | None:
@@ -89,10 +104,27 @@ class Client:
     may set ``sidecar_exit`` (``wait_s`` -> how it ended, e.g. ``was killed by
     SIGKILL``, or None while it runs) for the message to say more (dgt.ddp does); its
     log is named where dgt's launchers put it (:func:`sidecar_log_of`).
+
+    ``connect_timeout_s``: how long to wait for the sidecar's socket to accept (s).
+
+    The arguments are checked first, in one line naming the argument: ValueError for a
+    ``timeout_s`` (when given) or ``connect_timeout_s`` that is not a finite number > 0
+    (NaN, inf, 0, a negative, a bool, a str), and a ``rank`` that is not an int >= 0.
+    Then PeerFailure when no sidecar accepts on ``path`` within ``connect_timeout_s``, or
+    another user's process listens there.
     """
 
     def __init__(self, path: str | None = None, timeout_s: float | None = None,
                  connect_timeout_s: float = 60.0, rank: int = 0):
+        if timeout_s is not None:
+            timeout_s = _seconds("timeout_s", timeout_s,
+                                 "every wait for the sidecar may take")
+        connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s,
+                                     "to wait for the sidecar's socket")
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0:
+            raise ValueError(f"Client(rank={rank!r}): give this trainer's rank, an int "
+                             f">= 0")
+        rank = int(rank)
         if path is None:
             path = default_socket(rank)
         if timeout_s is None:
@@ -253,8 +285,16 @@ class Client:
         call, and all before ``push_pull`` returns. The values are the same as
         without ``ready``; only when they are applied changes.
 
+        ``loss``: this step's training loss, for the sidecar's adaptive k
+        (``--adaptive-k``): one real number (a Python number, a numpy scalar, a 0-dim or
+        one-element tensor or array; sent as ``float(loss)``), or None. A NaN, inf or a
+        loss <= 0 is sent as it is and the adaptive k ignores it
+        (``scheduler.assign.AdaptiveK.update``).
+
         Raises RuntimeError before register() or after close(), ValueError for a step
-        out of order, and PeerFailure when the job failed. What ``ready`` raises is
+        out of order, TypeError naming ``loss`` for a loss that is not one real number
+        (a tensor of more elements, a str, a bool; nothing is sent, the step is still
+        due), and PeerFailure when the job failed. What ``ready`` raises is
         raised unchanged, after the iteration's last PULL is in (the step counts as
         done; the parameters ``ready`` had not been given yet have their ``p.grad``
         set but were not passed to it).
@@ -266,6 +306,7 @@ class Client:
         if step != self.next_step:
             raise ValueError(f"step {step} out of order: expected {self.next_step} "
                              f"(one push_pull per iteration, counting from 0)")
+        loss = loss_value(loss)   # TypeError before anything moves
         g = torch.from_numpy(self.grad)[: self.n_params]
         a = torch.from_numpy(self.aggregate)[: self.n_params]
         had_none = [p.grad is None for p in self.params]
@@ -356,8 +397,9 @@ class Client:
         sidecar's trace counts comm time from it; default now). ``on_range(lo, hi)``:
         called as each shard's range [lo, hi) of ``self.aggregate`` (elements, clipped
         to ``n_params``) is final, before the call returns (PULLs pipelined per shard
-        range). Raises PeerFailure."""
-        self._send({"op": "push", "t": int(step), "loss": loss,
+        range). ``loss``: as :meth:`push_pull` takes it. Raises TypeError naming ``loss``
+        for a loss that is not one real number (nothing is sent), PeerFailure."""
+        self._send({"op": "push", "t": int(step), "loss": loss_value(loss),
                     "start": time.monotonic() if start is None else start,
                     **({"ranges": True} if on_range is not None else {})})
         error = None   # what on_range raised: re-raised once the iteration is read

@@ -31,6 +31,7 @@ Example::
 """
 from __future__ import annotations
 
+import numbers
 import os
 
 import numpy as np
@@ -71,15 +72,41 @@ def encode(coding: int, blocks: torch.Tensor, decoded: torch.Tensor | None = Non
     q = 0 for a zero block); int4 the same with 7 for 127, two q a byte (the even value
     in the low nibble). A block with a NaN or inf gets a non-finite s (its q are
     unspecified), so it decodes non-finite and the shard keeps it out of the sum as any
-    non-finite block. Raises ValueError for FP32, an unknown coding, or ``decoded`` and
-    ``error`` in one array."""
+    non-finite block.
+
+    Every coding takes the same inputs: ``blocks`` that is not contiguous is coded as
+    its contiguous copy, and one that requires grad from its values (detached; so are
+    ``decoded`` and ``error``, written in place). The checks are O(1), no pass over the
+    data. Raises TypeError for ``blocks`` that is not a float32 torch tensor (float64,
+    float16, a numpy array: the message names the dtype or type); ValueError for
+    ``blocks`` not of shape (m, E) with E > 0 or not on the CPU, ``decoded`` or
+    ``error`` that is not a float32 CPU tensor of ``blocks``' shape, FP32, an unknown
+    coding, or ``decoded`` and ``error`` in one array."""
+    if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.float32:
+        got = blocks.dtype if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+        raise TypeError(f"blocks must be a float32 tensor of shape (m, E), got {got}")
+    if blocks.dim() != 2:
+        raise ValueError(f"blocks must have shape (m, E) with E > 0, got "
+                         f"{tuple(blocks.shape)}")
     m, e = blocks.shape
+    if e == 0:
+        raise ValueError(f"blocks must have shape (m, E) with E > 0, got {(m, e)}")
+    if not blocks.is_cpu:
+        raise ValueError(f"blocks must be on the CPU, got {blocks.device}")
     p = coded_payload_bytes(coding, e)
     if coding == Coding.FP32 or p is None:
         raise ValueError(f"no block codec for coding {coding}")
     if error is not None and (error is decoded or decoded is blocks):
         raise ValueError("decoded and error must be two arrays, and decoded not blocks "
                          "when error is asked for")
+    if decoded is not None:
+        decoded = _output("decoded", decoded, m, e)
+    if error is not None:
+        error = _output("error", error, m, e)
+    if blocks.requires_grad:
+        blocks = blocks.detach()
+    if not blocks.is_contiguous():   # (fp16/bf16 view their rows as bytes)
+        blocks = blocks.contiguous()
     if coding == Coding.INT8 and _native is not None and _plain_cpu(blocks, decoded,
                                                                       error):
         out = np.empty((m, p), np.uint8)
@@ -98,6 +125,18 @@ def encode(coding: int, blocks: torch.Tensor, decoded: torch.Tensor | None = Non
     if error is not None:
         torch.sub(blocks, dec, out=error)
     return out
+
+
+def _output(name: str, t: torch.Tensor, m: int, e: int) -> torch.Tensor:
+    """``t``, encode's ``decoded`` or ``error`` (``name``), detached. Raises ValueError
+    unless it is a float32 CPU tensor of shape (m, e)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 \
+            or t.shape != (m, e) or not t.is_cpu:
+        got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+               else type(t).__name__)
+        raise ValueError(f"{name} must be a float32 tensor of blocks' shape {(m, e)}, "
+                         f"on the CPU, got {got}")
+    return t.detach() if t.requires_grad else t
 
 
 def native() -> bool:
@@ -157,19 +196,33 @@ def decode(coding: int, rows: np.ndarray, block_elems: int,
     strided views into datagrams) to (m, block_elems) float32, deterministic (int8: one
     f32 multiply ``q * s`` per value; int4 too). Written into ``out`` when given ((m,
     block_elems) float32, C-contiguous, e.g. a shard's receive rows), else into a new
-    array; returns it. Raises ValueError for FP32, an unknown coding, rows of the wrong
+    array; returns it. The checks are O(1). Raises TypeError for ``rows`` that is not a
+    numpy uint8 array (a torch tensor, int8 bytes); ValueError for ``rows`` not 2-D,
+    ``block_elems`` that is not an int > 0, FP32, an unknown coding, rows of the wrong
     width, or an ``out`` that does not fit."""
-    p = coded_payload_bytes(coding, block_elems)
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8:
+        got = rows.dtype if isinstance(rows, np.ndarray) else type(rows).__name__
+        raise TypeError(f"rows must be a numpy uint8 array of shape (m, payload bytes), "
+                        f"got {got}")
+    if rows.ndim != 2:
+        raise ValueError(f"rows must have shape (m, payload bytes), got {rows.shape}")
+    if isinstance(block_elems, bool) or not isinstance(block_elems, numbers.Integral) \
+            or block_elems < 1:
+        raise ValueError(f"block_elems must be an int > 0, got {block_elems!r}")
+    m, e = rows.shape[0], int(block_elems)
+    p = coded_payload_bytes(coding, e)
     if coding == Coding.FP32 or p is None:
         raise ValueError(f"no block codec for coding {coding}")
-    m, e = rows.shape[0], block_elems
-    if rows.shape[1:] != (p,):
+    if rows.shape[1] != p:
         raise ValueError(f"coding {coding} rows must be {p} B wide, got {rows.shape}")
     if out is None:
         out = np.empty((m, e), np.float32)
-    elif out.shape != (m, e) or out.dtype != np.float32 or not out.flags.c_contiguous:
+    elif not isinstance(out, np.ndarray) or out.shape != (m, e) \
+            or out.dtype != np.float32 or not out.flags.c_contiguous:
+        got = (f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray)
+               else type(out).__name__)
         raise ValueError(f"out must be a C-contiguous float32 array of {(m, e)}, got "
-                         f"{out.dtype} {out.shape}")
+                         f"{got}")
     if m == 0:   # numpy may give an empty array any strides; torch cannot view those
         return out
     if coding == Coding.INT8 and _native is not None and rows.strides[-1] == 1:

@@ -11,7 +11,9 @@ of the reliable slots is given to randomly chosen low-score blocks (exploration)
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import torch
 
 #: Channel value meaning "not sent" (mode ``topk``: the sender drops the unreliable share).
@@ -85,12 +87,38 @@ def assign_channels(order: torch.Tensor, n_reliable: int, udp_channels: int, *,
     return channel
 
 
+def loss_value(loss) -> float | None:
+    """``loss`` as a Python float, or None for None: a real number (a Python int or
+    float, a numpy scalar, a 0-dim or one-element tensor or numpy array of an integer or
+    floating dtype, on any device, requiring grad or not) is ``float(loss)``, NaN and inf
+    included. O(1) checks; a CUDA tensor is read once (a synchronisation).
+
+    Raises TypeError naming ``loss`` for anything else: a bool, a str, a complex, a
+    list, a tensor or array of more than one element or of a bool or complex dtype.
+    """
+    if loss is None:
+        return None
+    if isinstance(loss, numbers.Real) and not isinstance(loss, (bool, np.bool_)):
+        return float(loss)
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() == 1 and not loss.dtype.is_complex and loss.dtype != torch.bool:
+            return float(loss.detach().reshape(()).item())
+    elif isinstance(loss, np.ndarray):
+        if loss.size == 1 and loss.dtype.kind in "iuf":
+            return float(loss.reshape(()).item())
+    what = (f"{type(loss).__name__} of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+            if isinstance(loss, (torch.Tensor, np.ndarray)) else repr(loss))
+    raise TypeError(f"loss must be one real number (a Python number, a numpy scalar, a "
+                    f"one-element tensor or array) or None, got {what}")
+
+
 class AdaptiveK:
     """Loss-driven reliable fraction: ``k_t = max(k0 * loss_t / loss_0, k_min)``.
 
     Source: the DGT code's DMLC_K / DMLC_K_MIN. ``k0``, ``k_min`` in [0, 1]; ``loss_0`` is
-    the first loss seen. Returns k0 until a loss is known; never exceeds k0... unless
-    the loss grows, in which case it is capped at 1.
+    the first usable loss seen. Returns k0 until a loss is known; never exceeds k0...
+    unless the loss grows, in which case it is capped at 1. Raises ValueError unless
+    0 <= k_min <= k0 <= 1.
     """
 
     def __init__(self, k0: float, k_min: float = 0.2):
@@ -99,12 +127,19 @@ class AdaptiveK:
         self.k0, self.k_min = k0, k_min
         self.loss0: float | None = None
 
-    def update(self, loss: float | None) -> float:
+    def update(self, loss) -> float:
+        """k (a Python float) for a step whose loss is ``loss``: one real number taken as
+        ``float(loss)`` (:func:`loss_value`: a Python number, a numpy scalar, a 0-dim or
+        one-element tensor or array), or None. A loss that is None, NaN, inf or <= 0 is
+        no measurement: k0 before the first usable loss, k_min after it, and it is
+        never taken as ``loss_0``. Raises TypeError naming ``loss`` for anything else
+        (a tensor of more elements, a str, a bool)."""
+        loss = loss_value(loss)
         if loss is None or not math.isfinite(loss) or loss <= 0:
             return self.k0 if self.loss0 is None else self.k_min
         if self.loss0 is None:
             self.loss0 = loss
-        return min(1.0, max(self.k0 * loss / self.loss0, self.k_min))
+        return float(min(1.0, max(self.k0 * loss / self.loss0, self.k_min)))
 
     def state_dict(self) -> dict:
         """The first loss seen (None before any): all that k depends on besides the
@@ -112,4 +147,6 @@ class AdaptiveK:
         return {"loss0": self.loss0}
 
     def load_state_dict(self, state: dict) -> None:
-        self.loss0 = state["loss0"]
+        """Back to what :meth:`state_dict` gave (a tensor ``loss0`` that an older
+        version kept is taken as its float)."""
+        self.loss0 = loss_value(state["loss0"])

@@ -17,7 +17,20 @@ finalising at END would mark them lost though they arrived.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+
+
+def _finite(name: str, value, low: float, what: str) -> float:
+    """``value`` of the AdaptiveDeadline argument ``name`` as a float. Raises ValueError
+    naming it unless it is a finite number >= ``low`` (not a bool or a str)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    v = float(value) if ok else math.nan
+    if not low <= v < math.inf:   # NaN too
+        raise ValueError(f"AdaptiveDeadline({name}={value!r}): give {what}, a finite "
+                         f"number >= {low:g}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -53,18 +66,25 @@ class AdaptiveDeadline:
     its lateness for the next ``window`` observations (about ``window / workers``
     iterations), then it decays back. A block that never comes (a real loss) is no
     observation, so loss does not inflate the wait. ``floor_s`` >= ``ceiling_s`` gives
-    the fixed deadline ``floor_s``. Units: seconds. Raises ValueError for a negative
-    floor, a margin < 1 or a window < 1.
+    the fixed deadline ``floor_s``. Units: seconds. Raises ValueError, in one line
+    naming the argument, for a ``floor_s`` or ``ceiling_s`` that is not a finite
+    number >= 0, a ``margin`` that is not a finite number >= 1, or a ``window`` that is
+    not an int >= 1 (NaN, inf, a bool or a str included).
     """
 
     def __init__(self, floor_s: float, ceiling_s: float, margin: float = 1.5,
                  window: int = 64):
-        if floor_s < 0 or margin < 1 or window < 1:
-            raise ValueError("floor_s >= 0, margin >= 1 and window >= 1 are required")
+        floor_s = _finite("floor_s", floor_s, 0.0, "seconds")
+        ceiling_s = _finite("ceiling_s", ceiling_s, 0.0, "seconds")
+        margin = _finite("margin", margin, 1.0, "a factor")
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral) \
+                or window < 1:
+            raise ValueError(f"AdaptiveDeadline(window={window!r}): give the number of "
+                             f"spreads kept, an int >= 1")
         from collections import deque
         self.floor_s, self.ceiling_s = floor_s, max(floor_s, ceiling_s)
         self.margin = margin
-        self.spreads: deque[float] = deque(maxlen=window)
+        self.spreads: deque[float] = deque(maxlen=int(window))
         self.highest_s = floor_s   # the longest deadline handed out (for the report)
         # worker-iterations complete only after floor_s: each would have lost blocks
         # under the fixed deadline (for the report)

@@ -249,3 +249,29 @@ def doc_table_keys(path: str, heading: str) -> list[str]:
     end = text.find("\n#", start)
     return re.findall(r"^\| `(\w+)` \|", text[start:end if end >= 0 else None], re.M)
 
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def sidecar(tmp_path):
+    """A hand-started sidecar of a one-worker job: (its socket's path, the process).
+    Stopped after the test, and its shared-memory buffers removed (a sidecar killed
+    with SIGKILL, here or by a test, cannot unlink them)."""
+    import glob
+    path = str(tmp_path / "s.sock")
+    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
+                          "--world", "1", "--master-port", str(free_port()), "--socket",
+                          path, "--run-dir", str(tmp_path)], stderr=subprocess.PIPE,
+                         text=True)
+    yield path, p
+    if p.poll() is None:
+        p.kill()
+    p.wait(timeout=30)
+    for f in glob.glob(os.path.join("/dev/shm", f"dgt-{p.pid}-*")):
+        os.unlink(f)

@@ -12,29 +12,7 @@ import torch
 from torch import nn
 
 import dgt
-from conftest import as_nobody
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def sidecar(tmp_path):
-    path = str(tmp_path / "s.sock")
-    p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
-                          "--world", "1", "--master-port", str(_free_port()), "--socket",
-                          path, "--run-dir", str(tmp_path)], stderr=subprocess.PIPE,
-                         text=True)
-    yield path, p
-    if p.poll() is None:
-        p.kill()
-    p.wait(timeout=30)
-    # a sidecar killed with SIGKILL (here or by a test) cannot unlink its buffer
-    for f in glob.glob(os.path.join("/dev/shm", f"dgt-{p.pid}-*")):
-        os.unlink(f)
+from conftest import as_nobody, free_port
 
 
 @pytest.mark.timeout(120)
@@ -259,7 +237,7 @@ def test_a_sidecar_refuses_another_user_s_connection_and_waits_for_its_own(share
     path = os.path.join(shared_tmp, "s.sock")
     run_dir = os.path.join(shared_tmp, "run")
     p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
-                          "--world", "1", "--master-port", str(_free_port()), "--socket",
+                          "--world", "1", "--master-port", str(free_port()), "--socket",
                           path, "--run-dir", run_dir], stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: os.umask(0))
     try:
@@ -297,7 +275,7 @@ def test_default_socket_and_run_dir_are_a_private_folder_of_this_user(tmp_path, 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
     env = {k: v for k, v in os.environ.items() if not k.startswith("DGT_")}
     p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
-                          "--world", "1", "--master-port", str(_free_port())], env=env,
+                          "--world", "1", "--master-port", str(free_port())], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()
@@ -327,7 +305,7 @@ def test_a_default_folder_another_user_could_write_is_refused_in_one_line(tmp_pa
     env = {k: v for k, v in os.environ.items() if not k.startswith("DGT_")}
     env["XDG_RUNTIME_DIR"] = str(xdg)
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
-                        "--world", "1", "--master-port", str(_free_port())], env=env,
+                        "--world", "1", "--master-port", str(free_port())], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stderr
     assert f"{xdg}/dgt {want}" in p.stderr, p.stderr
@@ -379,7 +357,7 @@ def test_a_trainer_whose_sidecar_was_killed_names_its_log_and_no_peer(tmp_path):
     sock, log = tmp_path / "sidecar-0.sock", tmp_path / "sidecar-0.log"
     with open(log, "wb") as out:
         side = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "0",
-                                 "--world", "1", "--master-port", str(_free_port()),
+                                 "--world", "1", "--master-port", str(free_port()),
                                  "--socket", str(sock), "--run-dir", str(tmp_path)],
                                 stdout=out, stderr=subprocess.STDOUT)
     trainer = subprocess.Popen([sys.executable, "-m", "dgt.job", "--rank", "0", "--world",

@@ -1,0 +1,281 @@
+"""The library API's arguments outside what it documents, as an outside tester gave them:
+dgt.Client's timeouts and rank, dgt.codec's inputs, scheduler.deadline.AdaptiveDeadline's
+configuration and the loss that scheduler.assign.AdaptiveK and Client.push_pull take.
+Each is refused at once with a TypeError or ValueError naming the argument and what it
+must be, or taken the way the documentation says; none hangs or fails deep inside."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import dgt
+from dgt import codec
+from dgt.scheduler.assign import AdaptiveK
+from dgt.scheduler.deadline import AdaptiveDeadline
+from dgt.transport.wire import Coding
+
+CODINGS = [Coding.FP16, Coding.BF16, Coding.INT8, Coding.INT4]
+NAN, INF = float("nan"), float("inf")
+
+
+# -- dgt.Client: timeouts and rank ---------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_connect_timeout_that_is_not_finite_is_refused_not_waited_out(tmp_path, value):
+    # it waited for ever for a sidecar at a path where none is: the bound of the wait
+    # is checked in a child that may take 60 s at most
+    code = ("import dgt\n"
+            "try:\n"
+            f"    dgt.Client({str(tmp_path / 'none.sock')!r}, "
+            f"connect_timeout_s=float({value!r}))\n"
+            "except ValueError as e:\n"
+            "    print(type(e).__name__, e)\n")
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"Client(connect_timeout_s={value}) still waited after 60 s")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == (f"ValueError Client(connect_timeout_s={value}): give the "
+                                f"seconds to wait for the sidecar's socket, a finite "
+                                f"number > 0"), p.stdout
+
+
+@pytest.mark.parametrize("name,value", [
+    ("timeout_s", NAN), ("timeout_s", -1), ("timeout_s", 0), ("timeout_s", INF),
+    ("timeout_s", "5"), ("timeout_s", True),
+    ("connect_timeout_s", -1), ("connect_timeout_s", 0), ("connect_timeout_s", None)])
+def test_a_client_timeout_that_is_not_a_finite_number_above_0_is_refused(tmp_path, name,
+                                                                         value):
+    # they passed until socket.settimeout said "Invalid value NaN" or "Timeout value out
+    # of range" (after the connection, here after waiting for a sidecar that is not
+    # there), or waited without a bound
+    kw = {"connect_timeout_s": 0.01, name: value}
+    with pytest.raises(ValueError) as e:
+        dgt.Client(str(tmp_path / "none.sock"), **kw)
+    assert str(e.value).startswith(f"Client({name}={value!r}): give the seconds ")
+    assert str(e.value).endswith(", a finite number > 0")
+
+
+@pytest.mark.parametrize("rank", [-1, 1.5, "0", True, None])
+def test_a_rank_that_is_not_an_int_of_0_or_more_is_refused(tmp_path, rank):
+    # rank -1 looked for sidecar--1.sock
+    with pytest.raises(ValueError) as e:
+        dgt.Client(str(tmp_path / "none.sock"), connect_timeout_s=0.01, rank=rank)
+    assert str(e.value) == f"Client(rank={rank!r}): give this trainer's rank, an int >= 0"
+
+
+def test_good_client_arguments_still_reach_the_wait_for_the_sidecar(tmp_path):
+    path = str(tmp_path / "none.sock")
+    for kw in ({"timeout_s": 5, "rank": 3}, {"timeout_s": np.float32(0.5)},
+               {"rank": np.int64(2)}):
+        with pytest.raises(dgt.PeerFailure, match="no sidecar at"):
+            dgt.Client(path, connect_timeout_s=0.01, **kw)
+
+
+# -- dgt.codec -----------------------------------------------------------------------------
+
+def _x(m=6, e=8, seed=0):
+    return torch.randn(m, e, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_every_coding_codes_a_non_contiguous_input_as_its_contiguous_copy(coding):
+    # fp16 and bf16 failed ("self.stride(-1) must be 1 to view Half as Byte"); int8 and
+    # int4 coded it
+    x = _x(8, 6).t()
+    assert not x.is_contiguous()
+    want = codec.encode(coding, x.contiguous())
+    assert np.array_equal(codec.encode(coding, x), want)
+    dec, err = torch.empty(6, 8), torch.empty(6, 8)
+    assert np.array_equal(codec.encode(coding, x, dec, err), want)
+    assert torch.equal(dec, torch.from_numpy(codec.decode(coding, want, 8)))
+    assert torch.equal(err, x - dec)
+    # the coding error written over a non-contiguous input itself (as the planner does)
+    y = x.clone().t().contiguous().t()   # x's values in x's layout, its own memory
+    assert np.array_equal(codec.encode(coding, y, error=y), want)
+    assert torch.equal(y, x - dec)
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_every_coding_codes_an_input_that_requires_grad_from_its_values(coding):
+    # int8 and int4 failed: "abs(): functions with out=... arguments don't support
+    # automatic differentiation"
+    x = _x().requires_grad_()
+    want = codec.encode(coding, x.detach())
+    assert np.array_equal(codec.encode(coding, x), want)
+    dec = torch.empty(6, 8)
+    assert np.array_equal(codec.encode(coding, x, dec), want)
+    assert torch.equal(dec, torch.from_numpy(codec.decode(coding, want, 8)))
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int32])
+def test_every_coding_refuses_an_input_that_is_not_float32(coding, dtype):
+    # float64: int8 and int4 said "Found dtype Float but expected Double", fp16 and bf16
+    # coded it without a word
+    with pytest.raises(TypeError) as e:
+        codec.encode(coding, _x().to(dtype))
+    assert str(e.value) == (f"blocks must be a float32 tensor of shape (m, E), got "
+                            f"{dtype}")
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+@pytest.mark.parametrize("shape", [(8,), (2, 3, 4), ()])
+def test_every_coding_refuses_an_input_that_is_not_m_by_e(coding, shape):
+    # "not enough values to unpack (expected 2, got 1)"
+    with pytest.raises(ValueError) as e:
+        codec.encode(coding, torch.zeros(shape))
+    assert str(e.value) == (f"blocks must have shape (m, E) with E > 0, got "
+                            f"{tuple(shape)}")
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_every_coding_refuses_blocks_of_no_element(coding):
+    # int4: ZeroDivisionError; the others gave payloads of a scale and no value
+    with pytest.raises(ValueError, match=r"shape \(m, E\) with E > 0, got \(6, 0\)"):
+        codec.encode(coding, torch.empty(6, 0))
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_every_coding_refuses_what_is_not_a_cpu_tensor(coding):
+    with pytest.raises(TypeError, match=r"blocks must be a float32 tensor of shape "
+                                        r"\(m, E\), got ndarray"):
+        codec.encode(coding, _x().numpy())
+    with pytest.raises(ValueError, match="blocks must be on the CPU, got meta"):
+        codec.encode(coding, torch.empty(6, 8, device="meta"))
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_every_coding_refuses_decoded_and_error_arrays_that_do_not_fit(coding):
+    x = _x()
+    for name in ("decoded", "error"):
+        with pytest.raises(ValueError, match=f"{name} must be a float32 tensor of "
+                                             r"blocks' shape \(6, 8\), on the CPU, got "):
+            codec.encode(coding, x, **{name: torch.empty(6, 9)})
+        with pytest.raises(ValueError, match=f"{name} must be a float32 tensor of "
+                                             r"blocks' shape \(6, 8\), on the CPU, got "):
+            codec.encode(coding, x, **{name: torch.empty(6, 8, dtype=torch.float64)})
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_every_coding_still_codes_no_block(coding):
+    rows = codec.encode(coding, torch.empty(0, 8))
+    assert rows.shape == (0, codec.coded_payload_bytes(coding, 8))
+    assert codec.decode(coding, rows, 8).shape == (0, 8)
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_decode_refuses_rows_that_are_not_a_uint8_array(coding):
+    rows = codec.encode(coding, _x())
+    # a tensor: AttributeError 'Tensor' object has no attribute 'flags' (or 'strides')
+    with pytest.raises(TypeError) as e:
+        codec.decode(coding, torch.from_numpy(rows), 8)
+    assert str(e.value) == ("rows must be a numpy uint8 array of shape (m, payload "
+                            "bytes), got Tensor")
+    # int8 bytes were decoded as if they were uint8
+    with pytest.raises(TypeError) as e:
+        codec.decode(coding, rows.view(np.int8), 8)
+    assert str(e.value) == ("rows must be a numpy uint8 array of shape (m, payload "
+                            "bytes), got int8")
+    with pytest.raises(ValueError, match=r"rows must have shape \(m, payload bytes\), "
+                                         r"got \(\d+,\)"):
+        codec.decode(coding, rows[0], 8)
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+@pytest.mark.parametrize("e", [0, -1, 2.0, True])
+def test_decode_refuses_a_block_size_that_is_not_an_int_above_0(coding, e):
+    # int4 with 0: ZeroDivisionError, int8 with 0 gave (m, 0)
+    with pytest.raises(ValueError) as ex:
+        codec.decode(coding, np.zeros((2, 4), np.uint8), e)
+    assert str(ex.value) == f"block_elems must be an int > 0, got {e!r}"
+
+
+# -- scheduler.deadline.AdaptiveDeadline ---------------------------------------------------
+
+@pytest.mark.parametrize("args,kw,name", [
+    ((NAN, 1.0), {}, "floor_s"), ((INF, 1.0), {}, "floor_s"), ((-0.1, 1.0), {}, "floor_s"),
+    ((0.05, NAN), {}, "ceiling_s"), ((0.05, INF), {}, "ceiling_s"),
+    ((0.05, -1.0), {}, "ceiling_s"),
+    ((0.05, 1.0), {"margin": NAN}, "margin"), ((0.05, 1.0), {"margin": INF}, "margin"),
+    ((0.05, 1.0), {"margin": 0.5}, "margin"),
+    ((0.05, 1.0), {"window": 0}, "window"), ((0.05, 1.0), {"window": 2.5}, "window"),
+    ((0.05, 1.0), {"window": True}, "window"), (("0.05", 1.0), {}, "floor_s")])
+def test_adaptive_deadline_refuses_a_bad_configuration_naming_it(args, kw, name):
+    # floor nan gave the deadline nan; ceiling nan never adapted; margin nan and a
+    # negative ceiling were taken
+    with pytest.raises(ValueError) as e:
+        AdaptiveDeadline(*args, **kw)
+    value = dict(zip(("floor_s", "ceiling_s"), args), **kw)[name]
+    assert str(e.value).startswith(f"AdaptiveDeadline({name}={value!r}): ")
+
+
+def test_adaptive_deadline_with_a_good_configuration_adapts_as_before():
+    d = AdaptiveDeadline(0.05, 1.0)
+    d.observe(0.1)
+    assert d.deadline_s() == pytest.approx(0.15)
+    assert AdaptiveDeadline(0.05, 0.0).deadline_s() == 0.05   # ceiling <= floor: fixed
+    assert AdaptiveDeadline(0, 0, margin=1, window=1).deadline_s() == 0
+
+
+# -- the loss: scheduler.assign.AdaptiveK and Client.push_pull --------------------------
+
+@pytest.mark.parametrize("loss0,loss1", [
+    (torch.tensor(2.0), torch.tensor([1.0])), (np.float32(2), np.float64(1)),
+    (2, 1), (np.array(2.0), torch.tensor(1, dtype=torch.int64)),
+    (torch.tensor(2.0, requires_grad=True) * 1, np.array([1.0], np.float32))])
+def test_adaptive_k_takes_a_loss_that_is_one_real_number_as_a_float(loss0, loss1):
+    # a tensor loss gave k tensor(0.5) and a state_dict of {'loss0': tensor(2.)}
+    a = AdaptiveK(0.5, 0.2)
+    k0, k1 = a.update(loss0), a.update(loss1)
+    assert (type(k0), type(k1)) == (float, float)
+    assert (k0, k1) == (0.5, 0.25)
+    state = a.state_dict()
+    assert state == {"loss0": 2.0} and type(state["loss0"]) is float
+
+
+@pytest.mark.parametrize("loss", [torch.ones(2), np.ones(3), "2", True, np.bool_(True),
+                                  torch.tensor(True), 1 + 2j, torch.tensor(1 + 2j), [2.0]])
+def test_adaptive_k_refuses_a_loss_that_is_not_one_real_number(loss):
+    with pytest.raises(TypeError) as e:
+        AdaptiveK(0.5, 0.2).update(loss)
+    assert str(e.value).startswith("loss must be one real number (a Python number, a "
+                                   "numpy scalar, a one-element tensor or array) or None, "
+                                   "got ")
+
+
+def test_adaptive_k_keeps_ignoring_a_loss_that_is_not_finite_or_above_0():
+    a = AdaptiveK(0.5, 0.2)
+    assert [a.update(x) for x in (NAN, torch.tensor(INF), None)] == [0.5] * 3
+    assert a.state_dict() == {"loss0": None}
+    assert a.update(np.float32(2)) == 0.5
+    assert [a.update(x) for x in (NAN, -1.0, 0, None)] == [0.2] * 4
+
+
+@pytest.mark.timeout(120)
+def test_push_pull_takes_a_tensor_or_numpy_loss_and_refuses_others_before_sending(sidecar):
+    # loss=torch.tensor(2.) and loss=np.float32(2) raised "Object of type Tensor (float32)
+    # is not JSON serializable"
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    m = nn.Linear(4, 2)
+    c.register(m)
+    step = 0
+    for loss in (torch.tensor(2.0, requires_grad=True) * 1, np.float32(2), np.array([1.5]),
+                 NAN, INF, 3):
+        m.zero_grad()
+        m(torch.ones(1, 4)).sum().backward()
+        c.push_pull(step, loss=loss)
+        step += 1
+    for bad in (torch.ones(2), "2", True):
+        with pytest.raises(TypeError, match="^loss must be one real number"):
+            c.push_pull(step, loss=bad)
+        with pytest.raises(TypeError, match="^loss must be one real number"):
+            c.push_buffer(step, loss=bad)
+    c.push_pull(step, loss=torch.tensor(1.0))   # nothing was sent: the step is still due
+    c.close()
+    assert proc.wait(timeout=30) == 0, proc.stderr.read()

@@ -783,7 +783,8 @@ def restore(sidecar, state: dict, path: str) -> None:
     try:
         load_sidecar_state(sidecar, state)
     except (ValueError, KeyError) as e:
-        raise PeerFailure(f"rank {sidecar.rank}: cannot resume from {path}: {e}",
+        why = str(e).removeprefix(f"rank {sidecar.rank}: ")   # said once
+        raise PeerFailure(f"rank {sidecar.rank}: cannot resume from {path}: {why}",
                           sidecar.rank, FailureReason.MISMATCH) from None
 
 

@@ -17,6 +17,7 @@ gradients are gathered on the GPU and copied through a pinned host buffer.
 """
 from __future__ import annotations
 
+import atexit
 import bisect
 import itertools
 import math
@@ -24,7 +25,9 @@ import numbers
 import os
 import re
 import socket
+import sys
 import time
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -61,16 +64,68 @@ def no_sidecar(path: str, waited_s: float, why: str) -> str:
     return f"no sidecar at {path} after {waited_s:.0f} s ({why}); start 'dgt sidecar' first"
 
 
+#: s: the longest timeout a Client takes (a socket's timeout overflows the platform's
+#: time_t from about 9.2e9 s: breaker round 18's timeout_s=1e10); about 31 years
+MAX_TIMEOUT_S = 1e9
+
+
 def _seconds(name: str, value, what: str) -> float:
     """``value`` of the Client argument ``name`` as float seconds. Raises ValueError,
-    naming the argument and ``what`` the seconds are for, unless it is a finite number
-    > 0 (not a bool or a str)."""
+    naming the argument and ``what`` the seconds are for, unless it is a number > 0 and
+    at most :data:`MAX_TIMEOUT_S` (not a bool or a str)."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    v = float(value) if ok else math.nan
-    if not 0.0 < v < math.inf:   # NaN too
-        raise ValueError(f"Client({name}={value!r}): give the seconds {what}, a finite "
-                         f"number > 0")
+    try:
+        v = float(value) if ok else math.nan
+    except OverflowError:   # an int too large for a float
+        v = math.inf
+    if not 0.0 < v <= MAX_TIMEOUT_S:   # NaN too
+        raise ValueError(f"Client({name}={value!r}): give the seconds {what}, a number "
+                         f"> 0 and <= {MAX_TIMEOUT_S:g}")
     return v
+
+
+def uncaught_exception() -> str | None:
+    """``"RuntimeError: boom"`` (one line, at most 300 characters) for the uncaught
+    exception that is ending the interpreter, else None. Python's default handling of
+    the main thread's uncaught exception sets ``sys.last_value`` before the atexit
+    functions run (an interactive session sets it for each error it printed too)."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None:
+        return None
+    return one_line(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
+def one_line(text: str) -> str:
+    """A trainer's error as its sidecar is told it: one line, at most 300 characters
+    (never empty)."""
+    return " ".join(text.split())[:300] or "failed"
+
+
+def _close_at_exit(ref) -> None:
+    """At interpreter exit (atexit), for a :class:`Client` that never registered and
+    was not closed: it says goodbye, or names the uncaught exception ending the
+    interpreter, so its sidecar ends at once naming this trainer (breaker round 18: a
+    register() that raised, uncaught, left a hand-started sidecar waiting for ever). A
+    registered one is left alone: its sidecar names the disconnect, as before."""
+    c = ref()
+    if c is not None and not c.closed and c.grad is None:
+        c.close(failed=uncaught_exception())
+
+
+def _registered(model, resume) -> list[torch.Tensor]:
+    """``model``'s trainable parameters, checked for :meth:`Client.register` (its
+    docstring says what is refused). Raises TypeError, ValueError."""
+    if resume is not None and (not isinstance(resume, (str, os.PathLike))
+                               or not os.fspath(resume)):
+        raise ValueError(f"register(resume={resume!r}): give the file save_state() wrote, "
+                         f"or None to start from step 0")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters; nothing to push")
+    for p in params:
+        if p.dtype != torch.float32:
+            raise TypeError(f"dgt moves float32 gradients; got {p.dtype}")
+    return params
 
 
 def sidecar_log_of(path: str) -> str | None:
@@ -108,8 +163,9 @@ class Client:
     ``connect_timeout_s``: how long to wait for the sidecar's socket to accept (s).
 
     The arguments are checked first, in one line naming the argument: ValueError for a
-    ``timeout_s`` (when given) or ``connect_timeout_s`` that is not a finite number > 0
-    (NaN, inf, 0, a negative, a bool, a str), and a ``rank`` that is not an int >= 0.
+    ``timeout_s`` (when given) or ``connect_timeout_s`` that is not a number > 0 and
+    at most :data:`MAX_TIMEOUT_S` (NaN, inf, 0, a negative, a bool, a str), a ``rank``
+    that is not an int >= 0, and an empty ``path``.
     Then PeerFailure when no sidecar accepts on ``path`` within ``connect_timeout_s``, or
     another user's process listens there.
     """
@@ -127,6 +183,9 @@ class Client:
         rank = int(rank)
         if path is None:
             path = default_socket(rank)
+        elif not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ValueError(f"Client(path={path!r}): give the sidecar's Unix socket, a "
+                             f"path (None: dgt sidecar's default for the rank)")
         if timeout_s is None:
             timeout_s = trainer_timeout_s(peer_timeout_of(()))
         deadline = time.monotonic() + connect_timeout_s
@@ -151,6 +210,7 @@ class Client:
         #: the sidecar's pid (SO_PEERCRED) and how it ended (see above)
         self.sidecar_pid: int | None = unixsock.peer_creds(self.sock)[0] or None
         self.sidecar_exit: Callable[[float], str | None] | None = None
+        atexit.register(_close_at_exit, weakref.ref(self))
         self.file = self.sock.makefile("rb")
         self.params: list[torch.Tensor] = []
         self.grad: np.ndarray | None = None
@@ -236,24 +296,23 @@ class Client:
         the model's and optimiser's state first, from the same checkpoint.
 
         Raises TypeError for non-float32 parameters, ValueError for a model without
-        trainable parameters, RuntimeError when already registered or closed, and
-        PeerFailure when the sidecar refuses (different model sizes or parameters, a
-        checkpoint of another rank or layout).
+        trainable parameters or a ``resume`` that is not a non-empty path (an empty
+        one, from an unset variable, would start again from step 0), RuntimeError when
+        already registered or closed, and PeerFailure when the sidecar refuses
+        (different model sizes or parameters, a checkpoint of another rank or layout).
+        After a TypeError or ValueError the client is as before, and register() may be
+        called again; should the interpreter end first (an uncaught exception), the
+        sidecar is told at exit and ends naming it (``_close_at_exit``).
         """
         self._check_open()
         if self.grad is not None:
             raise RuntimeError("register() was already called; one model per Client")
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("the model has no trainable parameters; nothing to push")
-        for p in params:
-            if p.dtype != torch.float32:
-                raise TypeError(f"dgt moves float32 gradients; got {p.dtype}")
+        params = _registered(model, resume)
         n = sum(p.numel() for p in params)
         # the sidecars compare it across ranks: replicas that start apart stay apart
         self._send({"op": "register", "n_params": n, "dtype": "float32",
                     "param_sha256": param_sha256(params),
-                    **({"resume": resume} if resume else {})})
+                    **({"resume": os.fspath(resume)} if resume is not None else {})})
         msg = self._recv("registered")
         self.next_step = int(msg.get("iterations", 0))
         self._maps = [ipc.ShmBuffer(msg["grad"], msg["padded"])]
@@ -291,8 +350,8 @@ class Client:
         loss <= 0 is sent as it is and the adaptive k ignores it
         (``scheduler.assign.AdaptiveK.update``).
 
-        Raises RuntimeError before register() or after close(), ValueError for a step
-        out of order, TypeError naming ``loss`` for a loss that is not one real number
+        Raises RuntimeError before register() or after close(), TypeError for a step
+        that is not an int, ValueError for a step out of order, TypeError naming ``loss`` for a loss that is not one real number
         (a tensor of more elements, a str, a bool; nothing is sent, the step is still
         due), and PeerFailure when the job failed. What ``ready`` raises is
         raised unchanged, after the iteration's last PULL is in (the step counts as
@@ -303,6 +362,9 @@ class Client:
         self._check_open()
         if self.grad is None:
             raise RuntimeError("call register(model) before push_pull()")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"step must be an int (the BSP iteration, from 0), got "
+                            f"{step!r}")
         if step != self.next_step:
             raise ValueError(f"step {step} out of order: expected {self.next_step} "
                              f"(one push_pull per iteration, counting from 0)")
@@ -374,12 +436,16 @@ class Client:
         ``push_pull``, before the next) to ``path`` with ``torch.save``: what
         ``register(model, resume=path)`` needs to continue bitwise. The model's and
         optimiser's state are the caller's to save. Raises RuntimeError before
-        register() or after close(); OSError naming ``path`` when the sidecar could not
+        register() or after close(); ValueError for a ``path`` that is empty or not a
+        path (nothing is sent); OSError naming ``path`` when the sidecar could not
         write it (a full disk, EIO: nothing is left at ``path``, and the sidecar goes
         on); PeerFailure when the sidecar fails."""
         self._check_open()
         if self.grad is None:
             raise RuntimeError("call register(model) before save_state()")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ValueError(f"save_state({path!r}): give the file to write, a path")
+        path = os.path.abspath(path)   # the sidecar's working folder may differ
         self._send({"op": "save", "path": path})
         msg = self._recv("saved")
         if msg.get("error"):
@@ -443,14 +509,21 @@ class Client:
         if self.closed:
             raise RuntimeError("this Client is closed")
 
-    def close(self, failed: str | None = None) -> None:
-        """Say goodbye (the sidecar then ends cleanly) and unmap the buffers. Idempotent.
-        ``failed``: this trainer is ending on an error (e.g. ``"RuntimeError: boom"``):
-        the sidecar then fails the job naming it and this rank's step, rather than
-        ending cleanly (which the others would take for fewer steps)."""
+    def close(self, failed: str | BaseException | None = None) -> None:
+        """Say goodbye (the sidecar then ends cleanly) and unmap the buffers. Idempotent;
+        never raises for ``failed``. ``failed``: this trainer is ending on an error, as
+        text (e.g. ``"RuntimeError: boom"``) or the exception itself (sent as ``"<its
+        type>: <its message>"``): the sidecar then fails the job naming it and this
+        rank's step, rather than ending cleanly (which the others would take for fewer
+        steps). Before register(), a bare close() also ends the sidecar, naming this
+        trainer: it gave up before registering."""
         if self.closed:
             return
         self.closed = True
+        if isinstance(failed, BaseException):   # breaker round 18: json could not send it
+            failed = one_line(f"{type(failed).__name__}: {failed}")
+        elif failed is not None and not isinstance(failed, str):
+            failed = one_line(repr(failed))
         try:
             self._send({"op": "failed", "error": failed} if failed else {"op": "bye"})
         except PeerFailure:

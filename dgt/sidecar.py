@@ -253,6 +253,8 @@ class Sidecar:
         except PeerFailure as e:
             self.fail(str(e), e.rank, why=e.reason, blamed=e.ranks)
             return
+        if self.done.is_set():   # failed meanwhile (a trainer that gave up before it
+            return               # registered): no "ready" line after the error
         # atomic: the launcher and tests poll for it and must never read it half-written
         write_json(os.path.join(self.node.run_dir, f"endpoints-{self.rank}.json"), me)
         hosts: dict[int, set[str]] = {}

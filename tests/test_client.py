@@ -382,3 +382,96 @@ def test_a_trainer_whose_sidecar_was_killed_names_its_log_and_no_peer(tmp_path):
             f"{sock}) closed the connection without a word: it exited or was killed; "
             f"see its log {log}") in err, err
     assert "a peer" not in err, err
+
+
+UNCAUGHT = """
+import sys, torch, dgt
+c = dgt.Client(sys.argv[1], timeout_s=30)
+c.register(torch.nn.Linear(3, 3).double())   # raises, uncaught
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["uncaught", "close(exception)"])
+def test_a_register_refused_on_the_trainer_s_side_ends_the_sidecar(sidecar, how):
+    """Breaker round 18: a float64 model's register() raised, and then the trainer either
+    exited without close() (an uncaught exception) or called close(failed=<the
+    exception>), which raised 'Object of type TypeError is not JSON serializable':
+    either way the hand-started sidecar waited for ever."""
+    path, proc = sidecar
+    if how == "uncaught":
+        t = subprocess.run([sys.executable, "-c", UNCAUGHT, path], capture_output=True,
+                           text=True, timeout=60)
+        assert t.returncode == 1 and "TypeError" in t.stderr, t.stderr
+    else:
+        c = dgt.Client(path, timeout_s=30)
+        with pytest.raises(TypeError, match="float32") as e:
+            c.register(nn.Linear(3, 3).double())
+        c.close(failed=e.value)
+    proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert proc.returncode == 3, err
+    assert ("trainer of rank 0 failed before it registered (TypeError: dgt moves "
+            "float32 gradients") in err, err
+    assert " ready: " not in err
+
+
+@pytest.mark.timeout(120)
+def test_close_with_an_exception_fails_the_job_naming_it(sidecar):
+    """Breaker round 18: close(failed=<an exception>) after register() raised a
+    TypeError (json) and sent nothing; the sidecar took the trainer's exit for a crash."""
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    m = nn.Linear(4, 2)
+    c.register(m)
+    c.close(failed=RuntimeError("boom"))
+    proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert proc.returncode == 3, err
+    assert "rank 0's trainer failed (RuntimeError: boom) at step 0" in err, err
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"timeout_s": 1e10}, "Client(timeout_s=10000000000.0): give the seconds"),
+    ({"connect_timeout_s": 10 ** 400}, "give the seconds to wait for the sidecar's socket"),
+    ({"path": ""}, "Client(path=''): give the sidecar's Unix socket"),
+])
+def test_client_arguments_a_socket_cannot_take_are_refused_up_front(kwargs, message):
+    """Breaker round 18: timeout_s=1e10 passed the check, then settimeout() raised
+    OverflowError after the connection was made; Client('') gave a bare OSError."""
+    with pytest.raises(ValueError) as e:
+        dgt.Client(**{"path": "/nonexistent/s.sock", **kwargs})
+    assert message in str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_an_empty_resume_is_refused_and_the_client_may_register_again(sidecar):
+    """Breaker round 18: register(resume='') started again from step 0 (dgt train
+    refuses --resume '' for that reason)."""
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    m = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"register\(resume=''\): give the file"):
+        c.register(m, resume="")
+    c.register(m)   # nothing was sent: the client is as before
+    m(torch.ones(1, 4)).sum().backward()
+    c.push_pull(0)
+    c.close()
+    assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_step_that_is_not_an_int_and_an_empty_save_path_are_refused(sidecar):
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    m = nn.Linear(4, 2)
+    c.register(m)
+    m(torch.ones(1, 4)).sum().backward()
+    for step in (True, 0.0):
+        with pytest.raises(TypeError, match="step must be an int"):
+            c.push_pull(step)
+    with pytest.raises(ValueError, match=r"save_state\(''\): give the file"):
+        c.save_state("")
+    c.push_pull(0)   # nothing of the refused calls reached the sidecar
+    c.close()
+    assert proc.wait(timeout=60) == 0

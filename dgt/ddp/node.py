@@ -18,14 +18,13 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 from .. import ipc
 from ..child_argv import module_argv
-from ..client import Client
+from ..client import Client, uncaught_exception
 from ..process import exit_text, running, stop
 from ..config import default_run_dir
 from ..deadline import bounded
@@ -382,21 +381,6 @@ def _end_sidecar_on_sigterm(proc: subprocess.Popen):
     return handler
 
 
-def uncaught_exception() -> str | None:
-    """``"RuntimeError: boom"`` (one line, at most 300 characters) for the uncaught
-    exception that is ending the interpreter, else None. Python's default handling of
-    the main thread's uncaught exception sets ``sys.last_value`` before the atexit
-    functions run (an interactive session sets it for each error it printed too)."""
-    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    if exc is None:
-        return None
-    return one_line(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-
-
-def one_line(text: str) -> str:
-    """A trainer's error as its sidecar is told it: one line, at most 300 characters
-    (never empty)."""
-    return " ".join(text.split())[:300] or "failed"
 
 
 def _share_run_dir(fd: int, run_dir: str, rank: int, what: str) -> int:

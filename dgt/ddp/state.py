@@ -250,7 +250,7 @@ class DgtState:
             raise TypeError(f"DgtState.close(failed={failed!r}): give the error as a "
                             f"str (one line), or None for an orderly end")
         if failed is not None:
-            from .node import one_line
+            from ..client import one_line
             failed = one_line(failed)
         self._closed = True
         if self._node is not None:

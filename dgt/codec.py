@@ -199,7 +199,10 @@ def decode(coding: int, rows: np.ndarray, block_elems: int,
     array; returns it. The checks are O(1). Raises TypeError for ``rows`` that is not a
     numpy uint8 array (a torch tensor, int8 bytes); ValueError for ``rows`` not 2-D,
     ``block_elems`` that is not an int > 0, FP32, an unknown coding, rows of the wrong
-    width, or an ``out`` that does not fit."""
+    width, or an ``out`` that does not fit. Every coding decodes rows of any strides
+    (a Fortran-order array, every other byte of a buffer, read-only memory) to the
+    same values: rows whose last axis is not contiguous are copied first, the others
+    are read in place."""
     if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8:
         got = rows.dtype if isinstance(rows, np.ndarray) else type(rows).__name__
         raise TypeError(f"rows must be a numpy uint8 array of shape (m, payload bytes), "
@@ -232,7 +235,9 @@ def decode(coding: int, rows: np.ndarray, block_elems: int,
     if coding in _HALF:
         dec.copy_(_tensor(rows).view(_HALF[coding]))
         return out
-    scale = torch.from_numpy(np.array(rows[:, :4]).view("<f4"))   # (m, 1), aligned copy
+    # (m, 1), an aligned C-order copy (np.array keeps a Fortran-order input's order,
+    # which a view as f4 refuses)
+    scale = torch.from_numpy(np.array(rows[:, :4], order="C").view("<f4"))
     b = _tensor(rows[:, 4:])
     n = _chunk_rows(e, m)
     if coding == Coding.INT4:   # a chunk's bytes, one int16 each, then its int8 pairs

@@ -87,29 +87,60 @@ def assign_channels(order: torch.Tensor, n_reliable: int, udp_channels: int, *,
     return channel
 
 
+def real_value(value, name: str, none: str = "") -> float:
+    """``value`` (the argument ``name``) as a Python float: a real number (a Python int
+    or float, a numpy scalar, a 0-dim or one-element tensor or numpy array of an integer
+    or floating dtype, on any device, requiring grad or not) is ``float(value)``, NaN
+    and inf included. O(1) checks; a CUDA tensor is read once (a synchronisation).
+
+    Raises TypeError naming ``name`` for anything else: a bool, a str, None, a complex,
+    a list, a tensor or array of more than one element or of a bool or complex dtype,
+    or an int too large for a float (beyond +-1.8e308: no float holds it). ``none``
+    (e.g. ``" or None"``) goes into the message after what is taken."""
+    try:
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+            return float(value)
+        if isinstance(value, torch.Tensor):
+            if value.numel() == 1 and not value.dtype.is_complex \
+                    and value.dtype != torch.bool:
+                return float(value.detach().reshape(()).item())
+        elif isinstance(value, np.ndarray):
+            if value.size == 1 and value.dtype.kind in "iuf":
+                return float(value.reshape(()).item())
+        what = (f"{type(value).__name__} of shape {tuple(value.shape)} and dtype "
+                f"{value.dtype}" if isinstance(value, (torch.Tensor, np.ndarray))
+                else repr(value))
+    except OverflowError:   # an int beyond a float's range
+        what = f"an int too large for a float ({type(value).__name__})"
+    raise TypeError(f"{name} must be one real number (a Python number, a numpy scalar, "
+                    f"a one-element tensor or array){none}, got {what}")
+
+
 def loss_value(loss) -> float | None:
     """``loss`` as a Python float, or None for None: a real number (a Python int or
     float, a numpy scalar, a 0-dim or one-element tensor or numpy array of an integer or
     floating dtype, on any device, requiring grad or not) is ``float(loss)``, NaN and inf
-    included. O(1) checks; a CUDA tensor is read once (a synchronisation).
+    included (:func:`real_value`). O(1) checks; a CUDA tensor is read once (a
+    synchronisation).
 
     Raises TypeError naming ``loss`` for anything else: a bool, a str, a complex, a
-    list, a tensor or array of more than one element or of a bool or complex dtype.
+    list, a tensor or array of more than one element or of a bool or complex dtype, or
+    an int too large for a float (10**400 is refused, not taken as inf).
     """
     if loss is None:
         return None
-    if isinstance(loss, numbers.Real) and not isinstance(loss, (bool, np.bool_)):
-        return float(loss)
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() == 1 and not loss.dtype.is_complex and loss.dtype != torch.bool:
-            return float(loss.detach().reshape(()).item())
-    elif isinstance(loss, np.ndarray):
-        if loss.size == 1 and loss.dtype.kind in "iuf":
-            return float(loss.reshape(()).item())
-    what = (f"{type(loss).__name__} of shape {tuple(loss.shape)} and dtype {loss.dtype}"
-            if isinstance(loss, (torch.Tensor, np.ndarray)) else repr(loss))
-    raise TypeError(f"loss must be one real number (a Python number, a numpy scalar, a "
-                    f"one-element tensor or array) or None, got {what}")
+    return real_value(loss, "loss", " or None")
+
+
+def _fraction(value) -> float:
+    """AdaptiveK's ``k0`` or ``k_min`` as a float; NaN for what is not a real number
+    (a bool, a str, None), which the range check then refuses naming it."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        try:
+            return float(value)
+        except OverflowError:
+            return math.nan
+    return math.nan
 
 
 class AdaptiveK:
@@ -117,14 +148,21 @@ class AdaptiveK:
 
     Source: the DGT code's DMLC_K / DMLC_K_MIN. ``k0``, ``k_min`` in [0, 1]; ``loss_0`` is
     the first usable loss seen. Returns k0 until a loss is known; never exceeds k0...
-    unless the loss grows, in which case it is capped at 1. Raises ValueError unless
+    unless the loss grows, in which case it is capped at 1. ``k0`` and ``k_min`` are
+    kept as floats. Raises ValueError, in one line naming the argument, unless each is
+    a finite real number (a Python or numpy number; not a bool, a str or None) with
     0 <= k_min <= k0 <= 1.
     """
 
     def __init__(self, k0: float, k_min: float = 0.2):
-        if not 0.0 <= k_min <= k0 <= 1.0:
-            raise ValueError(f"need 0 <= k_min <= k0 <= 1, got k0={k0} k_min={k_min}")
-        self.k0, self.k_min = k0, k_min
+        k0_f, k_min_f = _fraction(k0), _fraction(k_min)
+        for name, value, v, ok in (("k0", k0, k0_f, 0.0 <= k0_f <= 1.0),
+                                   ("k_min", k_min, k_min_f, 0.0 <= k_min_f <= k0_f)):
+            if not ok:   # NaN too
+                raise ValueError(f"AdaptiveK({name}={value!r}): give a fraction, a "
+                                 f"finite number with 0 <= k_min <= k0 <= 1 (got "
+                                 f"k0={k0!r}, k_min={k_min!r})")
+        self.k0, self.k_min = k0_f, k_min_f
         self.loss0: float | None = None
 
     def update(self, loss) -> float:
@@ -148,5 +186,15 @@ class AdaptiveK:
 
     def load_state_dict(self, state: dict) -> None:
         """Back to what :meth:`state_dict` gave (a tensor ``loss0`` that an older
-        version kept is taken as its float)."""
-        self.loss0 = loss_value(state["loss0"])
+        version kept is taken as its float). Raises ValueError, leaving the state as
+        it was, for a ``loss0`` that :meth:`update` never stores: one that is not None
+        and not a finite real number > 0 (0, a negative, NaN, inf, a str, a bool)."""
+        loss0 = state["loss0"]
+        try:
+            v = loss_value(loss0)
+        except TypeError:
+            v = math.nan
+        if v is not None and not (0.0 < v < math.inf):   # NaN too
+            raise ValueError(f"AdaptiveK.load_state_dict: loss0={loss0!r} is no first "
+                             f"loss: give None or a finite number > 0")
+        self.loss0 = v

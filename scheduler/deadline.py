@@ -21,6 +21,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from .assign import real_value
+
 
 def _finite(name: str, value, low: float, what: str) -> float:
     """``value`` of the AdaptiveDeadline argument ``name`` as a float. Raises ValueError
@@ -92,9 +94,16 @@ class AdaptiveDeadline:
 
     def observe(self, spread_s: float, late: bool = False) -> None:
         """One arrival spread (s): a worker's END to its last block, or with ``late``
-        its END to a block that came after it was finalised. Negative or NaN values
-        are ignored."""
-        if spread_s == spread_s and spread_s >= 0:
+        its END to a block that came after it was finalised. ``spread_s`` is one real
+        number, kept as ``float(spread_s)`` (a Python number, a numpy scalar, a 0-dim or
+        one-element tensor or array: ``dgt.scheduler.assign.real_value``). A negative
+        or NaN spread is no observation and is ignored (the shard passes NaN for a
+        late block of a worker whose END it never saw); one above ``ceiling_s`` (inf
+        included) counts as ``ceiling_s``. Raises TypeError naming ``spread_s`` for
+        anything else (a str, None, a bool, a tensor of more elements), before any
+        state changes."""
+        spread_s = real_value(spread_s, "spread_s")
+        if spread_s >= 0:   # not NaN, not negative
             self.spreads.append(min(spread_s, self.ceiling_s))
             self.beyond_floor += not late and spread_s > self.floor_s
 

@@ -40,8 +40,8 @@ def test_a_connect_timeout_that_is_not_finite_is_refused_not_waited_out(tmp_path
         pytest.fail(f"Client(connect_timeout_s={value}) still waited after 60 s")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == (f"ValueError Client(connect_timeout_s={value}): give the "
-                                f"seconds to wait for the sidecar's socket, a finite "
-                                f"number > 0"), p.stdout
+                                f"seconds to wait for the sidecar's socket, a number > "
+                                f"0 and <= 1e+09"), p.stdout
 
 
 @pytest.mark.parametrize("name,value", [
@@ -57,7 +57,7 @@ def test_a_client_timeout_that_is_not_a_finite_number_above_0_is_refused(tmp_pat
     with pytest.raises(ValueError) as e:
         dgt.Client(str(tmp_path / "none.sock"), **kw)
     assert str(e.value).startswith(f"Client({name}={value!r}): give the seconds ")
-    assert str(e.value).endswith(", a finite number > 0")
+    assert str(e.value).endswith(", a number > 0 and <= 1e+09")
 
 
 @pytest.mark.parametrize("rank", [-1, 1.5, "0", True, None])
@@ -279,3 +279,110 @@ def test_push_pull_takes_a_tensor_or_numpy_loss_and_refuses_others_before_sendin
     c.push_pull(step, loss=torch.tensor(1.0))   # nothing was sent: the step is still due
     c.close()
     assert proc.wait(timeout=30) == 0, proc.stderr.read()
+
+
+# -- round 18: AdaptiveK's configuration and state, AdaptiveDeadline.observe, decode ------
+
+@pytest.mark.parametrize("k0,k_min,name", [
+    (True, 0.2, "k0"), ("0.5", 0.2, "k0"), (None, 0.2, "k0"), (NAN, 0.2, "k0"),
+    (INF, 0.2, "k0"), (1.5, 0.2, "k0"), (0.5, False, "k_min"), (0.5, "0.2", "k_min"),
+    (0.5, None, "k_min"), (0.5, NAN, "k_min"), (0.5, -0.1, "k_min"), (0.5, 0.6, "k_min"),
+    (np.bool_(True), 0.2, "k0")])
+def test_adaptive_k_refuses_a_configuration_that_is_not_two_fractions_naming_it(k0, k_min,
+                                                                                name):
+    # True was taken as k0 = 1; "0.5" and None: "'<=' not supported between instances
+    # of 'float' and 'str'", naming no argument
+    with pytest.raises(ValueError) as e:
+        AdaptiveK(k0, k_min)
+    value = {"k0": k0, "k_min": k_min}[name]
+    assert str(e.value).startswith(f"AdaptiveK({name}={value!r}): give ")
+    assert "0 <= k_min <= k0 <= 1" in str(e.value)
+
+
+def test_adaptive_k_takes_a_good_configuration_as_floats():
+    for k0, k_min in ((1, 0), (np.float32(0.5), np.float64(0.25)), (0.3, 0.3)):
+        a = AdaptiveK(k0, k_min)
+        assert (a.k0, a.k_min) == (float(k0), float(k_min))
+        assert type(a.update(None)) is float
+
+
+@pytest.mark.parametrize("loss", [10 ** 400, -(10 ** 400), 2 ** 1024])
+def test_adaptive_k_refuses_an_int_loss_too_large_for_a_float(loss):
+    # OverflowError: int too large to convert to float
+    with pytest.raises(TypeError) as e:
+        AdaptiveK(0.5, 0.2).update(loss)
+    assert str(e.value).startswith("loss must be one real number")
+    assert "too large for a float" in str(e.value)
+
+
+@pytest.mark.parametrize("loss0", [0.0, -1.0, NAN, INF, 0, "2", True])
+def test_adaptive_k_load_state_dict_refuses_a_loss0_update_never_stores(loss0):
+    # 0.0: update(1.0) raised ZeroDivisionError; nan: update(1.0) gave 1.0
+    a = AdaptiveK(0.5, 0.2)
+    with pytest.raises(ValueError) as e:
+        a.load_state_dict({"loss0": loss0})
+    assert str(e.value).startswith(f"AdaptiveK.load_state_dict: loss0={loss0!r} ")
+    assert a.state_dict() == {"loss0": None}   # left as it was
+    assert a.update(1.0) == 0.5
+
+
+def test_adaptive_k_load_state_dict_takes_what_state_dict_gives():
+    a = AdaptiveK(0.5, 0.2)
+    a.update(2.0)
+    b = AdaptiveK(0.5, 0.2)
+    b.load_state_dict(a.state_dict())
+    assert b.update(1.0) == a.update(1.0) == 0.25
+    b.load_state_dict({"loss0": None})
+    assert b.update(4.0) == 0.5
+    b.load_state_dict({"loss0": torch.tensor(8.0)})   # what an older version kept
+    assert b.state_dict() == {"loss0": 8.0} and b.update(4.0) == 0.25
+
+
+@pytest.mark.parametrize("spread", ["0.1", None, True, torch.tensor([0.1, 0.2]),
+                                    np.ones(2), [0.1], 1 + 0j, 10 ** 400])
+def test_adaptive_deadline_observe_refuses_what_is_not_one_real_number(spread):
+    # "'>=' not supported", "Boolean value of Tensor with more than one value is
+    # ambiguous"; True was a spread of 1 s
+    d = AdaptiveDeadline(0.05, 1.0)
+    with pytest.raises(TypeError) as e:
+        d.observe(spread)
+    assert str(e.value).startswith("spread_s must be one real number (a Python number, "
+                                   "a numpy scalar, a one-element tensor or array), got ")
+    assert d.state_dict()["spreads"] == [] and d.deadline_s() == 0.05
+
+
+def test_adaptive_deadline_observe_keeps_a_tensor_or_numpy_spread_as_a_float():
+    # a tensor in the state made a later numpy spread fail: "result type Float can't
+    # be cast to the desired output type"
+    d = AdaptiveDeadline(0.05, 1.0)
+    d.observe(torch.tensor(0.3))
+    d.observe(np.float64(0.2))
+    d.observe(np.array([0.1], np.float32), late=True)
+    d.observe(INF)   # longer than any ceiling: the ceiling
+    spreads = d.state_dict()["spreads"]
+    assert [type(s) for s in spreads] == [float] * 4
+    assert spreads[:2] == [pytest.approx(0.3), 0.2] and spreads[3] == 1.0
+    assert type(d.deadline_s()) is float and d.deadline_s() == 1.0
+
+
+def test_adaptive_deadline_observe_still_ignores_nan_and_negative_spreads():
+    d = AdaptiveDeadline(0.05, 1.0)
+    for s in (NAN, -0.1, np.float32("nan"), torch.tensor(-1.0)):
+        d.observe(s)
+    assert d.state_dict() == {"spreads": [], "highest_s": 0.05, "beyond_floor": 0}
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_every_coding_decodes_rows_whose_last_axis_is_not_contiguous(coding):
+    # int8 and int4: numpy's "To change to a dtype of a different size, the last axis
+    # must be contiguous"; fp16 and bf16 decoded them
+    rows = codec.encode(coding, _x(5, 352))
+    want = codec.decode(coding, rows, 352)
+    f = np.asfortranarray(rows)
+    assert not f.flags.c_contiguous
+    assert np.array_equal(codec.decode(coding, f, 352), want, equal_nan=True)
+    f.flags.writeable = False
+    assert np.array_equal(codec.decode(coding, f, 352), want, equal_nan=True)
+    wide = np.zeros((5, 2 * rows.shape[1]), np.uint8)
+    wide[:, ::2] = rows   # every other byte
+    assert np.array_equal(codec.decode(coding, wide[:, ::2], 352), want, equal_nan=True)

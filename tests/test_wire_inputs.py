@@ -431,3 +431,77 @@ def test_a_zero_deadline_still_finalises_after_end():
 
 
 assert S.ShardSession is ShardSession
+
+
+# -- round 18: ShardSession's bools and strs, block dtypes, the PULL bitmap's length ----
+
+_SESSION_ARGS = dict(session=1, shard=0, lo=0, hi=10, block_elems=4, n_workers=2,
+                     deadline_s=0.05)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("deadline_s", "0.05"), ("deadline_s", True), ("deadline_s", np.bool_(False)),
+    ("deadline_s", None), ("n_workers", True), ("block_elems", True), ("shard", False),
+    ("session", True), ("lo", False), ("hi", True), ("n_workers", "2")])
+def test_shard_session_refuses_a_bool_or_a_str_naming_the_argument(name, value):
+    # deadline_s "0.05" and True were taken; n_workers=True: "TypeError: an integer is
+    # required", naming nothing
+    with pytest.raises(TypeError) as e:
+        ShardSession(**dict(_SESSION_ARGS, **{name: value}))
+    assert str(e.value).startswith(f"{name} must be ")
+    assert repr(value) in str(e.value)
+
+
+def test_shard_session_still_takes_numpy_numbers():
+    s = ShardSession(**dict(_SESSION_ARGS, n_workers=np.int64(2), deadline_s=np.float32(0),
+                            block_elems=np.uint16(4)))
+    assert s.n_workers == 2 and s.deadline_s == 0.0
+
+
+@pytest.mark.parametrize("coding,dtype,need", [
+    (wire.Coding.FP16, np.float32, "uint8"), (wire.Coding.BF16, np.float32, "uint8"),
+    (wire.Coding.INT8, np.int8, "uint8"), (wire.Coding.INT4, np.float64, "uint8"),
+    (wire.Coding.FP32, np.uint8, "float32"), (wire.Coding.FP32, np.float64, "float32"),
+    (wire.Coding.FP32, np.int32, "float32"), (wire.Coding.FP16, np.float16, "uint8")])
+def test_encode_block_datagrams_refuses_blocks_of_the_wrong_dtype_for_the_coding(
+        coding, dtype, need):
+    # FP16 with float32 (n, 352) blocks cast them to uint8 and sent zeros as fp16
+    width = 352 if coding == wire.Coding.FP32 else wire.coded_payload_bytes(coding, 352)
+    with pytest.raises(TypeError) as e:
+        _dgrams(coding=coding, blocks=np.ones((2, width), dtype), indices=np.arange(2))
+    assert str(e.value) == (f"blocks must be {need} for coding "
+                            f"{wire.Coding(coding).name}, got {np.dtype(dtype)}")
+
+
+def test_encode_block_datagrams_still_takes_float32_in_either_byte_order():
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    assert np.array_equal(_dgrams(blocks=a, indices=np.arange(2)),
+                          _dgrams(blocks=a.astype(">f4"), indices=np.arange(2)))
+
+
+@pytest.mark.parametrize("aggregate,received", [
+    (np.zeros((2, 352), np.float32), np.zeros(3, bool)),
+    (np.zeros((2, 352), np.float32), np.zeros(1, bool)),
+    (np.zeros(2 * 352, np.float32), np.zeros(3, bool)),
+    (np.zeros(2, np.float32), np.zeros(3, bool)),
+    (np.zeros(4, np.float32), np.zeros(0, bool)),
+    (np.zeros((2, 4), np.float32), np.zeros((2, 1), bool)),
+])
+def test_pack_pull_refuses_a_received_bitmap_of_another_block_count(aggregate, received):
+    # 2 blocks and 3 bits gave a 2817 B payload that unpack_pull refuses for either count
+    for f in (wire.pack_pull, wire.pull_parts):
+        with pytest.raises(ValueError) as e:
+            f(aggregate, received)
+        assert str(e.value).startswith("received must be one bool per block of the "
+                                       "aggregate")
+        assert f"{received.shape}" in str(e.value) and f"{aggregate.shape}" in str(e.value)
+
+
+def test_pack_pull_takes_one_bit_per_block_flat_or_by_rows():
+    agg = np.arange(3 * ELEMS, dtype=np.float32)
+    rec = np.array([True, False, True])
+    flat = wire.pack_pull(agg, rec)
+    assert wire.pack_pull(agg.reshape(3, ELEMS), rec) == flat
+    a, r = wire.unpack_pull(memoryview(flat), 3, ELEMS)
+    assert np.array_equal(a, agg) and r.tolist() == rec.tolist()
+    assert wire.pack_pull(np.zeros(0, np.float32), np.zeros(0, bool)) == b""

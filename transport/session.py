@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -105,8 +106,9 @@ class ShardSession:
     sender is a u16), ``shard`` outside a u16, ``lo`` < 0 or
     ``hi`` < ``lo`` or ``hi`` over 2**32 (a block index is a u32), ``block_elems`` < 1,
     ``deadline_s`` that is not a finite number >= 0 (NaN would never finalise a worker),
-    ``session`` outside a u64, or an empty ``key``; TypeError for an integer argument
-    that is not an integer.
+    ``session`` outside a u64, or an empty ``key``; TypeError, naming the argument, for
+    an integer argument that is not an integer (a bool included) or a ``deadline_s``
+    that is not a real number (a str, a bool, None).
     """
 
     def __init__(self, *, session: int, shard: int, lo: int, hi: int, block_elems: int,
@@ -834,10 +836,12 @@ def _check_args(*, session, shard, lo, hi, block_elems, n_workers, deadline_s) -
     for name, v in (("session", session), ("shard", shard), ("lo", lo), ("hi", hi),
                     ("block_elems", block_elems), ("n_workers", n_workers)):
         try:
+            if isinstance(v, (bool, np.bool_)):   # True is no count
+                raise TypeError
             ints[name] = operator.index(v)
         except TypeError:
-            raise TypeError(f"{name} must be an integer, got {type(v).__name__} "
-                            f"{v!r}") from None
+            raise TypeError(f"{name} must be an integer (not a bool), got "
+                            f"{type(v).__name__} {v!r}") from None
     if not 0 <= ints["session"] < 1 << 64:
         raise ValueError(f"session {session} is outside a u64 (0..2**64-1)")
     if not 1 <= ints["n_workers"] <= 1 << 16:
@@ -849,10 +853,14 @@ def _check_args(*, session, shard, lo, hi, block_elems, n_workers, deadline_s) -
                          "0 <= lo <= hi <= 2**32 (a block index is a u32)")
     if ints["block_elems"] < 1:
         raise ValueError(f"block_elems {block_elems} must be >= 1 (values per block)")
-    try:
-        d = float(deadline_s)
-    except (TypeError, ValueError):
-        raise TypeError(f"deadline_s must be a number, got {deadline_s!r}") from None
+    if isinstance(deadline_s, numbers.Real) and not isinstance(deadline_s, (bool, np.bool_)):
+        try:
+            d = float(deadline_s)
+        except OverflowError:   # an int beyond a float: not finite
+            d = math.inf
+    else:   # a str is not parsed, a bool is no number of seconds
+        raise TypeError(f"deadline_s must be a number of seconds (not a bool or a str), "
+                        f"got {type(deadline_s).__name__} {deadline_s!r}")
     if not (math.isfinite(d) and d >= 0):
         raise ValueError(f"deadline_s {deadline_s!r} must be a finite number of seconds "
                          ">= 0 (NaN or inf would never finalise a worker)")

@@ -514,15 +514,38 @@ def unpack_end(payload: memoryview) -> np.ndarray:
 
 def pack_pull(aggregate: np.ndarray, received: np.ndarray) -> bytes:
     """PULL payload: the shard's aggregate (float32 LE), then the received bitmap
-    (``np.packbits``, big bit order, one bit per block of the shard)."""
+    (``np.packbits``, big bit order, one bit per block of the shard).
+
+    ``aggregate``: the shard's n blocks, (n, E) or flat (n * E,); ``received``: (n,)
+    bool, one per block (the header's ``count`` is its length, docs/wire.md "PULL").
+    Raises ValueError, naming both shapes, for a ``received`` that is not 1-D or not
+    one per block: of (n, E) rows, n of them; of a flat aggregate (whose E is not
+    known here), a length that its size is not a whole multiple of (n * E with
+    E >= 1; 0 values for 0 blocks)."""
     return b"".join(pull_parts(aggregate, received))
+
+
+def _check_received(aggregate, received) -> None:
+    """:func:`pack_pull`'s O(1) check of ``received`` against ``aggregate``."""
+    n = received.size
+    if received.ndim == 1 and (
+            aggregate.shape[0] == n if aggregate.ndim == 2
+            else (aggregate.size % n == 0 and aggregate.size >= n) if n
+            else aggregate.size == 0):
+        return
+    raise ValueError(f"received must be one bool per block of the aggregate, (n,) for "
+                     f"(n, E) or (n * E,) values, got received {received.shape} for "
+                     f"aggregate {aggregate.shape}")
 
 
 def pull_parts(aggregate: np.ndarray, received: np.ndarray) -> tuple:
     """:func:`pack_pull` as (aggregate array, bitmap bytes) for :func:`encode_parts`;
-    the aggregate is not copied when already C-contiguous little-endian float32."""
-    return (np.ascontiguousarray(aggregate, "<f4"),
-            np.packbits(received.astype(bool)).tobytes())
+    the aggregate is not copied when already C-contiguous little-endian float32.
+    Raises as :func:`pack_pull`."""
+    agg = np.ascontiguousarray(aggregate, "<f4")
+    received = np.asarray(received)
+    _check_received(agg, received)
+    return agg, np.packbits(received.astype(bool)).tobytes()
 
 
 def unpack_pull(payload: memoryview, n_blocks: int, block_elems: int
@@ -597,7 +620,9 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     ``iteration`` out of its header field's range, an index outside a u32, not one
     index per block, ``blocks`` not 2-D or with no value (a coded row of a size no
     block has in that coding), or an empty ``key``; TypeError for a field or
-    ``indices`` that is not an integer (array).
+    ``indices`` that is not an integer (array), or ``blocks`` of a dtype other than the
+    coding's (float32 for FP32, uint8 for a reduced coding: nothing is cast), naming the
+    dtype it needs.
     """
     if not (type(channel) is type(session) is type(sender) is type(shard)
             is type(iteration) is int and 0 <= channel < MAX_CHANNELS
@@ -615,6 +640,12 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
                          "receivers refuse it: bad_coding)")
     check_key(key)
     _check_rows("blocks", blocks)
+    if coding == Coding.FP32:   # f4 of either byte order (made <f4 below)
+        if blocks.dtype.kind != "f" or blocks.dtype.itemsize != 4:
+            raise TypeError(f"blocks must be float32 for coding FP32, got {blocks.dtype}")
+    elif blocks.dtype != np.uint8:   # never cast: the bytes must be the coded payloads
+        raise TypeError(f"blocks must be uint8 for coding {Coding(coding).name}, got "
+                        f"{blocks.dtype}")
     indices = _check_indices(indices, blocks.shape[0])
     if coding == Coding.FP32:
         n, elems = blocks.shape

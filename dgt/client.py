@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import bisect
 import itertools
-import math
 import numbers
 import os
 import re
@@ -38,7 +37,7 @@ from .config import LAUNCHED_ENV, default_socket, peer_timeout_of, trainer_timeo
 from .errors import PeerFailure
 from .failure import FailureReason
 from .process import ended
-from .scheduler.assign import loss_value
+from .scheduler.assign import loss_value, number_or_nan
 
 
 #: s: how long a trainer whose sidecar closed the connection waits for that process to
@@ -73,11 +72,7 @@ def _seconds(name: str, value, what: str) -> float:
     """``value`` of the Client argument ``name`` as float seconds. Raises ValueError,
     naming the argument and ``what`` the seconds are for, unless it is a number > 0 and
     at most :data:`MAX_TIMEOUT_S` (not a bool or a str)."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    try:
-        v = float(value) if ok else math.nan
-    except OverflowError:   # an int too large for a float
-        v = math.inf
+    v = number_or_nan(value)
     if not 0.0 < v <= MAX_TIMEOUT_S:   # NaN too
         raise ValueError(f"Client({name}={value!r}): give the seconds {what}, a number "
                          f"> 0 and <= {MAX_TIMEOUT_S:g}")

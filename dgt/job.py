@@ -430,9 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"dgt trainer {ns.rank}: {e}", file=sys.stderr, flush=True)
         return 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown (torch/sklearn take ~1.5 s to unload)
+    from .process import exit_now
+    exit_now(0)  # skip interpreter teardown (torch/sklearn take ~1.5 s to unload)
 
 
 if __name__ == "__main__":

@@ -132,9 +132,11 @@ def loss_value(loss) -> float | None:
     return real_value(loss, "loss", " or None")
 
 
-def _fraction(value) -> float:
-    """AdaptiveK's ``k0`` or ``k_min`` as a float; NaN for what is not a real number
-    (a bool, a str, None), which the range check then refuses naming it."""
+def number_or_nan(value) -> float:
+    """A plain real number (a Python or numpy int or float, not a bool) as a float; NaN
+    for anything else (a bool, a str, None, an int too large for a float), which the
+    caller's range check then refuses naming its argument (AdaptiveK's fractions,
+    AdaptiveDeadline's settings, dgt.Client's timeouts)."""
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
         try:
             return float(value)
@@ -155,7 +157,7 @@ class AdaptiveK:
     """
 
     def __init__(self, k0: float, k_min: float = 0.2):
-        k0_f, k_min_f = _fraction(k0), _fraction(k_min)
+        k0_f, k_min_f = number_or_nan(k0), number_or_nan(k_min)
         for name, value, v, ok in (("k0", k0, k0_f, 0.0 <= k0_f <= 1.0),
                                    ("k_min", k_min, k_min_f, 0.0 <= k_min_f <= k0_f)):
             if not ok:   # NaN too

@@ -21,14 +21,13 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from .assign import real_value
+from .assign import number_or_nan, real_value
 
 
 def _finite(name: str, value, low: float, what: str) -> float:
     """``value`` of the AdaptiveDeadline argument ``name`` as a float. Raises ValueError
     naming it unless it is a finite number >= ``low`` (not a bool or a str)."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    v = float(value) if ok else math.nan
+    v = number_or_nan(value)
     if not low <= v < math.inf:   # NaN too
         raise ValueError(f"AdaptiveDeadline({name}={value!r}): give {what}, a finite "
                          f"number >= {low:g}")

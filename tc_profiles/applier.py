@@ -24,8 +24,9 @@ from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
 from . import kernel
 from ._nl import open_ipr, request
-from .plan import (ETH_P_IP, ETH_P_IPV6, ROOT_MAJOR, build_delete_root, build_message,
-                   compile_profile, encode, fmt_handle, render_tc)
+from .plan import (ETH_P_IP, ETH_P_IPV6, HTB_PARENT_CLASS, LEAF_MAJOR_BASE, ROOT_HANDLE,
+                   ROOT_MAJOR, build_delete_root, build_message, compile_profile, encode,
+                   fmt_handle, render_tc)
 from .schema import Profile, ProfileError, format_rate, load_profile, parse_rate
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,9 @@ class MissingQdiscError(TcError):
 
 class ForeignQdiscError(TcError):
     """The device's root qdisc is someone else's (neither dgt's nor the kernel's
-    default); apply keeps it unless forced. Raised before anything changes."""
+    default; one with dgt's handle ``d6:`` but not dgt's tree too); apply keeps it
+    unless forced, and clear keeps one with handle ``d6:``. Raised before anything
+    changes."""
 
 
 #: root qdiscs the kernel gives a device of its own (net.core.default_qdisc and the
@@ -148,7 +151,8 @@ def apply(profile: Profile | str, dev: str, netns: str | None = None,
     """Install ``profile`` as the root qdisc tree of ``dev`` (in ``netns``), idempotently.
 
     The root qdisc ``dev`` had is deleted first (dgt's, or the kernel's default; any
-    other only with ``force``, as :func:`clear`), then the profile's qdiscs, classes
+    other only with ``force``, as :func:`clear`; dgt's is handle ``d6:`` with dgt's
+    classes, :func:`_is_dgts`), then the profile's qdiscs, classes
     and u32 DSCP filters are created; applying twice gives the same state. ``rate``
     ("1gbit", bits/s as int) overrides the profile's link rate (HTB profiles only).
     ``before_commit``: called with no arguments just before the last netlink message,
@@ -169,7 +173,7 @@ def apply(profile: Profile | str, dev: str, netns: str | None = None,
         ifindex = _ifindex(ipr, dev, netns)
         msgs = _prebuild(ops, ifindex)
         if not force:
-            _refuse_foreign_root(ipr, ifindex, dev)
+            _refuse_foreign_root(ipr, ifindex, dev, netns)
         done = 0
         changed = False
         try:
@@ -212,13 +216,50 @@ def _root_qdisc(ipr, ifindex: int):
     return root[0] if root else None
 
 
-def _refuse_foreign_root(ipr, ifindex: int, dev: str) -> None:
+def _is_dgts(ipr, ifindex: int, root) -> bool:
+    """Whether root qdisc ``root`` (handle ``d6:``) is dgt's tree, as
+    :func:`plan.compile_profile` builds it: under htb, class ``d6:1`` at the root and
+    band classes ``d6:(10+i)`` under it; under prio, the kernel's band classes
+    ``d6:(i+1)``; either way bands i = 0..n-1 (n >= 1), each with its leaf qdisc
+    ``(10+i):``, and no other class. (Someone's ``tc qdisc add dev X root handle d6:
+    htb`` has no class; dgt's handle alone does not make a qdisc dgt's.)"""
+    kind = root.get_attr("TCA_KIND")
+    if kind not in ("htb", "prio"):
+        return False
+    # class -> (its parent, its leaf qdisc's handle: 0 for an inner class)
+    classes = {c["handle"]: (c["parent"], c["info"])
+               for c in _dump(ipr, RTM_GETTCLASS, ifindex)}
+    if kind == "htb" and classes.pop(HTB_PARENT_CLASS, None) != (TC_H_ROOT, 0):
+        return False
+    first = ROOT_HANDLE | (LEAF_MAJOR_BASE if kind == "htb" else 1)
+    parent = HTB_PARENT_CLASS if kind == "htb" else TC_H_ROOT   # prio's bands: root
+    bands = sorted(classes)
+    return bool(bands) and bands == list(range(first, first + len(bands))) and all(
+        classes[c] == (parent, (LEAF_MAJOR_BASE + i) << 16) for i, c in enumerate(bands))
+
+
+def _not_dgts_text(q, dev: str, netns: str | None, force_does: str) -> str:
+    """ForeignQdiscError's line for root qdisc ``q`` of handle ``d6:`` that is not
+    dgt's tree: what is there, and what to do."""
+    tc = f"tc{f' -n {netns}' if netns else ''} qdisc del dev {dev} root"
+    return (f"the root qdisc of {dev} is {q.get_attr('TCA_KIND')} "
+            f"{fmt_handle(q['handle'], True)}, dgt's handle but not dgt's classes "
+            f"(d6:1 and its bands); nothing was changed (delete it yourself with "
+            f"`{tc}`, or --force {force_does} it)")
+
+
+def _refuse_foreign_root(ipr, ifindex: int, dev: str, netns: str | None = None) -> None:
     """Raise ForeignQdiscError when ``dev``'s root qdisc is neither dgt's (handle
-    ``d6:``) nor the kernel's default (handle ``0:``, which only the kernel gives, or a
-    kind in KERNEL_DEFAULT_KINDS): the rule :func:`clear` follows."""
+    ``d6:`` with dgt's classes, :func:`_is_dgts`) nor the kernel's default (handle
+    ``0:``, which only the kernel gives, or a kind in KERNEL_DEFAULT_KINDS): the rule
+    :func:`clear` follows."""
     q = _root_qdisc(ipr, ifindex)
-    if q is None or (q["handle"] >> 16) in (ROOT_MAJOR, 0):
+    if q is None or (q["handle"] >> 16) == 0:
         return
+    if (q["handle"] >> 16) == ROOT_MAJOR:
+        if _is_dgts(ipr, ifindex, q):
+            return
+        raise ForeignQdiscError(_not_dgts_text(q, dev, netns, "replaces"))
     kind = q.get_attr("TCA_KIND")
     if kind in KERNEL_DEFAULT_KINDS:
         return
@@ -228,10 +269,13 @@ def _refuse_foreign_root(ipr, ifindex: int, dev: str) -> None:
 
 
 def clear(dev: str, netns: str | None = None, force: bool = False) -> bool:
-    """Delete our root qdisc (handle ``d6:``) from ``dev``; the kernel's default returns.
+    """Delete our root qdisc (handle ``d6:`` with dgt's classes, :func:`_is_dgts`)
+    from ``dev``; the kernel's default returns.
 
     With ``force``, delete whatever root qdisc is there. Returns True when something
-    was deleted, False when there was nothing of ours. Raises TcError.
+    was deleted, False when there was nothing of ours (another handle). Raises
+    TcError; ForeignQdiscError, nothing deleted, for a root qdisc with handle ``d6:``
+    that is not dgt's tree (someone else's, with dgt's handle).
     """
     with _open(netns) as ipr:
         ifindex = _ifindex(ipr, dev, netns)
@@ -240,6 +284,8 @@ def clear(dev: str, netns: str | None = None, force: bool = False) -> bool:
             return False
         if not force and (root["handle"] >> 16) != ROOT_MAJOR:
             return False
+        if not force and not _is_dgts(ipr, ifindex, root):
+            raise ForeignQdiscError(_not_dgts_text(root, dev, netns, "deletes"))
         try:
             return _delete_root(ipr, ifindex)
         except NetlinkError as e:

@@ -294,3 +294,59 @@ def test_a_stop_signal_to_clear_is_one_line_or_the_clear_completes(fxveth, where
         assert r.returncode == 143, (r.returncode, r.stdout, r.stderr)
         assert r.stdout == "" and r.stderr == "dgt tc clear: interrupted\n", r.stderr
         assert root["handle"] == "d6:", root
+
+
+#: root qdiscs with dgt's handle d6: that are not dgt's tree, as tc(8) lines after
+#: `tc -n NS`; ``DEV`` is the device
+NOT_DGTS = {
+    "htb-no-class": ["qdisc add dev DEV root handle d6: htb default 10"],
+    # a kernel default kind (this kernel has no fq_codel), or a plain fifo
+    "pfifo_fast": ["qdisc add dev DEV root handle d6: pfifo_fast"],
+    "bfifo": ["qdisc add dev DEV root handle d6: bfifo limit 10000"],
+    "htb-d6:1-no-band": ["qdisc add dev DEV root handle d6: htb",
+                         "class add dev DEV parent d6: classid d6:1 htb rate 1mbit"],
+    "htb-band-no-leaf": ["qdisc add dev DEV root handle d6: htb",
+                         "class add dev DEV parent d6: classid d6:1 htb rate 1mbit",
+                         "class add dev DEV parent d6:1 classid d6:10 htb rate 1mbit"],
+}
+
+
+@root_only
+@requires_tool("tc")
+@pytest.mark.parametrize("tree", sorted(NOT_DGTS))
+def test_a_root_qdisc_with_dgts_handle_but_not_its_tree_is_kept(fxveth, tree):
+    """apply and clear took any root qdisc of handle d6: as dgt's: someone's `tc qdisc
+    add dev X root handle d6: htb` (or pfifo_fast, or an htb tree not dgt's) was
+    replaced or deleted. Both now refuse it in one line saying what is there and what to
+    do, exit 2, nothing changed; --force still replaces or deletes it."""
+    ns, dev = fxveth
+    for line in NOT_DGTS[tree]:
+        subprocess.run(["tc", "-n", ns, *line.replace("DEV", dev).split()], check=True,
+                       capture_output=True)
+    before = applier.strip_counters(applier.show(dev, ns))
+    kind = before["qdiscs"][0]["kind"]
+    line = (f"the root qdisc of {dev} is {kind} d6:, dgt's handle but not dgt's classes "
+            f"(d6:1 and its bands); nothing was changed (delete it yourself with "
+            f"`tc -n {ns} qdisc del dev {dev} root`, or --force {{}} it)")
+    for cmd, does in (["apply", "htb-prio"], "replaces"), (["clear"], "deletes"):
+        r = subprocess.run([sys.executable, "-m", "dgt.cli", "tc", *cmd, "--dev", dev,
+                            "--netns", ns], capture_output=True, text=True, timeout=120)
+        assert (r.returncode, r.stdout) == (2, ""), (r.returncode, r.stdout, r.stderr)
+        assert r.stderr == f"dgt tc {cmd[0]}: error: {line.format(does)}\n"
+        assert applier.strip_counters(applier.show(dev, ns)) == before
+    with pytest.raises(applier.ForeignQdiscError) as e:
+        applier.apply("htb-prio", dev, ns)
+    assert str(e.value) == line.format("replaces")
+    with pytest.raises(applier.ForeignQdiscError) as e:
+        applier.clear(dev, ns)
+    assert str(e.value) == line.format("deletes")
+    assert applier.strip_counters(applier.show(dev, ns)) == before
+    assert applier.clear(dev, ns, force=True) is True
+    assert _root_qdisc(ns, dev)["handle"] == "0:"
+    for line in NOT_DGTS[tree]:   # again, for apply --force
+        subprocess.run(["tc", "-n", ns, *line.replace("DEV", dev).split()], check=True,
+                       capture_output=True)
+    applier.apply("htb-prio", dev, ns, force=True)
+    applier.apply("htb-prio", dev, ns)      # dgt's own tree: replaced without --force
+    assert _root_qdisc(ns, dev)["kind"] == "htb"
+    assert applier.clear(dev, ns) is True

@@ -101,6 +101,29 @@ def test_an_interrupted_bench_keeps_the_cells_it_measured(tmp_path):
     assert [c["system"] for c in doc["cells"]] == ["gloo"] and doc["complete"] is False
     assert doc["cells"][0]["error"] is None and doc["cells"][0]["iterations"] == 200
     assert "**Partial: 1 cells written so far" in (out / "loopback.md").read_text()
+    assert not set(doc["config"]) & LOOPBACK_UNUSED, doc["config"]
+
+
+#: BenchConfig's testbed settings: none applies to a --loopback run
+LOOPBACK_UNUSED = {"scenarios", "rates", "loss_pct", "profile", "tcp_congestion", "prefix"}
+
+
+def test_a_loopback_bench_writes_the_config_it_ran(tmp_path):
+    """'dgt bench --loopback' wrote the testbed's scenarios, rates, loss and profile in
+    its JSON's config (the defaults, never used), interrupted or complete. Its config
+    now holds what the run used: the settings but the testbed's."""
+    out = tmp_path / "bench"
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "--loopback",
+                        "--systems", "gloo", "--workers", "2", "--hidden", "32",
+                        "--iterations", "3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    doc = json.loads((out / "loopback.json").read_text())
+    assert doc["complete"] is True and doc["cells"][0]["error"] is None, doc["cells"]
+    cfg = doc["config"]
+    assert not set(cfg) & LOOPBACK_UNUSED, cfg
+    assert cfg["loopback"] is True and cfg["systems"] == ["gloo"] and \
+        cfg["workers"] == 2 and cfg["hidden"] == 32 and cfg["iterations"] == 3, cfg
 
 
 def _bench_as_nobody() -> tuple[int, str]:

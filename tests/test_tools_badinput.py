@@ -544,7 +544,8 @@ def test_pcap_summary_counts_a_pull_over_udp_as_no_receiver_takes_it(tmp_path):
     assert s["tail_markers"] == 0
     assert "datagrams no receiver takes (a PULL, HELLO, ERROR, BYE or TCP frame over " \
         "UDP: bad_udp_message; a tail marker with a payload: bad_tail; a block of an " \
-        "undefined coding or of a length no block has: bad_coding, bad_length): 3" in \
+        "undefined coding or of a length no block has: bad_coding, bad_length; a block " \
+        "of another size than its session's others): 3" in \
         summary.format_table(s)
 
 
@@ -573,13 +574,72 @@ def test_pcap_summary_counts_a_block_no_receiver_takes_as_refused(tmp_path, codi
     from dgt.transport.session import ShardSession
     good, bad = _raw_block(0, 16), _raw_block(coding, length)
     shard = ShardSession(session=0x1234, shard=1, lo=10, hi=20, block_elems=4,
-                         n_workers=1, deadline_s=0.05)
+                         n_workers=2, deadline_s=0.05)   # shard 1 needs 2 workers
     shard.receive_datagram(bad, now=0.0)
     assert dict(shard.counters.rejected) == {reason: 1}
     _scapy_udp_pcap(tmp_path / "b.pcap", (good, bad, good))
     s = summary.summarize(tmp_path / "b.pcap", ports.from_ports("47001"))
     assert s["totals"]["blocks"] == 2 and s["types"] == {"BLOCKS": 2}, s
     assert s["udp_refused"] == 1 and s["channels"]["udp1"]["bytes"] == 2 * len(good), s
+
+
+@pytest.mark.parametrize("coding, length", [(0, 20), (1, 10), (3, 9), (4, 7)])
+def test_pcap_summary_counts_a_block_of_another_size_as_refused(tmp_path, coding, length):
+    """A block whose length fits its coding but not the job's block size (4 values
+    here: 16 bytes of fp32, as the session's other blocks) was counted as a good block;
+    a shard refuses it (bad_length). The summary takes the size most of the session's
+    block datagrams have, and counts the other under udp_refused."""
+    from dgt.tools import ports, summary
+    from dgt.transport.session import ShardSession
+    good, bad = _raw_block(0, 16), _raw_block(coding, length)
+    shard = ShardSession(session=0x1234, shard=1, lo=10, hi=20, block_elems=4,
+                         n_workers=2, deadline_s=0.05)
+    shard.receive_datagram(bad, now=0.0)
+    assert dict(shard.counters.rejected) == {"bad_length": 1}
+    _scapy_udp_pcap(tmp_path / "b.pcap", (good, bad, good))
+    s = summary.summarize(tmp_path / "b.pcap", ports.from_ports("47001"))
+    assert s["totals"]["blocks"] == 2 and s["types"] == {"BLOCKS": 2}, s
+    assert s["udp_refused"] == 1 and s["channels"]["udp1"]["bytes"] == 2 * len(good), s
+    assert "a block of another size than its session's others): 1" in \
+        summary.format_table(s)
+
+
+def test_pcap_summary_counts_blocks_of_one_size_in_every_coding_as_good(tmp_path):
+    """Blocks of one size (5 values) in every coding are all taken: int4's length
+    fits two sizes, either of which may be the session's."""
+    from dgt.tools import ports, summary
+    from dgt.transport import wire
+    blocks = [_raw_block(int(c), wire.coded_payload_bytes(c, 5)) for c in wire.Coding]
+    _scapy_udp_pcap(tmp_path / "b.pcap", blocks + blocks[-1:])
+    s = summary.summarize(tmp_path / "b.pcap", ports.from_ports("47001"))
+    assert s["udp_refused"] == 0 and s["totals"]["blocks"] == len(blocks) + 1, s
+
+
+def test_pcap_summary_gives_a_far_future_iteration_no_row(tmp_path):
+    """A forged datagram of an iteration far above the others (2**31) became a row of
+    the timeline (and of the plot's axis). From the median iteration up, an iteration
+    more than summary.MAX_ITERATION_GAP above the one below it gets no row; its
+    messages are counted as out of range. Iterations that follow one another all keep
+    their rows."""
+    import struct
+    from dgt.tools import ports, summary
+
+    def block(t):
+        raw = bytearray(_raw_block(0, 16))
+        struct.pack_into("!I", raw, 18, t)   # the header's iteration field
+        return bytes(raw)
+    iters = [0, 1, 2, 3, 2 ** 31, 4]
+    _scapy_udp_pcap(tmp_path / "f.pcap", [block(t) for t in iters])
+    s = summary.summarize(tmp_path / "f.pcap", ports.from_ports("47001"))
+    assert [r["iteration"] for r in s["iterations"]] == [0, 1, 2, 3, 4], s["iterations"]
+    assert s["iterations_out_of_range"] == 1 and s["totals"]["blocks"] == 6, s
+    assert "messages of iterations out of range (more than 1000 above the iterations " \
+        "below them; no row): 1" in summary.format_table(s)
+    gap = summary.MAX_ITERATION_GAP
+    _scapy_udp_pcap(tmp_path / "g.pcap", [block(t) for t in (0, 1, gap + 1, gap + 2)])
+    s = summary.summarize(tmp_path / "g.pcap", ports.from_ports("47001"))
+    assert [r["iteration"] for r in s["iterations"]] == [0, 1, gap + 1, gap + 2]
+    assert s["iterations_out_of_range"] == 0
 
 
 def test_every_block_a_sender_codes_passes_the_summarys_payload_check():

@@ -255,7 +255,7 @@ def test_a_tail_marker_is_described_not_called_malformed():
 def _shard_session():
     from dgt.transport.session import ShardSession
     return ShardSession(session=SESSION, shard=1, lo=10, hi=20, block_elems=4,
-                        n_workers=1, deadline_s=0.05)
+                        n_workers=2, deadline_s=0.05)   # shard 1 needs 2 workers
 
 
 def _block(b, elems=4):

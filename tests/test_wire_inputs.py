@@ -421,6 +421,21 @@ def test_shard_session_refuses_a_fractional_count():
                      deadline_s=0.05)
 
 
+@pytest.mark.parametrize("shard,n_workers", [(1, 1), (2, 2), (5, 2), (-1, 2), (-1, 1)])
+def test_shard_session_refuses_a_shard_no_worker_owns(shard, n_workers):
+    # shard 1 of 1 worker was taken: no worker sends it a block, its END counts never add up
+    with pytest.raises(ValueError) as e:
+        ShardSession(**dict(_SESSION_ARGS, shard=shard, n_workers=n_workers))
+    assert str(e.value) == (f"shard {shard} must be 0..{n_workers - 1} (one shard per "
+                            f"worker, n_workers {n_workers})")
+
+
+def test_shard_session_takes_each_workers_shard():
+    for n in (1, 2, 65536):
+        for shard in {0, n - 1}:
+            assert ShardSession(**dict(_SESSION_ARGS, shard=shard, n_workers=n)).shard == shard
+
+
 def test_a_zero_deadline_still_finalises_after_end():
     s = ShardSession(session=1, shard=0, lo=0, hi=10, block_elems=4, n_workers=2,
                      deadline_s=0.0)
@@ -505,3 +520,52 @@ def test_pack_pull_takes_one_bit_per_block_flat_or_by_rows():
     a, r = wire.unpack_pull(memoryview(flat), 3, ELEMS)
     assert np.array_equal(a, agg) and r.tolist() == rec.tolist()
     assert wire.pack_pull(np.zeros(0, np.float32), np.zeros(0, bool)) == b""
+
+
+def _coded_pull_args(n=5, coded=(1, 3), width=8):
+    mask = np.zeros(n, bool)
+    mask[list(coded)] = True
+    return (np.ones((n - mask.sum(), ELEMS), np.float32), np.ones((mask.sum(), width), np.uint8),
+            np.ones(n, bool), mask)
+
+
+@pytest.mark.parametrize("change,phrase", [
+    # received of another block count than coded: the header's count is received's
+    (dict(received=np.ones(4, bool)), "received must be one bool per block as coded is, "
+     "got received (4,) for coded (5,)"),
+    (dict(received=np.ones(6, bool)), "got received (6,) for coded (5,)"),
+    (dict(coded=np.zeros((5, 1), bool)), "coded must be (n,) bool, one per block, got "
+     "coded (5, 1)"),
+    # a set bit of coded without its payload, or a payload without its bit
+    (dict(payloads=np.ones((1, 8), np.uint8)), "payloads must be one row per coded "
+     "block, got 1 rows for 2 set bits of coded"),
+    (dict(payloads=np.ones((3, 8), np.uint8)), "got 3 rows for 2 set bits of coded"),
+    # plain + payloads rows != len(coded)
+    (dict(plain=np.ones((2, ELEMS), np.float32)), "plain must be one row per block not "
+     "coded, got 2 rows for 3 of coded's 5 blocks (plain + payloads rows must be "
+     "len(coded) 5)"),
+    (dict(plain=np.ones((4, ELEMS), np.float32)), "got 4 rows for 3 of coded's 5 blocks"),
+    (dict(plain=np.ones(3 * ELEMS, np.float32)), "plain must be 2-D, one row per block, "
+     "got plain (12,)"),
+    (dict(payloads=np.ones(16, np.uint8)), "payloads must be 2-D, one row per block, "
+     "got payloads (16,)"),
+])
+def test_coded_pull_parts_refuses_inputs_that_do_not_add_up(change, phrase):
+    # each gave a PULL that every receiver refuses as bad_length (or one whose received
+    # bitmap is cut off or padded), blaming the peer instead of the sender's code
+    args = dict(zip(("plain", "payloads", "received", "coded"), _coded_pull_args()))
+    args.update(change)
+    with pytest.raises(ValueError) as e:
+        wire.coded_pull_parts(**args)
+    assert phrase in str(e.value)
+
+
+@pytest.mark.parametrize("coded", [(), (1, 3), (0, 1, 2, 3, 4)])
+def test_coded_pull_parts_takes_what_unpack_coded_pull_gives_back(coded):
+    width = wire.coded_payload_bytes(wire.Coding.INT8, ELEMS)
+    plain, payloads, received, mask = _coded_pull_args(coded=coded, width=width)
+    received[0] = False
+    buf = b"".join(bytes(p) for p in wire.coded_pull_parts(plain, payloads, received, mask))
+    got = wire.unpack_coded_pull(memoryview(buf), 5, ELEMS, wire.Coding.INT8)
+    assert np.array_equal(got[0], plain.reshape(-1)) and np.array_equal(got[1], payloads)
+    assert got[2].tolist() == received.tolist() and got[3].tolist() == mask.tolist()

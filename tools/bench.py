@@ -597,6 +597,21 @@ def _git_revision() -> str | None:
     return r.stdout.strip() or None if r.returncode == 0 else None
 
 
+#: the settings of the testbed that --loopback does not build (its JSON leaves them out)
+TESTBED_KEYS = ("scenarios", "rates", "loss_pct", "profile", "tcp_congestion", "prefix")
+
+
+def config_doc(cfg: BenchConfig) -> dict:
+    """The JSON output's ``config``: the settings the run used, one key per field of
+    :class:`BenchConfig`; with ``--loopback`` without the testbed's (``TESTBED_KEYS``:
+    no scenario, rate, loss or shaping applies to a loopback run)."""
+    d = dataclasses.asdict(cfg)
+    if cfg.loopback:
+        for key in TESTBED_KEYS:
+            del d[key]
+    return d
+
+
 def _load_avg() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -622,7 +637,7 @@ def run_matrix(cfg: BenchConfig, command: str, log_fn=print) -> dict:
     doc = dict(command=command, date=started.isoformat(timespec="seconds"),
                host=dict(node=platform.node(), cpus=os.cpu_count(),
                          load_before=_load_avg(), kernel=platform.release()),
-               config=dataclasses.asdict(cfg), estimate_s=round(est), cells=[],
+               config=config_doc(cfg), estimate_s=round(est), cells=[],
                git=_git_revision())
     from dgt.tc_profiles import testbed
     if not cfg.loopback and testbed.current(cfg.prefix) is not None:

@@ -13,6 +13,13 @@ Definitions (the same as the sidecar's report counters, so the two can be compar
   capture point*.
 - ``late``: blocks of iteration t seen after that shard's ``PULL(t)`` to that worker.
 - ``undecodable``: malformed datagrams / stream chunks (see ``dgt.tools.dissect``).
+- ``udp_refused``: datagrams every receiver drops, among them a block whose length fits
+  its coding but not its session's block size: the size most of that session's block
+  datagrams have (:func:`block_elems_of`; a capture that holds another size is read
+  twice, the second time with the sizes known).
+- ``iterations_out_of_range``: messages of iterations more than ``MAX_ITERATION_GAP``
+  above the iterations below them (from the median up): a forged far-future iteration
+  gets no row in ``iterations``; a real capture's iterations follow one another.
 
 Example::
 
@@ -30,11 +37,33 @@ from dgt.tools.dissect import Dissector, Message
 from dgt.tools.ports import PortSpec
 
 
+#: an iteration more than this above the next lower one in the capture (from the median
+#: iteration up) and every one above it are out of range: no row (a real capture's
+#: iterations follow one another, BSP)
+MAX_ITERATION_GAP = 1000
+
+
+def block_elems_of(h: wire.Header) -> tuple[int, ...]:
+    """The block sizes (values) that a one-block BLOCKS datagram's coding and length
+    fit (two for int4, whose last byte may hold one value); () for none."""
+    coding, n = wire.coding_of(h.flags), h.length
+    if coding == wire.Coding.FP32:
+        return (n // 4,) if n >= 4 and n % 4 == 0 else ()
+    if coding in (wire.Coding.FP16, wire.Coding.BF16):
+        return (n // 2,) if n >= 2 and n % 2 == 0 else ()
+    if coding == wire.Coding.INT8:
+        return (n - 4,) if n > 4 else ()
+    if coding == wire.Coding.INT4:
+        return (2 * (n - 4) - 1, 2 * (n - 4)) if n > 4 else ()
+    return ()
+
+
 class _Iter:
     __slots__ = ("first", "last", "blocks", "bytes", "ends", "pulls", "first_pull",
-                 "last_pull", "late", "ch_first", "ch_last")
+                 "last_pull", "late", "ch_first", "ch_last", "messages")
 
     def __init__(self):
+        self.messages = 0
         self.first = self.last = None
         self.blocks = Counter()
         self.bytes = Counter()
@@ -47,10 +76,16 @@ class _Iter:
 
 class Summary:
     """Streaming accumulator: :meth:`add` each message in capture order, then
-    :meth:`result`. Memory grows with iterations x keys, not with messages."""
+    :meth:`result`. Memory grows with iterations x keys, not with messages.
+    ``block_elems``: {session: block size} (:meth:`block_sizes` of a first reading): a
+    block datagram of another size is refused; None: every size is taken."""
 
-    def __init__(self, dissector: Dissector, sessions=None):
+    def __init__(self, dissector: Dissector, sessions=None, block_elems=None):
         self.d = dissector
+        self.block_elems = block_elems
+        #: {session: Counter(block size: block datagrams whose length fits it)}
+        self.sizes_seen: dict[int, Counter] = defaultdict(Counter)
+        self.size_datagrams = Counter()   # {session: block datagrams}
         self.only_sessions = None if not sessions else {int(x) for x in sessions}
         self.other_sessions = Counter()
         self.ch_messages = Counter()
@@ -87,12 +122,22 @@ class Summary:
             # its type (breaker round 11 and round 12's re-check)
             self.udp_refused += 1
             return
+        if m.proto == "udp" and h.type == wire.MsgType.BLOCKS:
+            fits = block_elems_of(h)
+            self.size_datagrams[h.session] += 1
+            for e in fits:
+                self.sizes_seen[h.session][e] += 1
+            want = None if self.block_elems is None else self.block_elems.get(h.session)
+            if want is not None and want not in fits:
+                self.udp_refused += 1   # bad_length at a receiver of this job
+                return
         self.types[wire.MsgType(h.type).name] += 1
         self.sessions.add(h.session)
         self.ch_dscp[h.channel].add(m.dscp)
         it = self.iters[h.iteration] if h.type in (wire.MsgType.BLOCKS, wire.MsgType.END,
                                                    wire.MsgType.PULL) else None
         if it is not None:
+            it.messages += 1
             it.first = m.ts_ns if it.first is None else it.first
             it.last = m.ts_ns
         if h.type != wire.MsgType.PULL:
@@ -133,6 +178,36 @@ class Summary:
                 self.pulls_unattributed += 1
                 return
             self.pull_ns.setdefault((h.session, worker, h.shard, h.iteration), m.ts_ns)
+
+    def block_sizes(self) -> dict[int, int]:
+        """{session: the block size most of its block datagrams fit (the smallest of
+        a tie)}."""
+        return {sess: min(c, key=lambda e: (-c[e], e)) for sess, c in self.sizes_seen.items()}
+
+    def other_sizes(self) -> bool:
+        """Whether some block datagram does not fit its session's :meth:`block_sizes`."""
+        best = self.block_sizes()
+        return any(self.sizes_seen[sess][e] < self.size_datagrams[sess]
+                   for sess, e in best.items())
+
+    def in_range(self) -> tuple[list[int], int]:
+        """(the iterations that get a row, ascending; the messages of the others):
+        from the median iteration (by messages) up, an iteration more than
+        ``MAX_ITERATION_GAP`` above the one below it ends the range."""
+        ts = sorted(self.iters)
+        total = sum(self.iters[t].messages for t in ts)
+        seen, start = 0, 0
+        for i, t in enumerate(ts):
+            seen += self.iters[t].messages
+            if 2 * seen >= total:
+                start = i
+                break
+        end = len(ts)
+        for i in range(start + 1, len(ts)):
+            if ts[i] - ts[i - 1] > MAX_ITERATION_GAP:
+                end = i
+                break
+        return ts[:end], sum(self.iters[t].messages for t in ts[end:])
 
     def result(self, files=()) -> dict:
         d = self.d
@@ -176,7 +251,8 @@ class Summary:
             return None if ns is None else (ns - t0) / 1e9
 
         iterations = []
-        for t in sorted(self.iters):
+        kept, out_of_range = self.in_range()
+        for t in kept:
             it = self.iters[t]
             iterations.append({
                 "iteration": t,
@@ -206,7 +282,7 @@ class Summary:
             "ends": len(self.ends), "bad_ends": self.bad_end,
             "tail_markers": self.tail_markers, "udp_refused": self.udp_refused,
             "pulls": self.pulls, "pulls_unattributed": self.pulls_unattributed,
-            "iterations": iterations,
+            "iterations": iterations, "iterations_out_of_range": out_of_range,
         }
 
 
@@ -226,6 +302,10 @@ def summarize(files, ports: PortSpec | None = None, sessions=None) -> dict:
     from dgt.tools.dissect import dissect_files
     truncated, records = dissect_files(d, files, s.add)
     check_truncated(truncated, records)
+    if s.other_sizes():   # a block of another size than its session's: read again,
+        d = Dissector(ports)   # refusing it (a real capture holds one size)
+        s = Summary(d, sessions, block_elems=s.block_sizes())
+        truncated, records = dissect_files(d, files, s.add)
     out = s.result(files)
     out["records"] = records
     out["truncated"] = truncated
@@ -289,7 +369,12 @@ def format_table(s: dict) -> str:
         lines.append(f"datagrams no receiver takes (a PULL, HELLO, ERROR, BYE or TCP frame "
                      f"over UDP: bad_udp_message; a tail marker with a payload: bad_tail; "
                      f"a block of an undefined coding or of a length no block has: "
-                     f"bad_coding, bad_length): {s['udp_refused']}")
+                     f"bad_coding, bad_length; a block of another size than its "
+                     f"session's others): {s['udp_refused']}")
+    if s.get("iterations_out_of_range"):
+        lines.append(f"messages of iterations out of range (more than {MAX_ITERATION_GAP} "
+                     f"above the iterations below them; no row): "
+                     f"{s['iterations_out_of_range']}")
     for t in s.get("truncated", ()):
         lines.append(truncation_text(t) + "; totals cover the records before it")
     if s.get("other_sessions_ignored"):

@@ -103,8 +103,9 @@ class ShardSession:
     None. Counters are in ``self.counters`` (per channel, plus ``rejected[reason]``).
 
     Raises ValueError, naming the argument, for ``n_workers`` < 1 or over 65536 (a
-    sender is a u16), ``shard`` outside a u16, ``lo`` < 0 or
-    ``hi`` < ``lo`` or ``hi`` over 2**32 (a block index is a u32), ``block_elems`` < 1,
+    sender is a u16), ``shard`` outside 0..``n_workers``-1 (one shard per worker),
+    ``lo`` < 0 or ``hi`` < ``lo`` or ``hi`` over 2**32 (a block index is a u32),
+    ``block_elems`` < 1,
     ``deadline_s`` that is not a finite number >= 0 (NaN would never finalise a worker),
     ``session`` outside a u64, or an empty ``key``; TypeError, naming the argument, for
     an integer argument that is not an integer (a bool included) or a ``deadline_s``
@@ -846,8 +847,9 @@ def _check_args(*, session, shard, lo, hi, block_elems, n_workers, deadline_s) -
         raise ValueError(f"session {session} is outside a u64 (0..2**64-1)")
     if not 1 <= ints["n_workers"] <= 1 << 16:
         raise ValueError(f"n_workers {n_workers} must be 1..65536 (a sender is a u16)")
-    if not 0 <= ints["shard"] < 1 << 16:
-        raise ValueError(f"shard {shard} must be 0..65535 (a u16 header field)")
+    if not 0 <= ints["shard"] < ints["n_workers"]:   # so a u16 header field too
+        raise ValueError(f"shard {shard} must be 0..{ints['n_workers'] - 1} (one shard "
+                         f"per worker, n_workers {n_workers})")
     if ints["lo"] < 0 or ints["hi"] < ints["lo"] or ints["hi"] > 1 << 32:
         raise ValueError(f"lo {lo}, hi {hi}: the shard's blocks [lo, hi) need "
                          "0 <= lo <= hi <= 2**32 (a block index is a u32)")

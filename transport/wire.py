@@ -568,11 +568,40 @@ def coded_pull_parts(plain: np.ndarray, payloads: np.ndarray, received: np.ndarr
     uint8: the coded ones, in block order, P = ``coded_payload_bytes``), then the
     worker's ``received`` bitmap and the ``coded`` bitmap ((n,) bool each, packed as
     :func:`pack_pull`'s). Nothing is copied but the bitmaps. (Flat views: a memoryview
-    cannot cast an empty 2-D array, which is what all blocks coded, or none, give.)"""
+    cannot cast an empty 2-D array, which is what all blocks coded, or none, give.)
+
+    Raises ValueError, naming the argument and both numbers, for a ``coded`` that is
+    not 1-D, a ``received`` not of its shape, ``plain`` or ``payloads`` not 2-D, or
+    row counts that are not what ``coded`` says: m rows of ``payloads`` for its m set
+    bits, n - m of ``plain`` (a receiver refuses such a PULL as ``bad_length``)."""
+    _check_coded_pull(plain, payloads, received, coded)
     return (np.ascontiguousarray(plain, "<f4").reshape(-1),
             np.ascontiguousarray(payloads, np.uint8).reshape(-1),
             np.packbits(received.astype(bool)).tobytes(),
             np.packbits(coded.astype(bool)).tobytes())
+
+
+def _check_coded_pull(plain, payloads, received, coded) -> None:
+    """:func:`coded_pull_parts`' checks: O(1) but one count of ``coded``'s set bits."""
+    coded, received = np.asarray(coded), np.asarray(received)
+    plain, payloads = np.asarray(plain), np.asarray(payloads)   # no copy of an array
+    if coded.ndim != 1:
+        raise ValueError(f"coded must be (n,) bool, one per block, got coded {coded.shape}")
+    if received.shape != coded.shape:
+        raise ValueError(f"received must be one bool per block as coded is, got received "
+                         f"{received.shape} for coded {coded.shape}")
+    if plain.ndim != 2 or payloads.ndim != 2:
+        name, a = ("plain", plain) if plain.ndim != 2 else ("payloads", payloads)
+        raise ValueError(f"{name} must be 2-D, one row per block, got {name} "
+                         f"{a.shape}")
+    m, n = int(np.count_nonzero(coded)), coded.size
+    if payloads.shape[0] != m:
+        raise ValueError(f"payloads must be one row per coded block, got "
+                         f"{payloads.shape[0]} rows for {m} set bits of coded")
+    if plain.shape[0] != n - m:
+        raise ValueError(f"plain must be one row per block not coded, got "
+                         f"{plain.shape[0]} rows for {n - m} of coded's {n} blocks "
+                         f"(plain + payloads rows must be len(coded) {n})")
 
 
 def unpack_coded_pull(payload: memoryview, n_blocks: int, block_elems: int, coding: int

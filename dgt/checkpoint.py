@@ -713,13 +713,15 @@ def sidecar_state_dict(sidecar) -> dict:
     """A registered :class:`dgt.sidecar.Sidecar`'s state between two iterations: the
     worker agent's residual ((padded,) float32), contribution scores ((n_blocks,)
     float32), adaptive-k and generator state, the iterations pushed, the adaptive
-    deadline's window, the time budget's measured rates (None when off), and the
-    shard's residual (dgt.pull_codec; None without --pull-codec). Tensors are copies on
-    CPU."""
+    deadline's window, the time budget's measured rates (None when off), the
+    shard's residual (dgt.pull_codec; None without --pull-codec), and the model's
+    layout (``shapes_sha256``: dgt.client.shapes_sha256, as the register sent it; None
+    when it sent none). Tensors are copies on CPU."""
     plan, lay = sidecar.agent.planner, sidecar.layout
     return {"format": FORMAT, "rank": sidecar.rank, "world": sidecar.world,
-            "n_params": lay.n_params, "n_blocks": lay.n_blocks,
-            "block_elems": lay.block_elems, "mode": sidecar.cfg.mode, "iterations": sidecar.pushes,
+            "n_params": lay.n_params, "shapes_sha256": sidecar.shapes_sha256,
+            "n_blocks": lay.n_blocks, "block_elems": lay.block_elems,
+            "mode": sidecar.cfg.mode, "iterations": sidecar.pushes,
             "residual": plan.residual.state_dict(), "scores": plan.scores.state_dict(),
             "adaptive_k": plan.adaptive.state_dict() if plan.adaptive else None,
             "generator": plan.gen.get_state(), "k_history": list(plan.k_history),
@@ -734,7 +736,9 @@ def load_sidecar_state(sidecar, state: dict) -> None:
     and pushed nothing yet: its next push is iteration ``state["iterations"]``. Raises
     ValueError when the checkpoint is of another rank, world, model size (gradient
     elements, ``n_params``; a checkpoint written before it was recorded is checked by
-    its blocks only) or block layout."""
+    its blocks only), parameter shapes (``shapes_sha256``: not checked when the
+    checkpoint, written before it was recorded, or the register has none) or block
+    layout."""
     agent, plan, lay = sidecar.agent, sidecar.agent.planner, sidecar.layout
     if sidecar.pushes:
         raise ValueError("resume after the first push: load the state before training")
@@ -747,6 +751,12 @@ def load_sidecar_state(sidecar, state: dict) -> None:
             raise ValueError(f"the checkpoint is of {key} {state[key]}, this sidecar's is "
                              f"{have}; resume with the same --workers, model and "
                              f"--block-bytes")
+    was, now = state.get("shapes_sha256"), sidecar.shapes_sha256
+    if was is not None and now is not None and was != now:
+        raise ValueError(f"the checkpoint is of a model of other parameter shapes (as many "
+                         f"parameters, {lay.n_params}, laid out otherwise: shapes "
+                         f"SHA-256 {str(was)[:12]}, this model's {now[:12]}); resume "
+                         f"with the same model")
     plan.residual.load_state_dict(state["residual"])
     plan.scores.load_state_dict(state["scores"])
     if plan.adaptive is not None and state["adaptive_k"] is not None:

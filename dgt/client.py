@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from . import ipc, unixsock
-from .config import LAUNCHED_ENV, default_socket, peer_timeout_of, trainer_timeout_s
+from .config import (LAUNCHED_ENV, default_socket, hand_started_grace, peer_timeout_of,
+                     trainer_timeout_s)
 from .errors import PeerFailure
 from .failure import FailureReason
 from .process import ended
@@ -146,8 +147,10 @@ class Client:
     that uid, when it differs (another user's process squatting the path). ``timeout_s``
     bounds every wait for the sidecar, in seconds; on expiry :class:`PeerFailure` is
     raised rather than hanging. Default (None): ``dgt.config.trainer_timeout_s`` of
-    ``DGT_PEER_TIMEOUT_S`` (else the sidecar's default, 20 s), 100 s, longer than the
-    sidecar's wait on its first push, so that a peer that never comes is named.
+    ``DGT_PEER_TIMEOUT_S`` (else the sidecar's default, 20 s) and of the start-up grace
+    a hand-started sidecar takes (``dgt.config.hand_started_grace``), 100 s on an idle
+    machine, longer than the sidecar's wait on its first push, so that a peer that
+    never comes is named.
 
     A sidecar that closes the connection without saying why (killed, crashed) is named
     by its socket and pid (SO_PEERCRED) in the :class:`PeerFailure`; whoever started it
@@ -182,7 +185,7 @@ class Client:
             raise ValueError(f"Client(path={path!r}): give the sidecar's Unix socket, a "
                              f"path (None: dgt sidecar's default for the rank)")
         if timeout_s is None:
-            timeout_s = trainer_timeout_s(peer_timeout_of(()))
+            timeout_s = trainer_timeout_s(peer_timeout_of(()), hand_started_grace())
         deadline = time.monotonic() + connect_timeout_s
         while True:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -294,7 +297,8 @@ class Client:
         trainable parameters or a ``resume`` that is not a non-empty path (an empty
         one, from an unset variable, would start again from step 0), RuntimeError when
         already registered or closed, and PeerFailure when the sidecar refuses
-        (different model sizes or parameters, a checkpoint of another rank or layout).
+        (different model sizes or parameters, a checkpoint of another rank or layout,
+        or of a model of other parameter shapes).
         After a TypeError or ValueError the client is as before, and register() may be
         called again; should the interpreter end first (an uncaught exception), the
         sidecar is told at exit and ends naming it (``_close_at_exit``).
@@ -307,6 +311,7 @@ class Client:
         # the sidecars compare it across ranks: replicas that start apart stay apart
         self._send({"op": "register", "n_params": n, "dtype": "float32",
                     "param_sha256": param_sha256(params),
+                    "shapes_sha256": shapes_sha256(params),
                     **({"resume": os.fspath(resume)} if resume is not None else {})})
         msg = self._recv("registered")
         self.next_step = int(msg.get("iterations", 0))
@@ -539,6 +544,17 @@ def param_sha256(params: list[torch.Tensor]) -> str:
         for p in params:
             h.update(p.detach().reshape(-1).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def shapes_sha256(params: list[torch.Tensor]) -> str:
+    """SHA-256 (hex) of the parameters' shapes, in order (the JSON text of the list of
+    shapes, e.g. ``[[6,4],[6]]``): the model's layout, which a sidecar state records
+    (dgt.checkpoint), so that a resume refuses a model of as many parameters laid out
+    otherwise."""
+    import hashlib
+    import json
+    text = json.dumps([list(p.shape) for p in params], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class _Pending:

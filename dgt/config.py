@@ -371,6 +371,17 @@ def startup_grace_here(processes: int) -> float:
     return startup_grace_s(processes, len(os.sched_getaffinity(0)), os.getloadavg()[0])
 
 
+def hand_started_grace() -> float:
+    """The start-up grace of a sidecar started by hand (neither ``dgt train`` nor
+    ``dgt.ddp``, which give theirs) without ``--startup-grace-s``, and its trainer's
+    (dgt.Client's default timeout): ``DGT_STARTUP_GRACE_S``, else
+    :func:`startup_grace_here` of two processes, the sidecar and its trainer (a fixed
+    10 s ran out in CI at a load average of 6 on 2 CPUs, and a hand-started rank 1 named
+    a live rank 0 dead). Raises ValueError naming a bad ``DGT_STARTUP_GRACE_S``."""
+    given = startup_grace_of(())
+    return startup_grace_here(2) if given is None else given
+
+
 def startup_grace_of(argv, environ=os.environ) -> float | None:
     """The ``--startup-grace-s`` that ``argv`` (``dgt sidecar`` flags) gives, else
     ``DGT_STARTUP_GRACE_S``, in seconds; None where neither does. Raises ValueError,
@@ -475,8 +486,9 @@ class NodeConfig:
                                    "--register-timeout-s)")
     startup_grace_s: float = _f(STARTUP_GRACE_S, "seconds beyond --peer-timeout-s that "
                                 "the others' start-up may take (rank 0's store to answer, "
-                                "the rendezvous); dgt train raises it with the processes "
-                                "per CPU it starts on this machine")
+                                "the rendezvous); when not given, raised with this "
+                                "machine's load average per CPU (dgt train: with the "
+                                "processes per CPU it starts, too)")
 
     def __post_init__(self):
         if not self.socket and self.rank >= 0:

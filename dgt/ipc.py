@@ -7,6 +7,8 @@ the aggregate over it, so a CPU trainer's ``p.grad`` can *be* that memory: no co
 way). The socket carries one JSON object per line:
 
     trainer -> sidecar: {"op": "register", "n_params": int, "dtype": "float32",
+                         "param_sha256": str, "shapes_sha256": str (the parameters'
+                         values and shapes, dgt.client; both optional),
                          "resume": path (optional: dgt.checkpoint's sidecar file)}
                         {"op": "push", "t": int, "loss": float}
                         {"op": "save", "path": str} (between iterations: checkpoint)

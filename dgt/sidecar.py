@@ -34,6 +34,7 @@ from .atomic import write_json
 from .errors import PeerFailure
 from .failure import FailureReason
 from .config import (LAUNCHED_ENV, START_SKEW_S, MetricsConfig, NodeConfig, OneLineParser,
+                     hand_started_grace,
                      default_run_dir, TransmissionConfig, add_sidecar_arguments, from_args)
 from .layout import BlockLayout
 from .node_report import write_node_results
@@ -147,6 +148,7 @@ class Sidecar:
         self.drained = 0   # reads of queued datagrams made before a deadline (drain)
         self.pushes = 0
         self.registering = False   # our trainer's register came (--register-timeout-s)
+        self.shapes_sha256 = None   # the register's model layout (dgt.checkpoint)
         self.pace_source = "--pace-mbit"
         self._published: asyncio.Future | None = None   # failure written to the store
         # the store watch while we wait for our trainer's register (_watch_job)
@@ -323,6 +325,7 @@ class Sidecar:
         if self.agent is not None:
             raise PeerFailure(f"rank {self.rank}: register sent twice", self.rank)
         n_params = check_model_size(msg.get("n_params"), self.rank)
+        self.shapes_sha256 = msg.get("shapes_sha256")
         state = await checkpoint.resume_state(msg.get("resume"), self.rank)
         await self.rendezvoused.wait()
         await self._stop_watch()   # agree's store waits watch for failures from here on
@@ -652,6 +655,8 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     try:
         cfg = from_args(TransmissionConfig, ns)
         node = from_args(NodeConfig, ns)
+        if ns.startup_grace_s is None:   # started by hand: dgt train, dgt.ddp give it
+            node.startup_grace_s = hand_started_grace()
         node.check_listen_fd()
         check_resolves(node.master_addr)
         mcfg = from_args(MetricsConfig, ns)

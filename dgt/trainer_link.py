@@ -236,8 +236,8 @@ def not_a_register(msg: dict, rank: int) -> str:
     """Why the control message ``msg`` (decoded by dgt.ipc.decode_msg) is not a
     well-formed ``register`` ("" when it is): op ``register``, ``n_params`` as
     dgt.registration.check_model_size takes it and, where present, ``dtype``
-    ``"float32"`` and ``resume`` / ``param_sha256`` strings (dgt.Client sends exactly
-    that). The reason is one line, fit to send back."""
+    ``"float32"`` and ``resume`` / ``param_sha256`` / ``shapes_sha256`` strings
+    (dgt.Client sends exactly that). The reason is one line, fit to send back."""
     if msg["op"] != "register":
         return f"the first message must be 'register', not {_short(msg['op'])}"
     try:
@@ -246,7 +246,7 @@ def not_a_register(msg: dict, rank: int) -> str:
         return str(e)
     if msg.get("dtype", "float32") != "float32":
         return f"'register' has 'dtype' {_short(msg['dtype'])}; only 'float32' moves"
-    for key in ("resume", "param_sha256"):
+    for key in ("resume", "param_sha256", "shapes_sha256"):
         if key in msg and not isinstance(msg[key], str):
             return f"'register' needs {key!r} as a string, not {_short(msg[key])}"
     return ""

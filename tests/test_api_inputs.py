@@ -76,6 +76,22 @@ def test_good_client_arguments_still_reach_the_wait_for_the_sidecar(tmp_path):
             dgt.Client(path, connect_timeout_s=0.01, **kw)
 
 
+def test_a_client_default_timeout_allows_its_sidecars_start_up_grace(sidecar, monkeypatch):
+    """A hand-started sidecar's start-up grace is DGT_STARTUP_GRACE_S, else grown with the
+    load (dgt.config.hand_started_grace); the Client's default timeout took a fixed 10 s
+    for it, so past a grace of 40 s the trainer gave up before its sidecar could name a
+    peer that never came."""
+    from dgt.config import START_SKEW_S, trainer_timeout_s
+    path, _ = sidecar
+    monkeypatch.setenv("DGT_STARTUP_GRACE_S", "300")
+    c = dgt.Client(path, connect_timeout_s=60)
+    try:
+        assert c.timeout_s == trainer_timeout_s(20.0, 300.0) == 60.0 + 300.0
+        assert c.timeout_s > 20.0 + max(START_SKEW_S, 300.0)   # the sidecar's own wait
+    finally:
+        c.close()
+
+
 # -- dgt.codec -----------------------------------------------------------------------------
 
 def _x(m=6, e=8, seed=0):

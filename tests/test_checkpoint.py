@@ -653,6 +653,22 @@ def _sidecar_of_one(tmp_path, name: str):
     return p, sock
 
 
+def _save_a_state(tmp_path, model, state: str, procs: list) -> None:
+    """Register ``model`` with a hand-started one-worker sidecar (added to ``procs``),
+    push one step of gradients of ones and save its state in ``state``."""
+    from dgt import Client
+    p, sock = _sidecar_of_one(tmp_path, "a")
+    procs.append(p)
+    c = Client(sock, timeout_s=30, connect_timeout_s=60)
+    c.register(model)
+    for q in model.parameters():
+        q.grad = torch.ones_like(q)
+    c.push_pull(0)
+    c.save_state(state)
+    c.close()
+    assert p.wait(timeout=60) == 0
+
+
 def test_a_sidecar_state_of_another_model_of_as_many_blocks_is_refused(tmp_path):
     """Breaker round 17: the sidecar's checkpoint held its blocks' count and size only,
     so a state saved for a Linear(10, 2) (22 gradient elements) resumed a Linear(10, 3)
@@ -662,24 +678,52 @@ def test_a_sidecar_state_of_another_model_of_as_many_blocks_is_refused(tmp_path)
     state = str(tmp_path / "other.pt")
     procs = []
     try:
-        p, sock = _sidecar_of_one(tmp_path, "a")
-        procs.append(p)
-        torch.manual_seed(0)
-        small = torch.nn.Linear(10, 2)
-        c = Client(sock, timeout_s=30, connect_timeout_s=60)
-        c.register(small)
-        for q in small.parameters():
-            q.grad = torch.ones_like(q)
-        c.push_pull(0)
-        c.save_state(state)
-        c.close()
-        assert p.wait(timeout=60) == 0
+        _save_a_state(tmp_path, torch.nn.Linear(10, 2), state, procs)
         p, sock = _sidecar_of_one(tmp_path, "b")
         procs.append(p)
         c = Client(sock, timeout_s=30, connect_timeout_s=60)
         with pytest.raises(PeerFailure, match="n_params 22, this sidecar's is 33"):
             c.register(torch.nn.Linear(10, 3), resume=state)
         c.close()
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+            q.wait(timeout=30)
+
+
+def test_a_sidecar_state_of_another_model_of_as_many_parameters_is_refused(tmp_path):
+    """A state saved for a Linear(4, 6) without bias (a [6, 4] weight: 24 gradient
+    elements) resumed a Linear(6, 4) without bias ([4, 6]: 24 too): the checkpoint
+    recorded n_params only. The state now records the parameters' shapes (a digest),
+    and register() refuses another layout in one line naming the file and what
+    differs; a state without the field (written before it) still resumes."""
+    from dgt import Client
+    from dgt.errors import PeerFailure
+    state = str(tmp_path / "other.pt")
+    procs = []
+    try:
+        _save_a_state(tmp_path, torch.nn.Linear(4, 6, bias=False), state, procs)
+        p, sock = _sidecar_of_one(tmp_path, "b")
+        procs.append(p)
+        c = Client(sock, timeout_s=30, connect_timeout_s=60)
+        with pytest.raises(PeerFailure) as e:
+            c.register(torch.nn.Linear(6, 4, bias=False), resume=state)
+        c.close()
+        msg = str(e.value)
+        assert "\n" not in msg and f"cannot resume from {state}: " in msg, msg
+        assert "other parameter shapes (as many parameters, 24" in msg, msg
+        # a state written before the field existed resumes the model of as many
+        old = checkpoint.load(state)
+        del old["shapes_sha256"]
+        torch.save(old, str(tmp_path / "old.pt"))
+        p, sock = _sidecar_of_one(tmp_path, "c")
+        procs.append(p)
+        c = Client(sock, timeout_s=30, connect_timeout_s=60)
+        c.register(torch.nn.Linear(6, 4, bias=False), resume=str(tmp_path / "old.pt"))
+        assert c.next_step == 1
+        c.close()
+        assert p.wait(timeout=60) == 0
     finally:
         for q in procs:
             if q.poll() is None:

@@ -17,7 +17,7 @@ import dgt
 from dgt.errors import PeerFailure
 
 #: s: every wait here is bounded by the sidecars' own timeouts (peer timeout 2 s, the
-#: rendezvous 12 s); this only guards against a hang
+#: rendezvous 12 s, more on a loaded machine); this only guards against a hang
 HANG_GUARD_S = 90
 
 
@@ -198,3 +198,29 @@ def test_a_trainer_that_gives_up_before_registering_ends_the_job(pair, failed, l
     assert line in _stopped(p0, run0)
     assert _record(run0, 0)["reason"] == "own_trainer"
     _stopped(p1, run1)   # the job failed: the other rank stops too
+
+
+@pytest.mark.timeout(240)
+def test_a_hand_started_sidecar_grows_its_start_up_grace_with_the_load(tmp_path):
+    """A sidecar started by hand allowed the others' start-up a fixed 10 s beyond
+    --peer-timeout-s, whatever the machine's load: in CI at a load average of 6 on 2
+    CPUs, rank 1 named a live rank 0 dead 12 s after its start. Without --startup-grace-s
+    it now takes dgt train's rule for its own two processes (itself and its trainer):
+    max(10, 5 s x (2 + load average) / CPUs). Pinned to one CPU, any load above 0.1 puts
+    that over the old 12 s, in the bound its rendezvous error gives."""
+    from dgt.config import startup_grace_s
+    run_dir = tmp_path / "r0"
+    run_dir.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if k != "DGT_STARTUP_GRACE_S"}
+    low = startup_grace_s(2, 1, os.getloadavg()[0])
+    p = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
+                        "-m", "dgt.cli", "sidecar", "--rank", "0", "--world", "2",
+                        "--master-port", str(_free_port()), "--run-dir", str(run_dir),
+                        "--socket", str(run_dir / "s.sock"), "--peer-timeout-s", "2"],
+                       env=env, capture_output=True, text=True, timeout=HANG_GUARD_S * 2)
+    high = startup_grace_s(2, 1, os.getloadavg()[0] + 5)
+    assert p.returncode == 3, p.stderr
+    got = re.search(r"rank\(s\) \[1\] did not reach rendezvous step '[^']+' within "
+                    r"(\d+) s", p.stderr)
+    assert got, p.stderr
+    assert 2 + low - 0.5 <= int(got.group(1)) <= 2 + high + 0.5, (low, high, p.stderr)

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from . import ipc, unixsock
-from .config import (LAUNCHED_ENV, default_socket, hand_started_grace, peer_timeout_of,
-                     trainer_timeout_s)
+from .config import (LAUNCHED_ENV, MAX_WORLD, default_socket, hand_started_grace,
+                     peer_timeout_of, trainer_timeout_s)
 from .errors import PeerFailure
 from .failure import FailureReason
 from .process import ended
@@ -86,15 +86,34 @@ def uncaught_exception() -> str | None:
     the main thread's uncaught exception sets ``sys.last_value`` before the atexit
     functions run (an interactive session sets it for each error it printed too)."""
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    if exc is None:
-        return None
-    return one_line(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    return None if exc is None else failure_text(exc)
 
 
 def one_line(text: str) -> str:
     """A trainer's error as its sidecar is told it: one line, at most 300 characters
     (never empty)."""
     return " ".join(text.split())[:300] or "failed"
+
+
+def failure_text(failed: object) -> str:
+    """What :meth:`Client.close` sends for ``failed`` (not None): one line of at most
+    300 characters, never empty, and never an exception of its own. An exception is
+    ``"<its type>: <its message>"`` (its type alone when the message is empty), a str
+    itself (``""``, e.g. ``str(AssertionError())``, is still a failure), anything else
+    its repr. Breaker round 19: a ``__str__`` or ``__repr__`` that raised made close()
+    raise before it said anything, and a 70,000-character text was over the control
+    line's limit; either way the hand-started sidecar waited for ever."""
+    try:
+        if isinstance(failed, BaseException):
+            message = str(failed)
+            text = f"{type(failed).__name__}: {message}" if message else \
+                type(failed).__name__
+        else:
+            text = failed if isinstance(failed, str) else repr(failed)
+        return " ".join(text[:100_000].split())[:300] or "an error with no message"
+    except Exception as e:   # its __str__ or __repr__ raised
+        return one_line(f"{type(failed).__name__} (its text could not be read: "
+                        f"{type(e).__name__})")
 
 
 def _close_at_exit(ref) -> None:
@@ -108,13 +127,22 @@ def _close_at_exit(ref) -> None:
         c.close(failed=uncaught_exception())
 
 
+def _a_path(path) -> bool:
+    """Whether ``path`` is a file path the sidecar can be sent and open: a non-empty str
+    or os.PathLike giving one, without a NUL byte (breaker round 19: save_state with a
+    NUL failed the job with the sidecar's 'internal error: embedded null byte')."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    path = os.fspath(path)
+    return isinstance(path, str) and path != "" and "\0" not in path
+
+
 def _registered(model, resume) -> list[torch.Tensor]:
     """``model``'s trainable parameters, checked for :meth:`Client.register` (its
     docstring says what is refused). Raises TypeError, ValueError."""
-    if resume is not None and (not isinstance(resume, (str, os.PathLike))
-                               or not os.fspath(resume)):
+    if resume is not None and not _a_path(resume):
         raise ValueError(f"register(resume={resume!r}): give the file save_state() wrote, "
-                         f"or None to start from step 0")
+                         f"a path, or None to start from step 0")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters; nothing to push")
@@ -175,9 +203,10 @@ class Client:
                                  "every wait for the sidecar may take")
         connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s,
                                      "to wait for the sidecar's socket")
-        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0:
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or \
+                not 0 <= rank < MAX_WORLD:
             raise ValueError(f"Client(rank={rank!r}): give this trainer's rank, an int "
-                             f">= 0")
+                             f"in 0..{MAX_WORLD - 1}")
         rank = int(rank)
         if path is None:
             path = default_socket(rank)
@@ -443,7 +472,7 @@ class Client:
         self._check_open()
         if self.grad is None:
             raise RuntimeError("call register(model) before save_state()")
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        if not _a_path(path):
             raise ValueError(f"save_state({path!r}): give the file to write, a path")
         path = os.path.abspath(path)   # the sidecar's working folder may differ
         self._send({"op": "save", "path": path})
@@ -515,17 +544,16 @@ class Client:
         text (e.g. ``"RuntimeError: boom"``) or the exception itself (sent as ``"<its
         type>: <its message>"``): the sidecar then fails the job naming it and this
         rank's step, rather than ending cleanly (which the others would take for fewer
-        steps). Before register(), a bare close() also ends the sidecar, naming this
-        trainer: it gave up before registering."""
+        steps); anything but None is a failure, an empty text too, and what is sent is
+        one line of at most 300 characters (:func:`failure_text`). Before register(), a
+        bare close() also ends the sidecar, naming this trainer: it gave up before
+        registering."""
         if self.closed:
             return
         self.closed = True
-        if isinstance(failed, BaseException):   # breaker round 18: json could not send it
-            failed = one_line(f"{type(failed).__name__}: {failed}")
-        elif failed is not None and not isinstance(failed, str):
-            failed = one_line(repr(failed))
         try:
-            self._send({"op": "failed", "error": failed} if failed else {"op": "bye"})
+            self._send({"op": "bye"} if failed is None else
+                       {"op": "failed", "error": failure_text(failed)})
         except PeerFailure:
             pass
         self.grad = self.aggregate = None

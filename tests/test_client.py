@@ -475,3 +475,74 @@ def test_a_step_that_is_not_an_int_and_an_empty_save_path_are_refused(sidecar):
     c.push_pull(0)   # nothing of the refused calls reached the sidecar
     c.close()
     assert proc.wait(timeout=60) == 0
+
+
+class _Unreadable(Exception):
+    def __str__(self):
+        raise RuntimeError("str broken")
+
+
+class _NoRepr:
+    def __repr__(self):
+        raise RuntimeError("repr broken")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("failed,said", [
+    (_Unreadable(), "_Unreadable (its text could not be read: RuntimeError)"),
+    (_NoRepr(), "_NoRepr (its text could not be read: RuntimeError)"),
+    ("z" * 70_000, "z" * 300 + ") at step 1"),
+    ("", "an error with no message"),
+    (AssertionError(), "(AssertionError) at step 1")])
+def test_close_says_any_failure_in_one_line_and_never_raises(sidecar, failed, said):
+    """Breaker round 19: a failed object whose __str__ or __repr__ raised made close()
+    raise before it sent anything; a 70,000-character text was over the control line's
+    limit, and the sidecar, told 'control line too long', waited for ever (after
+    register, an internal error with a traceback); close(failed='') (str of an
+    AssertionError()) was taken for a clean goodbye, and the job ended with exit 0."""
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    m = nn.Linear(4, 2)
+    c.register(m)
+    m(torch.ones(1, 4)).sum().backward()
+    c.push_pull(0)
+    c.close(failed=failed)
+    proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert proc.returncode == 3, err
+    assert said in err and "internal error" not in err, err
+
+
+@pytest.mark.timeout(120)
+def test_a_nul_in_a_save_path_is_refused_and_the_job_goes_on(sidecar):
+    """Breaker round 19: save_state('...\\0...') failed the job with the sidecar's
+    'internal error: embedded null byte'. The Client refuses it; a raw save that
+    carries one is answered as a file that cannot be written."""
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    m = nn.Linear(4, 2)
+    c.register(m)
+    m(torch.ones(1, 4)).sum().backward()
+    c.push_pull(0)
+    with pytest.raises(ValueError, match=r"save_state\('/tmp/a\\x00b'\): give the file"):
+        c.save_state("/tmp/a\0b")
+    with pytest.raises(ValueError, match=r"register\(resume='/tmp/a\\x00b'\)"):
+        dgt.client._registered(m, "/tmp/a\0b")
+    c._send({"op": "save", "path": "/tmp/a\0b"})   # as another client could
+    assert c._recv("saved")["error"] == "the path has a NUL byte"
+    c.push_pull(1)   # the job went on
+    c.close()
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+
+
+@pytest.mark.timeout(120)
+def test_a_registered_trainer_s_overlong_control_line_is_named_not_an_internal_error(sidecar):
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    c.register(nn.Linear(4, 2))
+    c.sock.sendall(b'{"op": "push", "pad": "' + b"x" * 70_000 + b'"}\n')
+    proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert proc.returncode == 3, err
+    assert "rank 0's trainer sent a control line over 65536 bytes" in err, err
+    assert "internal error" not in err and "Traceback" not in err, err

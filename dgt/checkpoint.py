@@ -810,8 +810,11 @@ async def save_op(sidecar, msg: dict) -> None:
         sidecar.trainer.send({"op": "error", "rank": sidecar.rank,
                               "message": "save needs a registered model and a path"})
         return
-    state = sidecar_state_dict(sidecar)
     reply = {"op": "saved", "path": path, "iterations": sidecar.pushes}
+    if "\0" in path:   # open(2) cannot take it (a ValueError failed the job: round 19)
+        sidecar.trainer.send({**reply, "error": "the path has a NUL byte", "errno": None})
+        return
+    state = sidecar_state_dict(sidecar)
     try:
         await asyncio.get_running_loop().run_in_executor(None, save, state, path)
     except OSError as e:

@@ -164,12 +164,27 @@ class Sidecar:
 
     # -- startup ----------------------------------------------------------------------
     async def run(self) -> int:
+        try:
+            return await self._run()
+        finally:   # whatever ends us (a SIGKILL aside)
+            self._unlink_buffers()
+
+    def _unlink_buffers(self) -> None:
+        """Remove our buffers' names from /dev/shm (their mappings stay): once the
+        trainer mapped them, or once the job is over and it never will (no-ops after the
+        first). Tests that stopped a lingering sidecar with SIGKILL after a refused
+        register() left a name each in /dev/shm."""
+        for b in self.buffers:
+            b.unlink()
+
+    async def _run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
         await self.sockets.bind(self._accepted_protocol, self._on_datagram, self.trainer.serve)
         await self._rendezvous()
         await self.done.wait()
+        self._unlink_buffers()   # before any linger: a SIGKILL there left them in /dev/shm
         if self._published is not None:
             # the others' rendezvous waits read the failure from the store; rank 0 hosts
             # it, so it stays up for a few of their polls (they would only see it vanish)
@@ -571,6 +586,7 @@ class Sidecar:
         stop. ``level``: how the line is logged (a signal's stop is WARNING, not ERROR)."""
         if self.done.is_set():
             return
+        self._unlink_buffers()   # before anyone hears of it: it may stop us with SIGKILL
         self.failed = PeerFailure(message, rank, why, blamed)
         if why is not FailureReason.STOPPED or rank is not None:   # a plain stop: none
             failure.write(self.node.run_dir, failure.FailureRecord(

@@ -653,6 +653,22 @@ def _sidecar_of_one(tmp_path, name: str):
     return p, sock
 
 
+def _stop_all(procs: list) -> None:
+    """Kill what still runs of ``procs`` (a sidecar lingers after a failure) and check
+    that none left its buffers in /dev/shm: a sidecar names them
+    ``dgt-<its pid>-...`` (dgt.ipc.buffer_name) and removes them once the job is over,
+    before any linger."""
+    import glob
+    for q in procs:
+        if q.poll() is None:
+            q.kill()
+        q.wait(timeout=30)
+    left = [f for q in procs for f in glob.glob(f"/dev/shm/dgt-{q.pid}-*")]
+    for f in left:
+        os.unlink(f)
+    assert not left, left
+
+
 def _save_a_state(tmp_path, model, state: str, procs: list) -> None:
     """Register ``model`` with a hand-started one-worker sidecar (added to ``procs``),
     push one step of gradients of ones and save its state in ``state``."""
@@ -686,10 +702,7 @@ def test_a_sidecar_state_of_another_model_of_as_many_blocks_is_refused(tmp_path)
             c.register(torch.nn.Linear(10, 3), resume=state)
         c.close()
     finally:
-        for q in procs:
-            if q.poll() is None:
-                q.kill()
-            q.wait(timeout=30)
+        _stop_all(procs)
 
 
 def test_a_sidecar_state_of_another_model_of_as_many_parameters_is_refused(tmp_path):
@@ -725,7 +738,4 @@ def test_a_sidecar_state_of_another_model_of_as_many_parameters_is_refused(tmp_p
         c.close()
         assert p.wait(timeout=60) == 0
     finally:
-        for q in procs:
-            if q.poll() is None:
-                q.kill()
-            q.wait(timeout=30)
+        _stop_all(procs)

@@ -201,8 +201,8 @@ def decode(coding: int, rows: np.ndarray, block_elems: int,
     ``block_elems`` that is not an int > 0, FP32, an unknown coding, rows of the wrong
     width, or an ``out`` that does not fit. Every coding decodes rows of any strides
     (a Fortran-order array, every other byte of a buffer, read-only memory) to the
-    same values: rows whose last axis is not contiguous are copied first, the others
-    are read in place."""
+    same values: rows whose last axis is not contiguous, or with a negative stride
+    (``rows[::-1]``), are copied first, the others are read in place."""
     if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8:
         got = rows.dtype if isinstance(rows, np.ndarray) else type(rows).__name__
         raise TypeError(f"rows must be a numpy uint8 array of shape (m, payload bytes), "
@@ -263,7 +263,9 @@ def _chunk_rows(block_elems: int, m: int) -> int:
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
     """``a`` (uint8, rows may be strided) as a tensor: a view when it is writable (a
-    receive buffer) with unit-stride rows, else a copy (torch.from_numpy wants writable
-    memory; a byte view as another dtype wants stride 1 in the last dimension)."""
-    ok = a.flags.writeable and (a.ndim == 0 or a.shape[-1] <= 1 or a.strides[-1] == 1)
+    receive buffer) with unit-stride rows and no negative stride, else a copy
+    (torch.from_numpy wants writable memory and no negative stride, ``rows[::-1]``; a
+    byte view as another dtype wants stride 1 in the last dimension)."""
+    ok = a.flags.writeable and min(a.strides, default=0) >= 0 and (
+        a.ndim == 0 or a.shape[-1] <= 1 or a.strides[-1] == 1)
     return torch.from_numpy(a if ok else np.ascontiguousarray(a).copy())

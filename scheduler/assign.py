@@ -145,6 +145,21 @@ def number_or_nan(value) -> float:
     return math.nan
 
 
+def check_state(owner: str, state, keys: tuple) -> None:
+    """Refuse a ``state`` for ``owner``'s ``load_state_dict`` (e.g. ``"AdaptiveK"``)
+    that is not a dict holding ``keys`` (what its ``state_dict()`` gives): ValueError
+    in one line naming the first key missing, or the type given."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{owner}.load_state_dict: state must be a dict with the keys "
+                         f"{', '.join(keys)} (what state_dict() gives), got "
+                         f"{type(state).__name__}")
+    for key in keys:
+        if key not in state:
+            raise ValueError(f"{owner}.load_state_dict: state has no {key!r}: give what "
+                             f"state_dict() gives, a dict with the keys "
+                             f"{', '.join(keys)}")
+
+
 class AdaptiveK:
     """Loss-driven reliable fraction: ``k_t = max(k0 * loss_t / loss_0, k_min)``.
 
@@ -188,9 +203,12 @@ class AdaptiveK:
 
     def load_state_dict(self, state: dict) -> None:
         """Back to what :meth:`state_dict` gave (a tensor ``loss0`` that an older
-        version kept is taken as its float). Raises ValueError, leaving the state as
-        it was, for a ``loss0`` that :meth:`update` never stores: one that is not None
-        and not a finite real number > 0 (0, a negative, NaN, inf, a str, a bool)."""
+        version kept is taken as its float). Raises ValueError, in one line, leaving
+        the state as it was, for a ``state`` that is not a dict with the key ``loss0``
+        (None, {}), and for a ``loss0`` that :meth:`update` never stores: one that is
+        not None and not a finite real number > 0 (0, a negative, NaN, inf, a str, a
+        bool)."""
+        check_state("AdaptiveK", state, ("loss0",))
         loss0 = state["loss0"]
         try:
             v = loss_value(loss0)

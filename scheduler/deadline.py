@@ -21,7 +21,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from .assign import number_or_nan, real_value
+from .assign import check_state, number_or_nan, real_value
 
 
 def _finite(name: str, value, low: float, what: str) -> float:
@@ -121,7 +121,58 @@ class AdaptiveDeadline:
                 "beyond_floor": self.beyond_floor}
 
     def load_state_dict(self, state: dict) -> None:
+        """Back to what :meth:`state_dict` gave. Each value is taken as :meth:`observe`
+        takes a spread (``dgt.scheduler.assign.real_value``): ``spreads``, a list of
+        real numbers >= 0 (a one-element tensor or a numpy scalar is kept as its float;
+        one above ``ceiling_s`` as ``ceiling_s``; only the last ``window`` are kept);
+        ``highest_s``, a finite real number >= 0; ``beyond_floor``, an int >= 0 (a
+        numpy int or a one-element integer tensor as its int). Raises ValueError, in
+        one line naming the key, leaving the state as it was, for a ``state`` that is
+        not a dict with those keys or a value that is none of these (a str, None, a
+        bool, NaN, a negative, a tensor of more elements)."""
+        check_state("AdaptiveDeadline", state, ("spreads", "highest_s", "beyond_floor"))
+        raw = state["spreads"]
+        if not isinstance(raw, (list, tuple)):
+            _bad_state("spreads", raw, "a list of spreads (s), real numbers >= 0")
+        spreads = [_state_number(f"spreads[{i}]", v, "a spread (s), a real number >= 0")
+                   for i, v in enumerate(raw)]
+        highest = _state_number("highest_s", state["highest_s"],
+                                "seconds, a finite real number >= 0", inf=False)
+        beyond = state["beyond_floor"]
+        n = _integral(beyond)
+        if n is None or n < 0:
+            _bad_state("beyond_floor", beyond, "a count, an int >= 0")
         self.spreads.clear()
-        self.spreads.extend(state["spreads"])
-        self.highest_s = state["highest_s"]
-        self.beyond_floor = state["beyond_floor"]
+        self.spreads.extend(min(v, self.ceiling_s) for v in spreads)
+        self.highest_s = highest
+        self.beyond_floor = n
+
+
+def _bad_state(key: str, value, what: str):
+    raise ValueError(f"AdaptiveDeadline.load_state_dict: {key}={value!r} is not what "
+                     f"state_dict() gives: give {what}")
+
+
+def _state_number(key: str, value, what: str, inf: bool = True) -> float:
+    """``value`` (the state's ``key``) as observe takes a spread: a float >= 0, inf only
+    with ``inf``; else :func:`_bad_state`."""
+    try:
+        v = real_value(value, key)
+    except TypeError:
+        v = math.nan
+    if not (0.0 <= v and (inf or v < math.inf)):   # NaN too
+        _bad_state(key, value, what)
+    return v
+
+
+def _integral(value) -> int | None:
+    """An int of ``value``: a Python or numpy int (not a bool), a one-element tensor or
+    array of an integer dtype (its ``item()``); None for anything else."""
+    try:
+        if getattr(value, "shape", None) is not None and math.prod(value.shape) == 1:
+            value = value.item()   # a numpy scalar, a one-element array or tensor
+    except Exception:   # noqa: BLE001 - not a number at all
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)

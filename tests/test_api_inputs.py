@@ -402,3 +402,111 @@ def test_every_coding_decodes_rows_whose_last_axis_is_not_contiguous(coding):
     wide = np.zeros((5, 2 * rows.shape[1]), np.uint8)
     wide[:, ::2] = rows   # every other byte
     assert np.array_equal(codec.decode(coding, wide[:, ::2], 352), want, equal_nan=True)
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_every_coding_decodes_rows_of_a_negative_stride(coding):
+    # fp16, bf16 and int4: torch's "At least one stride in the given numpy array is
+    # negative"; int8 decoded them
+    rows = codec.encode(coding, _x(5, 352))
+    want = codec.decode(coding, np.ascontiguousarray(rows[::-1]), 352)
+    assert rows[::-1].strides[0] < 0
+    assert np.array_equal(codec.decode(coding, rows[::-1], 352), want, equal_nan=True)
+    assert np.array_equal(codec.decode(coding, rows[::-2], 352),
+                          codec.decode(coding, np.ascontiguousarray(rows[::-2]), 352),
+                          equal_nan=True)
+    back = np.ascontiguousarray(rows[:, ::-1])[:, ::-1]   # a negative byte stride
+    assert np.array_equal(codec.decode(coding, back, 352), want[::-1], equal_nan=True)
+    ro = rows[::-1]
+    ro.flags.writeable = False
+    assert np.array_equal(codec.decode(coding, ro, 352), want, equal_nan=True)
+
+
+# -- load_state_dict: a state that is not what state_dict() gives ------------------------
+
+@pytest.mark.parametrize("state,phrase", [
+    (None, "state must be a dict with the keys loss0 (what state_dict() gives), got "
+     "NoneType"),
+    ([2.0], "got list"),
+    ({}, "state has no 'loss0'"),
+    ({"spreads": []}, "state has no 'loss0'")])
+def test_adaptive_k_load_state_dict_refuses_a_state_that_is_no_state_dict(state, phrase):
+    # None: "'NoneType' object is not subscriptable"; {}: KeyError 'loss0'
+    a = AdaptiveK(0.5, 0.2)
+    with pytest.raises(ValueError) as e:
+        a.load_state_dict(state)
+    assert str(e.value).startswith("AdaptiveK.load_state_dict: ") and phrase in str(e.value)
+    assert "\n" not in str(e.value) and a.state_dict() == {"loss0": None}
+
+
+_DL_STATE = {"spreads": [0.2, 0.1], "highest_s": 0.3, "beyond_floor": 2}
+
+
+@pytest.mark.parametrize("change,phrase", [
+    (("whole", None), "state must be a dict with the keys spreads, highest_s, "
+     "beyond_floor"),
+    (("whole", {}), "state has no 'spreads'"),
+    (("whole", {"spreads": [0.1], "highest_s": 0.1}), "state has no 'beyond_floor'"),
+    ({"spreads": ["x"]}, "spreads[0]='x'"),
+    ({"spreads": [0.1, None]}, "spreads[1]=None"),
+    ({"spreads": [True]}, "spreads[0]=True"),
+    ({"spreads": [torch.ones(2)]}, "spreads[0]=tensor"),
+    ({"spreads": [-0.1]}, "spreads[0]=-0.1"),
+    ({"spreads": [NAN]}, "spreads[0]=nan"),
+    ({"spreads": "0.1"}, "spreads='0.1'"),
+    ({"spreads": 0.1}, "spreads=0.1"),
+    ({"highest_s": "0.1"}, "highest_s='0.1'"),
+    ({"highest_s": INF}, "highest_s=inf"),
+    ({"highest_s": -1.0}, "highest_s=-1.0"),
+    ({"highest_s": None}, "highest_s=None"),
+    ({"beyond_floor": "a"}, "beyond_floor='a'"),
+    ({"beyond_floor": 1.5}, "beyond_floor=1.5"),
+    ({"beyond_floor": -1}, "beyond_floor=-1"),
+    ({"beyond_floor": True}, "beyond_floor=True"),
+    ({"beyond_floor": torch.tensor(1.0)}, "beyond_floor=tensor(1.)")])
+def test_adaptive_deadline_load_state_dict_refuses_values_observe_would_not_keep(
+        change, phrase):
+    # spreads ["x"] failed only in deadline_s() ("'>' not supported"), beyond_floor "a"
+    # was taken
+    state = change[1] if isinstance(change, tuple) else dict(_DL_STATE, **change)
+    d = AdaptiveDeadline(0.05, 1.0)
+    d.observe(0.4)
+    before = d.state_dict()
+    with pytest.raises(ValueError) as e:
+        d.load_state_dict(state)
+    assert str(e.value).startswith("AdaptiveDeadline.load_state_dict: ")
+    assert phrase in str(e.value) and "\n" not in str(e.value)
+    assert d.state_dict() == before   # left as it was
+
+
+def test_adaptive_deadline_load_state_dict_keeps_real_numbers_as_floats_and_an_int():
+    # a tensor spread was loaded as it was: deadline_s() then returned a tensor
+    d = AdaptiveDeadline(0.05, 1.0)
+    d.load_state_dict({"spreads": [torch.tensor(0.3), np.float64(0.2), np.array([0.1]),
+                                   5.0],
+                       "highest_s": np.float32(0.5), "beyond_floor": np.int64(3)})
+    state = d.state_dict()
+    assert [type(s) for s in state["spreads"]] == [float] * 4
+    assert state["spreads"][1:] == [0.2, 0.1, 1.0]   # above the ceiling: the ceiling
+    assert type(state["highest_s"]) is float and state["highest_s"] == pytest.approx(0.5)
+    assert type(state["beyond_floor"]) is int and state["beyond_floor"] == 3
+    assert type(d.deadline_s()) is float and d.deadline_s() == 1.0
+    d.load_state_dict(dict(_DL_STATE, beyond_floor=torch.tensor(4)))
+    assert d.state_dict()["beyond_floor"] == 4
+
+
+def test_adaptive_deadline_load_state_dict_takes_what_state_dict_gives():
+    a = AdaptiveDeadline(0.05, 1.0, window=3)
+    for s in (0.1, 0.4, 0.2, 0.3):
+        a.observe(s)
+    a.deadline_s()
+    b = AdaptiveDeadline(0.05, 1.0, window=3)
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict()
+    assert b.deadline_s() == a.deadline_s()
+    b.observe(0.9)
+    a.observe(0.9)
+    assert b.state_dict() == a.state_dict() and b.deadline_s() == a.deadline_s()
+    fresh = AdaptiveDeadline(0.05, 1.0)
+    b.load_state_dict(fresh.state_dict())
+    assert b.state_dict() == fresh.state_dict()

@@ -569,3 +569,115 @@ def test_coded_pull_parts_takes_what_unpack_coded_pull_gives_back(coded):
     got = wire.unpack_coded_pull(memoryview(buf), 5, ELEMS, wire.Coding.INT8)
     assert np.array_equal(got[0], plain.reshape(-1)) and np.array_equal(got[1], payloads)
     assert got[2].tolist() == received.tolist() and got[3].tolist() == mask.tolist()
+
+
+# -- 2. encoders refuse a payload of the wrong dtype: nothing is cast ------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8, np.int64])
+def test_coded_indexed_blocks_parts_refuses_payloads_that_are_not_uint8(dtype):
+    # float32 (3, 4) payloads were cast to uint8: 12 bytes of truncated values sent
+    with pytest.raises(TypeError) as e:
+        wire.coded_indexed_blocks_parts(np.arange(3), np.ones((3, 4), dtype))
+    assert str(e.value) == (f"payloads must be a uint8 numpy array (the coded blocks), "
+                            f"got {np.dtype(dtype)}")
+    with pytest.raises(TypeError, match="payloads must be a uint8 numpy array"):
+        wire.coded_indexed_blocks_parts(np.arange(1), [[1, 2]])
+    idx, rows = wire.coded_indexed_blocks_parts(np.arange(3), np.ones((3, 4), np.uint8))
+    assert idx == np.arange(3).astype(">u4").tobytes() and rows.tolist() == [1] * 12
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int64, np.complex64, np.float16,
+                                   np.int32, np.uint8])
+def test_pack_pull_and_pack_indexed_blocks_refuse_what_is_not_float32(dtype):
+    # float64, int64 and complex were cast to float32 (complex: its imaginary part lost)
+    agg = np.ones((2, ELEMS), dtype)
+    for f, name, args in ((wire.pack_pull, "aggregate", (agg, np.ones(2, bool))),
+                          (wire.pull_parts, "aggregate", (agg.reshape(-1), np.ones(2, bool))),
+                          (wire.pack_indexed_blocks, "blocks", (np.arange(2), agg)),
+                          (wire.indexed_blocks_parts, "blocks", (np.arange(2), agg))):
+        with pytest.raises(TypeError) as e:
+            f(*args)
+        assert str(e.value) == f"{name} must be a float32 numpy array, got {np.dtype(dtype)}"
+    with pytest.raises(TypeError, match="aggregate must be a float32 numpy array, got list"):
+        wire.pack_pull([1.0, 2.0], np.ones(2, bool))
+
+
+def test_pack_pull_and_pack_indexed_blocks_still_take_float32_in_either_byte_order():
+    agg = np.arange(2 * ELEMS, dtype=np.float32).reshape(2, ELEMS)
+    rec = np.ones(2, bool)
+    assert wire.pack_pull(agg.astype(">f4"), rec) == wire.pack_pull(agg, rec)
+    assert wire.pack_indexed_blocks(np.arange(2), agg.astype(">f4")) == \
+        wire.pack_indexed_blocks(np.arange(2), agg)
+
+
+# -- 3. encode_block_datagrams: key, blocks, coding, size and channel ----------------------
+
+@pytest.mark.parametrize("key", [bytearray(b"k"), memoryview(b"k"), "k"])
+def test_every_encoder_refuses_a_key_that_is_not_bytes_in_one_line(key):
+    # bytearray: "TypeError: unhashable type: 'bytearray'" from the cached MAC keys
+    calls = [lambda: _dgrams(key=key),
+             lambda: wire.encode(MsgType.HELLO, session=1, sender=0, key=key),
+             lambda: wire.encode(MsgType.END, session=1, sender=0, channel=1, key=key)]
+    for call in calls:
+        with pytest.raises(TypeError) as e:
+            call()
+        assert str(e.value) == f"key must be bytes or None, got {type(key).__name__}"
+    assert wire.decode(_dgrams(key=b"k")[0].tobytes(), key=b"k")[0].flags & wire.MAC_BIT
+
+
+def test_encode_block_datagrams_refuses_blocks_that_are_not_a_numpy_array():
+    # a tensor: AttributeError 'torch.dtype' object has no attribute 'kind'
+    import torch
+    for blocks in (torch.ones(1, 4), [[1.0, 2.0, 3.0, 4.0]]):
+        with pytest.raises(TypeError) as e:
+            _dgrams(blocks=blocks)
+        assert str(e.value) == ("blocks must be a numpy array, (n, E) float32 or (n, P) "
+                                f"uint8 coded payloads, got {type(blocks).__name__}")
+
+
+@pytest.mark.parametrize("coding", [True, False, 1.0, 0.0, "1", None, np.float32(3)])
+def test_encode_block_datagrams_refuses_a_coding_that_is_a_bool_or_not_an_int(coding):
+    # True and 1.0 were taken as FP16 (True == 1.0 == 1)
+    with pytest.raises(TypeError) as e:
+        _dgrams(coding=coding, blocks=np.ones((1, 8), np.uint8))
+    assert str(e.value) == (f"coding must be a Coding (an int), got "
+                            f"{type(coding).__name__} {coding!r}")
+
+
+def test_encode_block_datagrams_still_takes_a_coding_as_an_int_or_a_numpy_int():
+    rows = np.ones((1, 8), np.uint8)
+    want = _dgrams(coding=wire.Coding.FP16, blocks=rows)
+    assert np.array_equal(_dgrams(coding=1, blocks=rows), want)
+    assert np.array_equal(_dgrams(coding=np.int64(1), blocks=rows), want)
+
+
+@pytest.mark.parametrize("key", [None, b"k"])
+def test_encode_block_datagrams_refuses_a_datagram_over_the_udp_maximum(key):
+    # 20,000 float32 values gave 80,034 B datagrams, which sendmsg refuses (EMSGSIZE)
+    mac = wire.MAC_BYTES if key else 0
+    with pytest.raises(ValueError) as e:
+        _dgrams(blocks=np.ones((1, 20_000), np.float32), key=key)
+    assert str(e.value) == (f"blocks: a datagram of {80_034 + mac} B (80000 B of block) "
+                            "is over the UDP maximum of 65507 B")
+    most = (wire.MAX_UDP_PAYLOAD - wire.HEADER_BYTES - mac) // 4   # still fits
+    assert _dgrams(blocks=np.ones((1, most), np.float32), key=key).shape[1] <= 65507
+    with pytest.raises(ValueError, match="over the UDP maximum of 65507 B"):
+        _dgrams(blocks=np.ones((1, most + 1), np.float32), key=key)
+    p = wire.MAX_UDP_PAYLOAD - wire.HEADER_BYTES - mac   # coded rows: the same limit
+    assert _dgrams(coding=wire.Coding.INT8, blocks=np.ones((1, p), np.uint8),
+                   key=key).shape[1] == 65507
+    with pytest.raises(ValueError, match=f"a datagram of 65508 B \\({p + 1} B of block\\)"):
+        _dgrams(coding=wire.Coding.INT8, blocks=np.ones((1, p + 1), np.uint8), key=key)
+
+
+def test_encode_block_datagrams_refuses_channel_0_which_receivers_refuse():
+    # channel 0 is the reliable (TCP) channel: a shard's session refuses a UDP BLOCKS
+    # datagram on it (bad_udp_message, docs/wire.md "Header fields per message type")
+    with pytest.raises(ValueError) as e:
+        _dgrams(channel=0)
+    assert str(e.value) == ("channel 0 is the reliable (TCP) channel: a UDP block "
+                            "datagram goes on 1..7 (receivers refuse it: bad_udp_message)")
+    import dataclasses
+    h = wire.decode_header(bytes(_dgrams(channel=1)[0]))
+    assert wire.udp_shape_problem(h) is None
+    assert wire.udp_shape_problem(dataclasses.replace(h, channel=0)) == "bad_udp_message"

@@ -34,6 +34,7 @@ import enum
 import functools
 import hashlib
 import hmac
+import numbers
 import operator
 import struct
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ MAX_CHANNELS = 1 + MAX_UDP_CHANNELS  # channel 0 (reliable) + the UDP channels
 #: Upper bound on one TCP frame's payload; a larger length is a protocol error, not an
 #: allocation. 256 MiB covers a PULL of a 64M-parameter shard.
 MAX_FRAME_PAYLOAD = 256 << 20
+#: The largest UDP datagram payload over IPv4 (65,535 - 8 - 20): a block datagram
+#: (header, block, MAC) over it cannot be sent (EMSGSIZE)
+MAX_UDP_PAYLOAD = 65507
 
 HEADER_FIELDS = (
     ("magic", "H"),
@@ -228,10 +232,11 @@ def check_key(key) -> None:
     """Refuse a MAC key that no job has: ``None`` (no key) or 1 to 64 bytes (the UTF-8
     bytes of ``--secret``, docs/wire.md "Session id and key"). Raises ValueError for an
     empty or longer key (an empty key is refused, never read as "no key"), TypeError for
-    one that is not bytes."""
+    one that is not bytes (a bytearray or memoryview too: the MAC states are cached by
+    key, so it must be hashable; pass ``bytes(key)``)."""
     if key is None:
         return
-    if not isinstance(key, (bytes, bytearray)):
+    if not isinstance(key, bytes):
         raise TypeError(f"key must be bytes or None, got {type(key).__name__}")
     if not 1 <= len(key) <= 64:
         raise ValueError(f"key must be 1 to 64 bytes (None for no key), got "
@@ -286,6 +291,14 @@ def _check_rows(name: str, a) -> None:
     if getattr(a, "ndim", None) != 2:
         raise ValueError(f"{name} must be a 2-D numpy array (one row per block), got "
                          f"{getattr(a, 'shape', type(a).__name__)}")
+
+
+def _check_f4(name: str, a) -> None:
+    """Refuse ``a`` unless it is a numpy float32 array (either byte order: made <f4 by
+    the caller): nothing is cast, a float64 or int64 array is the caller's bug (O(1))."""
+    if not isinstance(a, np.ndarray) or a.dtype.kind != "f" or a.dtype.itemsize != 4:
+        got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+        raise TypeError(f"{name} must be a float32 numpy array, got {got}")
 
 
 def mac_tag(key: bytes, data) -> bytes:
@@ -446,8 +459,10 @@ def indexed_blocks_parts(indices: np.ndarray, blocks: np.ndarray) -> tuple:
     """:func:`pack_indexed_blocks` as (indices bytes, blocks array) for
     :func:`encode_parts`: the blocks are not copied when already C-contiguous
     little-endian float32. Raises TypeError for ``indices`` that are not an integer
-    numpy array; ValueError when ``blocks`` is not 2-D, when there is not one index per
-    block, or for an index outside a u32 (0..2**32-1)."""
+    numpy array, or ``blocks`` that is not a float32 numpy array (float64, int64,
+    complex: nothing is cast); ValueError when ``blocks`` is not 2-D, when there is not
+    one index per block, or for an index outside a u32 (0..2**32-1)."""
+    _check_f4("blocks", blocks)
     _check_rows("blocks", blocks)
     indices = _check_indices(indices, blocks.shape[0])
     return indices.astype(">u4").tobytes(), np.ascontiguousarray(blocks, "<f4")
@@ -459,7 +474,12 @@ def coded_indexed_blocks_parts(indices: np.ndarray, payloads: np.ndarray) -> tup
     indices, then the ``count`` coded blocks, ``payloads`` ((count, P) uint8, P =
     :func:`coded_payload_bytes`), not copied when C-contiguous. (A flat view: a
     memoryview cannot cast an empty 2-D array.) Raises as
-    :func:`indexed_blocks_parts`."""
+    :func:`indexed_blocks_parts`, TypeError for ``payloads`` that is not a uint8 numpy
+    array (nothing is cast: the bytes must be the coded payloads)."""
+    if not isinstance(payloads, np.ndarray) or payloads.dtype != np.uint8:
+        got = payloads.dtype if isinstance(payloads, np.ndarray) else type(payloads).__name__
+        raise TypeError(f"payloads must be a uint8 numpy array (the coded blocks), got "
+                        f"{got}")
     _check_rows("payloads", payloads)
     indices = _check_indices(indices, payloads.shape[0])
     return (indices.astype(">u4").tobytes(),
@@ -518,10 +538,11 @@ def pack_pull(aggregate: np.ndarray, received: np.ndarray) -> bytes:
 
     ``aggregate``: the shard's n blocks, (n, E) or flat (n * E,); ``received``: (n,)
     bool, one per block (the header's ``count`` is its length, docs/wire.md "PULL").
-    Raises ValueError, naming both shapes, for a ``received`` that is not 1-D or not
-    one per block: of (n, E) rows, n of them; of a flat aggregate (whose E is not
-    known here), a length that its size is not a whole multiple of (n * E with
-    E >= 1; 0 values for 0 blocks)."""
+    Raises TypeError for an ``aggregate`` that is not a float32 numpy array (float64,
+    int64, complex: nothing is cast); ValueError, naming both shapes, for a
+    ``received`` that is not 1-D or not one per block: of (n, E) rows, n of them; of a
+    flat aggregate (whose E is not known here), a length that its size is not a whole
+    multiple of (n * E with E >= 1; 0 values for 0 blocks)."""
     return b"".join(pull_parts(aggregate, received))
 
 
@@ -542,6 +563,7 @@ def pull_parts(aggregate: np.ndarray, received: np.ndarray) -> tuple:
     """:func:`pack_pull` as (aggregate array, bitmap bytes) for :func:`encode_parts`;
     the aggregate is not copied when already C-contiguous little-endian float32.
     Raises as :func:`pack_pull`."""
+    _check_f4("aggregate", aggregate)
     agg = np.ascontiguousarray(aggregate, "<f4")
     received = np.asarray(received)
     _check_received(agg, received)
@@ -644,30 +666,44 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
     row carries the UDP MAC.
 
     Raises (O(1) checks and one vectorised pass over ``indices``, before any byte is
-    written) ValueError, naming the field and its range: ``channel`` over 7 (a shard
-    takes 1..7), ``coding`` not a :class:`Coding`, ``session``, ``sender``, ``shard`` or
-    ``iteration`` out of its header field's range, an index outside a u32, not one
-    index per block, ``blocks`` not 2-D or with no value (a coded row of a size no
-    block has in that coding), or an empty ``key``; TypeError for a field or
-    ``indices`` that is not an integer (array), or ``blocks`` of a dtype other than the
-    coding's (float32 for FP32, uint8 for a reduced coding: nothing is cast), naming the
-    dtype it needs.
+    written) ValueError, naming the field and its range: ``channel`` 0 (the reliable
+    channel: receivers refuse a UDP datagram on it, ``bad_udp_message``) or over 7 (a
+    shard takes 1..7), ``coding`` not a :class:`Coding`, ``session``, ``sender``,
+    ``shard`` or ``iteration`` out of its header field's range, an index outside a u32,
+    not one index per block, ``blocks`` not 2-D or with no value (a coded row of a size
+    no block has in that coding), a datagram over :data:`MAX_UDP_PAYLOAD` (naming both
+    sizes), or an empty ``key``; TypeError for a field or ``indices`` that is not an
+    integer (array), a ``coding`` that is a bool or not an int, a ``key`` that is not
+    bytes, ``blocks`` that is not a numpy array (a torch tensor) or of a dtype other
+    than the coding's (float32 for FP32, uint8 for a reduced coding: nothing is cast),
+    naming the dtype it needs.
     """
     if not (type(channel) is type(session) is type(sender) is type(shard)
-            is type(iteration) is int and 0 <= channel < MAX_CHANNELS
+            is type(iteration) is int and 0 < channel < MAX_CHANNELS
             and 0 <= session <= 0xFFFFFFFFFFFFFFFF and 0 <= sender <= 0xFFFF
             and 0 <= shard <= 0xFFFF and 0 <= iteration <= 0xFFFFFFFF):
         if _field("channel", channel, 8) >= MAX_CHANNELS:   # name the field
             raise ValueError(f"channel {channel} is out of range: 0..{MAX_CHANNELS - 1} "
                              "(decoders refuse it: bad_channel; a shard takes 1..7 only)")
+        if channel == 0:
+            raise ValueError("channel 0 is the reliable (TCP) channel: a UDP block "
+                             f"datagram goes on 1..{MAX_CHANNELS - 1} (receivers refuse "
+                             "it: bad_udp_message)")
         _field("session", session, 64)
         _field("sender", sender, 16)
         _field("shard", shard, 16)
         _field("iteration", iteration, 32)
+    if type(coding) is not int and type(coding) is not Coding and (
+            isinstance(coding, bool) or not isinstance(coding, numbers.Integral)):
+        raise TypeError(f"coding must be a Coding (an int), got {type(coding).__name__} "
+                        f"{coding!r}")
     if coding not in _CODINGS:
         raise ValueError(f"coding {coding!r} is not a Coding (0..{max(_CODINGS)}; "
                          "receivers refuse it: bad_coding)")
     check_key(key)
+    if not isinstance(blocks, np.ndarray):
+        raise TypeError(f"blocks must be a numpy array, (n, E) float32 or (n, P) uint8 "
+                        f"coded payloads, got {type(blocks).__name__}")
     _check_rows("blocks", blocks)
     if coding == Coding.FP32:   # f4 of either byte order (made <f4 below)
         if blocks.dtype.kind != "f" or blocks.dtype.itemsize != 4:
@@ -688,6 +724,9 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
         raise ValueError(f"blocks: a row of {plen} B is no block coded as "
                          f"{Coding(coding).name} (docs/wire.md, Block codings)")
     size = HEADER_BYTES + plen + (MAC_BYTES if key is not None else 0)
+    if size > MAX_UDP_PAYLOAD:
+        raise ValueError(f"blocks: a datagram of {size} B ({plen} B of block) is over the "
+                         f"UDP maximum of {MAX_UDP_PAYLOAD} B")
     out = np.empty((n, size), np.uint8)
     hdr = np.empty(n, HEADER_DTYPE)
     hdr["magic"] = MAGIC

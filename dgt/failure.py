@@ -51,6 +51,10 @@ class FailureReason(str, enum.Enum):
     IMPERSONATED = "impersonated"
     #: stopped by a signal (the launcher relays the first failure in failure.json)
     STOPPED = "stopped"
+    #: a trainer of ``dgt train`` whose own code raised (an uncaught exception, e.g. its
+    #: optimiser's overflow): ``message`` is the exception's one line, ``Type: message``,
+    #: as the last line of the traceback in its log says it
+    RAISED = "raised"
     #: a sidecar of a ``dgt train`` job stopped by a signal the launcher did not send
     #: (no failure.json): someone outside the job stopped this rank, which is the cause
     SIGNALLED = "signalled"

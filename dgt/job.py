@@ -27,13 +27,14 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
 from torch import nn
 
 from . import checkpoint, failure, records
-from .client import Client
+from .client import Client, one_line
 from .config import CheckpointConfig, JobConfig
 from .errors import PeerFailure
 from .failure import FailureReason
@@ -389,6 +390,13 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=60.0)
 
 
+def exception_line(e: BaseException) -> str:
+    """``e`` as the last line of its traceback says it (``RuntimeError: boom``; a
+    chained exception's outermost one), made one line of at most 300 characters: a
+    message of many lines, or an exception whose ``str()`` fails, too."""
+    return one_line("".join(traceback.format_exception_only(type(e), e)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dgt.job",
                                 description="One trainer of 'dgt train' (started by it).")
@@ -425,6 +433,14 @@ def main(argv: list[str] | None = None) -> int:
             FailureReason.PEER_REPORTED if relayed else FailureReason.OTHER,
             str(e), e.ranks if relayed else [ns.rank]))
         return 3
+    except Exception as e:
+        # our own code raised (e.g. the optimiser's overflow at --lr 1e300): record its
+        # one line before the interpreter prints the traceback and our socket closes, so
+        # the record is older than our sidecar's "disconnected" and the launcher's
+        # headline quotes the exception, not the disconnect (an outside tester)
+        failure.write(os.path.dirname(os.path.abspath(ns.result)), failure.FailureRecord(
+            "trainer", ns.rank, FailureReason.RAISED, exception_line(e), [ns.rank]))
+        raise
     try:   # a full run dir keeps the result in the spill folder (dgt.records)
         records.write(ns.result, result)
     except OSError as e:

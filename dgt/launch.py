@@ -399,6 +399,18 @@ class Job:
             _last_line(os.path.join(self.run_dir, f"{kind}-{rank}.log"))
         what = f"{kind} of rank {rank} exited with status {code}" + (f": {tail}" if tail
                                                                      else "")
+        if cause is not None and cause.reason is failure.FailureReason.RAISED:
+            # a trainer's own code raised first: its exception, and where its traceback is
+            # (the exiting trainer's own, when it raised too: each one a cause)
+            if own is not None and own.reason is cause.reason and \
+                    (own.kind, own.rank) == (kind, rank):
+                cause = own
+            raised = f"{cause.message[:300]} (its log: " \
+                f"{os.path.join(self.run_dir, f'{cause.kind}-{cause.rank}.log')})"
+            if (cause.kind, cause.rank) == (kind, rank):
+                return f"{kind} of rank {rank} exited with status {code}: {raised}", rank
+            # another process of the job exited first, on what the exception caused
+            return f"{cause.kind} of rank {cause.rank} raised {raised}; {what}", cause.rank
         # the exiting rank's own record does not blame it again; another process's
         # record names whom it blames, the exiting rank too (a frozen trainer's sidecar
         # may be the first process to exit, on the ERROR that blames its rank)
@@ -487,9 +499,10 @@ class Job:
 
 
 def _last_line(path: str) -> str:
-    """For a child that left no failure record (e.g. an uncaught Python exception): the
-    last line of its log that looks like an error, for the user to read (never to
-    decide who failed); never a C++ stack frame that a library printed on its way out."""
+    """For a child that left no failure record (e.g. an uncaught exception outside a
+    trainer's loop, which records its own: dgt.job.main): the last line of its log that
+    looks like an error, for the user to read (never to decide who failed); never a C++
+    stack frame that a library printed on its way out."""
     try:
         with open(path, "rb") as f:
             lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines()

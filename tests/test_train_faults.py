@@ -913,3 +913,77 @@ def test_a_stop_signal_after_every_rank_ended_lets_the_report_and_cleanup_comple
     assert report.get("replicas_identical") is True and report["iterations"] == 6, got
     assert "interrupted" not in err, err
     assert not os.path.exists(run_dir), "the temporary run dir was left"
+
+
+def test_a_trainer_that_raises_has_its_exception_in_the_headline(train, tmp_path):
+    """An outside tester: --lr 1e300 makes Adam raise "RuntimeError: value cannot be
+    converted to type float without overflow" at the first step, and 'dgt train' said
+    only "trainer of rank 0 exited with status 1: trainer of rank 0 disconnected" (its
+    sidecar's record); the exception was in trainer-0.log alone. Now the trainer records
+    its exception's line before it exits, and the headline quotes it with its log."""
+    p, _ = train("--workers", 1, "--iterations", 3, "--lr", "1e300", check=False)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    heads = [ln for ln in p.stderr.splitlines() if ln.startswith("dgt train: failed:")]
+    assert heads == [
+        "dgt train: failed: trainer of rank 0 exited with status 1: RuntimeError: value "
+        "cannot be converted to type float without overflow (its log: "
+        f"{run_dir}/trainer-0.log)"], p.stderr
+    rec = json.loads((run_dir / "failure-trainer-0.json").read_text())
+    assert (rec["reason"], rec["blamed"]) == ("raised", [0]), rec
+    # the traceback stays in the log, for the stack
+    assert "Traceback" in (run_dir / "trainer-0.log").read_text()
+
+
+def test_an_exception_s_line_is_its_traceback_s_last_line_made_one_line():
+    from dgt.job import exception_line
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise ValueError("no")
+
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError as inner:
+            raise RuntimeError("outer\n  on two lines") from inner
+    except RuntimeError as e:
+        assert exception_line(e) == "RuntimeError: outer on two lines"
+    assert exception_line(ValueError("x" * 1000)) == ("ValueError: " + "x" * 1000)[:300]
+    assert exception_line(ValueError()) == "ValueError"
+    assert exception_line(Unprintable()).endswith(".Unprintable: <exception str() failed>")
+
+
+def test_a_raised_trainer_is_quoted_whichever_process_exits_first(tmp_path):
+    """The headline quotes the oldest ``raised`` record though another process exited
+    first (its sidecar, on the disconnect; another rank), the exiting trainer's own
+    when it raised too; a trainer killed by a signal is still named by the signal."""
+    from dgt import failure
+    from dgt.config import JobConfig, TransmissionConfig
+    from dgt.launch import Job
+    exc = "RuntimeError: value cannot be converted to type float without overflow"
+    for kind, r, reason, text, when in (
+            ("trainer", 1, failure.FailureReason.RAISED, exc, 1),
+            ("sidecar", 1, failure.FailureReason.OWN_TRAINER,
+             "trainer of rank 1 disconnected", 2),
+            ("sidecar", 0, failure.FailureReason.PEER_REPORTED,
+             "rank 1 reports: trainer of rank 1 disconnected", 3)):
+        failure.write(str(tmp_path), failure.FailureRecord(kind, r, reason, text, [1]))
+        os.utime(failure.record_path(str(tmp_path), kind, r),
+                 ns=(when * 10**9, when * 10**9))
+    j = Job(JobConfig(run_dir=str(tmp_path), workers=2), TransmissionConfig())
+    log = f"(its log: {tmp_path}/trainer-1.log)"
+    assert j._describe_failure("trainer", 1, 1) == (
+        f"trainer of rank 1 exited with status 1: {exc} {log}", 1)
+    assert j._describe_failure("sidecar", 1, 3) == (
+        f"trainer of rank 1 raised {exc} {log}; sidecar of rank 1 exited with status 3: "
+        f"trainer of rank 1 disconnected", 1)
+    assert j._describe_failure("sidecar", 0, 3)[1] == 1
+    failure.write(str(tmp_path), failure.FailureRecord(
+        "trainer", 0, failure.FailureReason.RAISED, exc, [0]))
+    assert j._describe_failure("trainer", 0, 1) == (
+        f"trainer of rank 0 exited with status 1: {exc} (its log: "
+        f"{tmp_path}/trainer-0.log)", 0)
+    text, blamed = j._describe_failure("trainer", 1, -signal.SIGKILL)
+    assert text.startswith("trainer of rank 1 was killed by signal 9"), text
+    assert exc not in text and blamed == 1

@@ -477,6 +477,17 @@ def test_a_step_that_is_not_an_int_and_an_empty_save_path_are_refused(sidecar):
     assert proc.wait(timeout=60) == 0
 
 
+def _one_step(path: str):
+    """A Client of the sidecar at ``path``, registered with a Linear(4, 2) and past its
+    first push_pull; (the client, the model)."""
+    c = dgt.Client(path, timeout_s=30)
+    m = nn.Linear(4, 2)
+    c.register(m)
+    m(torch.ones(1, 4)).sum().backward()
+    c.push_pull(0)
+    return c, m
+
+
 class _Unreadable(Exception):
     def __str__(self):
         raise RuntimeError("str broken")
@@ -501,11 +512,7 @@ def test_close_says_any_failure_in_one_line_and_never_raises(sidecar, failed, sa
     register, an internal error with a traceback); close(failed='') (str of an
     AssertionError()) was taken for a clean goodbye, and the job ended with exit 0."""
     path, proc = sidecar
-    c = dgt.Client(path, timeout_s=30)
-    m = nn.Linear(4, 2)
-    c.register(m)
-    m(torch.ones(1, 4)).sum().backward()
-    c.push_pull(0)
+    c, m = _one_step(path)
     c.close(failed=failed)
     proc.wait(timeout=60)
     err = proc.stderr.read()
@@ -519,11 +526,7 @@ def test_a_nul_in_a_save_path_is_refused_and_the_job_goes_on(sidecar):
     'internal error: embedded null byte'. The Client refuses it; a raw save that
     carries one is answered as a file that cannot be written."""
     path, proc = sidecar
-    c = dgt.Client(path, timeout_s=30)
-    m = nn.Linear(4, 2)
-    c.register(m)
-    m(torch.ones(1, 4)).sum().backward()
-    c.push_pull(0)
+    c, m = _one_step(path)
     with pytest.raises(ValueError, match=r"save_state\('/tmp/a\\x00b'\): give the file"):
         c.save_state("/tmp/a\0b")
     with pytest.raises(ValueError, match=r"register\(resume='/tmp/a\\x00b'\)"):

@@ -35,7 +35,7 @@ import torch
 from . import ipc, unixsock
 from .config import (LAUNCHED_ENV, MAX_WORLD, default_socket, hand_started_grace,
                      peer_timeout_of, trainer_timeout_s)
-from .errors import PeerFailure
+from .errors import PeerFailure, printable
 from .failure import FailureReason
 from .process import ended
 from .scheduler.assign import loss_value, number_or_nan
@@ -97,12 +97,15 @@ def one_line(text: str) -> str:
 
 def failure_text(failed: object) -> str:
     """What :meth:`Client.close` sends for ``failed`` (not None): one line of at most
-    300 characters, never empty, and never an exception of its own. An exception is
-    ``"<its type>: <its message>"`` (its type alone when the message is empty), a str
-    itself (``""``, e.g. ``str(AssertionError())``, is still a failure), anything else
-    its repr. Breaker round 19: a ``__str__`` or ``__repr__`` that raised made close()
-    raise before it said anything, and a 70,000-character text was over the control
-    line's limit; either way the hand-started sidecar waited for ever."""
+    300 printable characters (others as backslash escapes, a lone surrogate too), never
+    empty, and never an exception of its own. An exception is ``"<its type>: <its
+    message>"`` (its type alone when the message is empty), a str itself (``""``, e.g.
+    ``str(AssertionError())``, is still a failure), anything else its repr. Breaker
+    round 19: a ``__str__`` or ``__repr__`` that raised made close() raise before it
+    said anything, and a 70,000-character text was over the control line's limit;
+    either way the hand-started sidecar waited for ever. Round 20: one that raised
+    SystemExit or KeyboardInterrupt did too, and a lone surrogate could not be sent on
+    to the other ranks."""
     try:
         if isinstance(failed, BaseException):
             message = str(failed)
@@ -110,10 +113,14 @@ def failure_text(failed: object) -> str:
                 type(failed).__name__
         else:
             text = failed if isinstance(failed, str) else repr(failed)
-        return " ".join(text[:100_000].split())[:300] or "an error with no message"
-    except Exception as e:   # its __str__ or __repr__ raised
-        return one_line(f"{type(failed).__name__} (its text could not be read: "
-                        f"{type(e).__name__})")
+        text = " ".join(str.split(text[:100_000]))[:300]
+        return printable(text) or "an error with no message"
+    except BaseException as e:   # noqa: BLE001 - its __str__ or __repr__ raised
+        try:
+            name = printable(str.__str__(type(failed).__name__))[:100]
+        except BaseException:   # noqa: BLE001 - its type's name too
+            name = "an object"
+        return f"{name} (its text could not be read: {type(e).__name__})"
 
 
 def _close_at_exit(ref) -> None:

@@ -17,3 +17,13 @@ class PeerFailure(RuntimeError):
         self.reason = FailureReason(reason)
         self.ranks = list(ranks) if ranks is not None else \
             ([rank] if rank is not None else [])
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (a NUL, a control, a lone
+    surrogate) as its backslash escape: what a log line and the wire (UTF-8) take. A
+    trainer's failure text with a lone surrogate could not be sent on to the other
+    ranks (breaker round 20: they named a lost connection instead)."""
+    return text if text.isprintable() else "".join(
+        c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode()
+        for c in text)

@@ -31,7 +31,7 @@ import numpy as np
 from . import checkpoint, datapath, failure, fdlimit, hugepages, ipc, parts, unixsock
 from .agent import WorkerAgent
 from .atomic import write_json
-from .errors import PeerFailure
+from .errors import PeerFailure, printable
 from .failure import FailureReason
 from .config import (LAUNCHED_ENV, START_SKEW_S, MetricsConfig, NodeConfig, OneLineParser,
                      hand_started_grace,
@@ -587,6 +587,7 @@ class Sidecar:
         if self.done.is_set():
             return
         self._unlink_buffers()   # before anyone hears of it: it may stop us with SIGKILL
+        message = printable(message)   # UTF-8 on the wire and in the store, one log line
         self.failed = PeerFailure(message, rank, why, blamed)
         if why is not FailureReason.STOPPED or rank is not None:   # a plain stop: none
             failure.write(self.node.run_dir, failure.FailureRecord(

@@ -526,11 +526,12 @@ def test_a_nul_in_a_save_path_is_refused_and_the_job_goes_on(sidecar):
     'internal error: embedded null byte'. The Client refuses it; a raw save that
     carries one is answered as a file that cannot be written."""
     path, proc = sidecar
+    from dgt.client import _registered
     c, m = _one_step(path)
     with pytest.raises(ValueError, match=r"save_state\('/tmp/a\\x00b'\): give the file"):
         c.save_state("/tmp/a\0b")
     with pytest.raises(ValueError, match=r"register\(resume='/tmp/a\\x00b'\)"):
-        dgt.client._registered(m, "/tmp/a\0b")
+        _registered(m, "/tmp/a\0b")
     c._send({"op": "save", "path": "/tmp/a\0b"})   # as another client could
     assert c._recv("saved")["error"] == "the path has a NUL byte"
     c.push_pull(1)   # the job went on
@@ -549,3 +550,44 @@ def test_a_registered_trainer_s_overlong_control_line_is_named_not_an_internal_e
     assert proc.returncode == 3, err
     assert "rank 0's trainer sent a control line over 65536 bytes" in err, err
     assert "internal error" not in err and "Traceback" not in err, err
+
+
+class _InterruptingStr(Exception):
+    def __str__(self):
+        raise KeyboardInterrupt
+
+
+class _ExitingRepr:
+    def __repr__(self):
+        raise SystemExit(3)
+
+
+class _NamelessType(type):
+    @property
+    def __name__(cls):
+        raise RuntimeError("name")
+
+
+class _Nameless(metaclass=_NamelessType):
+    def __repr__(self):
+        raise RuntimeError("repr")
+
+
+@pytest.mark.parametrize("make,text", [
+    (_InterruptingStr, "_InterruptingStr (its text could not be read: KeyboardInterrupt)"),
+    (_ExitingRepr, "_ExitingRepr (its text could not be read: SystemExit)"),
+    (_Nameless, "an object (its text could not be read: RuntimeError)"),
+    (lambda: "bad \udc80 surrogate", "bad \\udc80 surrogate"),
+    (lambda: "a\x00nul", "a\\x00nul"),
+    (lambda: "é ü 中", "é ü 中")],
+    ids=["str-interrupts", "repr-exits", "nameless-type", "surrogate", "nul", "utf-8"])
+def test_a_failure_text_is_one_printable_line_whatever_the_object_raises(make, text):
+    """Breaker round 20: close(failed=...) raised when the object's __str__ or __repr__
+    raised SystemExit or KeyboardInterrupt (or its type's name raised), and sent
+    nothing: a hand-started sidecar waited for ever. A lone surrogate could not go on
+    to the other ranks (UTF-8); a NUL reached the sidecar's log line raw. (The objects
+    are made in the test: pytest's report would call their repr.)"""
+    from dgt.client import failure_text
+    got = failure_text(make())
+    assert got == text
+    got.encode("utf-8")   # the wire's and the store's encoding

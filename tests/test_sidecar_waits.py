@@ -224,3 +224,22 @@ def test_a_hand_started_sidecar_grows_its_start_up_grace_with_the_load(tmp_path)
                     r"(\d+) s", p.stderr)
     assert got, p.stderr
     assert 2 + low - 0.5 <= int(got.group(1)) <= 2 + high + 0.5, (low, high, p.stderr)
+
+
+@pytest.mark.timeout(240)
+def test_a_failure_text_with_a_lone_surrogate_reaches_the_other_ranks(pair):
+    """Breaker round 20: a trainer's failure text with a lone surrogate (JSON can carry
+    one: "\\udc80") could not be encoded as UTF-8 for the store and the wire, so rank 0
+    logged 'could not tell the others: UnicodeEncodeError' and rank 1 named a lost
+    store instead of rank 0's trainer. Sent raw here, as dgt.Client now escapes it."""
+    _, procs = pair
+    (p0, run0), (p1, run1) = procs
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(os.path.join(run0, "s.sock"))
+        s.sendall(json.dumps({"op": "failed", "error": "bad \udc80 text"}).encode() + b"\n")
+        out0 = _stopped(p0, run0)
+    assert "trainer of rank 0 failed before it registered (bad \\udc80 text)" in out0, out0
+    assert "could not tell the others" not in out0, out0
+    out1 = _stopped(p1, run1)
+    assert "rank 0 failed: trainer of rank 0 failed before it registered (bad \\udc80 " \
+        "text)" in out1, out1

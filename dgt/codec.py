@@ -37,7 +37,7 @@ import os
 import numpy as np
 import torch
 
-from .transport.wire import Coding, coded_payload_bytes
+from .transport.wire import Coding, check_coding, coded_payload_bytes
 
 try:   # optional (setup.py): without it, torch's kernels give the same bits, slower
     from . import _int8codec as _native
@@ -81,7 +81,8 @@ def encode(coding: int, blocks: torch.Tensor, decoded: torch.Tensor | None = Non
     float16, a numpy array: the message names the dtype or type); ValueError for
     ``blocks`` not of shape (m, E) with E > 0 or not on the CPU, ``decoded`` or
     ``error`` that is not a float32 CPU tensor of ``blocks``' shape, FP32, an unknown
-    coding, or ``decoded`` and ``error`` in one array."""
+    coding, or ``decoded`` and ``error`` in one array; TypeError for a coding that is
+    not an int (a bool)."""
     if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.float32:
         got = blocks.dtype if isinstance(blocks, torch.Tensor) else type(blocks).__name__
         raise TypeError(f"blocks must be a float32 tensor of shape (m, E), got {got}")
@@ -93,6 +94,7 @@ def encode(coding: int, blocks: torch.Tensor, decoded: torch.Tensor | None = Non
         raise ValueError(f"blocks must have shape (m, E) with E > 0, got {(m, e)}")
     if not blocks.is_cpu:
         raise ValueError(f"blocks must be on the CPU, got {blocks.device}")
+    check_coding(coding)
     p = coded_payload_bytes(coding, e)
     if coding == Coding.FP32 or p is None:
         raise ValueError(f"no block codec for coding {coding}")
@@ -199,7 +201,9 @@ def decode(coding: int, rows: np.ndarray, block_elems: int,
     array; returns it. The checks are O(1). Raises TypeError for ``rows`` that is not a
     numpy uint8 array (a torch tensor, int8 bytes); ValueError for ``rows`` not 2-D,
     ``block_elems`` that is not an int > 0, FP32, an unknown coding, rows of the wrong
-    width, or an ``out`` that does not fit. Every coding decodes rows of any strides
+    width, or an ``out`` that does not fit or is read-only (fp16, bf16 and int4 wrote
+    into a read-only one: breaker round 20); TypeError for a coding that is not an int
+    (a bool). Every coding decodes rows of any strides
     (a Fortran-order array, every other byte of a buffer, read-only memory) to the
     same values: rows whose last axis is not contiguous, or with a negative stride
     (``rows[::-1]``), are copied first, the others are read in place."""
@@ -213,6 +217,7 @@ def decode(coding: int, rows: np.ndarray, block_elems: int,
             or block_elems < 1:
         raise ValueError(f"block_elems must be an int > 0, got {block_elems!r}")
     m, e = rows.shape[0], int(block_elems)
+    check_coding(coding)
     p = coded_payload_bytes(coding, e)
     if coding == Coding.FP32 or p is None:
         raise ValueError(f"no block codec for coding {coding}")
@@ -221,11 +226,12 @@ def decode(coding: int, rows: np.ndarray, block_elems: int,
     if out is None:
         out = np.empty((m, e), np.float32)
     elif not isinstance(out, np.ndarray) or out.shape != (m, e) \
-            or out.dtype != np.float32 or not out.flags.c_contiguous:
-        got = (f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray)
-               else type(out).__name__)
-        raise ValueError(f"out must be a C-contiguous float32 array of {(m, e)}, got "
-                         f"{got}")
+            or out.dtype != np.float32 or not out.flags.c_contiguous \
+            or not out.flags.writeable:
+        got = (f"{'read-only ' if not out.flags.writeable else ''}{out.dtype} "
+               f"{out.shape}" if isinstance(out, np.ndarray) else type(out).__name__)
+        raise ValueError(f"out must be a writable C-contiguous float32 array of "
+                         f"{(m, e)}, got {got}")
     if m == 0:   # numpy may give an empty array any strides; torch cannot view those
         return out
     if coding == Coding.INT8 and _native is not None and rows.strides[-1] == 1:

@@ -510,3 +510,32 @@ def test_adaptive_deadline_load_state_dict_takes_what_state_dict_gives():
     fresh = AdaptiveDeadline(0.05, 1.0)
     b.load_state_dict(fresh.state_dict())
     assert b.state_dict() == fresh.state_dict()
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_every_coding_refuses_a_read_only_out_and_a_bool_coding(coding):
+    """Breaker round 20: decode wrote fp16, bf16 and int4 values into a read-only out
+    (an immutable bytes object changed; int8 refused it), and encode and decode took
+    True as FP16."""
+    x = _x(4, 352)
+    rows = codec.encode(coding, x)
+    buf = bytes(4 * 352 * 4)
+    out = np.frombuffer(buf, np.float32).reshape(4, 352)
+    with pytest.raises(ValueError, match=r"out must be a writable C-contiguous float32 "
+                                         r"array of \(4, 352\), got read-only float32"):
+        codec.decode(coding, rows, 352, out=out)
+    assert not any(buf)
+    for bad in (True, 1.0):
+        with pytest.raises(TypeError, match="coding must be a Coding"):
+            codec.encode(bad, x)
+        with pytest.raises(TypeError, match="coding must be a Coding"):
+            codec.decode(bad, rows, 352)
+
+
+def test_wire_decode_refuses_a_key_that_is_not_bytes_in_one_line():
+    # round 20: a bytearray key gave "unhashable type: 'bytearray'" from the MAC cache
+    from dgt.transport import wire
+    msg = wire.encode(wire.MsgType.HELLO, session=1, sender=0, key=b"kk")
+    with pytest.raises(TypeError, match="key must be bytes or None, got bytearray"):
+        wire.decode(msg, key=bytearray(b"kk"))
+    assert wire.decode(msg, key=b"kk")[0].type == wire.MsgType.HELLO

@@ -409,7 +409,8 @@ def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
 
     ``buf`` must hold exactly one message. With ``key`` (1 to 64 bytes) a valid MAC is
     required. Raises :class:`WireError` (header reasons, plus ``bad_length``,
-    ``no_mac``, ``bad_mac``); ValueError for an empty ``key`` (never read as no key).
+    ``no_mac``, ``bad_mac``); ValueError for an empty ``key`` (never read as no key),
+    TypeError for one that is not bytes (:func:`check_key`).
     """
     mv = memoryview(buf).cast("B")
     h = decode_header(mv)
@@ -417,7 +418,7 @@ def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
         raise WireError("bad_length", f"have {len(mv)} B, header says {frame_size(h)} B")
     end = HEADER_BYTES + h.length
     if key is not None:
-        if not key:
+        if type(key) is not bytes or not key:   # O(1): decode runs per datagram
             check_key(key)
         check_mac(mv, h, key)
     return h, mv[HEADER_BYTES:end]
@@ -582,6 +583,19 @@ def unpack_pull(payload: memoryview, n_blocks: int, block_elems: int
     return agg, bits.astype(bool)
 
 
+def check_coding(coding) -> None:
+    """Raise TypeError for a ``coding`` that is not an int (a bool, a float: ``True``
+    was taken as FP16) and ValueError for an int that is no :class:`Coding`, each in
+    one line naming it; O(1)."""
+    if type(coding) is not int and type(coding) is not Coding and (
+            isinstance(coding, bool) or not isinstance(coding, numbers.Integral)):
+        raise TypeError(f"coding must be a Coding (an int), got {type(coding).__name__} "
+                        f"{coding!r}")
+    if coding not in _CODINGS:
+        raise ValueError(f"coding {coding!r} is not a Coding (0..{max(_CODINGS)}; "
+                         "receivers refuse it: bad_coding)")
+
+
 def coded_pull_parts(plain: np.ndarray, payloads: np.ndarray, received: np.ndarray,
                      coded: np.ndarray) -> tuple:
     """A coded PULL's payload (docs/wire.md, "PULL"; the header's ``coding`` flags name
@@ -693,13 +707,7 @@ def encode_block_datagrams(*, session: int, sender: int, shard: int, iteration: 
         _field("sender", sender, 16)
         _field("shard", shard, 16)
         _field("iteration", iteration, 32)
-    if type(coding) is not int and type(coding) is not Coding and (
-            isinstance(coding, bool) or not isinstance(coding, numbers.Integral)):
-        raise TypeError(f"coding must be a Coding (an int), got {type(coding).__name__} "
-                        f"{coding!r}")
-    if coding not in _CODINGS:
-        raise ValueError(f"coding {coding!r} is not a Coding (0..{max(_CODINGS)}; "
-                         "receivers refuse it: bad_coding)")
+    check_coding(coding)
     check_key(key)
     if not isinstance(blocks, np.ndarray):
         raise TypeError(f"blocks must be a numpy array, (n, E) float32 or (n, P) uint8 "

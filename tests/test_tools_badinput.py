@@ -602,6 +602,12 @@ def test_pcap_summary_counts_a_block_of_another_size_as_refused(tmp_path, coding
     assert s["udp_refused"] == 1 and s["channels"]["udp1"]["bytes"] == 2 * len(good), s
     assert "a block of another size than its session's others): 1" in \
         summary.format_table(s)
+    # and says so, per session (breaker round 20: a flood of forged blocks of one other
+    # size that outnumbers a session's own takes its size over, silently)
+    mixed = s["block_sizes_mixed"]
+    assert list(mixed) == [str(0x1234)] and list(mixed[str(0x1234)].items())[0] == ("4", 2)
+    assert f"session {0x1234}: block datagrams of {len(mixed[str(0x1234)])} sizes (4 " \
+        f"values: 2, " in summary.format_table(s), summary.format_table(s)
 
 
 def test_pcap_summary_counts_blocks_of_one_size_in_every_coding_as_good(tmp_path):
@@ -613,6 +619,7 @@ def test_pcap_summary_counts_blocks_of_one_size_in_every_coding_as_good(tmp_path
     _scapy_udp_pcap(tmp_path / "b.pcap", blocks + blocks[-1:])
     s = summary.summarize(tmp_path / "b.pcap", ports.from_ports("47001"))
     assert s["udp_refused"] == 0 and s["totals"]["blocks"] == len(blocks) + 1, s
+    assert s["block_sizes_mixed"] == {}, s
 
 
 def test_pcap_summary_gives_a_far_future_iteration_no_row(tmp_path):

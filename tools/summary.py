@@ -190,6 +190,18 @@ class Summary:
         return any(self.sizes_seen[sess][e] < self.size_datagrams[sess]
                    for sess, e in best.items())
 
+    def sizes_of_mixed_sessions(self) -> dict[str, dict[str, int]]:
+        """{session: {block size: block datagrams that fit it}} of the sessions whose
+        block datagrams do not all fit one size (JSON keys, most datagrams first): what
+        the summary says, so that a flood of forged blocks of another size that
+        outnumbers a session's own (and so takes the block size over: breaker round 20)
+        is seen, not silently counted."""
+        best = self.block_sizes()
+        return {str(sess): {str(e): n for e, n in sorted(
+                    self.sizes_seen[sess].items(), key=lambda en: (-en[1], en[0]))}
+                for sess, e in best.items()
+                if self.sizes_seen[sess][e] < self.size_datagrams[sess]}
+
     def in_range(self) -> tuple[list[int], int]:
         """(the iterations that get a row, ascending; the messages of the others):
         from the median iteration (by messages) up, an iteration more than
@@ -302,11 +314,14 @@ def summarize(files, ports: PortSpec | None = None, sessions=None) -> dict:
     from dgt.tools.dissect import dissect_files
     truncated, records = dissect_files(d, files, s.add)
     check_truncated(truncated, records)
+    mixed = {}
     if s.other_sizes():   # a block of another size than its session's: read again,
         d = Dissector(ports)   # refusing it (a real capture holds one size)
+        mixed = s.sizes_of_mixed_sessions()
         s = Summary(d, sessions, block_elems=s.block_sizes())
         truncated, records = dissect_files(d, files, s.add)
     out = s.result(files)
+    out["block_sizes_mixed"] = mixed
     out["records"] = records
     out["truncated"] = truncated
     return out
@@ -371,6 +386,12 @@ def format_table(s: dict) -> str:
                      f"a block of an undefined coding or of a length no block has: "
                      f"bad_coding, bad_length; a block of another size than its "
                      f"session's others): {s['udp_refused']}")
+    for sess, sizes in (s.get("block_sizes_mixed") or {}).items():
+        lines.append(f"session {sess}: block datagrams of {len(sizes)} sizes ("
+                     + ", ".join(f"{e} values: {n}" for e, n in sizes.items())
+                     + "); the most common is taken as its block size and the others "
+                     "refused: if the other size is the job's, that session was "
+                     "flooded with forged blocks")
     if s.get("iterations_out_of_range"):
         lines.append(f"messages of iterations out of range (more than {MAX_ITERATION_GAP} "
                      f"above the iterations below them; no row): "

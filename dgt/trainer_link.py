@@ -85,6 +85,20 @@ class TrainerLink:
             return f"trainer of rank {self.rank} failed before it registered ({what})"
         return None
 
+    async def _ended_without_a_word(self, pid: int) -> None:
+        """A connection of our own user's process ``pid`` closed before its first line:
+        when that process has ended too (within ENDED_WAIT_S) while no trainer is
+        attached, it was our trainer, killed (or gone without dgt.Client's goodbye)
+        before it registered, and the job fails naming it. Before, a hand-started
+        sidecar waited for ever (breaker round 19). A process that closes such a
+        connection and lives on changes nothing."""
+        if pid <= 0 or self.writer is not None or self.done.is_set():
+            return
+        if await ended_soon(lambda: not running(pid)) and self.writer is None:
+            self.fail(f"trainer of rank {self.rank} (pid {pid}) ended before it registered, "
+                      f"without a word (it was killed, or exited before dgt.Client could "
+                      f"say goodbye)", self.rank, why=FailureReason.OWN_TRAINER)
+
     def _refuse(self, line: bytes, writer: asyncio.StreamWriter) -> bool:
         """Answer and close a connection whose first ``line`` does not make it the
         trainer; False when it does (a well-formed ``register`` while no trainer is
@@ -154,6 +168,7 @@ class TrainerLink:
             line = b""
         if not line:
             writer.close()
+            await self._ended_without_a_word(trainer_pid)
             return
         gave_up = self._gave_up(line)
         if gave_up is not None:

@@ -1,6 +1,7 @@
 """dgt.Client as a library against a real one-node sidecar: use and misuse."""
 import glob
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -591,3 +592,40 @@ def test_a_failure_text_is_one_printable_line_whatever_the_object_raises(make, t
     got = failure_text(make())
     assert got == text
     got.encode("utf-8")   # the wire's and the store's encoding
+
+
+KILLED_BEFORE_REGISTER = """
+import os, signal, sys
+import dgt
+c = dgt.Client(sys.argv[1], timeout_s=30)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_killed_before_it_registers_ends_its_sidecar(sidecar):
+    """Breaker round 19: a trainer killed (SIGKILL, SIGTERM) after it connected and
+    before register() left its hand-started sidecar waiting for ever (its connection
+    closed without a line). Its process has ended, so the sidecar names it."""
+    path, proc = sidecar
+    t = subprocess.run([sys.executable, "-c", KILLED_BEFORE_REGISTER, path], timeout=60)
+    assert t.returncode == -signal.SIGKILL
+    proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert proc.returncode == 3, err
+    assert re.search(r"trainer of rank 0 \(pid \d+\) ended before it registered, without "
+                     r"a word", err), err
+
+
+@pytest.mark.timeout(120)
+def test_a_live_process_that_closes_a_connection_without_a_word_changes_nothing(sidecar):
+    path, proc = sidecar
+    t_end = time.monotonic() + 60
+    while not os.path.exists(path):   # the sidecar's start-up (a guard, not a timing)
+        assert proc.poll() is None and time.monotonic() < t_end
+        time.sleep(0.05)
+    with socket.socket(socket.AF_UNIX) as s:   # this process lives on
+        s.connect(path)
+    c, _ = _one_step(path)
+    c.close()
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()

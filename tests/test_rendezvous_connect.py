@@ -175,9 +175,10 @@ def test_a_store_that_answers_as_rank_1_gives_up_never_aborts_its_exit(tmp_path,
         side = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", "1",
                                  "--world", "2", "--master-port", str(port), "--run-dir",
                                  str(run), "--socket", str(run / "s.sock"),
-                                 "--peer-timeout-s", "2"],
+                                 "--peer-timeout-s", "2", "--startup-grace-s", "10"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(late_s)
+        time.sleep(late_s)   # its deadline: 2 + 10 s (the grace given: its default
+        # grows with the load, dgt.config.hand_started_grace)
         os.kill(store.pid, signal.SIGCONT)
         out, err = side.communicate(timeout=120)
     finally:

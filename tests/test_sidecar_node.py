@@ -178,7 +178,9 @@ def test_the_first_push_waits_out_a_slow_start_and_later_ones_do_not(tmp_path, l
 
 
 def test_a_master_that_never_comes_up_is_one_line_without_cpp_frames(tmp_path):
-    p = _sidecar(1, 2, _free_port(), tmp_path / "s.sock", tmp_path, "--peer-timeout-s", "1")
+    # the grace given (a hand-started sidecar's default grows with the load)
+    p = _sidecar(1, 2, _free_port(), tmp_path / "s.sock", tmp_path, "--peer-timeout-s", "1",
+                 "--startup-grace-s", "10")
     out, err = p.communicate(timeout=120)
     assert p.returncode == 3, err
     assert "did not come up within 11 s of start-up" in err

@@ -154,9 +154,25 @@ def _listener_pid(path: str) -> int | None:
     except OSError:
         return -1     # it exists and answers oddly (e.g. a full backlog): treat as live
     else:
+        say_hello(probe)
         return peer_creds(probe)[0]
     finally:
         probe.close()
+
+
+#: the line a probe of a live sidecar's socket sends before it closes (dgt.ipc's
+#: ``{"op": "hello"}``, answered and closed by dgt.trainer_link): a connection that
+#: closes without a line from a process that then ends is taken for a trainer killed
+#: before it registered, and fails the job
+HELLO_LINE = b'{"op":"hello"}\n'
+
+
+def say_hello(sock: socket.socket) -> None:
+    """Send :data:`HELLO_LINE` on ``sock`` (best effort: the listener may be gone)."""
+    try:
+        sock.sendall(HELLO_LINE)
+    except OSError:
+        pass
 
 
 def _foreign(path: str, uid: int) -> SocketInUse:

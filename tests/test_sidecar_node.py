@@ -442,3 +442,12 @@ def test_sidecars_started_with_different_job_flags_are_refused_at_rendezvous(
         assert p.returncode == 3, (out, err)
         assert want in err, err
         assert "Traceback" not in err, err
+
+
+def test_a_socket_probe_says_hello_as_dgt_ipc_writes_it():
+    """dgt.unixsock's probes of a live sidecar socket (a second sidecar's, dgt.ddp's
+    stale-socket check) send this line before they close: without it, a probe whose
+    process then ended was taken for a trainer killed before it registered, and the
+    live sidecar failed its job (test_a_second_sidecar_refuses_a_live_socket_...)."""
+    from dgt import ipc, unixsock
+    assert unixsock.HELLO_LINE == ipc.encode_msg({"op": "hello"})

@@ -28,7 +28,7 @@ from ..client import Client, uncaught_exception
 from ..process import exit_text, running, stop
 from ..config import default_run_dir
 from ..deadline import bounded
-from ..unixsock import NotOurs, owned_dir, private_dir
+from ..unixsock import NotOurs, owned_dir, private_dir, say_hello
 from ..errors import PeerFailure
 from ..jsonparse import is_port, loads
 from ..rendezvous import QUIET_TORCH_ENV
@@ -504,6 +504,7 @@ def _unlink_if_stale(sock: str) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(sock)
+        say_hello(s)   # live: say who we are (never a trainer gone silent)
     except ConnectionRefusedError:
         try:
             os.unlink(sock)

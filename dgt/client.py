@@ -35,7 +35,7 @@ import torch
 from . import ipc, unixsock
 from .config import (LAUNCHED_ENV, MAX_WORLD, default_socket, hand_started_grace,
                      peer_timeout_of, trainer_timeout_s)
-from .errors import PeerFailure, printable
+from .errors import PeerFailure, one_line, printable
 from .failure import FailureReason
 from .process import ended
 from .scheduler.assign import loss_value, number_or_nan
@@ -89,12 +89,6 @@ def uncaught_exception() -> str | None:
     return None if exc is None else failure_text(exc)
 
 
-def one_line(text: str) -> str:
-    """A trainer's error as its sidecar is told it: one line, at most 300 characters
-    (never empty)."""
-    return " ".join(text.split())[:300] or "failed"
-
-
 def failure_text(failed: object) -> str:
     """What :meth:`Client.close` sends for ``failed`` (not None): one line of at most
     300 printable characters (others as backslash escapes, a lone surrogate too), never
@@ -113,8 +107,7 @@ def failure_text(failed: object) -> str:
                 type(failed).__name__
         else:
             text = failed if isinstance(failed, str) else repr(failed)
-        text = " ".join(str.split(text[:100_000]))[:300]
-        return printable(text) or "an error with no message"
+        return one_line(text, "an error with no message")
     except BaseException as e:   # noqa: BLE001 - its __str__ or __repr__ raised
         try:
             name = printable(str.__str__(type(failed).__name__))[:100]

@@ -27,3 +27,11 @@ def printable(text: str) -> str:
     return text if text.isprintable() else "".join(
         c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode()
         for c in text)
+
+
+def one_line(text: str, empty: str = "failed") -> str:
+    """A trainer's error as its sidecar is told it, and as the sidecar passes it on:
+    one line of at most 300 characters, made :func:`printable`; ``empty`` when
+    nothing is left. The one place a trainer's error text is shaped (dgt.Client, the
+    sidecar, dgt.job)."""
+    return printable(" ".join(str.split(text[:100_000]))[:300]) or empty

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from . import checkpoint, failure, records
-from .client import Client, one_line
+from .client import Client
 from .config import CheckpointConfig, JobConfig
-from .errors import PeerFailure
+from .errors import PeerFailure, one_line
 from .failure import FailureReason
 from .partial_step import PartialStep
 

@@ -31,7 +31,7 @@ import numpy as np
 from . import checkpoint, datapath, failure, fdlimit, hugepages, ipc, parts, unixsock
 from .agent import WorkerAgent
 from .atomic import write_json
-from .errors import PeerFailure, printable
+from .errors import PeerFailure, one_line, printable
 from .failure import FailureReason
 from .config import (LAUNCHED_ENV, START_SKEW_S, MetricsConfig, NodeConfig, OneLineParser,
                      hand_started_grace,
@@ -416,7 +416,7 @@ class Sidecar:
         on an error (dgt.ddp says so at interpreter exit after an uncaught exception).
         Fails the job naming it and the step, so the others do not take it for an
         orderly close with fewer steps (dgt.failure.closed_early)."""
-        what = " ".join(str(msg.get("error") or "an error").split())[:300]
+        what = one_line(str(msg.get("error") or "an error"), "an error")
         raise PeerFailure(f"rank {self.rank}'s trainer failed ({what}) at step "
                           f"{self.pushes}", self.rank, FailureReason.OWN_TRAINER)
 

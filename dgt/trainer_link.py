@@ -32,7 +32,7 @@ import os
 from typing import Awaitable, Callable
 
 from . import ipc, unixsock
-from .errors import PeerFailure
+from .errors import PeerFailure, one_line
 from .failure import FailureReason
 from .process import running
 from .registration import check_model_size
@@ -81,7 +81,7 @@ class TrainerLink:
             return (f"trainer of rank {self.rank} closed before it registered (its own "
                     f"output says why)")
         if msg["op"] == "failed":
-            what = " ".join(str(msg.get("error") or "an error").split())[:300]
+            what = one_line(str(msg.get("error") or "an error"), "an error")
             return f"trainer of rank {self.rank} failed before it registered ({what})"
         return None
 

@@ -249,9 +249,6 @@ class DgtState:
         if failed is not None and not isinstance(failed, str):
             raise TypeError(f"DgtState.close(failed={failed!r}): give the error as a "
                             f"str (one line), or None for an orderly end")
-        if failed is not None:
-            from ..client import one_line
-            failed = one_line(failed)
         self._closed = True
         if self._node is not None:
             self._node.close(failed)

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import ipc, unixsock
+from . import failure, ipc, unixsock
 from .config import (LAUNCHED_ENV, MAX_WORLD, default_socket, hand_started_grace,
                      peer_timeout_of, trainer_timeout_s)
 from .errors import PeerFailure, one_line, printable
@@ -55,13 +55,36 @@ def _reported(msg: dict) -> PeerFailure:
     return PeerFailure(msg.get("message", "unknown error"), rank,
                        FailureReason.PEER_REPORTED)
 
-def no_sidecar(path: str, waited_s: float, why: str) -> str:
-    """The message for a sidecar socket ``path`` still missing after ``waited_s``."""
+def no_sidecar(path: str, waited_s: float, why: str, rank: int = 0) -> str:
+    """The message for a sidecar socket ``path`` still missing after ``waited_s``; it
+    quotes the failure record that rank ``rank``'s last sidecar left beside the socket
+    (:func:`last_failure`), when there is one."""
     if os.environ.get(LAUNCHED_ENV):
         return (f"this rank's sidecar did not open {path} within {waited_s:.0f} s ({why}): "
                 f"it is not ready (still waiting at the rendezvous, frozen or dead); see "
                 f"its log sidecar-<rank>.log in the run dir")
-    return f"no sidecar at {path} after {waited_s:.0f} s ({why}); start 'dgt sidecar' first"
+    last = last_failure(os.path.dirname(os.path.abspath(path)), rank)
+    return (f"no sidecar at {path} after {waited_s:.0f} s ({why}); "
+            + (f"{last}; start 'dgt sidecar' again" if last else
+               "start 'dgt sidecar' first"))
+
+
+def last_failure(run_dir: str, rank: int) -> str:
+    """``the last sidecar of rank 1 there failed at 18:02:11 UTC: <its message>`` from
+    ``failure-sidecar-<rank>.json`` in ``run_dir`` (a hand-started sidecar removes its
+    rank's record when it starts, so the record is the last one's); "" when there is
+    none or it cannot be read. A trainer started after its sidecar gave up learns why,
+    not only that no sidecar is there."""
+    path = failure.record_path(run_dir, "sidecar", rank)
+    rec = failure.read(path)
+    if rec is None or rec.rank != rank:
+        return ""
+    try:
+        at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(os.stat(path).st_mtime))
+    except OSError:
+        return ""
+    return (f"the last sidecar of rank {rank} there failed at {at}: "
+            f"{one_line(rec.message)}")
 
 
 #: s: the longest timeout a Client takes (a socket's timeout overflows the platform's
@@ -228,7 +251,8 @@ class Client:
             except (FileNotFoundError, ConnectionRefusedError) as e:
                 self.sock.close()
                 if time.monotonic() > deadline:
-                    raise PeerFailure(no_sidecar(path, connect_timeout_s, e.strerror)) \
+                    raise PeerFailure(no_sidecar(path, connect_timeout_s, e.strerror,
+                                                     rank)) \
                         from None
                 time.sleep(0.05)
         self.sock.settimeout(timeout_s)

@@ -114,6 +114,17 @@ def write(run_dir: str, record: FailureRecord) -> None:
         pass
 
 
+def remove(run_dir: str, kind: str, rank: int) -> None:
+    """Remove ``kind`` of ``rank``'s record from ``run_dir``, if any: a sidecar does it
+    once its sockets are bound, so that the record there is always its own (a
+    hand-started sidecar reuses its run dir, which no launcher clears, and :func:`write`
+    keeps the first record). Never raises."""
+    try:
+        os.unlink(record_path(run_dir, kind, rank))
+    except OSError:
+        pass
+
+
 def read(path: str) -> FailureRecord | None:
     """One record, or None when the file is missing or malformed, or is not a regular
     file or too large (dgt.run_files.read_json: a FIFO is not waited on)."""

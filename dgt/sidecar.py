@@ -182,6 +182,8 @@ class Sidecar:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
         await self.sockets.bind(self._accepted_protocol, self._on_datagram, self.trainer.serve)
+        # the socket is ours now: an earlier sidecar's record of this rank is stale
+        failure.remove(self.node.run_dir, "sidecar", self.rank)
         await self._rendezvous()
         await self.done.wait()
         self._unlink_buffers()   # before any linger: a SIGKILL there left them in /dev/shm

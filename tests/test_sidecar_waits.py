@@ -31,7 +31,7 @@ def _start(tmp_path, rank: int, port: int) -> tuple[subprocess.Popen, str]:
     """Sidecar ``rank`` of 2 (--peer-timeout-s 2) in a run dir of its own; (process, its
     run dir). Its output goes to ``<run dir>.out`` (a run dir holds dgt's files only)."""
     run_dir = tmp_path / f"r{rank}"
-    run_dir.mkdir(mode=0o700)
+    run_dir.mkdir(mode=0o700, exist_ok=True)
     with open(f"{run_dir}.out", "wb") as out:
         p = subprocess.Popen([sys.executable, "-m", "dgt.cli", "sidecar", "--rank", str(rank),
                               "--world", "2", "--master-port", str(port), "--run-dir",
@@ -159,9 +159,48 @@ def test_a_rank_waiting_for_its_trainer_stops_when_rank_0_is_frozen(pair):
     rec = _record(dir1, 1)
     assert (rec["reason"], rec["blamed"]) == ("store_lost", [0]), rec
     # a trainer that comes afterwards finds no sidecar, and is told so (not a timeout
-    # blaming a sidecar that answers)
-    with pytest.raises(PeerFailure, match=r"no sidecar at .*s\.sock after 1 s"):
+    # blaming a sidecar that answers), and why the last one there gave up (it said only
+    # "start 'dgt sidecar' first", as if none had been started)
+    with pytest.raises(PeerFailure, match=r"no sidecar at .*s\.sock after 1 s") as e:
         dgt.Client(path=os.path.join(dir1, "s.sock"), rank=1, connect_timeout_s=1.0)
+    said = str(e.value)
+    assert re.search(r"the last sidecar of rank 1 there failed at \d{4}-\d\d-\d\d "
+                     r"\d\d:\d\d:\d\d UTC: ", said), said
+    assert rec["message"] in said and said.endswith("start 'dgt sidecar' again"), said
+    assert "\n" not in said, said
+
+
+def _stale(path) -> bool:
+    try:
+        return "an earlier job's failure" in path.read_text()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(240)
+def test_a_sidecar_removes_its_ranks_stale_failure_record_once_bound(tmp_path):
+    # the record a trainer's "no sidecar" message quotes must be the last sidecar's: a
+    # hand-started one reuses its run dir, and a failure record there was never removed
+    # (and, the first record winning, its own failure would not have been written)
+    run_dir = tmp_path / "r1"
+    run_dir.mkdir(mode=0o700)
+    stale = run_dir / "failure-sidecar-1.json"
+    stale.write_text(json.dumps({"kind": "sidecar", "rank": 1, "reason": "other",
+                                 "message": "an earlier job's failure", "blamed": []}))
+    p, _ = _start(tmp_path, 1, _free_port())   # rank 1 of 2: waits for rank 0's store
+    try:
+        t_end = time.monotonic() + HANG_GUARD_S
+        while not os.path.exists(run_dir / "s.sock"):
+            assert p.poll() is None and time.monotonic() < t_end, _out(str(run_dir))
+            time.sleep(0.05)
+        # the removal follows the bind by a moment: wait for it (the sidecar's own
+        # failure at the rendezvous, seconds later, may write a record of its own)
+        while _stale(stale) and p.poll() is None and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert not _stale(stale), _out(str(run_dir))
+    finally:
+        p.kill()
+        p.wait(timeout=30)
 
 
 @pytest.mark.timeout(240)

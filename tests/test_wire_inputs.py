@@ -681,3 +681,49 @@ def test_encode_block_datagrams_refuses_channel_0_which_receivers_refuse():
     h = wire.decode_header(bytes(_dgrams(channel=1)[0]))
     assert wire.udp_shape_problem(h) is None
     assert wire.udp_shape_problem(dataclasses.replace(h, channel=0)) == "bad_udp_message"
+
+
+# -- stop 52's leftovers: what the wire library's callers get for odd inputs ----------
+
+@pytest.mark.parametrize("buf", [None, 5, 1.5], ids=["None", "int", "float"])
+def test_decoders_name_a_buffer_that_is_not_bytes_like(buf):
+    # decode_header(None) said only "object of type 'NoneType' has no len()"
+    with pytest.raises(TypeError, match=r"decode_header\(buf\): give a bytes-like object"):
+        wire.decode_header(buf)
+    with pytest.raises(TypeError, match=r"decode\(buf\): give one whole message"):
+        wire.decode(buf)
+
+
+def test_encode_names_a_payload_part_that_is_not_contiguous_or_not_bytes():
+    # an array read backwards: "memoryview: casts are restricted to C-contiguous views"
+    backwards = np.arange(8, dtype=np.float32)[::-1]
+    for enc in (lambda p: _enc(payload=p),
+                lambda p: wire.encode_parts(MsgType.BLOCKS, session=1, sender=0,
+                                            parts=(b"ok", p))):
+        with pytest.raises(TypeError, match=r"payload part \d is not C-contiguous .*"
+                                            r"np\.ascontiguousarray"):
+            enc(backwards)
+    with pytest.raises(TypeError, match=r"payload part 1: a str is not bytes-like"):
+        wire.encode_parts(MsgType.BLOCKS, session=1, sender=0, parts=(b"ok", "text"))
+    with pytest.raises(TypeError, match=r"give a sequence of bytes-like objects"):
+        wire.encode_parts(MsgType.BLOCKS, session=1, sender=0, parts=b"one object")
+    # the same values, contiguous, are taken and come back
+    h, payload = wire.decode(_enc(payload=np.ascontiguousarray(backwards)))
+    assert np.frombuffer(payload, np.float32).tolist() == backwards.tolist()
+
+
+@pytest.mark.parametrize("count,error,phrase", [
+    (-1, ValueError, "a block count is >= 0"),
+    ("1", TypeError, "give the header's block count, an int"),
+    (1.0, TypeError, "give the header's block count, an int"),
+    (True, TypeError, "give the header's block count, an int")],
+    ids=["negative", "str", "float", "bool"])
+def test_unpack_indexed_blocks_refuses_a_count_that_is_no_count(count, error, phrase):
+    # count "1" read 12 bytes against "need 11111111111111111111 B" (a str repeated)
+    with pytest.raises(error, match=phrase):
+        wire.unpack_indexed_blocks(memoryview(b"\0" * 20), count, ELEMS)
+
+
+def test_unpack_indexed_blocks_still_takes_a_numpy_count():
+    idx, blocks = wire.unpack_indexed_blocks(memoryview(b"\0" * 20), np.uint32(1), ELEMS)
+    assert idx.tolist() == [0] and blocks.shape == (1, ELEMS)

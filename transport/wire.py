@@ -332,12 +332,16 @@ def encode_parts(msg_type: int, *, session: int, sender: int, shard: int = 0,
     ``msg_type`` that is not a :class:`MsgType`, a ``channel`` over 7, or a ``session``
     (u64), ``sender``, ``shard`` (u16), ``iteration``, ``block``, ``count`` (u32) or
     ``flags`` (u8) out of its field's range, and for an empty ``key``; TypeError for a
-    field that is not an integer.
+    field that is not an integer, and for a part that is not bytes-like or not
+    C-contiguous (e.g. an array sliced with a step: it is never copied here), naming it.
     """
     _check_header(msg_type, channel, flags, session, sender, shard, iteration, block,
                   count)
     check_key(key)
-    views = [memoryview(p).cast("B") for p in parts]
+    try:
+        views = [memoryview(p).cast("B") for p in parts]
+    except TypeError:
+        raise TypeError(_parts_problem(parts)) from None
     n = sum(v.nbytes for v in views)
     if n > MAX_FRAME_PAYLOAD:
         raise WireError("too_long", f"payload {n} B > {MAX_FRAME_PAYLOAD} B")
@@ -354,6 +358,22 @@ def encode_parts(msg_type: int, *, session: int, sender: int, shard: int = 0,
     for v in views:
         h.update(v)
     return [head, *views, h.digest()]
+
+
+def _parts_problem(parts) -> str:
+    """Which payload part a scatter-gather encoder cannot send as it is, and why."""
+    if isinstance(parts, (bytes, bytearray, memoryview)):
+        return ("parts: give a sequence of bytes-like objects (e.g. (payload,)), not "
+                "one object")
+    for i, p in enumerate(parts):
+        try:
+            memoryview(p)
+        except TypeError:
+            return f"payload part {i}: a {type(p).__name__} is not bytes-like"
+        if not memoryview(p).c_contiguous:
+            return (f"payload part {i} is not C-contiguous (a slice with a step or a "
+                    f"negative stride): give np.ascontiguousarray(part)")
+    return "the payload parts are not bytes-like"
 
 
 def encode(msg_type: int, *, session: int, sender: int, shard: int = 0, iteration: int = 0,
@@ -375,10 +395,16 @@ def decode_header(buf) -> Header:
     """Decode and check the fixed header at the start of ``buf``.
 
     Raises :class:`WireError` with reason ``short``, ``bad_magic``, ``bad_version``,
-    ``bad_type``, ``bad_channel`` or ``too_long``.
+    ``bad_type``, ``bad_channel`` or ``too_long``; TypeError, in one line, for a ``buf``
+    that is not bytes-like.
     """
-    if len(buf) < HEADER_BYTES:
-        raise WireError("short", f"{len(buf)} B < header {HEADER_BYTES} B")
+    try:
+        n = len(buf)
+    except TypeError:
+        raise TypeError(f"decode_header(buf): give a bytes-like object, not a "
+                        f"{type(buf).__name__}") from None
+    if n < HEADER_BYTES:
+        raise WireError("short", f"{n} B < header {HEADER_BYTES} B")
     (magic, version, mtype, channel, flags, session, sender, shard, iteration, block,
      count, length) = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
@@ -410,9 +436,14 @@ def decode(buf, key: bytes | None = None) -> tuple[Header, memoryview]:
     ``buf`` must hold exactly one message. With ``key`` (1 to 64 bytes) a valid MAC is
     required. Raises :class:`WireError` (header reasons, plus ``bad_length``,
     ``no_mac``, ``bad_mac``); ValueError for an empty ``key`` (never read as no key),
-    TypeError for one that is not bytes (:func:`check_key`).
+    TypeError for one that is not bytes (:func:`check_key`), and for a ``buf`` that is
+    not a C-contiguous bytes-like object.
     """
-    mv = memoryview(buf).cast("B")
+    try:
+        mv = memoryview(buf).cast("B")
+    except TypeError:
+        raise TypeError(f"decode(buf): give one whole message as a C-contiguous "
+                        f"bytes-like object, not a {type(buf).__name__}") from None
     h = decode_header(mv)
     if len(mv) != frame_size(h):
         raise WireError("bad_length", f"have {len(mv)} B, header says {frame_size(h)} B")
@@ -495,8 +526,17 @@ def unpack_indexed_blocks(payload: memoryview, count: int, block_elems: int,
     payloads for a reduced coding.
 
     Raises :class:`WireError`: ``bad_coding`` for a coding this version does not know,
-    ``bad_length`` when the payload does not hold exactly ``count`` indices and blocks.
+    ``bad_length`` when the payload does not hold exactly ``count`` indices and blocks;
+    TypeError for a ``count`` that is not an int (a bool, a str), ValueError for a
+    negative one.
     """
+    if type(count) is not int:   # cheap for the header's int; refuses "1", 1.0, True
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+            raise TypeError(f"unpack_indexed_blocks(count={count!r}): give the "
+                            f"header's block count, an int")
+        count = int(count)
+    if count < 0:
+        raise ValueError(f"unpack_indexed_blocks(count={count}): a block count is >= 0")
     size = coded_payload_bytes(coding, block_elems)
     if size is None:
         raise WireError("bad_coding", f"BLOCKS coding {coding}")

@@ -156,7 +156,10 @@ def _a_path(path) -> bool:
     NUL failed the job with the sidecar's 'internal error: embedded null byte')."""
     if not isinstance(path, (str, os.PathLike)):
         return False
-    path = os.fspath(path)
+    try:   # a PathLike whose __fspath__ gives an int, or raises
+        path = os.fspath(path)
+    except Exception:
+        return False
     return isinstance(path, str) and path != "" and "\0" not in path
 
 
@@ -233,7 +236,7 @@ class Client:
         rank = int(rank)
         if path is None:
             path = default_socket(rank)
-        elif not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        elif not _a_path(path):
             raise ValueError(f"Client(path={path!r}): give the sidecar's Unix socket, a "
                              f"path (None: dgt sidecar's default for the rank)")
         if timeout_s is None:

@@ -521,6 +521,21 @@ def test_close_says_any_failure_in_one_line_and_never_raises(sidecar, failed, sa
     assert said in err and "internal error" not in err, err
 
 
+class _Fspath:
+    """An os.PathLike whose __fspath__ gives ``value`` (or raises)."""
+
+    def __init__(self, value, raises: bool = False):
+        self.value, self.raises = value, raises
+
+    def __fspath__(self):
+        if self.raises:
+            raise RuntimeError("no path here")
+        return self.value
+
+    def __repr__(self):
+        return "<odd path>"
+
+
 @pytest.mark.timeout(120)
 def test_a_nul_in_a_save_path_is_refused_and_the_job_goes_on(sidecar):
     """Breaker round 19: save_state('...\\0...') failed the job with the sidecar's
@@ -533,6 +548,15 @@ def test_a_nul_in_a_save_path_is_refused_and_the_job_goes_on(sidecar):
         c.save_state("/tmp/a\0b")
     with pytest.raises(ValueError, match=r"register\(resume='/tmp/a\\x00b'\)"):
         _registered(m, "/tmp/a\0b")
+    # a PathLike whose __fspath__ gives no str (an int, bytes) or raises: TypeError
+    # from os.fspath before, not the one line naming the argument
+    for odd in (_Fspath(7), _Fspath(b"/tmp/x"), _Fspath(None, raises=True)):
+        with pytest.raises(ValueError, match=r"save_state\(<odd path>\): give the file"):
+            c.save_state(odd)
+        with pytest.raises(ValueError, match=r"register\(resume=<odd path>\)"):
+            _registered(m, odd)
+        with pytest.raises(ValueError, match=r"Client\(path=<odd path>\): give the "):
+            dgt.Client(odd)
     c._send({"op": "save", "path": "/tmp/a\0b"})   # as another client could
     assert c._recv("saved")["error"] == "the path has a NUL byte"
     c.push_pull(1)   # the job went on

@@ -594,7 +594,10 @@ class Sidecar:
         if why is not FailureReason.STOPPED or rank is not None:   # a plain stop: none
             failure.write(self.node.run_dir, failure.FailureRecord(
                 "sidecar", self.rank, why, message, self.failed.ranks))
-        log.log(level, "rank %d: %s", self.rank, message)
+        # said once: some messages (a refused resume, a register sent twice) already
+        # begin with our rank for the trainer's and the launcher's sake
+        log.log(level, "%s", message if message.startswith(f"rank {self.rank}: ")
+                else f"rank {self.rank}: {message}")
         try:   # telling the others is best effort; stopping is not
             if propagate:
                 frame = messages.error(self.session_id, self.rank, rank, message, self.key)

@@ -653,3 +653,19 @@ def test_a_live_process_that_closes_a_connection_without_a_word_changes_nothing(
     c, _ = _one_step(path)
     c.close()
     assert proc.wait(timeout=60) == 0, proc.stderr.read()
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_that_names_the_rank_is_logged_with_the_rank_once(sidecar):
+    """The sidecar's log line put its rank before a message that already began with it:
+    'rank 0: rank 0: register sent twice'."""
+    path, proc = sidecar
+    c, m = _one_step(path)
+    c._send({"op": "register", "n": 10})   # a second register, as a broken client would
+    with pytest.raises(dgt.PeerFailure, match="register sent twice"):
+        c._recv("registered")
+    proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert proc.returncode == 3, err
+    assert "rank 0: register sent twice" in err, err
+    assert "rank 0: rank 0:" not in err, err

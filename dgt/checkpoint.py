@@ -68,7 +68,7 @@ from .run_files import RefusedFile, open_regular
 #: the newest is being written)
 KEEP = 2
 FORMAT = 1
-_STEP = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"^step-([0-9]+)$")   # ASCII: \d also takes '５'
 log = logging.getLogger("dgt.checkpoint")
 
 

@@ -520,7 +520,9 @@ class Client:
         called as each shard's range [lo, hi) of ``self.aggregate`` (elements, clipped
         to ``n_params``) is final, before the call returns (PULLs pipelined per shard
         range). ``loss``: as :meth:`push_pull` takes it. Raises TypeError naming ``loss``
-        for a loss that is not one real number (nothing is sent), PeerFailure."""
+        for a loss that is not one real number (nothing is sent), RuntimeError after
+        close(), PeerFailure."""
+        self._check_open()
         self._send({"op": "push", "t": int(step), "loss": loss_value(loss),
                     "start": time.monotonic() if start is None else start,
                     **({"ranges": True} if on_range is not None else {})})
@@ -551,7 +553,8 @@ class Client:
         blocks they complete at once (wait-free backpropagation, :mod:`dgt.parts`);
         ``push_buffer`` then sends the rest. Does not wait for an answer: a part the
         sidecar refuses fails the job, and the next ``push_buffer`` raises
-        PeerFailure saying why."""
+        PeerFailure saying why. Raises RuntimeError after close()."""
+        self._check_open()
         self._send({"op": "part", "t": int(step),
                     "ranges": [[int(lo), int(hi)] for lo, hi in ranges]})
 

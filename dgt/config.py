@@ -48,8 +48,8 @@ def parse_pace(text: str) -> float:
     if text.strip().lower() == "auto":
         return PACE_AUTO
     try:
-        v = float(text)
-    except ValueError:
+        v = real(text)
+    except (ValueError, argparse.ArgumentTypeError):
         v = float("nan")
     if not 0 <= v <= MAX_PACE_MBIT:   # nan and inf fail it too
         raise argparse.ArgumentTypeError(f"expected 'auto' or Mbit/s in 0..{MAX_PACE_MBIT:.0f}, "
@@ -61,6 +61,9 @@ def parse_pace(text: str) -> float:
 #: DGT_WORLD, torchrun's WORLD_SIZE). Per-rank state, ports (--base-port + 10 per rank)
 #: and every message that names ranks are sized for this many
 MAX_WORLD = 64
+#: the largest --seed: numpy's random_state and the planner's generator (seed * 1009 +
+#: rank, an int64) both take 0..2**32-1
+MAX_SEED = 2**32 - 1
 
 
 def fit_advice(n: int, workers: int, batch_size: int) -> str:
@@ -515,6 +518,9 @@ class NodeConfig:
         if not 0.0 <= self.startup_grace_s <= MAX_PEER_TIMEOUT_S:
             raise ValueError(f"--startup-grace-s must be in 0..{MAX_PEER_TIMEOUT_S:g} s, "
                              f"got {self.startup_grace_s:g}")
+        if not 0 <= self.seed <= MAX_SEED:   # what the planner's generator takes
+            raise ValueError(f"--seed must be in 0..{MAX_SEED} (the flag or env DGT_SEED), "
+                             f"got {self.seed}")
         if self.master_listen_fd != -1 and (self.master_listen_fd < 3 or self.rank != 0):
             raise ValueError(f"--master-listen-fd is for rank 0 only and must be an "
                              f"inherited descriptor >= 3 (or -1), got "
@@ -626,8 +632,8 @@ class JobConfig:
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr:g}")
         self.validate_workload()
-        if not 0 <= self.seed <= 2**32 - 1:   # numpy/scikit-learn random_state's range
-            raise ValueError(f"--seed must be in 0..4294967295, got {self.seed}")
+        if not 0 <= self.seed <= MAX_SEED:   # numpy/scikit-learn random_state's range
+            raise ValueError(f"--seed must be in 0..{MAX_SEED}, got {self.seed}")
         if not 0.0 < self.target_accuracy <= 1.0:
             raise ValueError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -692,7 +698,14 @@ class JobConfig:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag gets one line: what is wrong and where to look."""
+    """argparse, but a bad flag gets one line: what is wrong and where to look; and a
+    flag of ``type=int`` or ``type=float`` takes ASCII numbers only (:func:`whole`,
+    :func:`real`), in every subcommand."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("type", int, whole)
+        self.register("type", float, real)
 
     def parse_known_args(self, args=None, namespace=None):
         # the words this parser saw (a subparser: what is left for it), for error()
@@ -757,10 +770,38 @@ def dash_positional_hint(parser: argparse.ArgumentParser, message: str,
 _NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
+def _plain_number(text, what: str) -> None:
+    """Refuse what Python's int() and float() take beyond a number written in ASCII:
+    '1_0' (10), full-width or other Unicode digits ('５'). Breaker round 21: --workers
+    1_0 ran a 10-worker job and a full-width 5 a 5-worker one, without a word."""
+    if isinstance(text, str) and (not text.isascii() or "_" in text):
+        raise argparse.ArgumentTypeError(f"expected {what} written in ASCII digits without "
+                                         f"'_', got {text!r}")
+
+
+def whole(text: str) -> int:
+    """argparse type for an integer flag or variable: int() of ASCII digits (optional
+    sign and spaces), no '_'. Raises ArgumentTypeError for those, ValueError as int()
+    does for the rest (argparse: 'invalid int value')."""
+    _plain_number(text, "a whole number")
+    return int(text)
+
+
+def real(text: str) -> float:
+    """argparse type for a float flag: float() of ASCII text (digits, '.', 'e', 'inf',
+    'nan'), no '_'; raises as :func:`whole` does."""
+    _plain_number(text, "a number")
+    return float(text)
+
+
+whole.__name__, real.__name__ = "int", "float"   # argparse's 'invalid int value: ...'
+
+
 def finite(typ):
-    """argparse type: a finite number (no inf/nan)."""
+    """argparse type: a finite number (no inf/nan), written as :func:`whole` and
+    :func:`real` take it."""
     def conv(text: str):
-        v = typ(text)
+        v = {int: whole, float: real}.get(typ, typ)(text)
         if v != v or v in (float("inf"), float("-inf")):
             raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
         return v + 0 if typ is float else v   # -0.0 is 0.0 (else 'k -0.0' in the log)
@@ -823,7 +864,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
                                action=argparse.BooleanOptionalAction, help=help_)
         else:
             typ = _PARSERS.get(f.metadata.get("parse"), None) or \
-                {"int": int, "float": finite(float), "str": str}.get(f.type, f.type)
+                {"int": whole, "float": finite(float), "str": str}.get(f.type, f.type)
             group.add_argument(_flag(f.name), dest=f.name, type=typ, default=None,
                                choices=f.metadata.get("choices"), help=help_)
 
@@ -845,9 +886,10 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
                 v = (_parse_bool(raw) if f.type in ("bool", bool)
                      else _PARSERS.get(f.metadata.get("parse"), None)(raw)
                      if f.metadata.get("parse") else
-                     {"int": int, "float": finite(float)}.get(f.type, str)(raw))
+                     {"int": whole, "float": finite(float)}.get(f.type, str)(raw))
             except (ValueError, argparse.ArgumentTypeError) as e:
-                if f.type in ("int", int):   # not int()'s "invalid literal for int() ..."
+                if f.type in ("int", int) and not isinstance(
+                        e, argparse.ArgumentTypeError):   # not "invalid literal for int()"
                     e = "expected a whole number"
                 raise ValueError(f"{name}={raw!r}: {e}") from None
             choices = f.metadata.get("choices")

@@ -41,8 +41,23 @@ def build(cfg: TransmissionConfig, lay: BlockLayout, rank: int, session: int,
           send_pull: Callable, conn_of: Callable) -> DataPath:
     """``send_pull(worker, iteration, aggregate, received)``: where the shard's PULLs
     go; ``conn_of(worker)``: the connection a worker's PULLs go on. Raises OSError
-    when the shared memory cannot be made."""
+    when the shared memory cannot be made; whatever the rest raises, the buffer's name
+    is removed from /dev/shm first (breaker round 21: a seed the planner could not take
+    left one per rank)."""
     grad = ipc.ShmBuffer(ipc.buffer_name(os.getpid(), session, rank), lay.padded, True)
+    try:
+        return _around(grad, cfg, lay, rank, session, key, counters, links, seed,
+                       send_pull, conn_of)
+    except BaseException:
+        grad.unlink()
+        grad.close()
+        raise
+
+
+def _around(grad: ipc.ShmBuffer, cfg: TransmissionConfig, lay: BlockLayout, rank: int,
+            session: int, key: bytes | None, counters: Counters, links: PeerLinks,
+            seed: int, send_pull: Callable, conn_of: Callable) -> DataPath:
+    """The shard, the agent and the PULL sender around the buffer ``grad``."""
     policy = DeadlinePolicy(min_s=cfg.deadline_ms / 1000.0,
                             rate_mbit=cfg.pace_mbit or 1000.0)
     # a slow --pace-mbit makes a long drain time, a short --peer-timeout-s a short PULL

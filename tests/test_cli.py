@@ -47,6 +47,21 @@ BAD = [
     (["train", "--seed", "-1"], "--seed must be in 0..4294967295"),
     (["train", "--seed", str(2**32)], "--seed must be in 0..4294967295"),
     (["train", "--k-min", "0.1"], "--k-min only applies with --adaptive-k"),
+    # breaker round 21: int() and float() took '1_0' (10 workers) and full-width digits
+    (["train", "--workers", "1_0"], "argument --workers: expected a whole number written "
+                                    "in ASCII digits without '_', got '1_0'"),
+    (["train", "--workers", "\uff15"], "argument --workers: expected a whole number"),
+    (["train", "--lr", "1_0.5"], "argument --lr: expected a number written in ASCII"),
+    (["train", "--pace-mbit", "\uff15"], "argument --pace-mbit: expected 'auto' or Mbit/s"),
+    (["testbed", "up", "--hosts", "\uff12", "--prefix", "dgtq"],
+     "argument --hosts: expected a whole number"),
+    (["sidecar", "--rank", "0", "--world", "1_0"], "argument --world: expected a whole"),
+    (["train", "--workers", "abc"], "argument --workers: invalid int value: 'abc'"),
+    # breaker round 21: a sidecar took any seed, then its planner raised at register()
+    (["sidecar", "--rank", "0", "--world", "1", "--seed", "9" * 23],
+     "--seed must be in 0..4294967295 (the flag or env DGT_SEED), got 9999"),
+    (["sidecar", "--rank", "0", "--world", "1", "--seed", "-1"],
+     "--seed must be in 0..4294967295 (the flag or env DGT_SEED), got -1"),
     # breaker round, stop 40: a UDP band coding for a mode without UDP channels
     (["train", "--mode", "tcp", "--band-codec", "int8"],
      "--mode tcp sends none over UDP; drop --band-codec or use --mode dgt"),
@@ -203,10 +218,14 @@ def test_bad_flag_is_one_line(args, message):
 
 @pytest.mark.parametrize("env,message", [({"DGT_K": "abc"}, "DGT_K"),
                                          ({"DGT_PACE_MBIT": "1e400"}, "DGT_PACE_MBIT"),
-                                         ({"MASTER_PORT": "abc"}, "MASTER_PORT")])
+                                         ({"MASTER_PORT": "abc"}, "MASTER_PORT"),
+                                         ({"DGT_SEED": str(2**64)}, "env DGT_SEED"),
+                                         ({"DGT_WORLD": "1_0"}, "DGT_WORLD='1_0': expected "
+                                          "a whole number written in ASCII digits")])
 def test_bad_env_var_is_one_line(env, message):
     import os
-    cmd = "sidecar --rank 0 --world 2" if "MASTER_PORT" in env else "train"
+    cmd = "sidecar --rank 0 --world 2" if {"MASTER_PORT", "DGT_SEED"} & set(env) \
+        else "sidecar --rank 0" if "DGT_WORLD" in env else "train"
     p = subprocess.run([sys.executable, "-m", "dgt.cli", *cmd.split()], capture_output=True,
                        text=True, timeout=60, env={**os.environ, **env})
     assert p.returncode == 2 and message in p.stderr

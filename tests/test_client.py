@@ -72,8 +72,16 @@ def test_client_use_and_misuse(sidecar):
         c.push_pull(7)
     c.close()
     c.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(RuntimeError, match="this Client is closed"):
         c.push_pull(2)
+    # breaker round 21: these two blamed the sidecar ("closed the connection without a
+    # word") for the caller's own close()
+    with pytest.raises(RuntimeError, match="this Client is closed"):
+        c.push_buffer(2)
+    with pytest.raises(RuntimeError, match="this Client is closed"):
+        c.push_part(2, [(0, 1)])
+    with pytest.raises(RuntimeError, match="this Client is closed"):
+        c.save_state(os.path.join(os.path.dirname(path), "state.pt"))
     assert proc.wait(timeout=30) == 0
 
 

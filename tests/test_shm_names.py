@@ -91,3 +91,25 @@ def test_another_users_file_is_not_mapped(tmp_path):
     with pytest.raises(ValueError) as e:
         ipc.ShmBuffer(name, 10)
     assert "owned by uid 65534" in str(e.value)
+
+
+def test_a_data_path_that_cannot_be_built_leaves_no_buffer_name():
+    # breaker round 21: a seed the planner's generator could not take made
+    # datapath.build raise after it had made the buffer, and its name stayed in
+    # /dev/shm (one per rank) after the sidecar's "internal error"
+    from dgt.config import TransmissionConfig
+    from dgt.datapath import build
+    from dgt.layout import BlockLayout
+    from dgt.peer_links import PeerLinks
+    from dgt.transport.channels import channel_dscp
+    from dgt.transport.counters import Counters
+    cfg = TransmissionConfig()
+    lay = BlockLayout.from_bytes(352 * 4 * 8, 1408, 2)
+    links = PeerLinks(cfg, 0, 2, list(channel_dscp(3)), None)
+    mine = f"dgt-{os.getpid()}-"
+    before = {n for n in os.listdir(ipc.shm_dir()) if n.startswith(mine)}
+    with pytest.raises((ValueError, OverflowError, RuntimeError)):
+        build(cfg, lay, 0, 0x5eed, None, Counters(), links, 2**70, lambda *a: None,
+              lambda r: None)
+    after = {n for n in os.listdir(ipc.shm_dir()) if n.startswith(mine)}
+    assert after == before, sorted(after - before)

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from dgt import outpath
+from dgt.config import whole
 from dgt.interrupt import interrupted, received_name, stop_on_signals
 
 log = logging.getLogger("dgt.tools")
@@ -355,8 +356,8 @@ def cmd_bench(args) -> int:
 def port(text: str) -> int:
     """argparse type: a TCP/UDP port, 1..65535. Raises argparse.ArgumentTypeError."""
     try:
-        value = int(text)
-    except ValueError:
+        value = whole(text)
+    except (ValueError, argparse.ArgumentTypeError):
         value = 0
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port, 1..65535, got {text!r}")

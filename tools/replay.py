@@ -31,10 +31,12 @@ import math
 import select
 import socket
 import time
+from argparse import ArgumentTypeError
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+from dgt.config import whole
 from dgt.deadline import bounded
 from dgt.transport import wire
 from dgt.transport.channels import channel_name
@@ -174,10 +176,10 @@ def parse_iterations(text: str) -> tuple[int, int]:
     try:
         if "-" in text:
             a, b = text.split("-", 1)
-            r = (int(a), int(b))
+            r = (whole(a), whole(b))
         else:
-            r = (int(text), int(text))
-    except ValueError:
+            r = (whole(text), whole(text))
+    except (ValueError, ArgumentTypeError):
         raise PortSpecError(f"bad --iterations {text!r}; use A-B or N") from None
     if r[0] < 0 or r[1] < r[0]:
         raise PortSpecError(f"bad --iterations {text!r}; need 0 <= A <= B")

@@ -150,6 +150,11 @@ def _close_at_exit(ref) -> None:
         c.close(failed=uncaught_exception())
 
 
+def _an_int(v) -> bool:
+    """An int (a numpy integer too), not a bool."""
+    return not isinstance(v, bool) and isinstance(v, numbers.Integral)
+
+
 def _a_path(path) -> bool:
     """Whether ``path`` is a file path the sidecar can be sent and open: a non-empty str
     or os.PathLike giving one, without a NUL byte (breaker round 19: save_state with a
@@ -415,15 +420,7 @@ class Client:
         set but were not passed to it).
         """
         start = time.monotonic()   # the sidecar's trace measures comm time from here
-        self._check_open()
-        if self.grad is None:
-            raise RuntimeError("call register(model) before push_pull()")
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-            raise TypeError(f"step must be an int (the BSP iteration, from 0), got "
-                            f"{step!r}")
-        if step != self.next_step:
-            raise ValueError(f"step {step} out of order: expected {self.next_step} "
-                             f"(one push_pull per iteration, counting from 0)")
+        step = self._due(step, "push_pull")
         loss = loss_value(loss)   # TypeError before anything moves
         g = torch.from_numpy(self.grad)[: self.n_params]
         a = torch.from_numpy(self.aggregate)[: self.n_params]
@@ -519,11 +516,13 @@ class Client:
         sidecar's trace counts comm time from it; default now). ``on_range(lo, hi)``:
         called as each shard's range [lo, hi) of ``self.aggregate`` (elements, clipped
         to ``n_params``) is final, before the call returns (PULLs pipelined per shard
-        range). ``loss``: as :meth:`push_pull` takes it. Raises TypeError naming ``loss``
-        for a loss that is not one real number (nothing is sent), RuntimeError after
-        close(), PeerFailure."""
-        self._check_open()
-        self._send({"op": "push", "t": int(step), "loss": loss_value(loss),
+        range). ``loss``: as :meth:`push_pull` takes it. Raises as :meth:`push_pull`
+        does, before anything is sent: RuntimeError before register() or after close(),
+        TypeError for a ``step`` that is not an int (a float, a bool), ValueError for one
+        out of order, TypeError naming ``loss`` for a loss that is not one real number;
+        then PeerFailure."""
+        step = self._due(step, "push_buffer")
+        self._send({"op": "push", "t": step, "loss": loss_value(loss),
                     "start": time.monotonic() if start is None else start,
                     **({"ranges": True} if on_range is not None else {})})
         error = None   # what on_range raised: re-raised once the iteration is read
@@ -553,10 +552,34 @@ class Client:
         blocks they complete at once (wait-free backpropagation, :mod:`dgt.parts`);
         ``push_buffer`` then sends the rest. Does not wait for an answer: a part the
         sidecar refuses fails the job, and the next ``push_buffer`` raises
-        PeerFailure saying why. Raises RuntimeError after close()."""
+        PeerFailure saying why. Raises, before anything is sent: RuntimeError before
+        register() or after close(), TypeError or ValueError for a ``step`` that
+        :meth:`push_buffer` would refuse, TypeError for ``ranges`` that are not pairs of
+        ints (a float, inf, a bool)."""
+        step = self._due(step, "push_part")
+        try:
+            pairs = [[lo, hi] for lo, hi in ranges]
+        except (TypeError, ValueError):
+            raise TypeError("push_part(ranges=...): give (lo, hi) pairs of ints") from None
+        if not all(_an_int(v) for pair in pairs for v in pair):
+            raise TypeError(f"push_part(ranges=...): give (lo, hi) pairs of ints, got "
+                            f"{one_line(repr(pairs))}")
+        self._send({"op": "part", "t": step,
+                    "ranges": [[int(lo), int(hi)] for lo, hi in pairs]})
+
+    def _due(self, step, what: str) -> int:
+        """``step`` as an int when it is the one due now; else raises as
+        :meth:`push_pull` says (RuntimeError, TypeError, ValueError)."""
         self._check_open()
-        self._send({"op": "part", "t": int(step),
-                    "ranges": [[int(lo), int(hi)] for lo, hi in ranges]})
+        if self.grad is None:
+            raise RuntimeError(f"call register(model) before {what}()")
+        if not _an_int(step):
+            raise TypeError(f"step must be an int (the BSP iteration, from 0), got "
+                            f"{step!r}")
+        if step != self.next_step:
+            raise ValueError(f"step {step} out of order: expected {self.next_step} "
+                             f"(one push per iteration, counting from 0)")
+        return int(step)
 
     @staticmethod
     def _is_view(p: torch.Tensor, g: torch.Tensor, off: int) -> bool:

@@ -329,7 +329,8 @@ class TransmissionConfig:
         seen: set[int] = set()
         for item in text.split(","):
             c, _, name = item.strip().partition(":")
-            if not c.strip().isdigit() or name.strip() not in names \
+            if not (c.strip().isascii() and c.strip().isdigit()) \
+                    or name.strip() not in names \
                     or not 1 <= int(c) <= self.channels:
                 raise ValueError(how)
             if int(c) in seen:
@@ -770,19 +771,24 @@ def dash_positional_hint(parser: argparse.ArgumentParser, message: str,
 _NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
+class NotPlainNumber(argparse.ArgumentTypeError, ValueError):
+    """A number not written in plain ASCII: argparse says its message as it is, and
+    callers that catch ValueError (as int() and float() raise it) catch it too."""
+
+
 def _plain_number(text, what: str) -> None:
     """Refuse what Python's int() and float() take beyond a number written in ASCII:
     '1_0' (10), full-width or other Unicode digits ('５'). Breaker round 21: --workers
     1_0 ran a 10-worker job and a full-width 5 a 5-worker one, without a word."""
     if isinstance(text, str) and (not text.isascii() or "_" in text):
-        raise argparse.ArgumentTypeError(f"expected {what} written in ASCII digits without "
-                                         f"'_', got {text!r}")
+        raise NotPlainNumber(f"expected {what} written in ASCII digits without '_', got "
+                             f"{text!r}")
 
 
 def whole(text: str) -> int:
     """argparse type for an integer flag or variable: int() of ASCII digits (optional
-    sign and spaces), no '_'. Raises ArgumentTypeError for those, ValueError as int()
-    does for the rest (argparse: 'invalid int value')."""
+    sign and spaces), no '_'. Raises :class:`NotPlainNumber` (a ValueError) for those,
+    ValueError as int() does for the rest (argparse: 'invalid int value')."""
     _plain_number(text, "a whole number")
     return int(text)
 

@@ -57,6 +57,14 @@ BAD = [
      "argument --hosts: expected a whole number"),
     (["sidecar", "--rank", "0", "--world", "1_0"], "argument --world: expected a whole"),
     (["train", "--workers", "abc"], "argument --workers: invalid int value: 'abc'"),
+    # breaker round 22: the numbers inside --partition and --band-codec
+    (["train", "--partition", "shards:1_0"], "--partition shards:1_0: K (classes per "
+                                             "worker) must be an integer in 1..10"),
+    (["train", "--partition", "shards:\uff11"], "--partition shards:\uff11: K (classes"),
+    (["train", "--partition", "dirichlet:1_0"], "--partition dirichlet:1_0: the Dirichlet "
+                                                "concentration must be a finite number"),
+    (["train", "--partition", "dirichlet:\uff11"], "the Dirichlet concentration must be"),
+    (["train", "--band-codec", "\uff11:int8"], "--band-codec takes auto or one of"),
     # breaker round 21: a sidecar took any seed, then its planner raised at register()
     (["sidecar", "--rank", "0", "--world", "1", "--seed", "9" * 23],
      "--seed must be in 0..4294967295 (the flag or env DGT_SEED), got 9999"),

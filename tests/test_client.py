@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -677,3 +678,35 @@ def test_a_failure_that_names_the_rank_is_logged_with_the_rank_once(sidecar):
     assert proc.returncode == 3, err
     assert "rank 0: register sent twice" in err, err
     assert "rank 0: rank 0:" not in err, err
+
+
+@pytest.mark.timeout(120)
+def test_push_buffer_and_push_part_check_their_arguments_before_sending(sidecar):
+    """Breaker round 22: push_buffer(0.9) then push_buffer(1.2) ran as steps 0 and 1;
+    push_part(0, [(0.5, inf)]) raised a bare OverflowError; push_buffer before register()
+    was sent, and the sidecar closed the connection ('not a trainer: the first message
+    must be register'). Each is now refused here, nothing sent, the Client usable."""
+    path, proc = sidecar
+    c = dgt.Client(path, timeout_s=30)
+    with pytest.raises(RuntimeError, match=r"call register\(model\) before push_buffer"):
+        c.push_buffer(0)
+    with pytest.raises(RuntimeError, match=r"call register\(model\) before push_part"):
+        c.push_part(0, [(0, 1)])
+    m = nn.Linear(4, 2)
+    c.register(m)   # the connection is as before
+    for bad in (0.9, True, "0", None):
+        with pytest.raises(TypeError, match="step must be an int"):
+            c.push_buffer(bad)
+        with pytest.raises(TypeError, match="step must be an int"):
+            c.push_part(bad, [(0, 1)])
+    with pytest.raises(ValueError, match="step 1 out of order: expected 0"):
+        c.push_buffer(1)
+    for ranges in ([(0.5, float("inf"))], [(0, 1.0)], [(True, 2)], [(0, 1, 2)], 5):
+        with pytest.raises(TypeError, match=r"push_part\(ranges=\.\.\.\): give \(lo, hi\)"):
+            c.push_part(0, ranges)
+    m(torch.ones(1, 4)).sum().backward()
+    c.push_pull(np.int64(0))   # a numpy integer is an int
+    c.push_part(1, [(0, 2)])
+    c.push_buffer(1)
+    c.close()
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import real, whole
+
 PARTITIONS = ("iid", "dirichlet:ALPHA", "shards:K")
 
 
@@ -33,7 +35,7 @@ def parse(text: str, classes: int = 10) -> tuple[str, float]:
         return "iid", 0.0
     if name == "dirichlet":
         try:
-            alpha = float(arg)
+            alpha = real(arg)   # ASCII: float() also reads '1_0' and '１'
         except ValueError:
             alpha = float("nan")
         if not 0 < alpha < float("inf"):
@@ -42,7 +44,7 @@ def parse(text: str, classes: int = 10) -> tuple[str, float]:
         return "dirichlet", alpha
     if name == "shards":
         try:
-            k = int(arg)
+            k = whole(arg)
         except ValueError:
             k = 0
         if not 1 <= k <= classes:

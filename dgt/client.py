@@ -174,6 +174,10 @@ def _registered(model, resume) -> list[torch.Tensor]:
     if resume is not None and not _a_path(resume):
         raise ValueError(f"register(resume={resume!r}): give the file save_state() wrote, "
                          f"a path, or None to start from step 0")
+    if not callable(getattr(model, "parameters", None)):   # breaker round 23: an
+        # AttributeError; what has parameters() will do (dgt.ddp's bucket views)
+        raise TypeError(f"register(model=...): give a torch.nn.Module, got a "
+                        f"{type(model).__name__}")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters; nothing to push")
@@ -354,7 +358,8 @@ class Client:
         iteration) and the next ``push_pull`` step is the one after the checkpoint. Load
         the model's and optimiser's state first, from the same checkpoint.
 
-        Raises TypeError for non-float32 parameters, ValueError for a model without
+        Raises TypeError for a ``model`` that has no ``parameters()`` (not a
+        torch.nn.Module) or has non-float32 parameters, ValueError for a model without
         trainable parameters or a ``resume`` that is not a non-empty path (an empty
         one, from an unset variable, would start again from step 0), RuntimeError when
         already registered or closed, and PeerFailure when the sidecar refuses
@@ -412,7 +417,8 @@ class Client:
         (``scheduler.assign.AdaptiveK.update``).
 
         Raises RuntimeError before register() or after close(), TypeError for a step
-        that is not an int, ValueError for a step out of order, TypeError naming ``loss`` for a loss that is not one real number
+        that is not an int or a ``ready`` that is not callable, ValueError for a step
+        out of order, TypeError naming ``loss`` for a loss that is not one real number
         (a tensor of more elements, a str, a bool; nothing is sent, the step is still
         due), and PeerFailure when the job failed. What ``ready`` raises is
         raised unchanged, after the iteration's last PULL is in (the step counts as
@@ -421,6 +427,9 @@ class Client:
         """
         start = time.monotonic()   # the sidecar's trace measures comm time from here
         step = self._due(step, "push_pull")
+        if ready is not None and not callable(ready):   # before anything moves
+            raise TypeError(f"push_pull(ready=...): give a function of the parameters "
+                            f"that are ready, or None; got a {type(ready).__name__}")
         loss = loss_value(loss)   # TypeError before anything moves
         g = torch.from_numpy(self.grad)[: self.n_params]
         a = torch.from_numpy(self.aggregate)[: self.n_params]
@@ -555,7 +564,10 @@ class Client:
         PeerFailure saying why. Raises, before anything is sent: RuntimeError before
         register() or after close(), TypeError or ValueError for a ``step`` that
         :meth:`push_buffer` would refuse, TypeError for ``ranges`` that are not pairs of
-        ints (a float, inf, a bool)."""
+        ints (a float, inf, a bool), ValueError for none or a range that is not
+        0 <= lo < hi <= n_params (the sidecar would fail the job for it). A range that
+        overlaps one handed over earlier in the iteration is the sidecar's to refuse,
+        and it fails the job."""
         step = self._due(step, "push_part")
         try:
             pairs = [[lo, hi] for lo, hi in ranges]
@@ -564,6 +576,11 @@ class Client:
         if not all(_an_int(v) for pair in pairs for v in pair):
             raise TypeError(f"push_part(ranges=...): give (lo, hi) pairs of ints, got "
                             f"{one_line(repr(pairs))}")
+        bad = next((p for p in pairs if not 0 <= p[0] < p[1] <= self.n_params), None)
+        if not pairs or bad is not None:
+            raise ValueError(f"push_part(ranges=...): give one or more [lo, hi) with "
+                             f"0 <= lo < hi <= {self.n_params} (the parameters' "
+                             f"elements), got {one_line(repr(bad or pairs))}")
         self._send({"op": "part", "t": step,
                     "ranges": [[int(lo), int(hi)] for lo, hi in pairs]})
 

@@ -535,10 +535,11 @@ class NodeConfig:
             return
         try:
             sock = stat.S_ISSOCK(os.fstat(self.master_listen_fd).st_mode)
-        except OSError as e:
+        except (OSError, OverflowError) as e:   # OverflowError: beyond a C int
+            why = getattr(e, "strerror", None) or "no such descriptor"
             raise ValueError(f"--master-listen-fd {self.master_listen_fd} is not open in "
-                             f"this process ({e.strerror}); pass a listening socket the "
-                             f"parent leaves open, or leave the flag out") from None
+                             f"this process ({why}); pass a listening socket the parent "
+                             f"leaves open, or leave the flag out") from None
         if not sock:
             raise ValueError(f"--master-listen-fd {self.master_listen_fd} is not a socket; "
                              f"pass a listening TCP socket, or leave the flag out")
@@ -894,9 +895,10 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
                      if f.metadata.get("parse") else
                      {"int": whole, "float": finite(float)}.get(f.type, str)(raw))
             except (ValueError, argparse.ArgumentTypeError) as e:
-                if f.type in ("int", int) and not isinstance(
-                        e, argparse.ArgumentTypeError):   # not "invalid literal for int()"
-                    e = "expected a whole number"
+                if not isinstance(e, argparse.ArgumentTypeError):
+                    # not "invalid literal for int()", "could not convert string to float"
+                    e = {"int": "expected a whole number", "float": "expected a number"
+                         }.get(f.type, e)
                 raise ValueError(f"{name}={raw!r}: {e}") from None
             choices = f.metadata.get("choices")
             if choices and v not in choices:   # argparse checks the flag's; this the env's

@@ -57,6 +57,11 @@ BAD = [
      "argument --hosts: expected a whole number"),
     (["sidecar", "--rank", "0", "--world", "1_0"], "argument --world: expected a whole"),
     (["train", "--workers", "abc"], "argument --workers: invalid int value: 'abc'"),
+    # breaker round 23: a traceback (OverflowError from os.fstat), and ports taken as 10
+    (["sidecar", "--rank", "0", "--world", "1", "--master-listen-fd", "2147483648"],
+     "--master-listen-fd 2147483648 is not open in this process (no such descriptor)"),
+    (["capture", "--ports", "1_0", "--seconds", "1", "-q"], "bad port item '1_0'"),
+    (["capture", "--ports", "\u0661\u0660", "--seconds", "1", "-q"], "bad port item"),
     # breaker round 22: the numbers inside --partition and --band-codec
     (["train", "--partition", "shards:1_0"], "--partition shards:1_0: K (classes per "
                                              "worker) must be an integer in 1..10"),
@@ -229,7 +234,9 @@ def test_bad_flag_is_one_line(args, message):
                                          ({"MASTER_PORT": "abc"}, "MASTER_PORT"),
                                          ({"DGT_SEED": str(2**64)}, "env DGT_SEED"),
                                          ({"DGT_WORLD": "1_0"}, "DGT_WORLD='1_0': expected "
-                                          "a whole number written in ASCII digits")])
+                                          "a whole number written in ASCII digits"),
+                                         ({"DGT_K_MIN": "0x10"}, "DGT_K_MIN='0x10': "
+                                          "expected a number (see")])
 def test_bad_env_var_is_one_line(env, message):
     import os
     cmd = "sidecar --rank 0 --world 2" if {"MASTER_PORT", "DGT_SEED"} & set(env) \

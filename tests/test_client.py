@@ -692,6 +692,9 @@ def test_push_buffer_and_push_part_check_their_arguments_before_sending(sidecar)
         c.push_buffer(0)
     with pytest.raises(RuntimeError, match=r"call register\(model\) before push_part"):
         c.push_part(0, [(0, 1)])
+    for model in (None, "model", [nn.Linear(4, 2)]):   # breaker round 23: AttributeError
+        with pytest.raises(TypeError, match=r"register\(model=\.\.\.\): give a torch\.nn"):
+            c.register(model)
     m = nn.Linear(4, 2)
     c.register(m)   # the connection is as before
     for bad in (0.9, True, "0", None):
@@ -704,7 +707,15 @@ def test_push_buffer_and_push_part_check_their_arguments_before_sending(sidecar)
     for ranges in ([(0.5, float("inf"))], [(0, 1.0)], [(True, 2)], [(0, 1, 2)], 5):
         with pytest.raises(TypeError, match=r"push_part\(ranges=\.\.\.\): give \(lo, hi\)"):
             c.push_part(0, ranges)
+    # breaker round 23: a range the sidecar refuses failed the job, the caller told
+    # nothing (Linear(4, 2) has 10 elements)
+    for ranges in ([(5, 1)], [(0, 10**12)], [(-1, 3)], [], [(0, 11)]):
+        with pytest.raises(ValueError, match=r"give one or more \[lo, hi\) with "
+                                             r"0 <= lo < hi <= 10"):
+            c.push_part(0, ranges)
     m(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(TypeError, match=r"push_pull\(ready=\.\.\.\): give a function"):
+        c.push_pull(0, ready=5)   # a bare "'int' object is not callable", mid-push
     c.push_pull(np.int64(0))   # a numpy integer is an int
     c.push_part(1, [(0, 2)])
     c.push_buffer(1)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dgt.run_files import RefusedFile, read_json
 from dgt.jsonparse import is_port
+from dgt.config import whole   # ASCII digits: int() also reads '1_0', '١٠'
 
 #: Port stride between ranks under ``--base-port`` (rank r uses B + 10 r; docs/tools.md).
 RANK_STRIDE = 10
@@ -72,9 +73,9 @@ def parse_port_list(text: str) -> list[int]:
         try:
             if "-" in item:
                 a, b = item.split("-", 1)
-                lo, hi = int(a), int(b)
+                lo, hi = whole(a), whole(b)
             else:
-                lo = hi = int(item)
+                lo = hi = whole(item)
         except ValueError:
             raise PortSpecError(f"bad port item {item!r}; use e.g. 47000-47040,5000") from None
         if not (1 <= lo <= hi <= 65535):
@@ -88,7 +89,7 @@ def parse_port_list(text: str) -> list[int]:
 def parse_channels(text: str) -> list[int]:
     """Parse ``"0,2"`` into channel numbers 0..7 (raises :class:`PortSpecError`)."""
     try:
-        chans = sorted({int(x) for x in str(text).split(",") if x.strip()})
+        chans = sorted({whole(x) for x in str(text).split(",") if x.strip()})
     except ValueError:
         raise PortSpecError(f"bad channel list {text!r}; use e.g. 0,2") from None
     if not chans or any(not 0 <= c <= 7 for c in chans):

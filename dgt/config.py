@@ -788,17 +788,25 @@ def _plain_number(text, what: str) -> None:
 
 def whole(text: str) -> int:
     """argparse type for an integer flag or variable: int() of ASCII digits (optional
-    sign and spaces), no '_'. Raises :class:`NotPlainNumber` (a ValueError) for those,
-    ValueError as int() does for the rest (argparse: 'invalid int value')."""
+    sign and spaces), no '_'. Raises :class:`NotPlainNumber` (a ValueError) for
+    anything else, saying what to write (argparse's own line was 'invalid int value:
+    '1e3'', breaker round 23)."""
     _plain_number(text, "a whole number")
-    return int(text)
+    try:
+        return int(text)
+    except ValueError:
+        raise NotPlainNumber(f"expected a whole number such as 42, got {text!r}") from None
 
 
 def real(text: str) -> float:
     """argparse type for a float flag: float() of ASCII text (digits, '.', 'e', 'inf',
     'nan'), no '_'; raises as :func:`whole` does."""
     _plain_number(text, "a number")
-    return float(text)
+    try:
+        return float(text)
+    except ValueError:
+        raise NotPlainNumber(f"expected a number such as 0.5 or 1e-3, got {text!r}") \
+            from None
 
 
 whole.__name__, real.__name__ = "int", "float"   # argparse's 'invalid int value: ...'

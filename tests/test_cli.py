@@ -56,7 +56,13 @@ BAD = [
     (["testbed", "up", "--hosts", "\uff12", "--prefix", "dgtq"],
      "argument --hosts: expected a whole number"),
     (["sidecar", "--rank", "0", "--world", "1_0"], "argument --world: expected a whole"),
-    (["train", "--workers", "abc"], "argument --workers: invalid int value: 'abc'"),
+    (["train", "--workers", "abc"], "argument --workers: expected a whole number such as "
+                                    "42, got 'abc'"),
+    # breaker round 23: argparse's bare "invalid int value: '1e3'"
+    (["train", "--workers", "1e3"], "argument --workers: expected a whole number such as "
+                                    "42, got '1e3'"),
+    (["train", "--lr", "fast"], "argument --lr: expected a number such as 0.5 or 1e-3, "
+                                "got 'fast'"),
     # breaker round 23: a traceback (OverflowError from os.fstat), and ports taken as 10
     (["sidecar", "--rank", "0", "--world", "1", "--master-listen-fd", "2147483648"],
      "--master-listen-fd 2147483648 is not open in this process (no such descriptor)"),
@@ -236,7 +242,8 @@ def test_bad_flag_is_one_line(args, message):
                                          ({"DGT_WORLD": "1_0"}, "DGT_WORLD='1_0': expected "
                                           "a whole number written in ASCII digits"),
                                          ({"DGT_K_MIN": "0x10"}, "DGT_K_MIN='0x10': "
-                                          "expected a number (see")])
+                                          "expected a number such as 0.5 or 1e-3, got "
+                                          "'0x10' (see")])
 def test_bad_env_var_is_one_line(env, message):
     import os
     cmd = "sidecar --rank 0 --world 2" if {"MASTER_PORT", "DGT_SEED"} & set(env) \
@@ -349,7 +356,8 @@ def test_a_torchrun_variable_that_is_no_whole_number_says_so(raw):
     add_sidecar_arguments(p)
     with pytest.raises(ValueError) as e:
         from_args(NodeConfig, p.parse_args([]), environ={"RANK": "0", "WORLD_SIZE": raw})
-    assert str(e.value) == f"WORLD_SIZE={raw!r}: expected a whole number"
+    assert str(e.value) == (f"WORLD_SIZE={raw!r}: expected a whole number such as 42, "
+                            f"got {raw!r}")
 
 
 def test_a_parser_error_quoting_multiline_text_is_one_line(capsys):

@@ -42,7 +42,7 @@ def test_figures_take_medians_from_the_second_iteration_on():
 @pytest.mark.parametrize("args, says", [
     (["--pairs", "0"], "--pairs must be at least 1"),
     (["--", "--no-pipeline-pulls"], "leave --pipeline-pulls"),
-    (["--pairs", "x"], "invalid int value")])
+    (["--pairs", "x"], "expected a whole number such as 42, got 'x'")])
 def test_bad_flags_are_one_line(args, says):
     p = subprocess.run([sys.executable, "-m", "dgt.tools.bench_pipeline", *args],
                        capture_output=True, text=True, timeout=60)

@@ -446,7 +446,7 @@ class Client:
                     g[off:off + n].copy_(_grad(p).reshape(-1))
                 off += n
         if ready is None:
-            self.push_buffer(step, loss, start)
+            self._exchange(step, loss, start, None)
             self._apply(range(len(self.params)), had_none, a, 0, self.n_params)
             return
         pending = _Pending(self._offsets)
@@ -457,7 +457,7 @@ class Client:
                 self._apply(done, had_none, a, self._offsets[done[0]],
                             self._offsets[done[-1] + 1])
                 ready([self.params[i] for i in done])
-        self.push_buffer(step, loss, start, on_range)
+        self._exchange(step, loss, start, on_range)
         rest = pending.rest()   # empty parameters (no element to wait for)
         if rest:
             self._apply(rest, had_none, a, 0, 0)
@@ -530,8 +530,12 @@ class Client:
         TypeError for a ``step`` that is not an int (a float, a bool), ValueError for one
         out of order, TypeError naming ``loss`` for a loss that is not one real number;
         then PeerFailure."""
-        step = self._due(step, "push_buffer")
-        self._send({"op": "push", "t": step, "loss": loss_value(loss),
+        self._exchange(self._due(step, "push_buffer"), loss_value(loss), start, on_range)
+
+    def _exchange(self, step: int, loss: float | None, start: float | None,
+                  on_range: Callable[[int, int], None] | None) -> None:
+        """:meth:`push_buffer` once its arguments are checked (push_pull checked them)."""
+        self._send({"op": "push", "t": step, "loss": loss,
                     "start": time.monotonic() if start is None else start,
                     **({"ranges": True} if on_range is not None else {})})
         error = None   # what on_range raised: re-raised once the iteration is read

@@ -49,7 +49,7 @@ def parse_pace(text: str) -> float:
         return PACE_AUTO
     try:
         v = real(text)
-    except (ValueError, argparse.ArgumentTypeError):
+    except ValueError:   # NotPlainNumber included
         v = float("nan")
     if not 0 <= v <= MAX_PACE_MBIT:   # nan and inf fail it too
         raise argparse.ArgumentTypeError(f"expected 'auto' or Mbit/s in 0..{MAX_PACE_MBIT:.0f}, "
@@ -809,8 +809,6 @@ def real(text: str) -> float:
             from None
 
 
-whole.__name__, real.__name__ = "int", "float"   # argparse's 'invalid int value: ...'
-
 
 def finite(typ):
     """argparse type: a finite number (no inf/nan), written as :func:`whole` and
@@ -902,12 +900,8 @@ def from_args(cls, ns: argparse.Namespace, environ=os.environ):
                      else _PARSERS.get(f.metadata.get("parse"), None)(raw)
                      if f.metadata.get("parse") else
                      {"int": whole, "float": finite(float)}.get(f.type, str)(raw))
-            except (ValueError, argparse.ArgumentTypeError) as e:
-                if not isinstance(e, argparse.ArgumentTypeError):
-                    # not "invalid literal for int()", "could not convert string to float"
-                    e = {"int": "expected a whole number", "float": "expected a number"
-                         }.get(f.type, e)
-                raise ValueError(f"{name}={raw!r}: {e}") from None
+            except (ValueError, argparse.ArgumentTypeError) as e:   # whole/real say
+                raise ValueError(f"{name}={raw!r}: {e}") from None      # what to write
             choices = f.metadata.get("choices")
             if choices and v not in choices:   # argparse checks the flag's; this the env's
                 raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")

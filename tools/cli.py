@@ -357,7 +357,7 @@ def port(text: str) -> int:
     """argparse type: a TCP/UDP port, 1..65535. Raises argparse.ArgumentTypeError."""
     try:
         value = whole(text)
-    except (ValueError, argparse.ArgumentTypeError):
+    except ValueError:   # dgt.config.NotPlainNumber included
         value = 0
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port, 1..65535, got {text!r}")

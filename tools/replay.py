@@ -31,7 +31,6 @@ import math
 import select
 import socket
 import time
-from argparse import ArgumentTypeError
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -179,7 +178,7 @@ def parse_iterations(text: str) -> tuple[int, int]:
             r = (whole(a), whole(b))
         else:
             r = (whole(text), whole(text))
-    except (ValueError, ArgumentTypeError):
+    except ValueError:   # dgt.config.NotPlainNumber included
         raise PortSpecError(f"bad --iterations {text!r}; use A-B or N") from None
     if r[0] < 0 or r[1] < r[0]:
         raise PortSpecError(f"bad --iterations {text!r}; need 0 <= A <= B")

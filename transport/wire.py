@@ -214,10 +214,12 @@ _FIELD_BITS = {"session": 64, "sender": 16, "shard": 16, "iteration": 32, "block
 
 def _field(name: str, value, bits: int) -> int:
     """``value`` as an int in 0 .. 2**bits - 1. Raises TypeError for a value that is not
-    an integer, ValueError (naming the field and its range) for one outside it: an
-    encoder never wraps a value nor writes one a decoder refuses."""
+    an integer (a bool is not), ValueError (naming the field and its range) for one
+    outside it: an encoder never wraps a value nor writes one a decoder refuses."""
     if type(value) is not int:
         try:
+            if isinstance(value, bool):
+                raise TypeError
             value = operator.index(value)
         except TypeError:
             raise TypeError(f"{name} must be an integer, got "
@@ -527,16 +529,10 @@ def unpack_indexed_blocks(payload: memoryview, count: int, block_elems: int,
 
     Raises :class:`WireError`: ``bad_coding`` for a coding this version does not know,
     ``bad_length`` when the payload does not hold exactly ``count`` indices and blocks;
-    TypeError for a ``count`` that is not an int (a bool, a str), ValueError for a
-    negative one.
+    TypeError for a ``count`` that is not an int (a bool, a str), ValueError for one
+    that no header's u32 ``count`` holds (a negative one).
     """
-    if type(count) is not int:   # cheap for the header's int; refuses "1", 1.0, True
-        if isinstance(count, bool) or not isinstance(count, numbers.Integral):
-            raise TypeError(f"unpack_indexed_blocks(count={count!r}): give the "
-                            f"header's block count, an int")
-        count = int(count)
-    if count < 0:
-        raise ValueError(f"unpack_indexed_blocks(count={count}): a block count is >= 0")
+    count = _field("count", count, 32)
     size = coded_payload_bytes(coding, block_elems)
     if size is None:
         raise WireError("bad_coding", f"BLOCKS coding {coding}")

@@ -31,7 +31,8 @@ root_only = needs("ip", root="netns, veth, tc")
     (["--systems", "dgt:--k 5"], "--systems 'dgt:--k 5': --k must be in [0, 1], got 5.0"),
     (["--systems", "tcp,dgt-ddp:--block-bytes=3"], "--systems 'dgt-ddp:--block-bytes=3': "
                                                    "--block-bytes must be a multiple of 4"),
-    (["--systems", "dgt:--k abc"], "--systems 'dgt:--k abc': argument --k: invalid"),
+    (["--systems", "dgt:--k abc"],
+     "--systems 'dgt:--k abc': argument --k: expected a number such as 0.5 or 1e-3, got 'abc'"),
     # valid under some peer timeout, not the 20 s its cells get
     (["--systems", "dgt:--deadline-ms 15000"],
      "--systems 'dgt:--deadline-ms 15000': --deadline-ms must be in 0..10000 (half of "

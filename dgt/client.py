@@ -283,6 +283,8 @@ class Client:
         #: when none left it (one node)
         self.last_first_sent: float | None = None
         self.next_step = 0
+        #: the [lo, hi) ranges push_part handed over in iteration next_step, sorted
+        self._parts: tuple[int, list[tuple[int, int]]] = (-1, [])
         self.closed = False
 
     # -- control ----------------------------------------------------------------------
@@ -568,10 +570,9 @@ class Client:
         PeerFailure saying why. Raises, before anything is sent: RuntimeError before
         register() or after close(), TypeError or ValueError for a ``step`` that
         :meth:`push_buffer` would refuse, TypeError for ``ranges`` that are not pairs of
-        ints (a float, inf, a bool), ValueError for none or a range that is not
-        0 <= lo < hi <= n_params (the sidecar would fail the job for it). A range that
-        overlaps one handed over earlier in the iteration is the sidecar's to refuse,
-        and it fails the job."""
+        ints (a float, inf, a bool), ValueError for none, a range that is not
+        0 <= lo < hi <= n_params, or one that overlaps another of this iteration's
+        (each would fail the job at the sidecar)."""
         step = self._due(step, "push_part")
         try:
             pairs = [[lo, hi] for lo, hi in ranges]
@@ -585,8 +586,18 @@ class Client:
             raise ValueError(f"push_part(ranges=...): give one or more [lo, hi) with "
                              f"0 <= lo < hi <= {self.n_params} (the parameters' "
                              f"elements), got {one_line(repr(bad or pairs))}")
-        self._send({"op": "part", "t": step,
-                    "ranges": [[int(lo), int(hi)] for lo, hi in pairs]})
+        pairs = [(int(lo), int(hi)) for lo, hi in pairs]
+        earlier = self._parts[1] if self._parts[0] == step else []
+        every = sorted(earlier + pairs)
+        clash = next((i for i in range(len(every) - 1) if every[i][1] > every[i + 1][0]),
+                     None)
+        if clash is not None:
+            a, b = every[clash], every[clash + 1]
+            raise ValueError(f"push_part(ranges=...): [{a[0]}, {a[1]}) and [{b[0]}, "
+                             f"{b[1]}) overlap: each element is handed over once per "
+                             f"iteration (step {step})")
+        self._send({"op": "part", "t": step, "ranges": [[lo, hi] for lo, hi in pairs]})
+        self._parts = (step, every)
 
     def _due(self, step, what: str) -> int:
         """``step`` as an int when it is the one due now; else raises as

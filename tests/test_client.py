@@ -718,6 +718,14 @@ def test_push_buffer_and_push_part_check_their_arguments_before_sending(sidecar)
         c.push_pull(0, ready=5)   # a bare "'int' object is not callable", mid-push
     c.push_pull(np.int64(0))   # a numpy integer is an int
     c.push_part(1, [(0, 2)])
+    # a range that overlaps one of the iteration's failed the job at the sidecar
+    for ranges in ([(1, 3)], [(4, 6), (5, 7)], [(0, 10)]):
+        with pytest.raises(ValueError, match=r"overlap: each element is handed over once "
+                                             r"per iteration \(step 1\)"):
+            c.push_part(1, ranges)
+    c.push_part(1, [(2, 4), (8, 10)])   # next to [0, 2): no overlap
     c.push_buffer(1)
+    c.push_part(2, [(0, 2)])   # a new iteration starts afresh
+    c.push_buffer(2)
     c.close()
     assert proc.wait(timeout=60) == 0, proc.stderr.read()

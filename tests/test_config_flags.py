@@ -182,6 +182,15 @@ def test_flags_this_configuration_does_not_use_are_warnings():
                               ).warnings() == [
         "--deadline-max-ms 500.0 is ignored with --no-adaptive-deadline (the wait after "
         "END is --deadline-ms)"]
+    # breaker round 23: DGT_K_MIN (or a sidecar's --k-min) alone was taken in silence
+    assert TransmissionConfig(k_min=0.1).warnings() == [
+        "--k-min 0.1 (or DGT_K_MIN) is ignored without --adaptive-k or --time-budget-ms "
+        "(k stays --k)"]
+    assert TransmissionConfig(k_min=0.1, adaptive_k=True).warnings() == []
+    assert TransmissionConfig(k_min=0.1, time_budget_ms=50.0).warnings() == []
+    assert TransmissionConfig(mode="tcp", k_min=0.1).warnings() == [
+        "--k-min 0.1 is ignored with --mode tcp (every block goes over the reliable "
+        "channel)"]
     assert MetricsConfig(metrics_host="::1").warnings() == [
         "--metrics-host ::1 is ignored without --metrics-port (no metrics endpoint)"]
     assert MetricsConfig(metrics_host="::1", metrics_port=9100).warnings() == []

@@ -265,7 +265,8 @@ class TransmissionConfig:
         if not 0.0 <= self.deadline_max_ms <= 1000.0 * self.peer_timeout_s:
             raise ValueError(f"--deadline-max-ms must be in 0..--peer-timeout-s x 1000 "
                              f"({1000.0 * self.peer_timeout_s:g}), got "
-                             f"{self.deadline_max_ms:g}")
+                             f"{self.deadline_max_ms:g}; lower it or raise "
+                             f"--peer-timeout-s")
 
     def longest_wait_after_end_s(self) -> float:
         """The longest a shard may wait after a worker's END (s): half of

@@ -47,6 +47,10 @@ BAD = [
     (["train", "--seed", "-1"], "--seed must be in 0..4294967295"),
     (["train", "--seed", str(2**32)], "--seed must be in 0..4294967295"),
     (["train", "--k-min", "0.1"], "--k-min only applies with --adaptive-k"),
+    # the default ceiling over a short --peer-timeout-s: the line named no way out
+    (["train", "--peer-timeout-s", "0.5"], "--deadline-max-ms must be in 0..--peer-timeout-s "
+                                           "x 1000 (500), got 1000; lower it or raise "
+                                           "--peer-timeout-s"),
     # breaker round 21: int() and float() took '1_0' (10 workers) and full-width digits
     (["train", "--workers", "1_0"], "argument --workers: expected a whole number written "
                                     "in ASCII digits without '_', got '1_0'"),

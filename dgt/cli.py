@@ -48,7 +48,8 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if metrics.metrics_port and not job.testbed:   # on loopback: rank r, port + r
             check_metrics_ports(metrics, job.workers)
         check_paths(job, ckpt)
-        check_workload(job)
+        for line in check_workload(job):
+            parser.warning(line)
         check_memory(job)
         # the step folder itself: run_job checks it again, without a second warning
         ckpt.resume = resume_from(ckpt, job, tx)

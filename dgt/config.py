@@ -179,7 +179,8 @@ class TransmissionConfig:
             out += ignored(self, ("k", "k_min", "adaptive_k", "channels", "epsilon",
                                   "band_codec", "drop_udp"),
                            "with --mode tcp (every block goes over the reliable channel)")
-        elif not self.adaptive_k and not self.time_budget_ms and self.k_min != TransmissionConfig.k_min:
+        elif not self.adaptive_k and not self.time_budget_ms and \
+                self.k_min != TransmissionConfig.k_min:
             # the flag alone is refused by dgt train; its variable, or the flag given to
             # a sidecar, was taken in silence
             out.append(f"--k-min {self.k_min:g} (or DGT_K_MIN) is ignored without "

@@ -449,6 +449,21 @@ def test_hook_state_round_trips_and_single_rank_means_itself(group):
         other = DgtState(connect=False)
         other.layout_numels = [1, 2]
         other.load_state_dict(sd)
+    # breaker round 24: a state loaded after the first backward was taken when it named
+    # no sidecar file, and this rank's iteration went back under its sidecar's
+    with pytest.raises(ValueError, match=r"load the hook state before the first "
+                                         r"backward: .* has already pushed 3 iteration"):
+        state.load_state_dict(dict(sd, iteration=1))
+    assert state.iteration == 3
+    # breaker round 24: parameters whose storage was replaced (p.data = ..., as swapping
+    # in averaged weights for an evaluation does) were taken for another model's
+    for p in model.module.parameters():
+        p.data = p.data.clone()
+    model.zero_grad()
+    _step(model)
+    for p, q in zip(model.module.parameters(), ref.module.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert state.iteration == 4
     state.close()
     assert not [n for n in os.listdir(group / "run") if n.endswith(".sock")]
 

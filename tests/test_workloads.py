@@ -149,6 +149,7 @@ def test_fashion_mnist_loads_from_the_debian_package():
     assert d.x_train.shape == (60000, 1, 28, 28) and d.x_test.shape == (10000, 1, 28, 28)
     assert d.y_train.dtype == torch.int64 and set(d.y_test.tolist()) == set(range(10))
     assert abs(float(d.x_train.mean())) < 1e-3 and abs(float(d.x_train.std()) - 1) < 1e-3
+    assert d.subset_note() is None   # the published dataset, whole
 
 
 def _write_idx(path, arr, magic):
@@ -225,6 +226,73 @@ def test_cifar10_loads_the_real_python_layout(tmp_path):
     with open(d / "data_batch_1", "rb") as f:
         flat = pickle.load(f, encoding="bytes")[b"data"]
     assert raw[0, 1, 2, 3] == flat[0, 1024 + 2 * 32 + 3]
+    # breaker round 24: a CIFAR-10 of 100 images a batch trained (to 0.08) without a word
+    from dgt.config import JobConfig
+    from dgt.job import check_workload
+    note = (f"{d} holds 200 training and 40 test images, not cifar10's 50,000 and "
+            f"10,000: a subset (or other files), whose accuracy is not the published "
+            f"dataset's")
+    assert data.subset_note() == note
+    assert check_workload(JobConfig(dataset="cifar10", data_dir=str(d), workers=2,
+                                    batch_size=4)) == [note]
+    assert check_workload(JobConfig()) == []   # the digits are whole as sklearn ships them
+
+
+def _read_error(d) -> str:
+    """The DatasetError that reading CIFAR-10's batches in folder ``d`` raises, as this
+    user or, as root (who reads any file), as uid 65534 in a forked child; "" when
+    none. The child reads with pickle and numpy only: torch's thread pool does not
+    survive a fork."""
+    def attempt() -> str:
+        try:
+            for name in datasets.CIFAR_TRAIN_FILES + (datasets.CIFAR_TEST_FILE,):
+                datasets.read_cifar_batch(os.path.join(d, name))
+        except DatasetError as e:
+            return str(e)
+        return ""
+    if os.geteuid() != 0:
+        return attempt()
+    import select
+    import signal
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(w, attempt().encode())
+        except BaseException:   # noqa: BLE001 -- the parent sees the status
+            code = 99
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        if not select.select([f], [], [], 120)[0]:   # a hang guard, not a timing check
+            os.kill(pid, signal.SIGKILL)
+        said = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, said
+    return said
+
+
+def test_an_unreadable_cifar10_batch_is_named_unreadable(shared_tmp):
+    """Breaker round 24: a valid batch this user may not read (mode 000) was 'not a
+    CIFAR-10 batch (PermissionError: ... /data_b); download the python version again',
+    the path cut off."""
+    from pathlib import Path
+    d = write_cifar(Path(shared_tmp), per_batch=4, test=4)
+    for folder in (shared_tmp, d):
+        os.chmod(folder, 0o755)
+    for name in os.listdir(d):
+        os.chmod(d / name, 0o644)
+    os.chmod(d / "data_batch_2", 0)
+    uid = os.geteuid() or 65534
+    assert _read_error(d) == (f"cannot read {d / 'data_batch_2'}: Permission denied; "
+                              f"make it readable by this user (uid {uid})")
+    os.chmod(d / "data_batch_2", 0o644)
+    assert _read_error(d) == ""   # each file readable: each is read
 
 
 @pytest.mark.parametrize("damage,message", [

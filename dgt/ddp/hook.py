@@ -12,16 +12,24 @@ class FlatLayout:
     """Where each parameter's gradient lies in the flat float32 vector that dgt pushes
     (the sidecar cuts it into blocks). Fixed at the first iteration: the parameters in
     the order of DDP's first buckets, which every rank computes alike. DDP rebuilds its
-    buckets after that iteration; a bucket's parameters are then found by their storage
-    (``data_ptr``), so any bucketing maps onto the same blocks."""
+    buckets after that iteration; a bucket's parameters are then found by identity (the
+    parameter objects, which DDP keeps and the layout holds), else by their storage
+    (``data_ptr``), so any bucketing maps onto the same blocks, and so does a
+    parameter whose storage was replaced (``p.data = ...``, as swapping in averaged
+    weights for an evaluation does)."""
 
     def __init__(self, params: list[torch.Tensor]):
+        self.params = list(params)   # held: an id is not reused while its object lives
+        self.by_id: dict[int, int] = {}
         self.offsets: dict[tuple[int, int], int] = {}
         self.numels: list[int] = []
+        self.starts: list[int] = []
         off = 0
         for p in params:
+            self.by_id[id(p)] = len(self.numels)
             self.offsets[self.key(p)] = off
             self.numels.append(p.numel())
+            self.starts.append(off)
             off += p.numel()
         self.n = off
         self.device = params[0].device
@@ -36,15 +44,22 @@ class FlatLayout:
 
     def slices(self, params: list[torch.Tensor]) -> list[tuple[int, int]]:
         """(offset, elements) of each of ``params``. Raises ValueError for a parameter
-        that is not in the layout (the state serves another model)."""
+        that is not in the layout (the state serves another model, or the parameter
+        was replaced by a new one) or whose size changed since the first iteration."""
         out = []
         for p in params:
-            off = self.offsets.get(self.key(p))
+            i = self.by_id.get(id(p))
+            off = self.starts[i] if i is not None else self.offsets.get(self.key(p))
             if off is None:
                 raise ValueError("dgt_hook: a bucket holds a parameter this DgtState has "
                                  "not laid out (it serves another model): one DgtState per "
                                  "DDP model and one such model per process; train this "
                                  "model with DDP's own all-reduce (no register_comm_hook)")
+            if i is not None and p.numel() != self.numels[i]:
+                raise ValueError(f"dgt_hook: a parameter of {self.numels[i]} elements at "
+                                 f"the first iteration now has {p.numel()}: the layout "
+                                 f"of the pushed vector is fixed; keep each parameter's "
+                                 f"size")
             out.append((off, p.numel()))
         return out
 

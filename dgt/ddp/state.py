@@ -164,12 +164,16 @@ class DgtState:
         """Restore what :meth:`state_dict` returned, before the first backward: the
         sidecar resumes from the file it names at the first iteration (bitwise where
         the checkpoint's run would have gone on). Raises ValueError for another version,
-        a layout that differs from this model's (a different model), or a state that
-        names a sidecar file when this state's sidecar has already started pushing."""
+        a layout that differs from this model's (a different model), or any state once
+        this state's sidecar has started pushing (after the first backward)."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a dgt hook state of version {STATE_VERSION}: "
                              f"{type(state).__name__} {getattr(state, 'get', dict)('version')}; "
                              f"save it with DgtState.state_dict()")
+        if self._flat is not None:   # breaker round 24: taken, its iteration rewound
+            raise ValueError(f"load the hook state before the first backward: this "
+                             f"state's sidecar has already pushed {self.iteration} "
+                             f"iteration(s)")
         numels = state.get("layout_numels")
         if self.layout_numels is not None and numels is not None and \
                 list(numels) != self.layout_numels:
@@ -178,9 +182,6 @@ class DgtState:
                              f"{len(self.layout_numels)} ({sum(self.layout_numels)}); load "
                              f"the checkpoint of this model")
         sidecar_state = state.get("sidecar_state")
-        if sidecar_state and self._flat is not None:
-            raise ValueError("load the hook state before the first backward: this "
-                             "state's sidecar has already pushed")
         self.iteration = int(state["iteration"])
         self.layout_numels = None if numels is None else [int(n) for n in numels]
         self.sidecar_state = sidecar_state

@@ -30,7 +30,7 @@ from .trace import LineReader, iterations, parse_line, skipped_note, unread
 #: trace lines per rank the rates and medians are taken over
 WINDOW = 20
 
-_ACC = re.compile(r"test acc ([0-9.]+)")
+_ACC = re.compile(r"test acc ([0-9]+(?:\.[0-9]+)?)")
 
 
 class TraceFollower:
@@ -189,6 +189,10 @@ def parse_page(text: str) -> tuple[int, dict]:
     return int(rank), values
 
 
+def _whole_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
 def _whole(label: str) -> bool:
     """Whether a label is a whole number written in ASCII digits (no sign, no space)."""
     return label.isascii() and label.isdecimal() and len(label) <= 6
@@ -236,11 +240,14 @@ class EndpointPoller:
         n = d(("dgt_comm_seconds_count", ""))
         chans = sorted({k[1] for k in s if k[0] == "dgt_channel_blocks_sent_total"},
                        key=lambda c: (c != "tcp", c))
-        row = {"iterations": int(s.get(("dgt_iteration", ""), -1)) + 1,
+        # a value left out (not finite, breaker round 25: NaN and +Inf showed as iter 0
+        # and k 0.00) is shown "-", as a rate of one sample is
+        it = s.get(("dgt_iteration", ""))
+        row = {"iterations": None if it is None else int(it) + 1,
                "comm_ms": d(("dgt_comm_seconds_sum", "")) / n * 1e3 if n else
                self.last.get(rank, {}).get("comm_ms"),
-               "comm_ms_median": None, "k": s.get(("dgt_reliable_fraction", ""), 0.0),
-               "lost": int(s.get(("dgt_blocks_lost_own_total", ""), 0)),
+               "comm_ms_median": None, "k": s.get(("dgt_reliable_fraction", "")),
+               "lost": _whole_or_none(s.get(("dgt_blocks_lost_own_total", ""))),
                "rate": per_s(("dgt_comm_seconds_count", "")), "channels": {}}
         for c in chans:
             got = d(("dgt_channel_blocks_delivered_total", c))
@@ -271,26 +278,35 @@ LOG_TAIL = 20000
 
 
 def accuracy(run_dir: str | None, notes: list[str] | None = None) -> float | None:
-    """The last test accuracy rank 0's trainer printed (the last :data:`LOG_TAIL` bytes
-    of ``trainer-0.log``) or reported (``trainer-0.json``), or None. Either file not
-    read for what it is (not a regular file, a record over dgt.run_files.MAX_RECORD)
-    is said in ``notes`` when given."""
+    """The last test accuracy rank 0's trainer reported (``trainer-0.json``) or printed
+    (the last :data:`LOG_TAIL` bytes of ``trainer-0.log``), or None. A file not read
+    for what it is (not a regular file, a record over dgt.run_files.MAX_RECORD, not a
+    trainer's report) and an accuracy outside 0 to 1 are said in ``notes`` when given,
+    and the log is read instead (breaker round 25: a report's 5.0 was shown as it was,
+    a damaged report left out in silence)."""
     if not run_dir:
         return None
     path = os.path.join(run_dir, "trainer-0.json")
     if os.path.exists(path):
         try:
-            acc = read_json(path)["final_test_accuracy"]
-            if isinstance(acc, (int, float)) and not isinstance(acc, bool):
+            doc = read_json(path)
+            if not isinstance(doc, dict):
+                raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+            acc = doc.get("final_test_accuracy")
+            if _an_accuracy(acc):
                 return float(acc)
+            if acc is not None:   # None: the run evaluated nothing
+                raise ValueError(f"final_test_accuracy = {str(acc)[:40]} is outside 0 "
+                                 f"to 1")
         except RefusedFile as e:
             _refused(e, notes)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass   # a damaged file: the log's last accuracy instead
+        except (OSError, ValueError) as e:
+            _note(notes, f"{path}: unreadable ({str(e)[:80]}); skipped")
     try:
         with open_regular(os.path.join(run_dir, "trainer-0.log")) as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - LOG_TAIL))
             found = _ACC.findall(f.read(LOG_TAIL).decode(errors="replace"))
+        found = [v for v in found if _an_accuracy(float(v))]
         return float(found[-1]) if found else None
     except RefusedFile as e:
         _refused(e, notes)
@@ -299,10 +315,20 @@ def accuracy(run_dir: str | None, notes: list[str] | None = None) -> float | Non
     return None
 
 
+def _an_accuracy(value) -> bool:
+    """Whether ``value`` is a number (not a bool) in 0..1."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        0.0 <= value <= 1.0
+
+
+def _note(notes: list[str] | None, line: str) -> None:
+    if notes is not None:
+        notes.append(line)
+
+
 def _refused(e: RefusedFile, notes: list[str] | None) -> None:
     """Say in ``notes`` (when given) that a file was not read, and why."""
-    if notes is not None:
-        notes.append(f"{e}; skipped")
+    _note(notes, f"{e}; skipped")
 
 
 def is_run_dir(path: str) -> bool:
@@ -343,9 +369,9 @@ def render(rows: dict[int, dict], source: str, acc: float | None,
     for c in chans:
         t.add_column(f"{c}\nblk/s\nloss", justify="right", no_wrap=True)
     for r, row in rows.items():
-        cells = [str(r), str(row["iterations"]), _cell(row["rate"], ".1f"),
+        cells = [str(r), _cell(row["iterations"], "d"), _cell(row["rate"], ".1f"),
                  _cell(row["comm_ms"], ".1f"), _cell(row["comm_ms_median"], ".1f"),
-                 f"{row['k']:.2f}", str(row["lost"])]
+                 _cell(row["k"], ".2f"), _cell(row["lost"], "d")]
         for c in chans:
             ch = row["channels"].get(c, {"blocks_per_s": 0.0, "loss": 0.0})
             cells.append(f"{_cell(ch['blocks_per_s'], '.0f')}\n{_cell(ch['loss'], '.0%')}")

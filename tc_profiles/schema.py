@@ -360,6 +360,9 @@ def load_profile(name_or_path: str | Path) -> Profile:
             raise ProfileError(f"profile file {s!r} is a folder; give a YAML file in it "
                                f"or a shipped profile's name")
         if not path.is_file():
+            if path.exists():   # breaker round 25: /dev/zero "does not exist"
+                raise ProfileError(f"profile file {s!r} is not a regular file (a device, "
+                                   f"a FIFO or a socket); give a YAML file")
             raise ProfileError(f"profile file {s!r} does not exist")
         try:
             text = path.read_bytes().decode("utf-8")

@@ -26,6 +26,7 @@ root_only = needs("ip", root="netns, veth, tc")
     (["--iterations", "5"], "use --max-iterations"),
     (["--rates", "fast"], "--rates"),
     (["--tcp-congestion", "vegas2"], "--tcp-congestion: 'vegas2' is not available"),
+    (["--seed", "-1"], "--seed must be in 0..4294967295 (each cell's dgt train --seed)"),
     # breaker: a variant's flag names were checked, not its values: the cell failed
     # minutes in. dgt train's own validation (dgt.config.from_args), the system named
     (["--systems", "dgt:--k 5"], "--systems 'dgt:--k 5': --k must be in [0, 1], got 5.0"),

@@ -43,6 +43,9 @@ BAD = [
      "--register-timeout-s must be in 0..3600"),
     (["bench", "--profile", "nope", "--estimate"], "--profile: unknown profile 'nope'"),
     (["bench", "--cell-timeout-s", "-1", "--estimate"], "--cell-timeout-s must be a finite number >= 0"),
+    # breaker round 25: every cell ran and failed on it, the testbed built first
+    (["bench", "--seed", "-1", "--estimate"], "--seed must be in 0..4294967295 (each cell's"),
+    (["bench", "--seed", str(2**64), "--estimate"], "--seed must be in 0..4294967295"),
     # breaker round 2026-12-01: each of these was accepted, then failed later or silently
     (["train", "--seed", "-1"], "--seed must be in 0..4294967295"),
     (["train", "--seed", str(2**32)], "--seed must be in 0..4294967295"),
@@ -71,6 +74,12 @@ BAD = [
     (["sidecar", "--rank", "0", "--world", "1", "--master-listen-fd", "2147483648"],
      "--master-listen-fd 2147483648 is not open in this process (no such descriptor)"),
     (["capture", "--ports", "1_0", "--seconds", "1", "-q"], "bad port item '1_0'"),
+    # breaker round 25: "cannot write .: Is a directory; 0 packets ... were written"
+    (["capture", "--ports", "47000", "--seconds", "1", "-w", ""], "-w is empty; give a "
+                                                                   "file name"),
+    (["capture", "--ports", "47000", "--seconds", "1", "-w", "", "--file-mb", "1"],
+     "-w is empty; give a file name"),
+    (["pcap", "summary", "/dev/null", "--json", ""], "--json is empty; give a file name"),
     (["capture", "--ports", "\u0661\u0660", "--seconds", "1", "-q"], "bad port item"),
     # breaker round 22: the numbers inside --partition and --band-codec
     (["train", "--partition", "shards:1_0"], "--partition shards:1_0: K (classes per "
@@ -217,6 +226,9 @@ BAD = [
     (["sidecar", "--rank", "0", "--world", "1", "--master-listen-fd", "99"],
      "--master-listen-fd 99 is not open in this process"),
     (["tc", "apply", "/", "--dev", "lo", "--dry-run"], "profile file '/' is a folder"),
+    # breaker round 25: a device was a profile that "does not exist"
+    (["tc", "apply", "/dev/zero", "--dev", "lo", "--dry-run"],
+     "profile file '/dev/zero' is not a regular file (a device, a FIFO or a socket)"),
     (["train", "--reliable-codec", "fp8"], "argument --reliable-codec: invalid choice"),
     # outside tester, 2026-12: the clash passed every check, then rank 0's sidecar
     # failed at bind blaming --base-port alone

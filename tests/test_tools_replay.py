@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import json
+import struct
 import subprocess
 import sys
 import time
@@ -202,3 +203,49 @@ def test_replay_and_summary_read_pcapng(tmp_path):
     assert msgs == [(m.ts_ns, m.dscp, m.data) for m in
                     dissect.messages_from_pcap(str(tmp_path / "a.pcap"))[0]]
     assert [d for _, d, _ in msgs] == [34] * 6
+
+
+def _ng_block(kind: int, body: bytes) -> bytes:
+    """One little-endian pcapng block: type, total length, body padded to 4, length."""
+    body += b"\x00" * (-len(body) % 4)
+    return struct.pack("<II", kind, 12 + len(body)) + body + struct.pack("<I", 12 + len(body))
+
+
+#: a section header, an Ethernet interface, and one UDP packet in an enhanced block
+_SHB = _ng_block(0x0A0D0D0A, struct.pack("<IHHq", 0x1A2B3C4D, 1, 0, -1))
+_IDB = _ng_block(1, struct.pack("<HHI", 1, 0, 0))
+_FRAME = bytes(12) + b"\x08\x00" + struct.pack(
+    "!BBHHHBBH4s4s", 0x45, 0x88, 68, 0, 0, 64, 17, 0, bytes([127, 0, 0, 1]),
+    bytes([127, 0, 0, 1])) + struct.pack("!HHHH", 40000, 47001, 48, 0) + b"w" * 40
+
+
+def _epb(caplen: int = len(_FRAME), interface: int = 0) -> bytes:
+    return _ng_block(6, struct.pack("<5I", interface, 0, 1, caplen, len(_FRAME)) + _FRAME)
+
+
+@pytest.mark.parametrize("blocks, says", [
+    ([_IDB, _epb(0xFFFFFFFF)], "at record 1 (byte offset 48) in {f}: not a pcapng packet "
+                               "block (captured length 4294967295 in a block of 116 bytes)"),
+    ([_IDB, struct.pack("<II", 6, 0xFFFFFFF0) + bytes(100)],
+     "at record 1 (byte offset 48) in {f}: pcapng block cut off or garbled (type 6, "
+     "length 4294967280, 108 bytes left in the file)"),
+    ([_epb(interface=1)], "at record 1 (byte offset 28) in {f}: a packet block (type 6) "
+                          "that cannot "
+               "be read: no interface description before it, or garbled"),
+], ids=["caplen-past-block", "length-past-file", "no-interface"])
+def test_a_pcapng_of_bad_blocks_has_no_readable_packets(tmp_path, blocks, says):
+    """Breaker round 25: scapy ends a pcapng at its first bad block as if at the end of
+    the file, so these read as empty captures (packets 0, exit 0) and dgt replay then
+    blamed the filters; a classic pcap's bad record was 'no readable packets'."""
+    f = tmp_path / "bad.pcapng"
+    f.write_bytes(_SHB + b"".join(blocks))
+    r = subprocess.run([sys.executable, "-m", "dgt.cli", "pcap", "summary", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert "error: no readable packets: truncated " + says.format(f=f) in r.stderr, r.stderr
+    # after a good packet the same block ends the capture, said, the packet counted
+    f.write_bytes(_SHB + _IDB + _epb() + b"".join(b for b in blocks if b != _IDB))
+    r = subprocess.run([sys.executable, "-m", "dgt.cli", "pcap", "summary", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "packets 1," in r.stdout, r.stdout + r.stderr
+    assert "truncated at record 2 (byte offset " in r.stdout, r.stdout

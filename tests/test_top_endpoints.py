@@ -138,8 +138,14 @@ def test_values_that_are_not_finite_are_left_out(serve):
         'dgt_reliable_fraction{rank="x"} 1e400\n'
     p = top(serve(page))
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
-    # the iteration left out: none done (0)
-    assert [r[:2] + r[6:] for r in ROW.findall(p.stdout)] == [("1", "0", "0")], p.stdout
+    # each value left out is '-', not 0 (breaker round 25: a NaN iteration and an
+    # infinite k showed as iter 0 and k 0.00); the finite k of the same name stays
+    assert ["1", "-", "-", "-", "-", "0.50", "-", "-", "-"] in \
+        [ln.split() for ln in p.stdout.splitlines()], p.stdout
+    p = top(serve(PAGE.replace("dgt_reliable_fraction 0.5", "dgt_reliable_fraction +Inf")
+                  .replace("dgt_iteration 41.0", "dgt_iteration NaN")))
+    assert ["1", "-", "-", "-", "-", "-", "7", "-", "-"] in \
+        [ln.split() for ln in p.stdout.splitlines()], p.stdout
 
 
 def _trickle(lsock: socket.socket, head: bytes, drip: bytes, stop: threading.Event) -> None:

@@ -192,6 +192,34 @@ def test_top_skips_and_counts_the_unreadable_lines_of_a_damaged_trace(damaged_ru
     note = f"trace-0.jsonl: {n} unreadable line{'s' if n > 1 else ''} skipped"
     assert note in " ".join(out.split()), out
     assert sorted(rows(p.stdout)) == [0, 1], out
+    # breaker round 25: a damaged trainer-0.json cost the accuracy in silence
+    note = f"{run / 'trainer-0.json'}: unreadable (a JSON list, not an object); skipped"
+    assert _squeezed(note) in _squeezed(out), out   # the caption wraps, mid-path too
+
+
+def test_top_says_an_accuracy_outside_0_to_1_and_reads_the_log_instead(clean_run,
+                                                                         tmp_path):
+    """Breaker round 25: final_test_accuracy 5.0 was shown as 'test acc 5.0000' (dgt plot
+    refuses it)."""
+    run = tmp_path / "run"
+    shutil.copytree(clean_run, run)
+    trainer = json.loads((run / "trainer-0.json").read_text())
+    (run / "trainer-0.json").write_text(json.dumps(dict(trainer, final_test_accuracy=5.0)))
+    with open(run / "trainer-0.log", "a") as f:   # what a trainer of one's own prints
+        f.write("step 9 test acc 7.5\nstep 10 test acc 0.8125\nstep 11 test acc .\n")
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "top", str(run), "--once"],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, COLUMNS="400"))
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "Traceback" not in out, out
+    assert "test acc 0.8125" in out and "5.0000" not in out, out
+    note = (f"{run / 'trainer-0.json'}: unreadable (final_test_accuracy = 5.0 is outside "
+            f"0 to 1); skipped")
+    assert _squeezed(note) in _squeezed(out), out   # the caption wraps, mid-path too
+
+
+def _squeezed(text: str) -> str:
+    return "".join(text.split())
 
 
 def test_plot_skips_and_counts_the_unreadable_lines_of_a_damaged_trace(damaged_run,

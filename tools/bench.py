@@ -161,10 +161,14 @@ class BenchConfig:
 
 def check_shared(cfg) -> None:
     """The checks every bench mode's config shares (BenchConfig, tools.bench_tta's
-    TtaConfig): --workers, --target-accuracy, --prefix, --cell-timeout-s and, on the
-    testbed, --profile and --tcp-congestion. Raises BenchError."""
+    TtaConfig): --workers, --seed, --target-accuracy, --prefix, --cell-timeout-s and,
+    on the testbed, --profile and --tcp-congestion. Raises BenchError."""
+    from dgt.config import MAX_SEED
     if not 2 <= cfg.workers <= 64:
         raise BenchError(f"--workers must be 2..64, got {cfg.workers}")
+    if not 0 <= cfg.seed <= MAX_SEED:   # breaker round 25: every cell failed on it
+        raise BenchError(f"--seed must be in 0..{MAX_SEED} (each cell's dgt train "
+                         f"--seed), got {cfg.seed}")
     if not 0.0 < cfg.target_accuracy <= 1.0:
         raise BenchError(f"--target-accuracy must be in (0, 1], got "
                          f"{cfg.target_accuracy:g}")

@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         p.error("--systems names no system: give ';'-separated flag sets, e.g. 'tcp;dgt'")
     from dgt.tools.cli import check_output
     try:
-        check_output("--json", args.json)   # before the work, not after it
+        check_output("--json", args.json or None)   # before the work, not after it
     except ValueError as e:
         p.error(str(e))
     tree = None

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         p.error("--rounds >= 1, --workers >= 2, --hidden >= 1 and --timeout-s > 0")
     from dgt.tools.cli import check_output
     try:
-        check_output("--json", args.json)   # before the work, not after it
+        check_output("--json", args.json or None)   # before the work, not after it
     except ValueError as e:
         p.error(str(e))
     common = ["--workers", str(args.workers), "--hidden", str(args.hidden), "--epochs", "8",

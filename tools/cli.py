@@ -98,10 +98,14 @@ def check_output(flag: str, path: str | None) -> None:
     system, a folder the user cannot write, or a place no file can be made (``/proc``)
     fails here, not after the work; and an existing file must hold what the flag
     writes (dgt.outpath: JSON, a PNG, a pcap), so a typo never replaces another
-    file. Raises ValueError, one line:
-    ``cannot write PATH (FLAG): why``."""
-    if not path:
+    file. None: the flag was not given. Raises ValueError, one line: ``cannot write
+    PATH (FLAG): why``, or ``FLAG is empty; ...`` for "" (breaker round 25: ``-w ''``
+    was "cannot write .: Is a directory; 0 packets ... were written", as if a capture
+    had started)."""
+    if path is None:
         return
+    if not path:
+        raise ValueError(f"{flag} is empty; give a file name")
     p = Path(path)
 
     def bad(why: str) -> ValueError:
@@ -217,8 +221,8 @@ def cmd_capture(args) -> int:
     spec = _port_spec(args, required=True)
     # the file the capture opens first (with --file-mb: OUT.00001.pcap), tried before
     # the socket: a path that cannot be written is an error before capturing starts
-    check_output("-w", str(capture.ring_file(args.write, 1)) if args.file_mb
-                 else args.write)
+    check_output("-w", args.write and (str(capture.ring_file(args.write, 1))
+                                       if args.file_mb else args.write))
     check_output("--json", args.json)
     cfg = capture.CaptureConfig(
         out=args.write, ports=spec, interface=args.interface, netns=args.netns,

@@ -26,6 +26,7 @@ import collections
 import logging
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -224,7 +225,6 @@ def _not_pcap_why(path, err: Exception) -> str:
     header (24 bytes), else the magic number it starts with; for a gzip file, the same
     of what it holds."""
     import gzip
-    import zlib
     how = ""
     try:
         with open(path, "rb") as f:
@@ -312,23 +312,60 @@ def read_pcap(path, status: dict | None = None) -> Iterator[tuple[int, RawRecord
             yield linktype, RawRecord(frame, meta.sec * 1_000_000_000 + frac * frac_ns, data)
 
 
+#: pcapng block types that carry a packet: enhanced, simple, and the obsolete packet block
+_PCAPNG_PACKET_BLOCKS = (6, 3, 2)
+
+
 def _read_pcapng(path, status: dict | None) -> Iterator[tuple[int, RawRecord]]:
-    """:func:`read_pcap` for pcapng, streamed with scapy's ``RawPcapNgReader`` (one
-    block at a time). Each packet carries its interface's link type; one that
-    :func:`parse_packet` cannot read raises :class:`PcapError`. A cut-off or garbled
-    block ends the iteration (scapy logs a warning), like a cut-off pcap record."""
+    """:func:`read_pcap` for pcapng, one block at a time with scapy's
+    ``RawPcapNgReader``. Each packet carries its interface's link type; one that
+    :func:`parse_packet` cannot read raises :class:`PcapError`. A block that is cut off
+    or garbled (a length past the end of the file), an enhanced packet block whose
+    captured length does not fit in it, and a packet block that scapy drops (one with
+    no interface description before it) end the iteration, with ``status["truncated"]``
+    set as for a pcap record (breaker round 25: scapy ended such a file at its first
+    bad block as if it were the file's end, and a capture of nothing but bad blocks
+    read as an empty one, exit 0)."""
     from scapy.utils import RawPcapNgReader
     try:
         reader = RawPcapNgReader(str(path))
     except Exception as e:  # scapy raises Scapy_Exception for a bad section header
         raise PcapError(f"{path}: not a readable pcapng file ({e})") from None
+    size = os.fstat(reader.f.fileno()).st_size
     frame = 0
+
+    def cut(offset: int, reason: str) -> None:
+        if status is not None:
+            status["truncated"] = {"file": str(path), "record": frame + 1,
+                                   "offset": offset, "reason": reason}
     with reader:
         while True:
+            offset = reader.f.tell()
+            head = reader.f.read(28)   # type, length, and an EPB's five fields
+            reader.f.seek(offset)
+            kind = length = None
+            if len(head) >= 8:
+                kind, length = struct.unpack(reader.endian + "2I", head[:8])
             try:
-                data, meta = reader._read_packet(size=_MAX_RECORD)
-            except EOFError:
+                res = reader._read_block(size=_MAX_RECORD)
+            except (EOFError, OSError, OverflowError, zlib.error, struct.error):
+                if offset < size:
+                    cut(offset, f"pcapng block cut off or garbled (type {kind}, length "
+                                f"{length}, {size - offset} bytes left in the file)")
                 return
+            if kind == 6 and len(head) == 28:
+                caplen = struct.unpack(reader.endian + "I", head[20:24])[0]
+                if caplen > length - 32:
+                    cut(offset, f"not a pcapng packet block (captured length {caplen} "
+                                f"in a block of {length} bytes)")
+                    return
+            if res is None:
+                if kind in _PCAPNG_PACKET_BLOCKS:
+                    cut(offset, f"a packet block (type {kind}) that cannot be read: no "
+                                f"interface description before it, or garbled")
+                    return
+                continue
+            data, meta = res
             if meta.linktype not in SUPPORTED_LINKTYPES:
                 names = ", ".join(f"{k} ({v})" for k, v in sorted(SUPPORTED_LINKTYPES.items()))
                 raise PcapError(f"{path}: link type {meta.linktype} is not supported; "

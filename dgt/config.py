@@ -106,7 +106,8 @@ class TransmissionConfig:
     channels: int = _f(DEFAULT_UDP_CHANNELS, f"unreliable UDP channels (1..{MAX_UDP_CHANNELS})")
     block_bytes: int = _f(DEFAULT_BLOCK_BYTES, "block size in bytes (multiple of 4; "
                           "1408 fits one block per datagram in a 1500 B MTU)")
-    alpha: float = _f(0.3, "contribution EMA factor (DGT_CONTRI_ALPHA)")
+    alpha: float = _f(0.3, "contribution EMA factor (DGT_CONTRI_ALPHA in the DGT "
+                      "paper's code; dgt does not read that variable)")
     epsilon: float = _f(0.0, "Slim-DP exploration: share of reliable slots given to "
                         "random low-score blocks")
     error_feedback: bool = _f(True, "keep undelivered blocks in a residual and resend "

@@ -190,7 +190,8 @@ def parse_page(text: str) -> tuple[int, dict]:
 
 
 def _whole_or_none(value: float | None) -> int | None:
-    return None if value is None else int(value)
+    """A counter's value as an int; None when missing or negative."""
+    return None if value is None or value < 0 else int(value)
 
 
 def _whole(label: str) -> bool:
@@ -241,12 +242,15 @@ class EndpointPoller:
         chans = sorted({k[1] for k in s if k[0] == "dgt_channel_blocks_sent_total"},
                        key=lambda c: (c != "tcp", c))
         # a value left out (not finite, breaker round 25: NaN and +Inf showed as iter 0
-        # and k 0.00) is shown "-", as a rate of one sample is
+        # and k 0.00) or out of its range (round 26: k 7.00, iter 1e23) is shown "-",
+        # as a rate of one sample is
         it = s.get(("dgt_iteration", ""))
-        row = {"iterations": None if it is None else int(it) + 1,
+        k = s.get(("dgt_reliable_fraction", ""))
+        row = {"iterations": int(it) + 1 if it is not None and 0 <= it < 2**32 else None,
                "comm_ms": d(("dgt_comm_seconds_sum", "")) / n * 1e3 if n else
                self.last.get(rank, {}).get("comm_ms"),
-               "comm_ms_median": None, "k": s.get(("dgt_reliable_fraction", "")),
+               "comm_ms_median": None,
+               "k": k + 0.0 if k is not None and 0 <= k <= 1 else None,   # not -0.00
                "lost": _whole_or_none(s.get(("dgt_blocks_lost_own_total", ""))),
                "rate": per_s(("dgt_comm_seconds_count", "")), "channels": {}}
         for c in chans:
@@ -416,6 +420,9 @@ def main(ns: argparse.Namespace) -> int:
         if bad:
             ns.parser.error(f"--endpoints: {bad[0]!r} is not HOST:PORT (a port is "
                             f"1..65535)")
+        twice = next((e for i, e in enumerate(eps) if e in eps[:i]), None)
+        if twice:   # breaker round 26: shown as one rank, in silence
+            ns.parser.error(f"--endpoints names {twice} twice; give each sidecar's once")
         source: TraceFollower | EndpointPoller = EndpointPoller(eps)
         label = ",".join(eps)
     else:

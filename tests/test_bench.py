@@ -521,7 +521,12 @@ def test_goodput_tool_rejects_bad_numbers_in_one_line(args):
     (["--estimate", "--seconds", "-3"], "--seconds must be a finite number"),
     (["--estimate", "--iterations", "-1"], "--iterations must be >= 1"),
     (["--estimate", "--loopback"], "--loopback does not apply"),
-    (["--estimate", "--workers", "3"], "drop --workers")])
+    (["--estimate", "--workers", "3"], "drop --workers"),
+    # breaker round 26: a traceback (IndexError), and flags the matrix checks taken
+    (["--estimate", "--rates", ","], "--rates names no rate; give one port rate"),
+    (["--estimate", "--out", ""], "--out is empty: give the results folder"),
+    (["--estimate", "--profile", "zzz"], "--profile: unknown profile 'zzz'"),
+    (["--estimate", "--seconds", "1e30"], "--seconds must be at most 3600 (iperf3's run)")])
 def test_bench_goodput_checks_flags_before_building_anything(args, msg):
     p = subprocess.run([sys.executable, "-m", "dgt.cli", "bench", "goodput", "--prefix",
                         "dgtbgpx", *args], capture_output=True, text=True, timeout=60)

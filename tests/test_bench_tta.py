@@ -22,6 +22,7 @@ root_only = needs("ip", root="netns, veth, tc")
     (["--scenarios", "lossy"], "tta runs clean,tenant,share"),
     (["--share", "1.5"], "--share must be in"),
     (["--comm-ratio", "0"], "--comm-ratio must be"),
+    (["--comm-ratio", "1e30"], "--comm-ratio must be in (0, 100]"),   # breaker round 26
     (["--ddp-bucket-cap-mb", "0"], "--ddp-bucket-cap-mb must be"),
     (["--iterations", "5"], "use --max-iterations"),
     (["--rates", "fast"], "--rates"),

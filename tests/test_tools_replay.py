@@ -249,3 +249,25 @@ def test_a_pcapng_of_bad_blocks_has_no_readable_packets(tmp_path, blocks, says):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "packets 1," in r.stdout, r.stdout + r.stderr
     assert "truncated at record 2 (byte offset " in r.stdout, r.stdout
+
+
+def test_a_pcapng_simple_packet_block_is_read_and_a_new_section_has_its_own_interfaces(
+        tmp_path):
+    """Breaker round 26: a simple packet block (no time stamp) was a TypeError traceback;
+    a packet after a second section header was read with the first section's
+    interface (pcapng scopes interface ids to their section)."""
+    f = tmp_path / "spb.pcapng"
+    spb = _ng_block(3, struct.pack("<I", len(_FRAME)) + _FRAME)
+    idb = _ng_block(1, struct.pack("<HHI", 1, 0, 65535))   # an SPB is cut to the snaplen
+    f.write_bytes(_SHB + idb + _epb() + spb)
+    r = subprocess.run([sys.executable, "-m", "dgt.cli", "pcap", "summary", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "packets 2," in r.stdout, r.stdout + r.stderr
+    assert "truncated" not in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
+    f.write_bytes(_SHB + _IDB + _epb() + _SHB + _epb())
+    r = subprocess.run([sys.executable, "-m", "dgt.cli", "pcap", "summary", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "packets 1," in r.stdout, r.stdout + r.stderr
+    assert "truncated at record 2 (byte offset 192) in " + str(f) + ": a packet block " \
+        "(type 6) that cannot be read: no interface description before it" in r.stdout, \
+        r.stdout

@@ -146,6 +146,24 @@ def test_values_that_are_not_finite_are_left_out(serve):
                   .replace("dgt_iteration 41.0", "dgt_iteration NaN")))
     assert ["1", "-", "-", "-", "-", "-", "7", "-", "-"] in \
         [ln.split() for ln in p.stdout.splitlines()], p.stdout
+    # breaker round 26: values out of their range were shown (k 7.00, -0.00, iter 1e23)
+    for it, k, lost, row in (("1e23", "7", "-3", ["-", "-", "-"]),
+                             ("41.0", "-0.0", "7.0", ["42", "0.00", "7"])):
+        page = PAGE.replace("dgt_iteration 41.0", f"dgt_iteration {it}").replace(
+            "dgt_reliable_fraction 0.5", f"dgt_reliable_fraction {k}").replace(
+            "dgt_blocks_lost_own_total 7.0", f"dgt_blocks_lost_own_total {lost}")
+        p = top(serve(page))
+        assert ["1", row[0], "-", "-", "-", row[1], row[2], "-", "-"] in \
+            [ln.split() for ln in p.stdout.splitlines()], p.stdout
+
+
+def test_an_endpoint_given_twice_is_one_line():
+    """Breaker round 26: it was taken, and shown as one rank."""
+    p = subprocess.run([sys.executable, "-m", "dgt.cli", "top", "--once", "--endpoints",
+                        "127.0.0.1:9100, 127.0.0.1:9100"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "--endpoints names 127.0.0.1:9100 twice; give each sidecar's once" in p.stderr
 
 
 def _trickle(lsock: socket.socket, head: bytes, drip: bytes, stop: threading.Event) -> None:

@@ -1232,6 +1232,10 @@ def config_from_args(a) -> BenchConfig:
                        keep_runs=a.keep_runs)
 
 
+#: s: the longest iperf3 run dgt bench goodput takes (--seconds)
+GOODPUT_MAX_S = 3600.0
+
+
 def check_goodput_args(a, iterations: int) -> None:
     """``dgt bench goodput``'s own flags, checked before anything is built. Raises
     BenchError naming the flag."""
@@ -1239,6 +1243,9 @@ def check_goodput_args(a, iterations: int) -> None:
     for name, v in (("--mb", a.mb), ("--seconds", a.seconds)):
         if not math.isfinite(v) or v <= 0:
             raise BenchError(f"{name} must be a finite number > 0, got {v}")
+    if a.seconds > GOODPUT_MAX_S:   # breaker round 26: 1e30 gave a 1.7e28 min estimate
+        raise BenchError(f"--seconds must be at most {GOODPUT_MAX_S:g} (iperf3's run), "
+                         f"got {a.seconds:g}")
     if iterations < 1:
         raise BenchError(f"--iterations must be >= 1 for goodput, got {iterations}")
     if a.hidden < 1:
@@ -1249,6 +1256,11 @@ def check_goodput_args(a, iterations: int) -> None:
     if len(_csv(a.rates) if a.rates else []) > 1:
         raise BenchError("goodput takes one --rates value (one port rate)")
     check_prefix(a.prefix)
+    from dgt.tc_profiles.schema import ProfileError, load_profile
+    try:   # breaker round 26: the matrix checked it first, goodput not at all
+        load_profile(a.profile)
+    except ProfileError as e:
+        raise BenchError(f"--profile: {e}") from None
 
 
 def missing_tools(scenarios, goodput: bool = False) -> list[str]:
@@ -1330,10 +1342,14 @@ def cmd_bench(a) -> int:
             from dgt.tools.bench_tta import cmd_tta
             return cmd_tta(a, command)
         if a.what == "goodput":
-            rate = _csv(a.rates)[0] if a.rates else "1gbit"
+            rates = _csv(a.rates) if a.rates else ("1gbit",)
+            if not rates:   # breaker round 26: "--rates ," was an IndexError traceback
+                raise BenchError("--rates names no rate; give one port rate, e.g. 1gbit")
+            rate = rates[0]
             rate_bits_per_s(rate)
             iterations = 4 if a.iterations is None else a.iterations
             check_goodput_args(a, iterations)
+            check_out_dir(a.out)
             check_read(a)
             check_tools((), estimate=a.estimate, goodput=True)
             if a.estimate:

@@ -84,6 +84,8 @@ BASE_COLOR = {"gloo": "tab:blue", "gloo-fp16": "tab:cyan", "gloo-powersgd": "tab
 #: The systems run by dgt.tools.gloo_train: DDP or one all_reduce (gloo's), or DDP with
 #: dgt's comm hook, which pushes each bucket to the sidecars during backward
 TRAINED_BY_GLOO_TRAIN = ("gloo", "gloo-fp16", "gloo-powersgd", "dgt-ddp")
+#: the highest --comm-ratio: a link a hundred times slower than the compute
+MAX_COMM_RATIO = 100.0
 #: dgt-ddp's DDP bucket size, MB (``--ddp-bucket-cap-mb``): several buckets for each of
 #: the default workloads (VGG-11 at 0.25 has 2.3 MB of gradient), so that a push starts
 #: while backward runs
@@ -300,8 +302,9 @@ class TtaConfig:
         if not (math.isfinite(self.ddp_bucket_cap_mb) and 0 < self.ddp_bucket_cap_mb < 1e6):
             raise BenchError(f"--ddp-bucket-cap-mb must be a size > 0 MB, got "
                              f"{self.ddp_bucket_cap_mb:g}")
-        if not (math.isfinite(self.comm_ratio) and self.comm_ratio > 0):
-            raise BenchError(f"--comm-ratio must be a finite number > 0, got "
+        if not 0 < self.comm_ratio <= MAX_COMM_RATIO:   # nan too; 1e30 was taken
+            raise BenchError(f"--comm-ratio must be in (0, {MAX_COMM_RATIO:g}] (the link "
+                             f"time per iteration over the compute time), got "
                              f"{self.comm_ratio:g}")
         if self.max_iterations < 1 or self.eval_every < 1 or self.eval_samples < 0 \
                 or self.batch_size < 1 or self.calibrate_iterations < 2:

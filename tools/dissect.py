@@ -322,17 +322,18 @@ def _read_pcapng(path, status: dict | None) -> Iterator[tuple[int, RawRecord]]:
     :func:`parse_packet` cannot read raises :class:`PcapError`. A block that is cut off
     or garbled (a length past the end of the file), an enhanced packet block whose
     captured length does not fit in it, and a packet block that scapy drops (one with
-    no interface description before it) end the iteration, with ``status["truncated"]``
-    set as for a pcap record (breaker round 25: scapy ended such a file at its first
-    bad block as if it were the file's end, and a capture of nothing but bad blocks
-    read as an empty one, exit 0)."""
+    no interface description before it in its section) end the iteration, with
+    ``status["truncated"]`` set as for a pcap record (breaker round 25: scapy ended
+    such a file at its first bad block as if it were the file's end, and a capture of
+    nothing but bad blocks read as an empty one, exit 0). A simple packet block, which
+    has no time stamp, takes the time of the packet before it (0 for the first)."""
     from scapy.utils import RawPcapNgReader
     try:
         reader = RawPcapNgReader(str(path))
     except Exception as e:  # scapy raises Scapy_Exception for a bad section header
         raise PcapError(f"{path}: not a readable pcapng file ({e})") from None
     size = os.fstat(reader.f.fileno()).st_size
-    frame = 0
+    frame = ts_ns = 0
 
     def cut(offset: int, reason: str) -> None:
         if status is not None:
@@ -359,6 +360,9 @@ def _read_pcapng(path, status: dict | None) -> Iterator[tuple[int, RawRecord]]:
                     cut(offset, f"not a pcapng packet block (captured length {caplen} "
                                 f"in a block of {length} bytes)")
                     return
+            if kind == 0x0A0D0D0A and offset > 0:
+                # a new section: its interfaces are its own (scapy keeps the old ones)
+                reader.interfaces = []
             if res is None:
                 if kind in _PCAPNG_PACKET_BLOCKS:
                     cut(offset, f"a packet block (type {kind}) that cannot be read: no "
@@ -373,8 +377,9 @@ def _read_pcapng(path, status: dict | None) -> Iterator[tuple[int, RawRecord]]:
             frame += 1
             if status is not None:
                 status["records"] += 1
-            ts = (meta.tshigh << 32) + meta.tslow
-            yield meta.linktype, RawRecord(frame, ts * 1_000_000_000 // meta.tsresol, data)
+            if meta.tshigh is not None:   # a simple packet block has no time stamp:
+                ts_ns = ((meta.tshigh << 32) + meta.tslow) * 1_000_000_000 // meta.tsresol
+            yield meta.linktype, RawRecord(frame, ts_ns, data)   # the one before it
 
 
 @dataclass(frozen=True, slots=True)

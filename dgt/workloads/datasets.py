@@ -42,12 +42,12 @@ from ..run_files import not_regular
 
 #: name -> (channels, height, width) of one sample
 SHAPES = {"digits": (1, 8, 8), "fashion-mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
-#: (training, test) images of the published datasets (Xiao et al. 2017; Krizhevsky 2009)
-FULL_SIZES = {"fashion-mnist": (60_000, 10_000), "cifar10": (50_000, 10_000)}
 from . import DATASETS  # noqa: F401  (one list of names)
 CLASSES = 10   # every dataset here has 10 classes
+#: (training, test) images of the published datasets (Xiao et al. 2017; Krizhevsky 2009)
+FULL_SIZES = {"fashion-mnist": (60_000, 10_000), "cifar10": (50_000, 10_000)}
 #: training samples of the fixed-size datasets (CIFAR-10's depends on the user's files)
-TRAIN_SAMPLES = {"digits": 1437, "fashion-mnist": 60000}
+TRAIN_SAMPLES = {"digits": 1437, "fashion-mnist": FULL_SIZES["fashion-mnist"][0]}
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
 _FMNIST_FILES = {"x_train": "train-images-idx3-ubyte", "y_train": "train-labels-idx1-ubyte",

@@ -177,11 +177,7 @@ def check_shared(cfg) -> None:
         raise BenchError(f"--cell-timeout-s must be a finite number >= 0 (0: from the "
                          f"estimate), got {cfg.cell_timeout_s:g}")
     if not cfg.loopback:
-        from dgt.tc_profiles.schema import ProfileError, load_profile
-        try:
-            load_profile(cfg.profile)
-        except ProfileError as e:
-            raise BenchError(f"--profile: {e}") from None
+        check_profile(cfg.profile)
         from dgt.tc_profiles.testbed import available_congestion_controls
         have = available_congestion_controls()
         if cfg.tcp_congestion and cfg.tcp_congestion not in have:
@@ -219,6 +215,16 @@ def check_out_dir(out: str) -> None:
             pass
     except OSError as e:
         raise BenchError(f"--out {out}: cannot write in {probe}: {e.strerror or e}") from None
+
+
+def check_profile(profile: str) -> None:
+    """``--profile`` must load (a shipped name or a YAML file). Raises BenchError
+    naming the flag."""
+    from dgt.tc_profiles.schema import ProfileError, load_profile
+    try:
+        load_profile(profile)
+    except ProfileError as e:
+        raise BenchError(f"--profile: {e}") from None
 
 
 def check_prefix(prefix: str) -> None:
@@ -1256,11 +1262,7 @@ def check_goodput_args(a, iterations: int) -> None:
     if len(_csv(a.rates) if a.rates else []) > 1:
         raise BenchError("goodput takes one --rates value (one port rate)")
     check_prefix(a.prefix)
-    from dgt.tc_profiles.schema import ProfileError, load_profile
-    try:   # breaker round 26: the matrix checked it first, goodput not at all
-        load_profile(a.profile)
-    except ProfileError as e:
-        raise BenchError(f"--profile: {e}") from None
+    check_profile(a.profile)   # breaker round 26: the matrix checked it, goodput not
 
 
 def missing_tools(scenarios, goodput: bool = False) -> list[str]:

@@ -20,16 +20,15 @@ class FlatLayout:
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = list(params)   # held: an id is not reused while its object lives
-        self.by_id: dict[int, int] = {}
+        #: id(parameter) -> (offset, elements at the first iteration)
+        self.by_id: dict[int, tuple[int, int]] = {}
         self.offsets: dict[tuple[int, int], int] = {}
         self.numels: list[int] = []
-        self.starts: list[int] = []
         off = 0
         for p in params:
-            self.by_id[id(p)] = len(self.numels)
+            self.by_id[id(p)] = (off, p.numel())
             self.offsets[self.key(p)] = off
             self.numels.append(p.numel())
-            self.starts.append(off)
             off += p.numel()
         self.n = off
         self.device = params[0].device
@@ -48,15 +47,15 @@ class FlatLayout:
         was replaced by a new one) or whose size changed since the first iteration."""
         out = []
         for p in params:
-            i = self.by_id.get(id(p))
-            off = self.starts[i] if i is not None else self.offsets.get(self.key(p))
+            hit = self.by_id.get(id(p))   # by storage only when not by identity
+            off, n = hit if hit is not None else (self.offsets.get(self.key(p)), p.numel())
             if off is None:
                 raise ValueError("dgt_hook: a bucket holds a parameter this DgtState has "
                                  "not laid out (it serves another model): one DgtState per "
                                  "DDP model and one such model per process; train this "
                                  "model with DDP's own all-reduce (no register_comm_hook)")
-            if i is not None and p.numel() != self.numels[i]:
-                raise ValueError(f"dgt_hook: a parameter of {self.numels[i]} elements at "
+            if p.numel() != n:
+                raise ValueError(f"dgt_hook: a parameter of {n} elements at "
                                  f"the first iteration now has {p.numel()}: the layout "
                                  f"of the pushed vector is fixed; keep each parameter's "
                                  f"size")
